@@ -1,0 +1,96 @@
+"""Check that this host can take its part of a deployment. Args: one JSON object (see yrpd/steps/preflight.py).
+
+Prints one JSON line with the facts found; every problem goes to stderr as one line, exit 1 if any.
+"""
+import json
+import os
+import shutil
+import socket
+import sys
+
+args = json.loads(sys.argv[1])
+problems = []
+facts = {"hostname": os.uname().nodename, "python": sys.version.split()[0]}
+
+if sys.version_info < (3, 8):
+    problems.append(f"python3 is {facts['python']}; yrpd's host scripts need 3.8 or newer")
+
+for tool in ("bash", "timeout", "setsid", "nohup", "tail"):
+    if shutil.which(tool) is None:
+        problems.append(f"{tool} not found on PATH; install coreutils/util-linux")
+
+# disk: the nearest existing parent of the session root is where the session will grow
+where = args["session_root"]
+while not os.path.exists(where):
+    where = os.path.dirname(where) or "/"
+usage = shutil.disk_usage(where)
+facts["free_disk_gb"] = round(usage.free / 2**30, 1)
+if usage.free < args["min_free_disk_gb"] * 2**30:
+    problems.append(f"only {facts['free_disk_gb']} GB free under {where}; need {args['min_free_disk_gb']} GB (min_free_disk_gb)")
+
+
+def listeners():
+    """Map listening TCP port -> socket inode, from /proc/net/tcp{,6}."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] == "0A":  # LISTEN
+                found.setdefault(int(cols[1].rsplit(":", 1)[1], 16), cols[9])
+    return found
+
+
+def owner(inode):
+    target = f"socket:[{inode}]"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+                    return f"pid {pid} ({cmd.strip()[:60]})"
+        except OSError:
+            continue
+    return "another process"
+
+
+listening = listeners()
+for port, what in args["ports"]:
+    if port in listening:
+        problems.append(f"port {port} ({what}) is already in use by {owner(listening[port])}; free it or change the port")
+        continue
+    with socket.socket() as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as exc:
+            problems.append(f"port {port} ({what}) cannot be bound: {exc.strerror}")
+
+kind, devices = args["device_kind"], args["devices"]
+if kind == "npu":
+    missing = [d for d in devices if not os.path.exists(f"/dev/davinci{d}")]
+    if missing:
+        problems.append(f"NPU device nodes missing: {', '.join(f'/dev/davinci{d}' for d in missing)}")
+elif kind == "gpu":
+    missing = [d for d in devices if not os.path.exists(f"/dev/nvidia{d}")]
+    if missing:
+        problems.append(f"GPU device nodes missing: {', '.join(f'/dev/nvidia{d}' for d in missing)}")
+elif kind == "cpu":
+    cores = os.sched_getaffinity(0)
+    missing = [d for d in devices if d not in cores]
+    if missing:
+        problems.append(f"CPU cores not available to us: {','.join(map(str, missing))} (have {len(cores)})")
+
+model = args.get("model")
+if model:
+    if not os.path.isdir(model):
+        problems.append(f"model directory {model} does not exist on this host; copy it there or fix --model")
+    elif not os.path.isfile(os.path.join(model, "config.json")):
+        problems.append(f"model directory {model} has no config.json; point --model at a Hugging Face model directory")
+
+print(json.dumps({"facts": facts, "problems": problems}))
+for problem in problems:
+    print(problem, file=sys.stderr)
+sys.exit(1 if problems else 0)

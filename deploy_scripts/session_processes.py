@@ -1,0 +1,131 @@
+"""List or stop the processes a yrpd session started on this host.
+
+Args: one JSON object {"dir": host session dir, "id": session id, "action": "status"|"stop", "grace": seconds}.
+A process belongs to the session when its environment holds YRPD_SESSION=<id>: this also finds children
+that left their process group, so teardown can prove nothing is left.
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+args = json.loads(sys.argv[1])
+session_dir, session_id = args["dir"], args["id"]
+marker = f"YRPD_SESSION={session_id}".encode()
+
+
+def environ_has_marker(pid):
+    try:
+        return marker in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return False
+
+
+def cmdline(pid):
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def session_pids():
+    return sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid() and environ_has_marker(p))
+
+
+def rss_mb(pid):
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
+def managed():
+    """name -> pid from the session's pid files."""
+    run = os.path.join(session_dir, "run")
+    found = {}
+    if os.path.isdir(run):
+        for entry in sorted(os.listdir(run)):
+            if entry.endswith(".pid"):
+                try:
+                    found[entry[:-4]] = int(open(os.path.join(run, entry)).read().strip())
+                except (OSError, ValueError):
+                    found[entry[:-4]] = None
+    return found
+
+
+def host_facts():
+    facts = {"hostname": os.uname().nodename, "session_dir_exists": os.path.isdir(session_dir)}
+    try:
+        facts["load"] = [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+        mem = {l.split(":")[0]: int(l.split()[1]) for l in open("/proc/meminfo") if l.split(":")[0] in ("MemTotal", "MemAvailable")}
+        facts["mem_total_gb"] = round(mem["MemTotal"] / 2**20, 1)
+        facts["mem_available_gb"] = round(mem["MemAvailable"] / 2**20, 1)
+        facts["uptime_s"] = int(float(open("/proc/uptime").read().split()[0]))
+    except (OSError, KeyError, ValueError):
+        pass
+    return facts
+
+
+def status():
+    live = set(session_pids())
+    processes = []
+    for name, pid in managed().items():
+        alive = pid is not None and pid in live
+        processes.append({"name": name, "pid": pid, "alive": alive, "rss_mb": rss_mb(pid) if alive else None,
+                          "command": cmdline(pid) if alive else None})
+    leaders = {p["pid"] for p in processes}
+    others = [pid for pid in live if pid not in leaders]
+    return {"host": host_facts(), "processes": processes, "session_pids": sorted(live), "other_pids": others}
+
+
+def stop(grace):
+    stopped = []
+    for name, pid in managed().items():
+        if pid is not None and environ_has_marker(pid):
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except OSError:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except OSError:
+                    pass
+            stopped.append(name)
+    for pid in session_pids():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace
+    while session_pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    killed = []
+    for pid in session_pids():
+        killed.append(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 5
+    while session_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    remaining = [{"pid": pid, "command": cmdline(pid)} for pid in session_pids()]
+    run = os.path.join(session_dir, "run")
+    if not remaining and os.path.isdir(run):
+        for entry in os.listdir(run):
+            if entry.endswith(".pid"):
+                os.unlink(os.path.join(run, entry))
+    return {"stopped": stopped, "killed_after_grace": killed, "remaining": remaining}
+
+
+if args["action"] == "status":
+    print(json.dumps(status()))
+else:
+    report = stop(float(args.get("grace", 10)))
+    print(json.dumps(report))
+    for proc in report["remaining"]:
+        print(f"still running after SIGKILL: pid {proc['pid']} {proc['command']}", file=sys.stderr)
+    sys.exit(1 if report["remaining"] else 0)

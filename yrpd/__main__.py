@@ -1,0 +1,3 @@
+from yrpd.cli import main
+
+main()

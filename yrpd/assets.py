@@ -1,0 +1,31 @@
+"""Where the files that ship beside the code live: host scripts and playbooks.
+
+In a source checkout they sit at the repository root (`deploy_scripts/`, `playbooks/`); an installed wheel
+carries them as the packages `yrpd.deploy_scripts` and `yrpd.playbooks` (see pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+@lru_cache(maxsize=None)
+def asset_dir(name: str) -> Path:
+    checkout = _ROOT / name
+    if checkout.is_dir():
+        return checkout
+    installed = Path(__file__).resolve().parent / name
+    if installed.is_dir():
+        return installed
+    raise FileNotFoundError(f"yrpd is installed without its {name}/ directory")
+
+
+def deploy_script(name: str) -> str:
+    return (asset_dir("deploy_scripts") / name).read_text()
+
+
+def playbook_path(name: str) -> Path:
+    return asset_dir("playbooks") / f"{name}.yaml"

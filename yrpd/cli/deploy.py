@@ -1,0 +1,115 @@
+"""`yrpd deploy`: validate, plan, then run the deploy playbook on every host; resumable."""
+
+from __future__ import annotations
+
+import click
+
+from yrpd.cli.options import spec_options, version
+
+
+@click.command()
+@spec_options
+@click.option("--dry-run", is_flag=True, help="print the plan and commands, touch nothing")
+@click.option("--playbook", metavar="FILE", help="deploy playbook [playbooks/deploy.yaml]")
+@click.option("--new-session", is_flag=True, help="start a new session even if the latest one is still up")
+@version
+def deploy(**params) -> int:
+    """Deploy PD serving onto the hosts. Re-running it resumes: finished steps are skipped."""
+    from yrpd.cli.options import spec_from_options
+
+    spec = spec_from_options(params)
+    if params["dry_run"]:
+        from yrpd.cli.plan import show_plan
+
+        return show_plan(spec, params.get("playbook"), as_json=False)
+    return run_deploy(spec, params.get("playbook"), params["new_session"])
+
+
+def run_deploy(spec, playbook_file: str | None, new_session: bool) -> int:
+    import time
+    from pathlib import Path
+
+    from yrpd.assets import playbook_path
+    from yrpd.console import err
+    from yrpd.deployment import host_group, resolve_inventory, save_deployment
+    from yrpd.placement import make_plan
+    from yrpd.playbook import PlaybookRunner, StepFailed, load_playbook
+    from yrpd.session import SessionStore, resolve_root
+    from yrpd.steps import StepContext
+
+    console = err()
+    started = time.monotonic()
+    playbook = load_playbook(Path(playbook_file) if playbook_file else playbook_path("deploy"))
+    store = SessionStore(resolve_root(spec.session_root))
+    session = None if new_session else reusable_session(store, spec)
+
+    with host_group(spec) as group:
+        inventory = resolve_inventory(spec, group)
+        placement = make_plan(spec, inventory)
+        if session is None:
+            session = store.create()
+            console.print(f"session {session.id} ({session.path})")
+        else:
+            console.print(f"resuming session {session.id}: finished steps are skipped")
+        save_deployment(session, spec, inventory, placement)
+        session.set_state(phase="deploying", playbook=str(playbook_file or "deploy"))
+        ctx = StepContext(spec=spec, plan=placement, session_id=session.id)
+        total = len(playbook.steps)
+
+        def report(event, step, info):
+            number = playbook.steps.index(step) + 1
+            if event == "start":
+                console.print(f"[{number}/{total}] {step.name} ...")
+            else:
+                outcome = info["outcome"]
+                parts = []
+                if outcome.ran:
+                    ok = [h for h in outcome.ran if outcome.results[h].ok]
+                    if ok:
+                        parts.append(f"done on {', '.join(ok)}")
+                if outcome.skipped:
+                    parts.append(f"already done on {', '.join(outcome.skipped)}")
+                failed = sorted(outcome.results.failed)
+                if failed:
+                    parts.append(f"[red]failed on {', '.join(failed)}[/red]")
+                console.print(f"      {'; '.join(parts) or 'nothing to do'} ({outcome.seconds:.1f}s)")
+
+        try:
+            PlaybookRunner(group, ctx, session, report).run(playbook)
+        except StepFailed as failure:
+            session.set_state(phase="failed", failed_step=failure.step.name)
+            failure.args = (f"{failure}\nfix the cause and run the same `yrpd deploy` again to resume session "
+                            f"{session.id} (finished steps are skipped), or `yrpd down` to remove what was started",)
+            raise
+    session.set_state(phase="deployed", failed_step=None)
+    console.print(f"deployed session {session.id} in {time.monotonic() - started:.1f}s; "
+                  f"see `yrpd status`, `yrpd logs`; `yrpd down` tears it down")
+    return 0
+
+
+def reusable_session(store, spec):
+    """The latest session if it is still up with the same deployment spec; None if a new one is needed.
+
+    A different spec while the latest session is still up is refused: two deployments would fight over
+    the same ports and devices.
+    """
+    from yrpd.errors import SpecError
+    from yrpd.spec import DeploySpec
+    from yrpd.steps import spec_fingerprint
+
+    latest = store.latest()
+    if latest is None or latest.phase in ("down", "new"):
+        return None
+    try:
+        previous = DeploySpec.model_validate(latest.spec_data)
+    except Exception:
+        return None
+    if spec_fingerprint(previous) == spec_fingerprint(spec):
+        return latest
+    old, new = previous.model_dump(mode="json", exclude={"ssh"}), spec.model_dump(mode="json", exclude={"ssh"})
+    changed = sorted(k for k in new if old.get(k) != new.get(k))
+    raise SpecError(
+        "deploy",
+        f"session {latest.id} is still {latest.phase} with a different spec (changed: {', '.join(changed)})",
+        "run `yrpd down` first, or pass --new-session to deploy alongside it",
+    )

@@ -1,0 +1,121 @@
+"""Options shared by subcommands, and turning them into a DeploySpec."""
+
+from __future__ import annotations
+
+from functools import wraps
+from typing import Any, Callable
+
+import click
+
+from yrpd import __version__
+
+
+def version(func: Callable) -> Callable:
+    return click.version_option(__version__, "--version", prog_name="yrpd")(func)
+
+
+def ssh_options(func: Callable) -> Callable:
+    options = [
+        click.option("--ssh-config", "ssh_config", metavar="FILE", help="ssh_config for host aliases [~/.ssh/config]"),
+        click.option("-i", "--identity", metavar="FILE", help="private key for SSH"),
+        click.option("--known-hosts", "known_hosts", metavar="FILE", help="known_hosts to verify host keys [~/.ssh/known_hosts]"),
+        click.option("--accept-new-host-keys", "accept_new_host_keys", is_flag=True, default=None,
+                     help="trust unknown host keys on first use and add them to known_hosts"),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def spec_options(func: Callable) -> Callable:
+    """Every flag maps onto one spec field; flags win over the config file."""
+    options = [
+        click.option("--config", "config_file", metavar="FILE", help="YAML config [./yrpd.yaml if present]"),
+        click.option("--hosts", metavar="LIST", help="h1,h2 or user@host:port or ssh_config aliases"),
+        click.option("--master", metavar="HOST", help="host for the cluster master and proxy [first host]"),
+        click.option("--devices", metavar="LIST", help="device ids on every host: 0-3 or 0,1,2,3 [all detected]"),
+        click.option("--device-kind", type=click.Choice(["auto", "npu", "gpu", "cpu"]), help="[auto: detected]"),
+        click.option("--runtime", type=click.Choice(["docker", "host"]), help="containers or host processes [host]"),
+        click.option("--image", metavar="IMAGE", help="container image (runtime docker)"),
+        click.option("--prefill", type=int, metavar="N", help="prefill instances (PREFILL_INS_NUM) [1]"),
+        click.option("--decode", type=int, metavar="N", help="decode instances (DECODE_INS_NUM) [1]"),
+        click.option("--ptp", type=int, metavar="N", help="prefill tensor parallel size [1]"),
+        click.option("--dtp", type=int, metavar="N", help="decode tensor parallel size [1]"),
+        click.option("--pdp", type=int, metavar="N", help="prefill data parallel size [1]"),
+        click.option("--ddp", type=int, metavar="N", help="decode data parallel size [1]"),
+        click.option("--model", metavar="PATH", help="model directory on the hosts"),
+        click.option("--served-model-name", metavar="NAME", help="model name clients use [model dir name]"),
+        click.option("--proxy-port", type=int, metavar="N", help="proxy port on the master [8000]"),
+        click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE", help="extra environment for services (repeatable)"),
+        click.option("--env-path", metavar="DIR", help="use an environment already on the hosts; skip installs"),
+    ]
+    func = ssh_options(func)
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def spec_from_options(params: dict[str, Any]):
+    """Build and check the spec; SpecError (exit 2) on any problem, before any host is touched."""
+    from yrpd.errors import SpecError
+    from yrpd.spec import build_spec, load_config_file
+
+    env = None
+    if params.get("env_pairs"):
+        env = {}
+        for pair in params["env_pairs"]:
+            key, sep, value = pair.partition("=")
+            if not sep or not key:
+                raise SpecError("--env", f"{pair!r} is not KEY=VALUE", "write --env NAME=value")
+            env[key] = value
+    config = load_config_file(params.get("config_file"))
+    overrides = {
+        "hosts": params.get("hosts"),
+        "master": params.get("master"),
+        "devices": params.get("devices"),
+        "device_kind": params.get("device_kind"),
+        "runtime": params.get("runtime"),
+        "image": params.get("image"),
+        "prefill": params.get("prefill"),
+        "decode": params.get("decode"),
+        "ptp": params.get("ptp"),
+        "dtp": params.get("dtp"),
+        "pdp": params.get("pdp"),
+        "ddp": params.get("ddp"),
+        "model": params.get("model"),
+        "served_model_name": params.get("served_model_name"),
+        "env_path": params.get("env_path"),
+        "env": env,
+        "ports": {"proxy": params.get("proxy_port")},
+        "ssh": ssh_overrides(params),
+    }
+    return build_spec(config, overrides)
+
+
+def ssh_overrides(params: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "config_file": params.get("ssh_config"),
+        "identity": params.get("identity"),
+        "known_hosts": params.get("known_hosts"),
+        "accept_new_host_keys": params.get("accept_new_host_keys"),
+    }
+
+
+def apply_ssh_overrides(spec, params: dict[str, Any]):
+    """status/logs/down reuse the session's spec, but the user may reach hosts differently now."""
+    changes = {k: v for k, v in ssh_overrides(params).items() if v is not None}
+    if not changes:
+        return spec
+    return spec.model_copy(update={"ssh": spec.ssh.model_copy(update=changes)})
+
+
+def session_option(func: Callable) -> Callable:
+    return click.option("--session", "session_id", metavar="ID", help="session to act on [latest]")(func)
+
+
+def passthrough(func: Callable) -> Callable:
+    @wraps(func)
+    def wrapper(**params: Any) -> Any:
+        return func(params)
+
+    return wrapper

@@ -1,0 +1,104 @@
+"""From a spec to what acts on hosts: host connections, device inventory, plan, and a session's context."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from yrpd.errors import SessionError
+from yrpd.hostgroup import Host, HostGroup, SshSettings
+from yrpd.placement import HostInventory, Plan, make_plan
+from yrpd.session import Session
+from yrpd.spec import DeploySpec, DeviceKind
+from yrpd.steps import StepContext, host_python
+
+
+def ssh_settings(spec: DeploySpec) -> SshSettings:
+    s = spec.ssh
+    return SshSettings(config_file=s.config_file, identity=s.identity, known_hosts=s.known_hosts,
+                       accept_new_host_keys=s.accept_new_host_keys, connect_timeout=s.connect_timeout)
+
+
+def host_group(spec: DeploySpec) -> HostGroup:
+    hosts = [
+        Host(name=h.name, hostname=h.hostname, user=h.user, port=h.port, identity=h.identity, local=h.is_local)
+        for h in spec.hosts
+    ]
+    return HostGroup(hosts, ssh_settings(spec))
+
+
+def needs_probe(spec: DeploySpec) -> list[str]:
+    """Hosts whose devices are not given in the spec and must be detected on the host."""
+    missing = []
+    for h in spec.hosts:
+        if (h.devices if h.devices is not None else spec.devices) is None:
+            missing.append(h.name)
+    return missing
+
+
+def resolve_inventory(spec: DeploySpec, group: HostGroup | None = None) -> dict[str, HostInventory]:
+    """Devices per host: from the spec where given, detected on the host (deploy_scripts/inventory.py) otherwise."""
+    inventory: dict[str, HostInventory] = {}
+    probe = needs_probe(spec)
+    detected: dict[str, dict] = {}
+    if probe:
+        own = group is None
+        group = group or host_group(spec)
+        try:
+            results = group.subset(probe).run(host_python("inventory.py", {}, timeout=30))
+        finally:
+            if own:
+                group.close()
+        results.raise_on_failure("detecting devices")
+        for name, result in results.items():
+            detected[name] = json.loads(result.stdout.strip().splitlines()[-1])
+    for h in spec.hosts:
+        kind = h.device_kind or spec.device_kind
+        devices = h.devices if h.devices is not None else spec.devices
+        if h.name in detected:
+            found = detected[h.name]
+            if kind is DeviceKind.auto:
+                kind = DeviceKind(found["kind"])
+            if devices is None:
+                devices = {"npu": found["npus"], "gpu": found["gpus"], "cpu": found["cores"]}[kind.value]
+        inventory[h.name] = HostInventory(kind=kind, devices=tuple(devices or ()))
+    return inventory
+
+
+def inventory_to_json(inventory: dict[str, HostInventory]) -> dict:
+    return {name: {"kind": inv.kind.value, "devices": list(inv.devices)} for name, inv in inventory.items()}
+
+
+def inventory_from_json(data: dict) -> dict[str, HostInventory]:
+    return {name: HostInventory(DeviceKind(v["kind"]), tuple(v["devices"])) for name, v in data.items()}
+
+
+@dataclass
+class Deployment:
+    """A session's deployment as recorded: spec, inventory and the plan recomputed from them."""
+
+    session: Session
+    spec: DeploySpec
+    inventory: dict[str, HostInventory]
+    plan: Plan
+
+    @classmethod
+    def load(cls, session: Session) -> "Deployment":
+        spec = DeploySpec.model_validate(session.spec_data)
+        plan_data = session.plan_data
+        if plan_data is None or "inventory" not in plan_data:
+            raise SessionError(f"session {session.id} has no plan.json: the deploy stopped before planning")
+        inventory = inventory_from_json(plan_data["inventory"])
+        return cls(session, spec, inventory, make_plan(spec, inventory))
+
+    def context(self, **options) -> StepContext:
+        return StepContext(spec=self.spec, plan=self.plan, session_id=self.session.id, options=options)
+
+    def group(self) -> HostGroup:
+        return host_group(self.spec)
+
+
+def save_deployment(session: Session, spec: DeploySpec, inventory: dict[str, HostInventory], plan: Plan) -> None:
+    session.write_spec(spec.model_dump(mode="json"))
+    session.write_plan({**plan.to_dict(), "inventory": inventory_to_json(inventory)})
+

@@ -1,0 +1,367 @@
+"""The one place where yrpd acts on hosts: run shell commands over SSH (Fabric) or locally, in parallel.
+
+A `HostGroup` runs one command per host concurrently and returns a `GroupResult` mapping host name to
+`HostResult`. `GroupResult.raise_on_failure()` raises a single `GroupFailure` that carries every failed
+host's command, exit code and stderr tail, while the successful hosts' results stay available.
+
+Rules that keep remote work predictable:
+- every command runs under the remote `timeout` (Fabric's own timeout leaves the remote command running);
+- stdin is never forwarded (`in_stream=False`), so it works under pytest, CI and cron;
+- host keys are checked against known_hosts (Fabric accepts any key by default); unknown keys are
+  refused unless `accept_new_host_keys`, which appends them to known_hosts;
+- `localhost` runs through a local shell, without SSH.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+from yrpd.errors import RemoteError
+
+STDERR_TAIL_LINES = 12
+
+
+@dataclass(frozen=True)
+class Host:
+    """Connection facts for one host (resolved from the spec)."""
+
+    name: str
+    hostname: str
+    user: str | None = None
+    port: int | None = None
+    identity: str | None = None
+    local: bool = False
+
+
+@dataclass(frozen=True)
+class Command:
+    """A shell script to run on a host, and how a person reading the plan should see it."""
+
+    script: str
+    display: str | None = None
+    timeout: float = 120
+
+    def __str__(self) -> str:
+        return self.display or self.script
+
+
+@dataclass
+class HostResult:
+    host: str
+    command: str
+    exit_code: int | None
+    stdout: str = ""
+    stderr: str = ""
+    error: str | None = None  # set when the host could not be reached or the command could not start
+    duration: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.exit_code == 0
+
+    @property
+    def reachable(self) -> bool:
+        return self.error is None
+
+    def tail(self, lines: int = STDERR_TAIL_LINES) -> str:
+        text = self.error or self.stderr.strip() or self.stdout.strip()
+        return "\n".join(text.splitlines()[-lines:])
+
+    def summary(self) -> str:
+        if self.error:
+            return f"{self.host}: {self.error}"
+        first = self.tail(STDERR_TAIL_LINES)
+        reason = f"exit {self.exit_code}" + (" (timed out)" if self.exit_code in (124, 137) else "")
+        return f"{self.host}: {reason}" + (f"\n    " + first.replace("\n", "\n    ") if first else "")
+
+
+class GroupFailure(RemoteError):
+    """One or more hosts failed; `results` holds every host's result, `failed` only the failures."""
+
+    def __init__(self, what: str, results: Mapping[str, HostResult]):
+        self.what = what
+        self.results = dict(results)
+        self.failed = {name: r for name, r in results.items() if not r.ok}
+        lines = [f"{what} failed on {len(self.failed)} of {len(self.results)} host(s):"]
+        for name in sorted(self.failed):
+            lines.append("  " + self.failed[name].summary())
+        ok = sorted(n for n, r in self.results.items() if r.ok)
+        if ok:
+            lines.append(f"  succeeded on: {', '.join(ok)}")
+        super().__init__("\n".join(lines))
+
+
+class GroupResult(dict[str, HostResult]):
+    @property
+    def failed(self) -> dict[str, HostResult]:
+        return {n: r for n, r in self.items() if not r.ok}
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def raise_on_failure(self, what: str) -> "GroupResult":
+        if self.failed:
+            raise GroupFailure(what, self)
+        return self
+
+
+def wrap_timeout(script: str, seconds: float) -> str:
+    """Run `script` under coreutils timeout on the host; KILL follows TERM after 10 s."""
+    return f"timeout -k 10 {int(max(1, seconds))} bash -c {shlex.quote(script)}"
+
+
+class LocalRunner:
+    def __init__(self, host: Host):
+        self.host = host
+        self._streams: set[subprocess.Popen] = set()
+
+    def run(self, command: Command, on_line: Callable[[str, str], None] | None = None) -> HostResult:
+        started = time.monotonic()
+        wrapped = wrap_timeout(command.script, command.timeout)
+        try:
+            if on_line is None:
+                proc = subprocess.run(
+                    ["bash", "-c", wrapped], stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace"
+                )
+                return HostResult(self.host.name, str(command), proc.returncode, proc.stdout, proc.stderr,
+                                  duration=time.monotonic() - started)
+            proc = subprocess.Popen(
+                ["bash", "-c", wrapped], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True, errors="replace", start_new_session=True,
+            )
+            self._streams.add(proc)
+            try:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    on_line(self.host.name, line.rstrip("\n"))
+            finally:
+                self._kill(proc)
+                self._streams.discard(proc)
+            return HostResult(self.host.name, str(command), proc.returncode, duration=time.monotonic() - started)
+        except OSError as exc:
+            return HostResult(self.host.name, str(command), None, error=f"cannot run locally: {exc}")
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, 15)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+
+    def close(self) -> None:
+        for proc in list(self._streams):
+            self._kill(proc)
+
+
+class _LineWriter:
+    """File-like sink for Fabric's out_stream that calls back once per complete line."""
+
+    def __init__(self, host: str, on_line: Callable[[str, str], None]):
+        self.host = host
+        self.on_line = on_line
+        self.buffer = ""
+
+    def write(self, data: str) -> int:
+        self.buffer += data
+        while "\n" in self.buffer:
+            line, self.buffer = self.buffer.split("\n", 1)
+            self.on_line(self.host, line)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+class SshRunner:
+    def __init__(self, host: Host, options: "SshSettings"):
+        self.host = host
+        self.options = options
+        self._conn = None
+
+    def _connection(self):
+        if self._conn is None:
+            import paramiko
+            from fabric import Config, Connection
+
+            ssh_config = Path(self.options.config_file).expanduser()
+            config = Config(runtime_ssh_path=str(ssh_config)) if ssh_config.is_file() else Config()
+            config.load_ssh_config()
+            connect_kwargs: dict = {"timeout": self.options.connect_timeout, "banner_timeout": self.options.connect_timeout,
+                                    "auth_timeout": self.options.connect_timeout}
+            identity = self.host.identity or self.options.identity
+            if identity:
+                connect_kwargs["key_filename"] = [str(Path(identity).expanduser())]
+            conn = Connection(
+                self.host.hostname, user=self.host.user, port=self.host.port, config=config,
+                connect_kwargs=connect_kwargs, connect_timeout=self.options.connect_timeout,
+            )
+            known_hosts = Path(self.options.known_hosts).expanduser()
+            if known_hosts.is_file():
+                conn.client.load_host_keys(str(known_hosts))
+                # paramiko rewrites the whole file on save; we only ever append (see AppendNewHostKey)
+                conn.client._host_keys_filename = None
+            if self.options.accept_new_host_keys:
+                conn.client.set_missing_host_key_policy(AppendNewHostKey(known_hosts))
+            else:
+                conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+            self._conn = conn
+        return self._conn
+
+    def run(self, command: Command, on_line: Callable[[str, str], None] | None = None) -> HostResult:
+        started = time.monotonic()
+        wrapped = wrap_timeout(command.script, command.timeout)
+        try:
+            conn = self._connection()
+            kwargs: dict = {"hide": True, "warn": True, "in_stream": False, "pty": False}
+            if on_line is not None:
+                sink = _LineWriter(self.host.name, on_line)
+                kwargs.update(out_stream=sink, err_stream=sink)
+            result = conn.run(wrapped, **kwargs)
+            return HostResult(self.host.name, str(command), result.exited, result.stdout, result.stderr,
+                              duration=time.monotonic() - started)
+        except Exception as exc:  # connection-level failures: report them per host, never crash the group
+            return HostResult(self.host.name, str(command), None, error=describe_ssh_error(self.host, self.options, exc),
+                              duration=time.monotonic() - started)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._conn = None
+
+
+class AppendNewHostKey:
+    """paramiko missing-host-key policy for --accept-new-host-keys: trust on first use, append to known_hosts."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, known_hosts: Path):
+        self.known_hosts = known_hosts
+
+    def missing_host_key(self, client, hostname, key):
+        from paramiko.hostkeys import HostKeyEntry
+
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        with self._lock:
+            self.known_hosts.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            with open(self.known_hosts, "a") as fh:
+                fh.write(HostKeyEntry([hostname], key).to_line())
+
+
+def describe_ssh_error(host: Host, options: "SshSettings", exc: Exception) -> str:
+    import socket
+
+    import paramiko
+
+    target = f"{host.user + '@' if host.user else ''}{host.hostname}{':' + str(host.port) if host.port else ''}"
+    if isinstance(exc, paramiko.SSHException) and "not found in known_hosts" in str(exc):
+        return (f"host key of {target} is not in {options.known_hosts}: refusing to connect; "
+                f"check the key and add it (ssh-keyscan), or pass --accept-new-host-keys")
+    if isinstance(exc, paramiko.BadHostKeyException):
+        return f"host key of {target} does not match {options.known_hosts}: possible man-in-the-middle; fix known_hosts"
+    if isinstance(exc, paramiko.AuthenticationException):
+        return f"ssh authentication to {target} failed: {exc}; check the user and -i/--identity"
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return f"ssh to {target} timed out after {options.connect_timeout:g}s"
+    if isinstance(exc, (ConnectionRefusedError, paramiko.ssh_exception.NoValidConnectionsError)):
+        return f"ssh to {target} refused: is sshd running on that host and port?"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve host {host.hostname}: {exc.strerror}"
+    if isinstance(exc, OSError):
+        return f"ssh to {target} failed: {exc.strerror or exc}"
+    return f"ssh to {target} failed: {type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True)
+class SshSettings:
+    config_file: str = "~/.ssh/config"
+    identity: str | None = None
+    known_hosts: str = "~/.ssh/known_hosts"
+    accept_new_host_keys: bool = False
+    connect_timeout: float = 10.0
+
+
+@dataclass
+class HostGroup:
+    """Hosts addressed together. Connections are opened lazily and reused until close()."""
+
+    hosts: list[Host]
+    ssh: SshSettings = field(default_factory=SshSettings)
+    max_parallel: int = 32
+
+    def __post_init__(self) -> None:
+        self._runners: dict[str, LocalRunner | SshRunner] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "HostGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def names(self) -> list[str]:
+        return [h.name for h in self.hosts]
+
+    def subset(self, names: Iterable[str]) -> "HostGroup":
+        wanted = set(names)
+        group = HostGroup([h for h in self.hosts if h.name in wanted], self.ssh, self.max_parallel)
+        group._runners = self._runners  # share open connections
+        group._lock = self._lock
+        return group
+
+    def _runner(self, host: Host) -> LocalRunner | SshRunner:
+        with self._lock:
+            if host.name not in self._runners:
+                self._runners[host.name] = LocalRunner(host) if host.local else SshRunner(host, self.ssh)
+            return self._runners[host.name]
+
+    def run(self, commands: Command | Mapping[str, Command] | Callable[[Host], Command | None],
+            on_line: Callable[[str, str], None] | None = None) -> GroupResult:
+        """Run on every host in parallel: one command for all, a mapping per host name, or a function of the host.
+
+        A host whose command is None (function form) or absent (mapping form) is left out of the result.
+        """
+        per_host: dict[str, Command] = {}
+        for host in self.hosts:
+            if isinstance(commands, Command):
+                cmd = commands
+            elif callable(commands):
+                cmd = commands(host)
+            else:
+                cmd = commands.get(host.name)
+            if cmd is not None:
+                per_host[host.name] = cmd
+        by_name = {h.name: h for h in self.hosts}
+        results = GroupResult()
+        if not per_host:
+            return results
+        pool = ThreadPoolExecutor(max_workers=min(self.max_parallel, len(per_host)))
+        try:
+            futures = {name: pool.submit(self._runner(by_name[name]).run, cmd, on_line) for name, cmd in per_host.items()}
+            for name in per_host:
+                results[name] = futures[name].result()
+        except KeyboardInterrupt:
+            self.close()  # ends streaming commands so the worker threads can finish
+            raise
+        finally:
+            pool.shutdown(wait=True)
+        return results
+
+    def close(self) -> None:
+        with self._lock:
+            for runner in self._runners.values():
+                runner.close()
+            self._runners.clear()

@@ -1,0 +1,255 @@
+"""Placement planner: which host and devices each prefill/decode instance gets, and its ports.
+
+Pure and deterministic: the same spec and inventory always give the same plan.
+
+Rules (documented in docs/architecture.md):
+- Every instance has `dp` data-parallel ranks; every rank is one tensor-parallel group of `tp` devices on
+  one host (a TP group never spans hosts; DP ranks of one instance may).
+- Instances are placed prefill first, then decode, in index order. A rank goes to the host with the most
+  free devices (ties: host order), except that later ranks of an instance stay on the host of its previous
+  rank while it has room. This spreads prefill and decode over hosts: with two 8-NPU hosts and
+  ptp=dtp=4, prefill-0 gets h1 0-3 and decode-0 gets h2 0-3.
+- A rank takes the lowest free device ids of its host.
+- Ports are counted per host: the k-th (instance, host) pair on a host gets instance_base+k (HTTP),
+  kv_base+k (KV side channel) and hccl_base+16k (a block of 16 for collective communication).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from yrpd.errors import SpecError
+from yrpd.spec import DeploySpec, DeviceKind, format_device_list
+
+HCCL_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class HostInventory:
+    """What a host offers: its device kind (or auto when not yet detected) and device ids."""
+
+    kind: DeviceKind
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    host: str
+    dp_rank: int
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class InstancePlan:
+    name: str
+    role: str  # "prefill" | "decode"
+    index: int
+    tp: int
+    dp: int
+    host: str  # head host: where its HTTP server listens
+    ranks: tuple[RankPlacement, ...]
+    port: int
+    kv_port: int
+    hccl_port: int
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Devices on the head host (all of them when the instance lives on one host)."""
+        return tuple(d for r in self.ranks if r.host == self.host for d in r.devices)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        seen: list[str] = []
+        for r in self.ranks:
+            if r.host not in seen:
+                seen.append(r.host)
+        return tuple(seen)
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    name: str
+    address: str
+    is_master: bool
+    kind: DeviceKind
+    devices: tuple[int, ...]
+    used: tuple[int, ...]
+    ports: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    hosts: tuple[HostPlan, ...]
+    instances: tuple[InstancePlan, ...]
+    proxy_host: str
+    proxy_port: int
+
+    def to_dict(self) -> dict:
+        return {
+            "hosts": [
+                {
+                    "name": h.name,
+                    "address": h.address,
+                    "master": h.is_master,
+                    "device_kind": h.kind.value,
+                    "devices": list(h.devices),
+                    "used_devices": list(h.used),
+                    "ports": dict(h.ports),
+                }
+                for h in self.hosts
+            ],
+            "instances": [
+                {
+                    "name": i.name,
+                    "role": i.role,
+                    "index": i.index,
+                    "host": i.host,
+                    "devices": list(i.devices),
+                    "tp": i.tp,
+                    "dp": i.dp,
+                    "port": i.port,
+                    "kv_port": i.kv_port,
+                    "hccl_port": i.hccl_port,
+                    "ranks": [asdict(r) | {"devices": list(r.devices)} for r in i.ranks],
+                }
+                for i in self.instances
+            ],
+            "proxy": {"host": self.proxy_host, "port": self.proxy_port},
+        }
+
+    def instance(self, name: str) -> InstancePlan:
+        for inst in self.instances:
+            if inst.name == name:
+                return inst
+        raise KeyError(name)
+
+
+def unit_name(kind: DeviceKind) -> str:
+    return {DeviceKind.npu: "NPUs", DeviceKind.gpu: "GPUs", DeviceKind.cpu: "CPU cores"}.get(kind, "devices")
+
+
+def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
+    """Place every instance; raise SpecError naming the numbers when the request cannot fit."""
+    host_names = [h.name for h in spec.hosts]
+    kinds = {inventory[n].kind for n in host_names if inventory[n].kind is not DeviceKind.auto}
+    if len(kinds) > 1:
+        described = ", ".join(f"{n}={inventory[n].kind.value}" for n in host_names)
+        raise SpecError("device_kind", f"hosts mix device kinds ({described})", "deploy one kind of device per run")
+    kind = kinds.pop() if kinds else DeviceKind.auto
+    units = unit_name(kind)
+
+    roles = [("prefill", spec.prefill, spec.ptp, spec.pdp, "ptp"), ("decode", spec.decode, spec.dtp, spec.ddp, "dtp")]
+
+    for role, _count, tp, _dp, field_name in roles:
+        if kind is not DeviceKind.cpu:
+            for name in host_names:
+                n = len(inventory[name].devices)
+                if n and n % tp:
+                    divisors = [d for d in range(1, n + 1) if n % d == 0]
+                    raise SpecError(
+                        field_name,
+                        f"{tp} does not divide the {n} {units} of {name}",
+                        f"use one of {', '.join(map(str, divisors))} (a TP group never spans hosts)",
+                    )
+
+    needed = sum(count * tp * dp for _, count, tp, dp, _ in roles)
+    offered = [len(inventory[n].devices) for n in host_names]
+    if needed > sum(offered):
+        need_text = " and ".join(f"{role} needs {count * dp} x {tp} {units}" for role, count, tp, dp, _ in roles)
+        raise SpecError(
+            "devices",
+            f"{need_text} = {needed}; hosts {','.join(host_names)} offer {' + '.join(map(str, offered))} = {sum(offered)}",
+            "add hosts or devices, or lower --prefill/--decode/--ptp/--dtp/--pdp/--ddp",
+        )
+
+    free = {n: list(inventory[n].devices) for n in host_names}
+    order = {n: i for i, n in enumerate(host_names)}
+    placed: list[tuple[str, str, int, int, int, tuple[RankPlacement, ...]]] = []
+    for role, count, tp, dp, _ in roles:
+        for index in range(count):
+            ranks: list[RankPlacement] = []
+            for dp_rank in range(dp):
+                previous = ranks[-1].host if ranks else None
+                if previous is not None and len(free[previous]) >= tp:
+                    host = previous
+                else:
+                    fitting = [n for n in host_names if len(free[n]) >= tp]
+                    if not fitting:
+                        largest = max(host_names, key=lambda n: (len(free[n]), -order[n]))
+                        raise SpecError(
+                            "devices",
+                            f"{role}-{index} rank {dp_rank} needs {tp} {units} on one host but the most left on any host "
+                            f"is {len(free[largest])} (on {largest})",
+                            "a TP group never spans hosts: use TP sizes that fit each host's devices",
+                        )
+                    host = min(fitting, key=lambda n: (-len(free[n]), order[n]))
+                taken = tuple(free[host][:tp])
+                del free[host][:tp]
+                ranks.append(RankPlacement(host=host, dp_rank=dp_rank, devices=taken))
+            placed.append((f"{role}-{index}", role, index, tp, dp, tuple(ranks)))
+
+    ports = spec.ports
+    slots: dict[str, int] = {n: 0 for n in host_names}
+    instances: list[InstancePlan] = []
+    for name, role, index, tp, dp, ranks in placed:
+        head = ranks[0].host
+        slot_per_host: dict[str, int] = {}
+        for r in ranks:
+            if r.host not in slot_per_host:
+                slot_per_host[r.host] = slots[r.host]
+                slots[r.host] += 1
+        slot = slot_per_host[head]
+        instances.append(
+            InstancePlan(
+                name=name,
+                role=role,
+                index=index,
+                tp=tp,
+                dp=dp,
+                host=head,
+                ranks=ranks,
+                port=ports.instance_base + slot,
+                kv_port=ports.kv_base + slot,
+                hccl_port=ports.hccl_base + HCCL_BLOCK * slot,
+            )
+        )
+    for name, used in slots.items():
+        if used > ports.span:
+            raise SpecError("ports.span", f"{name} would run {used} instances but the port ranges hold {ports.span}", "raise ports.span")
+
+    master = spec.master_host.name
+    hosts = []
+    for h in spec.hosts:
+        used_devices = sorted(d for i in instances for r in i.ranks if r.host == h.name for d in r.devices)
+        host_ports = {"datasystem": ports.datasystem}
+        if h.name == master:
+            host_ports = {"proxy": ports.proxy, "etcd": ports.etcd, "etcd_peer": ports.etcd + 1, **host_ports}
+        hosts.append(
+            HostPlan(
+                name=h.name,
+                address=h.address,
+                is_master=h.name == master,
+                kind=inventory[h.name].kind,
+                devices=tuple(inventory[h.name].devices),
+                used=tuple(used_devices),
+                ports=host_ports,
+            )
+        )
+    return Plan(hosts=tuple(hosts), instances=tuple(instances), proxy_host=master, proxy_port=ports.proxy)
+
+
+def ports_on_host(plan: Plan, host: str) -> list[tuple[int, str]]:
+    """Every port this deployment listens on at `host`, with what owns it (for preflight and status)."""
+    owned: list[tuple[int, str]] = []
+    for h in plan.hosts:
+        if h.name == host:
+            owned.extend((port, name) for name, port in h.ports.items())
+    for inst in plan.instances:
+        if inst.host == host:
+            owned.append((inst.port, inst.name))
+            owned.append((inst.kv_port, f"{inst.name} kv"))
+    return sorted(owned)
+
+
+def describe_devices(devices: tuple[int, ...] | list[int]) -> str:
+    return format_device_list(list(devices))

@@ -1,0 +1,188 @@
+"""Playbooks: ordered steps read from YAML, run host-parallel, skipped where their check says done.
+
+A step runs on `all` hosts, the `master`, or the `workers` (every host but the master). For each host
+the step's check runs first (exit 0 = already done: skip); then the step runs on the remaining hosts in
+parallel. Every host's outcome goes into the session journal. The first step that fails on any host
+stops the playbook with one error listing each failed host; a re-run resumes, because finished steps
+are skipped by their checks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from yrpd.errors import SpecError
+from yrpd.hostgroup import Command, GroupFailure, GroupResult, HostGroup, HostResult
+from yrpd.placement import HostPlan
+from yrpd.session import Session
+from yrpd.steps import StepContext, resolve
+
+
+class StepSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    hosts: Literal["all", "master", "workers"] = "all"
+    run: str
+    check: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict, alias="with")
+    when: str | None = None  # an option name (e.g. purge): the step runs only when it is set
+
+    @property
+    def id(self) -> str:
+        return self.run
+
+
+class Playbook(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str = ""
+    steps: list[StepSpec]
+
+
+def load_playbook(path: Path) -> Playbook:
+    if not path.is_file():
+        raise SpecError("--playbook", f"{path} does not exist", "pass the path of a playbook YAML file")
+    try:
+        playbook = Playbook.model_validate(yaml.safe_load(path.read_text()))
+    except yaml.YAMLError as exc:
+        raise SpecError("--playbook", f"{path} is not valid YAML: {getattr(exc, 'problem', exc)}", "fix its syntax") from None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(map(str, err["loc"]))
+        raise SpecError("--playbook", f"{path}: {where}: {err['msg']}", "see playbooks/deploy.yaml for the format") from None
+    for step in playbook.steps:
+        for ref in filter(None, (step.run, step.check)):
+            try:
+                resolve(ref)
+            except (ValueError, ImportError) as exc:
+                raise SpecError("--playbook", f"{path}: step {step.name!r}: {exc}", "name a function in yrpd/steps") from None
+    return playbook
+
+
+def step_hosts(step: StepSpec, ctx: StepContext) -> list[HostPlan]:
+    if step.hosts == "master":
+        return [h for h in ctx.plan.hosts if h.is_master]
+    if step.hosts == "workers":
+        return [h for h in ctx.plan.hosts if not h.is_master]
+    return list(ctx.plan.hosts)
+
+
+def step_enabled(step: StepSpec, ctx: StepContext) -> bool:
+    return step.when is None or bool(ctx.options.get(step.when))
+
+
+def step_commands(step: StepSpec, ctx: StepContext) -> dict[str, Command]:
+    func = resolve(step.run)
+    commands = {}
+    for host in step_hosts(step, ctx):
+        cmd = func(ctx, host, **step.args)
+        if cmd is not None:
+            commands[host.name] = cmd
+    return commands
+
+
+def describe(playbook: Playbook, ctx: StepContext) -> list[tuple[StepSpec, dict[str, Command]]]:
+    """The commands each step would run, per host, for `yrpd plan` and `deploy --dry-run`."""
+    return [(step, step_commands(step, ctx)) for step in playbook.steps if step_enabled(step, ctx)]
+
+
+class StepFailed(GroupFailure):
+    def __init__(self, step: StepSpec, results: dict[str, HostResult]):
+        self.step = step
+        super().__init__(f"step '{step.name}'", results)
+
+
+@dataclass
+class StepOutcome:
+    step: StepSpec
+    ran: list[str]
+    skipped: list[str]
+    results: GroupResult
+    seconds: float
+
+
+Reporter = Callable[[str, StepSpec, dict], None]
+
+
+class PlaybookRunner:
+    def __init__(self, group: HostGroup, ctx: StepContext, session: Session | None = None,
+                 report: Reporter | None = None):
+        self.group = group
+        self.ctx = ctx
+        self.session = session
+        self.report = report or (lambda event, step, info: None)
+
+    def run(self, playbook: Playbook, keep_going: bool = False) -> list[StepOutcome]:
+        """Run every enabled step; raise StepFailed at the first failing one (unless keep_going)."""
+        outcomes = []
+        failures: list[StepFailed] = []
+        for step in playbook.steps:
+            if not step_enabled(step, self.ctx):
+                continue
+            outcome = self.run_step(step)
+            outcomes.append(outcome)
+            if not outcome.results.ok:
+                failure = StepFailed(step, dict(outcome.results))
+                if not keep_going:
+                    raise failure
+                failures.append(failure)
+        if failures:
+            raise failures[0] if len(failures) == 1 else _merge(failures)
+        return outcomes
+
+    def run_step(self, step: StepSpec) -> StepOutcome:
+        started = time.monotonic()
+        hosts = step_hosts(step, self.ctx)
+        group = self.group.subset(h.name for h in hosts)
+        self.report("start", step, {"hosts": [h.name for h in hosts]})
+        results = GroupResult()
+        todo = {h.name for h in hosts}
+        skipped: list[str] = []
+        if step.check:
+            check = resolve(step.check)
+            by_name = {h.name: h for h in hosts}
+            checks = group.run({n: check(self.ctx, by_name[n], **step.args) for n in todo})
+            for name, result in checks.items():
+                if result.ok:
+                    skipped.append(name)
+                elif not result.reachable:
+                    results[name] = result  # unreachable: fail now, don't try the step
+            todo -= set(skipped) | set(results)
+        commands = {n: c for n, c in step_commands(step, self.ctx).items() if n in todo}
+        results.update(group.subset(commands).run(commands))
+        seconds = time.monotonic() - started
+        for name in sorted(skipped):
+            self._journal(step, name, "skipped", None)
+        for name, result in sorted(results.items()):
+            self._journal(step, name, "done" if result.ok else ("unreachable" if not result.reachable else "failed"), result)
+        outcome = StepOutcome(step, sorted(commands), sorted(skipped), results, seconds)
+        self.report("end", step, {"outcome": outcome})
+        return outcome
+
+    def _journal(self, step: StepSpec, host: str, outcome: str, result: HostResult | None) -> None:
+        if self.session is None:
+            return
+        entry: dict[str, Any] = {"step": step.name, "run": step.run, "host": host, "outcome": outcome}
+        if result is not None:
+            entry.update(exit_code=result.exit_code, seconds=round(result.duration, 3))
+            if not result.ok:
+                entry["error"] = result.tail()
+        self.session.journal(**entry)
+
+
+def _merge(failures: list[StepFailed]) -> GroupFailure:
+    merged: dict[str, HostResult] = {}
+    for failure in failures:
+        for name, result in failure.results.items():
+            if name not in merged or not result.ok:
+                merged[name] = result
+    steps = ", ".join(f"'{f.step.name}'" for f in failures)
+    return GroupFailure(f"steps {steps}", merged)

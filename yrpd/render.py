@@ -1,0 +1,98 @@
+"""Tables and text shown to the user (rich renderables); no logic beyond presentation."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from yrpd.placement import Plan, describe_devices, unit_name
+from yrpd.spec import DeploySpec
+
+
+def plan_table(spec: DeploySpec, plan: Plan) -> list:
+    kinds = {h.kind for h in plan.hosts}
+    units = unit_name(kinds.pop()) if len(kinds) == 1 else "devices"
+    summary = Text(f"Placement: {spec.prefill} prefill x (dp {spec.pdp}, tp {spec.ptp}), "
+                   f"{spec.decode} decode x (dp {spec.ddp}, tp {spec.dtp}); proxy on {plan.proxy_host}:{plan.proxy_port}",
+                   style="bold")
+    table = Table()
+    for column in ("host", "instance", "role", units, "http port", "kv port", "hccl ports"):
+        table.add_column(column)
+    for inst in plan.instances:
+        for host in inst.hosts:
+            devices = tuple(d for r in inst.ranks if r.host == host for d in r.devices)
+            ranks = [r.dp_rank for r in inst.ranks if r.host == host]
+            name = inst.name if inst.dp == 1 else f"{inst.name} (dp {','.join(map(str, ranks))})"
+            head = host == inst.host
+            table.add_row(
+                host, name, inst.role, describe_devices(devices),
+                str(inst.port) if head else "-", str(inst.kv_port) if head else "-",
+                f"{inst.hccl_port}-{inst.hccl_port + 15}" if head else "-",
+            )
+    hosts = Table()
+    for column in ("host", "address", "role", "kind", units, "in use", "service ports"):
+        hosts.add_column(column)
+    for h in plan.hosts:
+        hosts.add_row(h.name, h.address, "master" if h.is_master else "worker", h.kind.value,
+                      describe_devices(h.devices), describe_devices(h.used),
+                      ", ".join(f"{k} {v}" for k, v in h.ports.items()))
+    return [summary, table, Text("Hosts", style="bold"), hosts]
+
+
+def plan_commands(steps) -> Iterable:
+    yield Text("Commands per host, in order (deploy runs each step on its hosts in parallel; "
+               "SESSION_ID is assigned at deploy):", style="bold")
+    for number, (step, commands) in enumerate(steps, 1):
+        yield Text(f"\n[{number}] {step.name}", style="bold")
+        if not commands:
+            yield Text("    (nothing to do on any host)")
+        for host, command in commands.items():
+            yield Text(f"  {host}:")
+            for line in str(command).splitlines():
+                yield Text(f"    $ {line}" if line else "")
+
+
+def yes_no(value: bool | None, good: str = "yes", bad: str = "no") -> str:
+    if value is None:
+        return "[dim]-[/dim]"
+    return f"[green]{good}[/green]" if value else f"[red]{bad}[/red]"
+
+
+def status_tables(report: dict) -> list[Table]:
+    hosts = Table(title=f"Hosts (session {report['session']}, {report['phase']})", title_justify="left")
+    for column in ("host", "role", "reachable", "load", "mem avail GB", "session dir", "processes"):
+        hosts.add_column(column)
+    for h in report["hosts"]:
+        facts = h.get("facts", {})
+        procs = [p for p in report["processes"] if p["host"] == h["name"]]
+        alive = sum(1 for p in procs if p["alive"])
+        hosts.add_row(
+            h["name"], h["role"],
+            yes_no(h["reachable"]) if h["reachable"] else f"[red]no[/red]: {escape(h.get('error') or '')}",
+            " ".join(f"{x:.2f}" for x in facts.get("load", [])) or "-",
+            str(facts.get("mem_available_gb", "-")),
+            yes_no(facts.get("session_dir_exists"), "present", "missing") if h["reachable"] else "-",
+            f"{alive}/{len(procs)} running" if procs else "-",
+        )
+    tables = [hosts]
+    if report["processes"]:
+        procs = Table(title="Processes", title_justify="left")
+        for column in ("host", "name", "pid", "state", "rss MB"):
+            procs.add_column(column)
+        for p in report["processes"]:
+            procs.add_row(p["host"], p["name"], str(p["pid"] or "-"), yes_no(p["alive"], "running", "dead"),
+                          str(p.get("rss_mb") or "-"))
+        tables.append(procs)
+    if report["instances"]:
+        inst = Table(title="Instances", title_justify="left")
+        for column in ("instance", "role", "host", "devices", "port", "state"):
+            inst.add_column(column)
+        for i in report["instances"]:
+            state = i["state"]
+            shown = {"running": "[green]running[/green]", "dead": "[red]dead[/red]"}.get(state, f"[dim]{state}[/dim]")
+            inst.add_row(i["name"], i["role"], i["host"], describe_devices(i["devices"]), str(i["port"]), shown)
+        tables.append(inst)
+    return tables

@@ -1,0 +1,428 @@
+"""The deploy spec: what the user asked for, validated before any host is touched.
+
+Sources, lowest precedence first: built-in defaults, the YAML config file, command-line flags.
+Every problem becomes one `SpecError` naming the field and the fix (exit code 2).
+"""
+
+from __future__ import annotations
+
+import getpass
+import re
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from yrpd.errors import SpecError
+
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+BUILTIN_MODEL = "builtin:tiny-qwen2"
+DEFAULT_CONFIG_NAME = "yrpd.yaml"
+
+_HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
+_USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class DeviceKind(str, Enum):
+    auto = "auto"
+    npu = "npu"
+    gpu = "gpu"
+    cpu = "cpu"
+
+
+class Runtime(str, Enum):
+    docker = "docker"
+    host = "host"
+
+
+def parse_device_list(text: str | list[int] | None, field: str) -> list[int] | None:
+    """`0-3`, `0,1,2,3`, `0-1,4-5` or a YAML list -> sorted ids; duplicates and bad ranges are errors."""
+    if text is None:
+        return None
+    if isinstance(text, list):
+        items = [str(x) for x in text]
+    else:
+        items = [p.strip() for p in str(text).split(",")]
+    ids: list[int] = []
+    for item in items:
+        if not item:
+            raise SpecError(field, f"empty entry in device list {text!r}", "write ids like 0-3 or 0,1,2,3")
+        if "-" in item:
+            lo_text, _, hi_text = item.partition("-")
+            if not (lo_text.isdigit() and hi_text.isdigit()):
+                raise SpecError(field, f"{item!r} is not a device range", "write ranges like 0-3")
+            lo, hi = int(lo_text), int(hi_text)
+            if lo > hi:
+                raise SpecError(field, f"range {item!r} runs backwards", f"write {hi}-{lo}")
+            ids.extend(range(lo, hi + 1))
+        elif item.isdigit():
+            ids.append(int(item))
+        else:
+            raise SpecError(field, f"{item!r} is not a device id", "device ids are non-negative integers, e.g. 0-3")
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise SpecError(field, f"device {duplicates[0]} is listed twice", "list each device once")
+    return sorted(ids)
+
+
+def format_device_list(ids: list[int]) -> str:
+    """Inverse of parse_device_list, compact: [0,1,2,3,6] -> '0-3,6'."""
+    if not ids:
+        return "-"
+    parts = []
+    start = prev = ids[0]
+    for i in ids[1:] + [None]:  # type: ignore[list-item]
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ",".join(parts)
+
+
+def parse_host_address(text: str, field: str) -> tuple[str | None, str, int | None]:
+    """`user@host:port` -> (user, host, port); user and port optional. Host may be an ssh_config alias."""
+    text = text.strip()
+    if not text:
+        raise SpecError(field, "empty host name", "give names like h1, root@10.0.0.5 or root@h1:2222")
+    user = None
+    if "@" in text:
+        user, _, text = text.rpartition("@")
+        if not _USER_RE.match(user):
+            raise SpecError(field, f"{user!r} is not a valid user name", "write user@host")
+    port = None
+    if text.startswith("["):  # [v6addr]:port
+        host, _, rest = text[1:].partition("]")
+        if rest:
+            if not rest.startswith(":"):
+                raise SpecError(field, f"cannot parse {text!r}", "write [addr]:port")
+            port = _parse_port(rest[1:], field)
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+        port = _parse_port(port_text, field)
+    else:
+        host = text
+    if ":" not in host and not _HOSTNAME_RE.match(host):
+        raise SpecError(field, f"{host!r} is not a valid host name", "use letters, digits, dots and dashes")
+    return user, host, port
+
+
+def _parse_port(text: str, field: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise SpecError(field, f"port {text!r} is not in 1-65535", "write host:port with a valid port")
+    return int(text)
+
+
+class HostSpec(BaseModel):
+    """One host as the user named it, plus per-host overrides from the config file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str
+    identity: str | None = None
+    device_kind: DeviceKind | None = None
+    devices: list[int] | None = None
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices(cls, value: Any) -> Any:
+        return parse_device_list(value, "devices") if value is not None else None
+
+    @property
+    def user(self) -> str | None:
+        return parse_host_address(self.address, "hosts")[0]
+
+    @property
+    def hostname(self) -> str:
+        return parse_host_address(self.address, "hosts")[1]
+
+    @property
+    def port(self) -> int | None:
+        return parse_host_address(self.address, "hosts")[2]
+
+    @property
+    def name(self) -> str:
+        """Display and key name: the address without the user."""
+        _, host, port = parse_host_address(self.address, "hosts")
+        return f"{host}:{port}" if port else host
+
+    @property
+    def is_local(self) -> bool:
+        return self.hostname in LOCAL_NAMES and self.port is None and self.user in (None, getpass.getuser())
+
+
+class Ports(BaseModel):
+    """Fixed service ports plus the bases from which per-instance ports are counted on each host."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    proxy: int = 8000
+    datasystem: int = 31501
+    etcd: int = 32379
+    instance_base: int = 8100
+    kv_base: int = 8300
+    hccl_base: int = 61000
+    #: instances a host may run: instance_base and kv_base reserve this many ports, hccl_base 16 each
+    span: int = 100
+
+    @model_validator(mode="after")
+    def _check(self) -> "Ports":
+        for name in ("proxy", "datasystem", "etcd", "instance_base", "kv_base", "hccl_base"):
+            value = getattr(self, name)
+            if not 1 <= value <= 65535:
+                raise ValueError(f"{name}={value} is not in 1-65535")
+        if not 1 <= self.span <= 1000:
+            raise ValueError(f"span={self.span} is not in 1-1000")
+        widths = {"instance_base": self.span, "kv_base": self.span, "hccl_base": 16 * self.span}
+        for name, width in widths.items():
+            top = getattr(self, name) + width - 1
+            if top > 65535:
+                raise ValueError(f"{name} range {getattr(self, name)}-{top} runs past 65535")
+        ranges = {
+            "proxy": (self.proxy, self.proxy),
+            "datasystem": (self.datasystem, self.datasystem),
+            "etcd": (self.etcd, self.etcd + 1),  # client and peer port
+            "instance_base": (self.instance_base, self.instance_base + self.span - 1),
+            "kv_base": (self.kv_base, self.kv_base + self.span - 1),
+            "hccl_base": (self.hccl_base, self.hccl_base + 16 * self.span - 1),
+        }
+        names = list(ranges)
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                (a_lo, a_hi), (b_lo, b_hi) = ranges[a], ranges[b]
+                if a_lo <= b_hi and b_lo <= a_hi:
+                    raise ValueError(
+                        f"{a} ({_fmt_range(ranges[a])}) collides with {b} ({_fmt_range(ranges[b])})"
+                    )
+        return self
+
+
+def _fmt_range(r: tuple[int, int]) -> str:
+    return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
+
+
+class SshOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    config_file: str = "~/.ssh/config"
+    identity: str | None = None
+    known_hosts: str = "~/.ssh/known_hosts"
+    accept_new_host_keys: bool = False
+    connect_timeout: float = 10.0
+
+
+class DeploySpec(BaseModel):
+    """Everything a deployment needs; serialised into the session so status/logs/down can reuse it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hosts: list[HostSpec]
+    master: str | None = None
+    device_kind: DeviceKind = DeviceKind.auto
+    devices: list[int] | None = None
+    prefill: int = Field(1, ge=1, le=64)
+    decode: int = Field(1, ge=1, le=64)
+    ptp: int = Field(1, ge=1, le=64)
+    dtp: int = Field(1, ge=1, le=64)
+    pdp: int = Field(1, ge=1, le=64)
+    ddp: int = Field(1, ge=1, le=64)
+    model: str | None = None
+    served_model_name: str | None = None
+    image: str | None = None
+    runtime: Runtime = Runtime.host
+    ports: Ports = Ports()
+    env: dict[str, str] = {}
+    env_path: str | None = None
+    session_root: str = "~/.yrpd/sessions"
+    remote_session_root: str = "/tmp/yrpd_sessions"
+    ssh: SshOptions = SshOptions()
+    min_free_disk_gb: float = Field(2.0, ge=0)
+
+    @field_validator("hosts", mode="before")
+    @classmethod
+    def _hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [h for h in value.split(",")]
+        if not isinstance(value, list):
+            return value
+        return [{"address": h} if isinstance(h, str) else h for h in value]
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices(cls, value: Any) -> Any:
+        return parse_device_list(value, "devices") if value is not None else None
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {str(k): "" if v is None else str(v) for k, v in value.items()}
+        return value
+
+    # -- derived views -------------------------------------------------------------------------
+    @property
+    def master_host(self) -> HostSpec:
+        name = self.master or self.hosts[0].name
+        for host in self.hosts:
+            if host.name == name or host.address == name:
+                return host
+        raise AssertionError("validated in check()")  # pragma: no cover
+
+    def host(self, name: str) -> HostSpec:
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise KeyError(name)
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        model = self.model or BUILTIN_MODEL
+        return model.rstrip("/").rsplit("/", 1)[-1].removeprefix("builtin:")
+
+    @property
+    def is_embedded_default(self) -> bool:
+        """One local host on CPU: the demo deployment that needs no model path."""
+        return len(self.hosts) == 1 and self.hosts[0].is_local and self.device_kind in (DeviceKind.auto, DeviceKind.cpu)
+
+    # -- cross-field checks (raise SpecError: one line, field + fix) ---------------------------
+    def check(self) -> "DeploySpec":
+        if not self.hosts:
+            raise SpecError("hosts", "no hosts given", "pass --hosts h1,h2 or list hosts: in yrpd.yaml")
+        seen: dict[str, int] = {}
+        for i, host in enumerate(self.hosts):
+            parse_host_address(host.address, f"hosts[{i}]")
+            if host.name in seen:
+                raise SpecError(
+                    f"hosts[{i}]", f"{host.name} is listed twice (also hosts[{seen[host.name]}])", "list each host once"
+                )
+            seen[host.name] = i
+        if self.master is not None and not any(self.master in (h.name, h.address) for h in self.hosts):
+            names = ",".join(h.name for h in self.hosts)
+            raise SpecError("master", f"{self.master!r} is not one of the hosts ({names})", "pick one of the hosts")
+        if self.runtime is Runtime.docker and not self.image:
+            raise SpecError("image", "runtime docker needs an image", "pass --image NAME:TAG or use --runtime host")
+        if self.model is None and not self.is_embedded_default:
+            raise SpecError(
+                "model", "no model path given", "pass --model /path/on/hosts or set model: in yrpd.yaml"
+            )
+        if self.model is not None and not self.model.startswith("builtin:") and not self.model.startswith("/"):
+            raise SpecError("model", f"{self.model!r} is not an absolute path", "give the model directory's absolute path on the hosts")
+        if self.served_model_name is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$", self.served_model_name):
+            raise SpecError("served_model_name", f"{self.served_model_name!r} is not a usable name", "use letters, digits, . _ - /")
+        for key in self.env:
+            if not _ENV_NAME_RE.match(key):
+                raise SpecError(f"env.{key}", "is not a valid environment variable name", "use letters, digits and _")
+        for field, path in (("ssh.identity", self.ssh.identity), *((f"hosts[{i}].identity", h.identity) for i, h in enumerate(self.hosts))):
+            if path and not Path(path).expanduser().is_file():
+                raise SpecError(field, f"identity file {path} does not exist", "pass an existing private key with -i")
+        if self.ssh.config_file != "~/.ssh/config" and not Path(self.ssh.config_file).expanduser().is_file():
+            raise SpecError("ssh.config_file", f"{self.ssh.config_file} does not exist", "pass an existing file to --ssh-config")
+        if not self.remote_session_root.startswith("/"):
+            raise SpecError("remote_session_root", "must be an absolute path", "e.g. /tmp/yrpd_sessions")
+        return self
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+def load_config_file(path: str | None) -> dict[str, Any]:
+    """Read the YAML config. An explicit path must exist; the default yrpd.yaml is optional."""
+    if path is None:
+        default = Path(DEFAULT_CONFIG_NAME)
+        if not default.is_file():
+            return {}
+        path = str(default)
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise SpecError("--config", f"{path} does not exist", "pass the path of an existing yrpd.yaml")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise SpecError("--config", f"{path} is not valid YAML{where}: {problem}", "fix the file's syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SpecError("--config", f"{path} must hold a mapping of settings, not {type(data).__name__}", "see docs/configuration.md")
+    return data
+
+
+def merge_hosts(config_hosts: list[Any] | None, flag_hosts: str | None) -> list[Any] | None:
+    """`--hosts` replaces the list, but keeps per-host settings the config file gives for the same host."""
+    if flag_hosts is None:
+        return config_hosts
+    by_address: dict[str, dict[str, Any]] = {}
+    for entry in config_hosts or []:
+        if isinstance(entry, dict) and "address" in entry:
+            by_address[str(entry["address"])] = entry
+            try:
+                by_address[HostSpec(address=str(entry["address"])).name] = entry
+            except (SpecError, ValidationError):
+                pass
+    merged: list[Any] = []
+    for raw in flag_hosts.split(","):
+        name = raw.strip()
+        entry = by_address.get(name)
+        merged.append(dict(entry, address=name) if entry else name)
+    return merged
+
+
+def build_spec(config: dict[str, Any], overrides: dict[str, Any]) -> DeploySpec:
+    """Config mapping + flag overrides (None means 'not given') -> a checked DeploySpec."""
+    data = dict(config)
+    flags = {k: v for k, v in overrides.items() if v is not None}
+    if "hosts" in flags:
+        data["hosts"] = merge_hosts(data.get("hosts"), flags.pop("hosts"))
+    for key in ("ssh", "ports"):
+        nested = flags.pop(key, None)
+        if nested:
+            base = data.get(key) or {}
+            if not isinstance(base, dict):
+                raise SpecError(key, "must be a mapping", f"write {key}: with one setting per line")
+            data[key] = {**base, **{k: v for k, v in nested.items() if v is not None}}
+    if "env" in flags:
+        data["env"] = {**(data.get("env") or {}), **flags.pop("env")}
+    data.update(flags)
+    if "hosts" not in data:
+        raise SpecError("hosts", "no hosts given", "pass --hosts h1,h2 or list hosts: in yrpd.yaml")
+    try:
+        spec = DeploySpec.model_validate(data)
+    except SpecError:
+        raise
+    except ValidationError as exc:
+        raise _one_line(exc) from None
+    return spec.check()
+
+
+def _one_line(exc: ValidationError) -> SpecError:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        return SpecError(loc, "is not a known setting", "check the spelling against docs/configuration.md")
+    if err["type"] == "missing":
+        return SpecError(loc, "is required", f"set {loc} in yrpd.yaml")
+    given = err.get("input")
+    shown = f" (got {given!r})" if isinstance(given, (str, int, float)) else ""
+    return SpecError(loc or "config", f"{msg}{shown}", _fix_for(loc))
+
+
+def _fix_for(loc: str) -> str:
+    hints = {
+        "device_kind": "use auto, npu, gpu or cpu",
+        "runtime": "use docker or host",
+    }
+    if loc in hints:
+        return hints[loc]
+    if loc.startswith("ports"):
+        return "pick ports in 1-65535 whose ranges do not overlap"
+    if loc in ("prefill", "decode", "ptp", "dtp", "pdp", "ddp"):
+        return f"give --{loc} a whole number from 1 to 64"
+    return "see docs/configuration.md"

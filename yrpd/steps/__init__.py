@@ -1,0 +1,86 @@
+"""Deploy and teardown steps. Each step is a pair of pure functions of (context, host):
+
+- `run(ctx, host, **args) -> Command | None` builds the shell script that does the work on that host;
+- an optional check `(ctx, host, **args) -> Command` whose exit status 0 means "already done, skip".
+
+Playbooks (playbooks/*.yaml) name them as `module.function` relative to this package. Nothing here
+touches a host: yrpd.playbook runs the commands through yrpd.hostgroup, and `yrpd plan` prints them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from yrpd.assets import deploy_script
+from yrpd.hostgroup import Command
+from yrpd.placement import HostPlan, Plan
+from yrpd.spec import DeploySpec
+
+SESSION_PLACEHOLDER = "SESSION_ID"
+
+
+@dataclass
+class StepContext:
+    spec: DeploySpec
+    plan: Plan
+    session_id: str = SESSION_PLACEHOLDER
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def host_session_dir(self) -> str:
+        return f"{self.spec.remote_session_root.rstrip('/')}/{self.session_id}"
+
+    @property
+    def spec_hash(self) -> str:
+        return spec_fingerprint(self.spec)
+
+    def host_spec(self, host: HostPlan):
+        return self.spec.host(host.name)
+
+
+def spec_fingerprint(spec: DeploySpec) -> str:
+    """Identity of a deployment: everything in the spec but how we reach the hosts (ssh settings may change)."""
+    data = spec.model_dump(mode="json", exclude={"ssh"})
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+StepFunction = Callable[..., "Command | None"]
+
+
+def resolve(ref: str) -> StepFunction:
+    """`preflight.check_hosts` -> yrpd.steps.preflight.check_hosts (a dotted path outside this package works too)."""
+    module_name, _, func_name = ref.rpartition(".")
+    if not module_name:
+        raise ValueError(f"step reference {ref!r} must look like module.function")
+    try:
+        module = importlib.import_module(f"yrpd.steps.{module_name}")
+    except ModuleNotFoundError:
+        module = importlib.import_module(module_name)
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ValueError(f"step reference {ref!r}: {module.__name__} has no function {func_name}")
+    return func
+
+
+def host_python(script_name: str, args: dict, timeout: float = 120) -> Command:
+    """Run one of deploy_scripts/*.py with the host's python3, the script inlined as a here-document.
+
+    The script travels inside the command (no stdin, no copy step), so it works the same over SSH and locally.
+    """
+    body = deploy_script(script_name)
+    assert "YRPD_SCRIPT_END" not in body
+    arg = shlex.quote(json.dumps(args, sort_keys=True))
+    script = (
+        'command -v python3 >/dev/null 2>&1 || { echo "python3 not found on PATH ($PATH); install python3 (3.8+)" >&2; exit 127; }\n'
+        f"python3 - {arg} <<'YRPD_SCRIPT_END'\n{body}\nYRPD_SCRIPT_END\n"
+    )
+    return Command(script=script, display=f"python3 deploy_scripts/{script_name} {arg}", timeout=timeout)
+
+
+def shell(script: str, timeout: float = 120, display: str | None = None) -> Command:
+    return Command(script=script, display=display, timeout=timeout)

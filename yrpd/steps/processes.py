@@ -1,0 +1,64 @@
+"""Detached processes owned by a session: started with a pid file, found again by their environment.
+
+Each process runs in its own session/process group (setsid), logs to `<host session>/logs/<name>.log`,
+and carries YRPD_SESSION=<id> in its environment so status and teardown find it and everything it forks.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from yrpd.hostgroup import Command
+from yrpd.placement import HostPlan
+from yrpd.steps import StepContext, host_python, shell
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _alive_test(ctx: StepContext, name: str) -> str:
+    pidfile = shlex.quote(f"{ctx.host_session_dir}/run/{name}.pid")
+    marker = shlex.quote(f"YRPD_SESSION={ctx.session_id}")
+    return (
+        f'pid=$(cat {pidfile} 2>/dev/null) && [ -n "$pid" ] && '
+        f'tr "\\0" "\\n" < /proc/$pid/environ 2>/dev/null | grep -qx {marker}'
+    )
+
+
+def start(ctx: StepContext, host: HostPlan, name: str, command: str, env: dict | None = None,
+          settle: float = 0.5) -> Command:
+    """Start `command` detached on the host unless it is already running."""
+    if not _NAME_RE.match(name):
+        raise ValueError(f"process name {name!r} must be letters, digits, . _ -")
+    d = ctx.host_session_dir
+    q = shlex.quote
+    exports = {**ctx.spec.env, **(env or {}), "YRPD_SESSION": ctx.session_id, "YRPD_PROCESS": name}
+    env_words = " ".join(f"{k}={q(v)}" for k, v in exports.items())
+    log = q(f"{d}/logs/{name}.log")
+    script = "\n".join([
+        f"mkdir -p {q(d + '/logs')} {q(d + '/run')}",
+        f"if {_alive_test(ctx, name)}; then echo '{name} already running (pid '$pid')'; exit 0; fi",
+        f"cd {q(d)}",
+        f"env {env_words} setsid nohup bash -c {q(command)} >> {log} 2>&1 < /dev/null &",
+        f"echo $! > {q(d + '/run/' + name + '.pid')}",
+        f"sleep {settle}",
+        f"if ! kill -0 $! 2>/dev/null; then echo '{name} exited right after start; last log lines:' >&2; "
+        f"tail -n 20 {log} >&2; exit 1; fi",
+        f"echo '{name} started (pid '$!')'",
+    ])
+    return shell(script, display=f"start {name} detached: {command}  (log {d}/logs/{name}.log)")
+
+
+def running(ctx: StepContext, host: HostPlan, name: str, **_: object) -> Command:
+    return shell(_alive_test(ctx, name))
+
+
+def stop_all(ctx: StepContext, host: HostPlan, grace: float = 10) -> Command:
+    """Stop every process of the session on the host (TERM, then KILL after `grace` s) and prove none is left."""
+    args = {"dir": ctx.host_session_dir, "id": ctx.session_id, "action": "stop", "grace": grace}
+    return host_python("session_processes.py", args, timeout=grace + 30)
+
+
+def status(ctx: StepContext, host: HostPlan) -> Command:
+    args = {"dir": ctx.host_session_dir, "id": ctx.session_id, "action": "status"}
+    return host_python("session_processes.py", args, timeout=30)
