@@ -155,7 +155,8 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
     needed = sum(count * tp * dp for _, count, tp, dp, _ in roles)
     offered = [len(inventory[n].devices) for n in host_names]
     if needed > sum(offered):
-        need_text = " and ".join(f"{role} needs {count * dp} x {tp} {units}" for role, count, tp, dp, _ in roles)
+        need_text = " and ".join(f"{role} {count * dp} x {tp} {units}" for role, count, tp, dp, _ in roles)
+        need_text = need_text.replace(" ", " needs ", 1)
         raise SpecError(
             "devices",
             f"{need_text} = {needed}; hosts {','.join(host_names)} offer {' + '.join(map(str, offered))} = {sum(offered)}",

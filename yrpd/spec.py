@@ -174,14 +174,14 @@ class Ports(BaseModel):
         for name in ("proxy", "datasystem", "etcd", "instance_base", "kv_base", "hccl_base"):
             value = getattr(self, name)
             if not 1 <= value <= 65535:
-                raise ValueError(f"{name}={value} is not in 1-65535")
+                raise ValueError(f"{name}: {value} is not in 1-65535")
         if not 1 <= self.span <= 1000:
-            raise ValueError(f"span={self.span} is not in 1-1000")
+            raise ValueError(f"span: {self.span} is not in 1-1000")
         widths = {"instance_base": self.span, "kv_base": self.span, "hccl_base": 16 * self.span}
         for name, width in widths.items():
             top = getattr(self, name) + width - 1
             if top > 65535:
-                raise ValueError(f"{name} range {getattr(self, name)}-{top} runs past 65535")
+                raise ValueError(f"{name}: range {getattr(self, name)}-{top} runs past 65535")
         ranges = {
             "proxy": (self.proxy, self.proxy),
             "datasystem": (self.datasystem, self.datasystem),
@@ -196,7 +196,7 @@ class Ports(BaseModel):
                 (a_lo, a_hi), (b_lo, b_hi) = ranges[a], ranges[b]
                 if a_lo <= b_hi and b_lo <= a_hi:
                     raise ValueError(
-                        f"{a} ({_fmt_range(ranges[a])}) collides with {b} ({_fmt_range(ranges[b])})"
+                        f"{a}: {a} ({_fmt_range(ranges[a])}) collides with {b} ({_fmt_range(ranges[b])})"
                     )
         return self
 
@@ -405,6 +405,10 @@ def _one_line(exc: ValidationError) -> SpecError:
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
     msg = err["msg"].removeprefix("Value error, ")
+    sub = re.match(r"^([a-z_]+): (.*)$", msg)
+    if sub and err["type"] == "value_error":  # a model validator naming the sub-field it rejects
+        loc = f"{loc}.{sub.group(1)}" if loc else sub.group(1)
+        msg = sub.group(2)
     if err["type"] == "extra_forbidden":
         return SpecError(loc, "is not a known setting", "check the spelling against docs/configuration.md")
     if err["type"] == "missing":

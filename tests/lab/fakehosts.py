@@ -73,8 +73,7 @@ HOST_ENV = {
 }
 # Candidate lab subnets: 10.200.0.0/24 .. 10.254.255.0/24.
 _SUBNET_SECOND_OCTETS = range(200, 255)
-_MAX_HOSTS = 200
-_IFNAMSIZ = 15
+_MAX_HOSTS = 200  # .11 .. .210; with a 10-char prefix names stay within IFNAMSIZ (15)
 _START_TIMEOUT = 15.0
 
 _LAB_SUFFIX = re.compile(r"h\d+|v\d+|br")  # names are <prefix><suffix>
@@ -83,13 +82,8 @@ _live_labs: set["FakeHostLab"] = set()
 _live_lock = threading.Lock()
 
 
-def _run(args: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(args, check=check, text=True, capture_output=True,
-                          stdin=subprocess.DEVNULL, **kw)
-
-
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = _run(["ip", *args], check=False)
+    proc = subprocess.run(["ip", *args], text=True, capture_output=True, stdin=subprocess.DEVNULL)
     if check and proc.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
     return proc
@@ -246,7 +240,6 @@ def cleanup_stale(prefix_root: str = PREFIX_ROOT) -> list[str]:
     return removed
 
 
-
 def _keygen(path: Path, comment: str) -> subprocess.Popen:
     for p in (path, path.with_name(path.name + ".pub")):
         p.unlink(missing_ok=True)
@@ -264,6 +257,7 @@ class FakeHost:
         self.netns = netns
         self.veth = veth
         self.dir = dir
+        self.sshd_log = dir / "sshd.log"
         self.sshd_pid = 0
         self._proc: subprocess.Popen | None = None  # the `ip netns exec unshare ...` process
         self._pidfd: int | None = None
@@ -341,7 +335,7 @@ class FakeHost:
             # sshd never seen: kill unshare, --kill-child takes its child down.
             self._proc.kill()
 
-    def _launch(self, log: Path) -> None:
+    def _launch(self) -> None:
         d = shlex.quote(str(self.dir))
         setup = [
             "set -e",
@@ -357,7 +351,7 @@ class FakeHost:
             f"mount --bind {d}/tmp /tmp",
             f"exec {SSHD} -D -e -f /etc/ssh/sshd_config",
         ]
-        with open(log, "ab") as logf:
+        with open(self.sshd_log, "ab") as logf:
             self._proc = subprocess.Popen(
                 ["ip", "netns", "exec", self.netns,
                  "unshare", "--mount", "--uts", "--pid", "--fork", "--kill-child",
@@ -376,6 +370,8 @@ class FakeHostLab:
     """n fake hosts h1..hn on a private bridge; use as a context manager."""
 
     def __init__(self, n: int, workdir: Path, prefix: str | None = None):
+        """prefix: names of the lab's namespaces and links; default: "yl" + 5 random
+        characters.  Only "yl..." prefixes are covered by cleanup_stale()'s default."""
         if not 1 <= n <= _MAX_HOSTS:
             raise ValueError(f"n must be in 1..{_MAX_HOSTS}")
         if prefix is not None and not re.fullmatch(r"[a-z][a-z0-9]{0,9}", prefix):
@@ -432,7 +428,7 @@ class FakeHostLab:
             for host in self.hosts:
                 self._create_host_network(host)
             for host in self.hosts:
-                host._launch(host.dir / "sshd.log")
+                host._launch()
             self._wait_ready()
         except BaseException:
             self.close()
@@ -496,7 +492,7 @@ class FakeHostLab:
             os.chmod(host.dir / "root", 0o700)
             os.chmod(host.dir / "root/.ssh", 0o700)
             os.chmod(host.dir / "tmp", 0o1777)
-            jobs.append(_keygen(host.dir / "etc_ssh/ssh_host_ed25519_key", f"{host.name}"))
+            jobs.append(_keygen(host.dir / "etc_ssh/ssh_host_ed25519_key", host.name))
         for job in jobs:
             _, err = job.communicate()
             if job.returncode:
@@ -550,7 +546,7 @@ class FakeHostLab:
                     unattached[ppid]._attach(child)
             for host in list(pending):
                 if host._proc.poll() is not None:
-                    log = (host.dir / "sshd.log").read_text(errors="replace")[-2000:]
+                    log = host.sshd_log.read_text(errors="replace")[-2000:]
                     raise RuntimeError(f"fake host {host.name} exited during start:\n{log}")
                 if host.sshd_pid and ssh_banner(host.address):
                     pending.remove(host)
@@ -567,14 +563,21 @@ class FakeHostLab:
             if self._closed:
                 return
             self._closed = True
+        errors = []
         try:
             for host in self.hosts:
                 host._signal_sshd()
             for host in self.hosts:
-                host.stop_sshd()
+                try:
+                    host.stop_sshd()
+                except Exception as exc:
+                    errors.append(exc)
             for host in self.hosts:
                 if os.path.exists(f"/run/netns/{host.netns}"):
-                    _destroy_netns(host.netns)
+                    try:
+                        _destroy_netns(host.netns)
+                    except Exception as exc:
+                        errors.append(exc)
             links = [h.veth for h in self.hosts] + ([self.bridge] if self.bridge else [])
             for name in links:
                 if _link_exists(name):
@@ -587,6 +590,9 @@ class FakeHostLab:
                 self._lock_fd = None
             with _live_lock:
                 _live_labs.discard(self)
+        if errors:
+            # Whatever is left is now unlocked, so cleanup_stale() will retry it.
+            raise errors[0]
 
 
 def _write(path: Path, text: str, mode: int) -> None:

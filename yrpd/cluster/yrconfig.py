@@ -1,0 +1,273 @@
+"""Render the per-host ``config.toml`` for ``yr -c config.toml start`` and the ``yr`` command lines.
+
+Pure functions, no I/O. Verified against openyuanrong 9.9.9 (``yr`` CLI) with
+openyuanrong-datasystem 0.8.1 in data-system-only mode; see docs/dev/openyuanrong.md.
+
+How ``yr`` builds its config: ``<yr pkg>/cli/values.toml`` gives ``[values]`` defaults, our
+``[values]`` are merged over them, ``<yr pkg>/cli/config.toml.jinja`` is rendered from the
+result, then every other table of our file is merged over the rendered config. So:
+
+* every address and port is set in ``[values]`` as a plain int. A value left to the defaults
+  goes through ``check_port()``, which silently swaps a busy port for a random free one; a
+  value we set is used as is (a busy pinned port makes the component fail to start);
+* ``values.host_ip`` is always set (the default is an outward UDP probe);
+* which components run is ``[mode.master]`` / ``[mode.agent]``;
+* ``[ds_master]`` / ``[ds_worker]`` ``bin_path`` and ``env.LD_LIBRARY_PATH`` point at the
+  data-system venv in ``ds_only`` mode. In ``full`` mode (complete openYuanrong wheels, data
+  system inside the ``yr`` package) the package defaults are kept.
+
+LD_LIBRARY_PATH rules (9.9.9): ``import yr`` needs ``LD_LIBRARY_PATH=<yr pkg>`` (its libbrpc.so
+needs libprotoc.so.25.5.0 and has no RUNPATH), but the components ``yr start`` spawns inherit
+the CLI's environment with the config's LD_LIBRARY_PATH *appended*, so the 0.8.1
+``datasystem_worker`` would load the ``yr`` package's libraries first and die (exit 127,
+undefined symbol). :func:`start_command` therefore runs the CLI through a one-line Python shim
+that drops LD_LIBRARY_PATH from ``os.environ`` before anything is imported: the dynamic loader
+of the CLI process keeps the value it read at exec time, its children do not get it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import shlex
+from dataclasses import dataclass, field
+from typing import Mapping
+
+MODES = ("full", "ds_only")
+
+# Components of each role, in the order of config.toml.jinja's [mode.*] tables.
+_MASTER_COMPONENTS = ("etcd", "ds_master", "ds_worker", "function_master", "function_proxy", "function_agent")
+_AGENT_COMPONENTS = ("ds_worker", "function_proxy", "function_agent")
+_FUNCTION_COMPONENTS = ("function_master", "function_proxy", "function_agent")
+# Optional components the template knows; always off (they would need more packages and ports).
+_OFF_COMPONENTS = ("frontend", "dashboard", "collector", "meta_service", "function_scheduler")
+
+# Run the yr CLI with LD_LIBRARY_PATH in effect for this process only (see module doc).
+YR_CLI_SHIM = (
+    'import os, sys; os.environ.pop("LD_LIBRARY_PATH", None); sys.argv[0] = "yr"; '
+    "from yr.cli.main import main; main()"
+)
+
+
+@dataclass(frozen=True)
+class YrPorts:
+    """Ports one node listens on (defaults are the yr 9.9.9 defaults from values.toml)."""
+
+    etcd_client: int = 32379
+    etcd_peer: int = 32380
+    ds_master: int = 12123
+    ds_worker: int = 31501
+    function_master: int = 22770  # values.function_master.global_scheduler_port
+    function_proxy: int = 22772
+    function_proxy_grpc: int = 22773
+    function_proxy_exec_grpc: int = 22774
+    function_agent: int = 58866
+
+
+@dataclass(frozen=True)
+class YrNode:
+    """Inputs for one host's openYuanrong config and commands."""
+
+    host_ip: str
+    is_master: bool
+    master_ip: str  # the master's host_ip (etcd, ds_master, function_master live there)
+    deploy_path: str  # session dir: logs, etcd data, rocksdb, session.json
+    mode: str = "ds_only"  # "ds_only" | "full"
+    ports: YrPorts = field(default_factory=YrPorts)  # what this node listens on
+    master_ports: YrPorts | None = None  # the master's ports; None = same as `ports`
+    yr_venv: str = "/opt/yrpd/venvs/yr"  # openyuanrong (yr CLI, etcd)
+    ds_venv: str = "/opt/yrpd/venvs/ds"  # openyuanrong-datasystem (datasystem_worker)
+    python_tag: str = "python3.11"  # the wheels are cp311 only
+    shared_memory_mb: int = 1024  # ds_worker shared memory pool
+    memory_reclamation_s: int = 5  # ds_worker memory_reclamation_time_second
+    node_id: str = ""  # "" = yr default (<hostname>-<pid of yr start>)
+
+    @property
+    def remote_ports(self) -> YrPorts:
+        return self.master_ports or self.ports
+
+    @property
+    def yr_pkg_dir(self) -> str:
+        return f"{self.yr_venv}/lib/{self.python_tag}/site-packages/yr"
+
+    @property
+    def ds_pkg_dir(self) -> str:
+        return f"{self.ds_venv}/lib/{self.python_tag}/site-packages/yr/datasystem"
+
+    @property
+    def ds_worker_bin(self) -> str:
+        return f"{self.ds_pkg_dir}/datasystem_worker"
+
+    @property
+    def ds_lib_dir(self) -> str:
+        return f"{self.ds_pkg_dir}/lib"
+
+    @property
+    def session_file(self) -> str:
+        return f"{self.deploy_path}/session.json"
+
+    @property
+    def config_file(self) -> str:
+        return f"{self.deploy_path}/config.toml"
+
+
+@dataclass(frozen=True)
+class YrCommand:
+    """One command: argv plus the environment variables to set (everything else inherited)."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+
+    def shell(self) -> str:
+        """One shell line, e.g. to run over SSH: ``env K=V ... argv...``."""
+        pairs = [f"{k}={v}" for k, v in sorted(self.env.items())]
+        return " ".join(shlex.quote(p) for p in ("env", *pairs, *self.argv))
+
+
+def validate(node: YrNode) -> None:
+    """Raise ValueError for inputs yr would misread or silently change."""
+    if node.mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {node.mode!r}")
+    for name in ("host_ip", "master_ip"):
+        value = getattr(node, name)
+        try:
+            addr = ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"{name} must be an IP address, got {value!r}") from None
+        if addr.is_unspecified:
+            raise ValueError(f"{name} must be a routable address, not {value}")
+    if node.is_master and node.master_ip != node.host_ip:
+        raise ValueError(f"master node: master_ip {node.master_ip} != host_ip {node.host_ip}")
+    for name in ("deploy_path", "yr_venv", "ds_venv"):
+        if not getattr(node, name).startswith("/"):
+            raise ValueError(f"{name} must be an absolute path, got {getattr(node, name)!r}")
+    for ports in {node.ports, node.remote_ports}:
+        for name, port in vars(ports).items():
+            if not isinstance(port, int) or not 0 < port < 65536:
+                raise ValueError(f"port {name} out of range: {port!r}")
+    own = listen_ports(node)
+    if len(set(own.values())) != len(own):
+        raise ValueError(f"two components of this node share a port: {own}")
+    if node.shared_memory_mb <= 0 or node.memory_reclamation_s < 0:
+        raise ValueError("shared_memory_mb must be > 0 and memory_reclamation_s >= 0")
+
+
+def components(node: YrNode) -> dict[str, bool]:
+    """The [mode.master] / [mode.agent] table for this node."""
+    names = _MASTER_COMPONENTS if node.is_master else _AGENT_COMPONENTS
+    table = {name: not (node.mode == "ds_only" and name in _FUNCTION_COMPONENTS) for name in names}
+    table.update(dict.fromkeys(_OFF_COMPONENTS, False))
+    return table
+
+
+def listen_ports(node: YrNode) -> dict[str, int]:
+    """Ports this node's components listen on (all on host_ip), for checks with ``ss -ltn``."""
+    p = node.ports
+    on = components(node)
+    wanted = {
+        "etcd_client": ("etcd", p.etcd_client),
+        "etcd_peer": ("etcd", p.etcd_peer),
+        "ds_master": ("ds_master", p.ds_master),
+        "ds_worker": ("ds_worker", p.ds_worker),
+        "function_master": ("function_master", p.function_master),
+        "function_proxy": ("function_proxy", p.function_proxy),
+        "function_proxy_grpc": ("function_proxy", p.function_proxy_grpc),
+        "function_proxy_exec_grpc": ("function_proxy", p.function_proxy_exec_grpc),
+        "function_agent": ("function_agent", p.function_agent),
+    }
+    return {name: port for name, (component, port) in wanted.items() if on.get(component)}
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    raise TypeError(f"unsupported TOML value {value!r}")
+
+
+def _table(header: str, items: Mapping[str, object]) -> list[str]:
+    return [header, *(f"{key} = {_toml_value(value)}" for key, value in items.items()), ""]
+
+
+def render_config(node: YrNode) -> str:
+    """The config.toml text for ``yr -c FILE start [--master]`` on this node."""
+    validate(node)
+    p, m = node.ports, node.remote_ports
+    role = "master" if node.is_master else "agent"
+    values: dict[str, object] = {
+        "host_ip": node.host_ip,
+        "deploy_path": node.deploy_path,
+        "shared_memory_num": node.shared_memory_mb,
+    }
+    if node.mode == "full":
+        # Library path handed to runtimes started by function_agent (yr default: the CLI's
+        # LD_LIBRARY_PATH, which the start shim removes).
+        values["ld_library_path"] = node.yr_pkg_dir
+    if node.node_id:
+        values["node_id"] = node.node_id
+
+    lines = [
+        "# Generated by yrpd.cluster.yrconfig; do not edit.",
+        f"# role={role} mode={node.mode} host_ip={node.host_ip} master_ip={node.master_ip}",
+        "",
+        *_table("[values]", values),
+        *_table(
+            "[[values.etcd.address]]",
+            {"ip": node.master_ip, "port": m.etcd_client, "peer_port": m.etcd_peer},
+        ),
+        *_table("[values.ds_master]", {"ip": node.master_ip, "port": m.ds_master}),
+        *_table("[values.ds_worker]", {"ip": node.host_ip, "port": p.ds_worker}),
+        *_table(
+            "[values.function_master]",
+            {"ip": node.master_ip, "global_scheduler_port": m.function_master},
+        ),
+        *_table(
+            "[values.function_proxy]",
+            {
+                "ip": node.host_ip,
+                "port": p.function_proxy,
+                "grpc_listen_port": p.function_proxy_grpc,
+                "exec_grpc_port": p.function_proxy_exec_grpc,
+            },
+        ),
+        *_table("[values.function_agent]", {"ip": node.host_ip, "port": p.function_agent}),
+        *_table(f"[mode.{role}]", components(node)),
+    ]
+    ds_sections = ("ds_master", "ds_worker") if node.is_master else ("ds_worker",)
+    for section in ds_sections:
+        if node.mode == "ds_only":
+            lines += _table(f"[{section}]", {"bin_path": node.ds_worker_bin})
+            lines += _table(f"[{section}.env]", {"LD_LIBRARY_PATH": node.ds_lib_dir})
+    lines += _table("[ds_worker.args]", {"memory_reclamation_time_second": node.memory_reclamation_s})
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _yr_env(node: YrNode) -> dict[str, str]:
+    return {"LD_LIBRARY_PATH": node.yr_pkg_dir}
+
+
+def start_command(node: YrNode, config_file: str | None = None) -> YrCommand:
+    """``yr -c CONFIG start [--master]``; an agent joins through the addresses in its config.
+
+    Returns when every component passed its health check (exit 0) or failed (exit 1); the
+    components keep running under a detached ``yr`` daemon that restarts any that exits.
+    """
+    argv = [f"{node.yr_venv}/bin/python", "-c", YR_CLI_SHIM, "-c", config_file or node.config_file, "start"]
+    if node.is_master:
+        argv.append("--master")
+    return YrCommand(tuple(argv), _yr_env(node))
+
+
+def stop_command(node: YrNode, force: bool = False) -> YrCommand:
+    """``yr stop -f SESSION``: SIGTERM the daemon, which stops its components (5 s each, then
+    SIGKILL). ``force``: SIGKILL the daemon and every component of the session at once."""
+    argv = [f"{node.yr_venv}/bin/yr", "stop", *(["--force"] if force else []), "-f", node.session_file]
+    return YrCommand(tuple(argv), _yr_env(node))
+
+
+def health_command(node: YrNode) -> YrCommand:
+    """``yr health -f SESSION``: one line per component, exit 1 when one is not running."""
+    return YrCommand((f"{node.yr_venv}/bin/yr", "health", "-f", node.session_file), _yr_env(node))
