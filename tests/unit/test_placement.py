@@ -46,7 +46,7 @@ def test_dp_ranks_stay_on_one_host_while_it_has_room_then_span_hosts():
     prefill, decode = plan.instances
     assert [(r.host, r.devices) for r in prefill.ranks] == [("h1", (0, 1, 2, 3)), ("h1", (4, 5, 6, 7))]
     assert [(r.host, r.devices) for r in decode.ranks] == [("h2", (0, 1, 2, 3)), ("h2", (4, 5, 6, 7))]
-    plan = make_plan(spec(pdp=2, ptp=4, device_kind="cpu"), inventory([4, 5], kind=DeviceKind.cpu))
+    plan = make_plan(spec(pdp=2, ptp=4, device_kind="cpu"), inventory([5, 4], kind=DeviceKind.cpu))
     prefill, decode = plan.instances
     assert [r.host for r in prefill.ranks] == ["h1", "h2"]
     assert prefill.host == "h1"
