@@ -189,7 +189,7 @@ def test_close_leaves_nothing(fake_lab):
     route = subprocess.run(["ip", "route", "get", lab.hosts[0].address],
                            capture_output=True, text=True).stdout
     assert lab.bridge not in route
-    assert all(ssh_banner(h.address, timeout=1) is None for h in lab.hosts)
+    assert all(ssh_banner(h.address, timeout=0.3) is None for h in lab.hosts)
 
 
 def test_context_manager(fake_lab, tmp_path):  # fake_lab: skip + stale cleanup

@@ -60,4 +60,13 @@ def main(argv: list[str] | None = None) -> None:
     except YrpdError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = exc.exit_code
+    except Exception as exc:  # a bug: say so plainly; the traceback is one variable away
+        import os
+        import traceback
+
+        if os.environ.get("YRPD_DEBUG"):
+            traceback.print_exc()
+        print(f"internal error: {type(exc).__name__}: {exc} (set YRPD_DEBUG=1 for the traceback and report it)",
+              file=sys.stderr)
+        code = 70
     sys.exit(code if isinstance(code, int) else 0)

@@ -82,5 +82,5 @@ def host_python(script_name: str, args: dict, timeout: float = 120) -> Command:
     return Command(script=script, display=f"python3 deploy_scripts/{script_name} {arg}", timeout=timeout)
 
 
-def shell(script: str, timeout: float = 120, display: str | None = None) -> Command:
+def shell_command(script: str, timeout: float = 120, display: str | None = None) -> Command:
     return Command(script=script, display=display, timeout=timeout)

@@ -6,7 +6,7 @@ import shlex
 
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan, ports_on_host
-from yrpd.steps import StepContext, host_python, shell
+from yrpd.steps import StepContext, host_python, shell_command
 
 
 def check_hosts(ctx: StepContext, host: HostPlan) -> Command:
@@ -28,5 +28,5 @@ def check_hosts(ctx: StepContext, host: HostPlan) -> Command:
 def passed_before(ctx: StepContext, host: HostPlan, **_: object) -> Command:
     """Skip preflight on re-runs of the same session: its ports are then held by our own services."""
     marker = f"{ctx.host_session_dir}/preflight.ok"
-    return shell(f"grep -qx {shlex.quote(ctx.spec_hash)} {shlex.quote(marker)} 2>/dev/null")
+    return shell_command(f"grep -qx {shlex.quote(ctx.spec_hash)} {shlex.quote(marker)} 2>/dev/null")
 

@@ -11,7 +11,7 @@ import shlex
 
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
-from yrpd.steps import StepContext, host_python, shell
+from yrpd.steps import StepContext, host_python, shell_command
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -46,11 +46,11 @@ def start(ctx: StepContext, host: HostPlan, name: str, command: str, env: dict |
         f"tail -n 20 {log} >&2; exit 1; fi",
         f"echo '{name} started (pid '$!')'",
     ])
-    return shell(script, display=f"start {name} detached: {command}  (log {d}/logs/{name}.log)")
+    return shell_command(script, display=f"start {name} detached: {command}  (log {d}/logs/{name}.log)")
 
 
 def running(ctx: StepContext, host: HostPlan, name: str, **_: object) -> Command:
-    return shell(_alive_test(ctx, name))
+    return shell_command(_alive_test(ctx, name))
 
 
 def stop_all(ctx: StepContext, host: HostPlan, grace: float = 10) -> Command:
