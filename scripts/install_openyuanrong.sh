@@ -48,6 +48,13 @@ fi
 
 log() { echo "[install_openyuanrong] $*" >&2; }
 
+# Both wheels are cp311-only (manylinux_2_34): any other interpreter gets "No matching distribution".
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+    echo "need Python 3.11 for the openYuanrong wheels (cp311 only); '$PYTHON' is" \
+        "$("$PYTHON" -V 2>/dev/null || echo missing). Pass --python python3.11." >&2
+    exit 2
+fi
+
 # installed_version VENV DIST -> prints the version or nothing
 installed_version() {
     local venv="$1" dist="$2"

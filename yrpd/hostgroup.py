@@ -197,7 +197,7 @@ class SshRunner:
             ssh_config = Path(self.options.config_file).expanduser()
             config = Config(runtime_ssh_path=str(ssh_config)) if ssh_config.is_file() else Config()
             config.load_ssh_config()
-            connect_kwargs: dict = {"timeout": self.options.connect_timeout, "banner_timeout": self.options.connect_timeout,
+            connect_kwargs: dict = {"banner_timeout": self.options.connect_timeout,
                                     "auth_timeout": self.options.connect_timeout}
             identity = self.host.identity or self.options.identity
             if identity:

@@ -9,6 +9,8 @@ import pytest
 
 from .fakehosts import SSHD, FakeHostLab, cleanup_stale
 
+__all__ = ["fake_lab"]
+
 _TOOLS = ("ip", "unshare", "nsenter", "ssh-keygen")
 
 

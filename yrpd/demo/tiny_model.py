@@ -178,11 +178,12 @@ def build(out_dir: Path, force: bool = False) -> Path:
                     std = RECIPE["init_std"]
                 param.normal_(0.0, std, generator=gen)
         model = model.to(torch.bfloat16)
-        model.config.torch_dtype = torch.bfloat16
+        model.config.dtype = torch.bfloat16
         model.save_pretrained(tmp, safe_serialization=True)
         (tmp / RECIPE_FILE).write_text(json.dumps(
             {"recipe_hash": want, "recipe": RECIPE, "corpus_digest": digest, "corpus_files": len(files)},
             indent=2, sort_keys=True) + "\n")
+        tmp.chmod(0o755)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)

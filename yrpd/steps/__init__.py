@@ -78,6 +78,8 @@ def host_python(script_name: str, args: dict, timeout: float = 120) -> Command:
     script = (
         'command -v python3 >/dev/null 2>&1 || { echo "python3 not found on PATH ($PATH); install python3 (3.8+)" >&2; exit 127; }\n'
         f"python3 - {arg} <<'YRPD_SCRIPT_END'\n{body}\nYRPD_SCRIPT_END\n"
+        # keep the script's status even when a caller appends commands after it
+        "status=$?; [ $status -eq 0 ] || exit $status\n"
     )
     return Command(script=script, display=f"python3 deploy_scripts/{script_name} {arg}", timeout=timeout)
 

@@ -1,0 +1,260 @@
+"""Golden tests for yrpd.cluster.yrconfig (config.toml for `yr start` and the yr command lines).
+
+Regenerate the goldens after an intended change with:
+    YRPD_UPDATE_GOLDEN=1 python -m pytest tests/unit/test_yrconfig.py
+and review the diff: the semantic tests below must still pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from yrpd.cluster.yrconfig import (
+    YR_CLI_SHIM,
+    YrNode,
+    YrPorts,
+    components,
+    health_command,
+    listen_ports,
+    render_config,
+    start_command,
+    stop_command,
+    validate,
+)
+
+GOLDEN = Path(__file__).parent / "golden" / "yrconfig"
+UPDATE = os.environ.get("YRPD_UPDATE_GOLDEN") == "1"
+
+MASTER_IP, AGENT_IP = "10.0.0.1", "10.0.0.2"
+DEPLOY = "/var/lib/yrpd/yr-session"
+
+
+def node(mode: str, is_master: bool) -> YrNode:
+    return YrNode(
+        host_ip=MASTER_IP if is_master else AGENT_IP,
+        is_master=is_master,
+        master_ip=MASTER_IP,
+        deploy_path=DEPLOY,
+        mode=mode,
+    )
+
+
+CASES = [(mode, role) for mode in ("ds_only", "full") for role in ("master", "agent")]
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if UPDATE:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"missing golden {path}; run with YRPD_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"{name} differs from its golden; run with YRPD_UPDATE_GOLDEN=1 and review"
+
+
+@pytest.mark.parametrize("mode,role", CASES)
+def test_config_golden(mode, role):
+    check_golden(f"{mode}_{role}.toml", render_config(node(mode, role == "master")))
+
+
+def test_commands_golden():
+    lines = []
+    for role in ("master", "agent"):
+        n = node("ds_only", role == "master")
+        lines += [
+            f"# {role}",
+            start_command(n).shell(),
+            health_command(n).shell(),
+            stop_command(n).shell(),
+            stop_command(n, force=True).shell(),
+        ]
+    check_golden("commands.txt", "\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("mode,role", CASES)
+def test_config_semantics(mode, role):
+    n = node(mode, role == "master")
+    cfg = tomllib.loads(render_config(n))
+    values = cfg["values"]
+    assert values["host_ip"] == n.host_ip
+    assert values["deploy_path"] == DEPLOY
+    # every address yr needs is pinned as a plain int (no check_port() templates left)
+    assert values["etcd"]["address"] == [{"ip": MASTER_IP, "port": 32379, "peer_port": 32380}]
+    assert values["ds_master"] == {"ip": MASTER_IP, "port": 12123}
+    assert values["ds_worker"] == {"ip": n.host_ip, "port": 31501}
+    assert values["function_master"] == {"ip": MASTER_IP, "global_scheduler_port": 22770}
+    assert values["function_proxy"]["ip"] == values["function_agent"]["ip"] == n.host_ip
+
+    table = cfg["mode"][role]
+    assert set(cfg["mode"]) == {role}
+    assert table["ds_worker"] is True
+    assert table.get("etcd", False) is (role == "master")
+    assert table.get("ds_master", False) is (role == "master")
+    for fs in ("function_proxy", "function_agent") + (("function_master",) if role == "master" else ()):
+        assert table[fs] is (mode == "full")
+    assert not any(table[c] for c in ("frontend", "dashboard", "collector", "meta_service", "function_scheduler"))
+
+    assert cfg["ds_worker"]["args"]["memory_reclamation_time_second"] == 5
+    ds_sections = [s for s in ("ds_master", "ds_worker") if s in cfg and "bin_path" in cfg[s]]
+    if mode == "ds_only":
+        assert ds_sections == (["ds_master", "ds_worker"] if role == "master" else ["ds_worker"])
+        ds_pkg = "/opt/yrpd/venvs/ds/lib/python3.11/site-packages/yr/datasystem"
+        for s in ds_sections:
+            assert cfg[s]["bin_path"] == f"{ds_pkg}/datasystem_worker"
+            assert cfg[s]["env"]["LD_LIBRARY_PATH"] == f"{ds_pkg}/lib"  # never the yr package's libs
+        assert "ld_library_path" not in values
+    else:
+        assert ds_sections == []  # full mode keeps the yr package's own datasystem
+        assert values["ld_library_path"] == n.yr_pkg_dir
+
+
+def test_start_commands():
+    m, a = node("ds_only", True), node("ds_only", False)
+    for n in (m, a):
+        cmd = start_command(n)
+        assert cmd.env == {"LD_LIBRARY_PATH": "/opt/yrpd/venvs/yr/lib/python3.11/site-packages/yr"}
+        assert cmd.argv[:3] == ("/opt/yrpd/venvs/yr/bin/python", "-c", YR_CLI_SHIM)
+        assert cmd.argv[3:6] == ("-c", f"{DEPLOY}/config.toml", "start")
+        assert "--master_address" not in cmd.argv  # agents join through their config
+    assert start_command(m).argv[-1] == "--master"
+    assert "--master" not in start_command(a).argv
+    assert start_command(a, "/etc/x.toml").argv[4] == "/etc/x.toml"
+    assert stop_command(m).argv == ("/opt/yrpd/venvs/yr/bin/yr", "stop", "-f", f"{DEPLOY}/session.json")
+    assert stop_command(m, force=True).argv[2] == "--force"
+    assert health_command(a).argv[1:] == ("health", "-f", f"{DEPLOY}/session.json")
+
+
+def test_shim_hides_ld_library_path_from_children(tmp_path):
+    """The start shim runs yr's main() with LD_LIBRARY_PATH gone from os.environ (children inherit os.environ)."""
+    pkg = tmp_path / "yr" / "cli"
+    pkg.mkdir(parents=True)
+    (tmp_path / "yr" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "main.py").write_text(
+        "import os, subprocess, sys\n"
+        "def main():\n"
+        "    child = subprocess.run([sys.executable, '-c', 'import os; print(os.environ.get(\"LD_LIBRARY_PATH\"))'],\n"
+        "                           capture_output=True, text=True).stdout.strip()\n"
+        "    print(sys.argv[0], sys.argv[1:], child)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "LD_LIBRARY_PATH": "/somewhere"}
+    out = subprocess.run(
+        [sys.executable, "-c", YR_CLI_SHIM, "-c", "cfg.toml", "start", "--master"],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    assert out == "yr ['-c', 'cfg.toml', 'start', '--master'] None"
+
+
+def test_listen_ports_and_components():
+    assert listen_ports(node("ds_only", True)) == {
+        "etcd_client": 32379, "etcd_peer": 32380, "ds_master": 12123, "ds_worker": 31501,
+    }
+    assert listen_ports(node("ds_only", False)) == {"ds_worker": 31501}
+    assert set(listen_ports(node("full", False))) == {
+        "ds_worker", "function_proxy", "function_proxy_grpc", "function_proxy_exec_grpc", "function_agent",
+    }
+    assert len(listen_ports(node("full", True))) == 9
+    assert components(node("ds_only", False))["function_proxy"] is False
+
+
+def test_agent_with_its_own_ports_points_at_master_ports():
+    """Two nodes on one host (tests): the agent listens on its own ports, joins the master's."""
+    master_ports = YrPorts(etcd_client=24379, etcd_peer=24380, ds_master=24123, ds_worker=24501)
+    a = YrNode(host_ip="127.0.0.1", is_master=False, master_ip="127.0.0.1", deploy_path="/tmp/a",
+               ports=YrPorts(ds_worker=24502), master_ports=master_ports)
+    cfg = tomllib.loads(render_config(a))
+    assert cfg["values"]["etcd"]["address"][0]["port"] == 24379
+    assert cfg["values"]["ds_master"]["port"] == 24123
+    assert cfg["values"]["ds_worker"] == {"ip": "127.0.0.1", "port": 24502}
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"mode": "fast"}, "mode must be"),
+        ({"host_ip": "0.0.0.0"}, "routable"),
+        ({"host_ip": "node1"}, "IP address"),
+        ({"master_ip": "10.0.0.9"}, "master_ip"),
+        ({"deploy_path": "relative/dir"}, "absolute"),
+        ({"ports": YrPorts(ds_worker=12123)}, "share a port"),
+        ({"ports": YrPorts(etcd_client=70000)}, "out of range"),
+        ({"shared_memory_mb": 0}, "shared_memory_mb"),
+    ],
+)
+def test_validate_rejects(change, message):
+    with pytest.raises(ValueError, match=message):
+        validate(replace(node("ds_only", True), **change))
+
+
+def test_agent_port_clash_only_counts_its_own_components():
+    # an agent runs no ds_master: reusing that port number for its ds_worker is fine
+    validate(replace(node("ds_only", False), ports=YrPorts(ds_worker=12123)))
+
+
+YR = Path("/opt/yrpd/venvs/yr")
+
+# Resolve several config files the way `yr -c FILE config dump` does, in one process (~1.5 s).
+DUMP = """
+import json, sys
+from pathlib import Path
+import yr.cli
+from yr.cli.config import ConfigResolver
+cli_dir = Path(yr.cli.__file__).parent
+print(json.dumps([ConfigResolver(Path(f), cli_dir).rendered_config for f in sys.argv[1:]]))
+"""
+
+
+@pytest.fixture(scope="module")
+def yr_dumps(tmp_path_factory):
+    if not (YR / "bin" / "yr").exists():
+        pytest.skip("yr venv not installed (scripts/install_openyuanrong.sh)")
+    tmp = tmp_path_factory.mktemp("yrdump")
+    files, nodes = [], []
+    for mode, role in CASES:
+        n = replace(node(mode, role == "master"), deploy_path=str(tmp / f"{mode}-{role}"))
+        f = tmp / f"{mode}-{role}.toml"
+        f.write_text(render_config(n))
+        files.append(str(f))
+        nodes.append(n)
+    env = {**os.environ, **start_command(nodes[0]).env}
+    proc = subprocess.run([str(YR / "bin" / "python"), "-c", DUMP, *files],
+                          env=env, capture_output=True, text=True, timeout=120, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return dict(zip(CASES, zip(nodes, json.loads(proc.stdout))))
+
+
+@pytest.mark.parametrize("mode,role", CASES)
+def test_real_yr_resolves_it(yr_dumps, mode, role):
+    """The installed yr CLI merges our file with values.toml / config.toml.jinja the way we expect."""
+    n, dumped = yr_dumps[(mode, role)]
+    on = {k for k, v in dumped["mode"][role].items() if v}
+    assert on == {k for k, v in components(n).items() if v}
+    worker = dumped["ds_worker"]["args"]
+    assert worker["worker_address"] == f"{n.host_ip}:31501"
+    assert worker["master_address"] == f"{MASTER_IP}:12123"
+    assert worker["etcd_address"] == f"{MASTER_IP}:32379"
+    assert worker["memory_reclamation_time_second"] == 5
+    assert worker["shared_memory_size_mb"] == 1024
+    assert worker["log_dir"] == f"{n.deploy_path}/logs/data_system/worker"
+    if mode == "ds_only":
+        assert dumped["ds_worker"]["bin_path"] == n.ds_worker_bin
+        assert dumped["ds_worker"]["env"]["LD_LIBRARY_PATH"] == n.ds_lib_dir
+    else:
+        assert dumped["ds_worker"]["bin_path"] == f"{n.yr_pkg_dir}/datasystem/datasystem_worker"
+        assert dumped["function_proxy"]["args"]["address"] == f"{n.host_ip}:22772"
+        assert dumped["function_proxy"]["args"]["global_scheduler_address"] == f"{MASTER_IP}:22770"
+        assert dumped["function_agent"]["args"]["agent_address"] == f"{n.host_ip}:58866"
+        assert dumped["function_agent"]["args"]["runtime_ld_library_path"] == n.yr_pkg_dir
+    if role == "master":
+        assert dumped["etcd"]["args"]["listen-client-urls"] == f"http://{MASTER_IP}:32379"
+        assert dumped["etcd"]["args"]["listen-peer-urls"] == f"http://{MASTER_IP}:32380"
+        assert dumped["ds_master"]["args"]["master_address"] == f"{MASTER_IP}:12123"
+        if mode == "ds_only":
+            assert dumped["ds_master"]["bin_path"] == n.ds_worker_bin

@@ -1,0 +1,146 @@
+"""Content-addressed, namespaced keys for KV cache blocks (pure Python, no vLLM needed).
+
+A block key names the KV of one full block of one layer group on one TP rank:
+
+    yrpd_<namespace digest, 16 hex>_<prefix digest, 32 hex>
+
+* The prefix digest chains over the token ids of every block up to and including this one,
+  seeded with the request's extra identity (LoRA adapter, cache salt), so equal keys mean
+  equal token prefixes, and a block's key never depends on how prefill was chunked.
+* The namespace digest covers everything that changes the bytes stored for a block: model
+  identity, KV dtype, memory layout, block size, block shape, TP rank/size and layer group.
+  Two models or layouts sharing one data system can never read each other's blocks.
+
+Only full blocks get keys. A request of n prompt tokens exposes at most
+`loadable_blocks(n, block_size)` = floor((n - 1) / block_size) blocks to a loader, because the
+engine must compute at least the last prompt token itself to get logits; for
+n = k * block_size + 1 that is all k full blocks (no off-by-one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Sequence
+
+KEY_PREFIX = "yrpd"
+NS_HEX = 16
+PREFIX_HEX = 32
+_KEY_RE = re.compile(rf"^{KEY_PREFIX}_[0-9a-f]{{{NS_HEX}}}_[0-9a-f]{{{PREFIX_HEX}}}$")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for two engines to share a stored block."""
+
+    model: str  # model identity (explicit model_id, or name + config digest)
+    kv_dtype: str  # e.g. "bfloat16"
+    layout: str  # e.g. "cpu-kt-v" (CPU tile layout), "npu-kv-split"
+    block_size: int
+    block_shape: tuple = ()  # per-layer block tile shape, e.g. (2, 128, 64)
+    num_layers: int = 0  # layers stored under one key
+    tp_rank: int = 0
+    tp_size: int = 1
+    layer_group: int = 0
+    extra: dict = field(default_factory=dict)  # pp rank, version, user-defined partition
+
+    def canonical(self) -> str:
+        data = asdict(self)
+        data["block_shape"] = list(self.block_shape)
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.canonical().encode()).hexdigest()[:NS_HEX]
+
+
+def model_identity(name_or_path: str, hf_config: dict | None = None, model_id: str | None = None) -> str:
+    """Model identity used in the namespace.
+
+    An explicit `model_id` (set by the deployer, e.g. name plus weights digest) wins. Otherwise the
+    last path component of the model plus a digest of its architecture config, so the same model
+    mounted at different paths on prefill and decode hosts still matches.
+    """
+    if model_id:
+        return str(model_id)
+    base = name_or_path.rstrip("/").split("/")[-1] or name_or_path
+    if not hf_config:
+        return base
+    blob = json.dumps(hf_config, sort_keys=True, default=str, separators=(",", ":"))
+    return f"{base}#{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+
+def chain_seed(extra: Sequence[object] | None = None) -> bytes:
+    """Seed of the prefix chain: identity of the request beyond its token ids."""
+    h = hashlib.sha256(b"yrpd-kv-chain-v1")
+    for item in extra or ():
+        piece = repr(item).encode()
+        h.update(struct.pack("<I", len(piece)))
+        h.update(piece)
+    return h.digest()
+
+
+def prefix_digests(token_ids: Sequence[int], block_size: int, num_blocks: int | None = None,
+                   extra: Sequence[object] | None = None) -> list[str]:
+    """Chained digests of the first `num_blocks` full blocks (default: all full blocks)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    full = len(token_ids) // block_size
+    n = full if num_blocks is None else min(num_blocks, full)
+    out: list[str] = []
+    prev = chain_seed(extra)
+    for b in range(n):
+        chunk = token_ids[b * block_size:(b + 1) * block_size]
+        h = hashlib.sha256(prev)
+        h.update(struct.pack(f"<{block_size}q", *chunk))
+        prev = h.digest()
+        out.append(prev.hex()[:PREFIX_HEX])
+    return out
+
+
+def block_keys(ns: Namespace | str, token_ids: Sequence[int], block_size: int, num_blocks: int | None = None,
+               extra: Sequence[object] | None = None) -> list[str]:
+    ns_digest = ns if isinstance(ns, str) else ns.digest
+    return [f"{KEY_PREFIX}_{ns_digest}_{d}" for d in prefix_digests(token_ids, block_size, num_blocks, extra)]
+
+
+def is_block_key(key: str) -> bool:
+    return bool(_KEY_RE.match(key))
+
+
+def full_blocks(num_tokens: int, block_size: int) -> int:
+    """Number of complete blocks covered by num_tokens tokens."""
+    return max(0, num_tokens) // block_size
+
+
+def loadable_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Most leading blocks a loader may take: the last prompt token is always computed locally."""
+    if num_prompt_tokens <= 1:
+        return 0
+    return (num_prompt_tokens - 1) // block_size
+
+
+def saveable_range(num_prompt_tokens: int, computed_before: int, computed_after: int,
+                   block_size: int) -> range:
+    """Block indices that become complete (and belong to the prompt) in a step that takes the
+    request from `computed_before` to `computed_after` computed tokens.
+
+    Used by producers under chunked prefill: each chunk saves exactly the prompt blocks it
+    completed, and a block is never saved twice by the same request.
+    """
+    lo = full_blocks(min(computed_before, num_prompt_tokens), block_size)
+    hi = full_blocks(min(computed_after, num_prompt_tokens), block_size)
+    return range(lo, max(lo, hi))
+
+
+def leading_hits(exists: Iterable[bool]) -> int:
+    """Length of the leading run of True values (only a contiguous prefix can be used)."""
+    n = 0
+    for e in exists:
+        if not e:
+            break
+        n += 1
+    return n
