@@ -1,0 +1,433 @@
+"""Moving whole KV blocks in and out of the openYuanrong data system.
+
+One small interface, two implementations:
+
+* `HostTransport` - `yr.datasystem.KVClient`: batched `mcreate` + copy into the shared-memory
+  buffers + `mset_buffer` to save, zero-copy `get_read_only_buffers` + one copy into the paged
+  KV cache to load. Used for CPU KV caches (and as the staging path for accelerator tensors).
+* `NpuTransport` - the data system's device client (`HeteroClient`, which `DsTensorClient`
+  wraps): `mset_d2h` / `mget_h2d` with one `DeviceBlobList` per key, whose blobs are the block's
+  slices of every layer's K/V cache on the NPU. Needs Ascend + CANN; only the argument building
+  (`device_blob_lists`) runs elsewhere.
+
+A stored value is the concatenation, in a fixed order (layers sorted by index, then K/V parts),
+of the raw bytes of one block of every part: a bit-exact copy of whole blocks, whatever the
+layout inside a block (on CPU: K transposed inside each (block, head) tile, then V).
+
+`DsConnection` wraps a client with failure handling: connection-level errors (worker gone,
+timeouts) mark the data system down; while down, callers skip it (lookups miss, saves are
+dropped, loads fail fast -> recompute) and a background thread reconnects after a backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+logger = logging.getLogger("yrpd.connector")
+
+# Substrings of data-system status messages that mean "the key is not there" (a miss, not a fault).
+_MISS_MARKERS = ("key not found", "not exist", "k_not_found", "object not found")
+# ... and those that mean the connection/worker is unusable.
+_DOWN_MARKERS = ("rpc unavailable", "uds_connect_failed", "timeout", "timed out", "try again",
+                 "connection", "not responded", "rpc_recv", "disconnect", "client is not init",
+                 "shutdown")
+
+
+class TransportError(RuntimeError):
+    """A data-system operation failed (the caller falls back: miss / drop / recompute)."""
+
+
+class DsUnavailable(TransportError):
+    """The data system is (currently) unreachable."""
+
+
+def classify_error(exc: BaseException) -> str:
+    """'miss' | 'down' | 'error' for an exception raised by a data-system client."""
+    text = str(exc).lower()
+    if any(m in text for m in _MISS_MARKERS):
+        return "miss"
+    if any(m in text for m in _DOWN_MARKERS):
+        return "down"
+    return "error"
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where the bytes of one block live: `parts` are per-layer (or per-layer-K/V) cache tensors
+    indexed by block id on dim 0; a stored value is the concatenation of part[block] over parts."""
+
+    part_nbytes: tuple  # bytes of one block of each part
+    offsets: tuple  # byte offset of each part inside a stored value
+
+    @property
+    def block_nbytes(self) -> int:
+        return sum(self.part_nbytes)
+
+    @classmethod
+    def from_sizes(cls, sizes: Sequence[int]) -> "BlockLayout":
+        offs, o = [], 0
+        for s in sizes:
+            offs.append(o)
+            o += int(s)
+        return cls(tuple(int(s) for s in sizes), tuple(offs))
+
+
+def split_kv_parts(kv_cache: Any, num_blocks: int | None = None) -> list:
+    """Normalise one layer's KV cache into tensors indexed by block on dim 0.
+
+    Accepts the layouts vLLM backends use: one tensor (num_blocks, ...) (CPU:
+    (num_blocks, kv_heads, block_size, 2*head_size)); one tensor (2, num_blocks, ...) (K and V
+    stacked in front); or a tuple/list of per-K/V tensors (num_blocks, ...) (vllm-ascend).
+    """
+    if isinstance(kv_cache, (list, tuple)):
+        out = []
+        for t in kv_cache:
+            out.extend(split_kv_parts(t, num_blocks))
+        return out
+    shape = tuple(kv_cache.shape)
+    if num_blocks is not None and len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks \
+            and shape[0] != num_blocks:
+        return [kv_cache[0], kv_cache[1]]
+    return [kv_cache]
+
+
+def part_block_nbytes(part: Any) -> int:
+    n = 1
+    for d in tuple(part.shape)[1:]:
+        n *= int(d)
+    return n * part.element_size()
+
+
+def check_block_contiguous(part: Any) -> bool:
+    """Each block slice part[b] must be one contiguous range of memory."""
+    return bool(part[0].is_contiguous()) if part.shape[0] > 0 else True
+
+
+# ---------------------------------------------------------------------------------------------
+# NPU argument building (pure, unit-tested on CPU tensors)
+# ---------------------------------------------------------------------------------------------
+
+def block_blobs(parts: Sequence[Any], block_id: int) -> list[tuple[int, int]]:
+    """(address, nbytes) of block `block_id` in every part, in value order."""
+    out = []
+    for p in parts:
+        if not (0 <= block_id < p.shape[0]):
+            raise IndexError(f"block {block_id} out of range for a cache of {p.shape[0]} blocks")
+        stride_bytes = p.stride(0) * p.element_size()
+        out.append((p.data_ptr() + block_id * stride_bytes, part_block_nbytes(p)))
+    return out
+
+
+def device_blob_lists(parts: Sequence[Any], block_ids: Sequence[int], device_id: int,
+                      blob_cls: Callable, dbl_cls: Callable) -> list:
+    """One DeviceBlobList per block for HeteroClient.mset_d2h / mget_h2d.
+
+    blob_cls(dev_ptr, size) and dbl_cls(dev_idx, blob_list) are the data system's `Blob` and
+    `DeviceBlobList` (injected so this runs and is tested without the NPU runtime).
+    """
+    if device_id is None or device_id < 0:
+        raise ValueError("device_id must be a non-negative device index")
+    lists = []
+    for b in block_ids:
+        lists.append(dbl_cls(int(device_id), [blob_cls(ptr, size) for ptr, size in block_blobs(parts, b)]))
+    return lists
+
+
+def set_param_for(ttl_seconds: int, set_param_cls: Callable, write_mode: Any = None):
+    sp = set_param_cls()
+    sp.ttl_second = int(ttl_seconds)
+    if write_mode is not None:
+        sp.write_mode = write_mode
+    return sp
+
+
+# ---------------------------------------------------------------------------------------------
+# Connection with failure handling
+# ---------------------------------------------------------------------------------------------
+
+class DsConnection:
+    """A data-system client plus health state. Not thread-safe: use one per thread."""
+
+    def __init__(self, factory: Callable[[], Any], name: str, backoff_s: float = 5.0,
+                 on_event: Callable[[str], None] | None = None) -> None:
+        self._factory = factory
+        self.name = name
+        self.backoff_s = backoff_s
+        self._on_event = on_event or (lambda _e: None)
+        self._client: Any = None
+        self._down_since: float | None = None
+        self._last_error = ""
+        self._lock = threading.Lock()
+        self._reconnecting = False
+        self._closed = False
+
+    # -- state --------------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self._client is not None and self._down_since is None
+
+    @property
+    def last_error(self) -> str:
+        return self._last_error
+
+    def connect(self) -> bool:
+        """Synchronous first connect (at startup). On failure, reconnects in the background."""
+        try:
+            client = self._factory()
+        except Exception as e:  # noqa: BLE001 - any client failure means "not connected"
+            self._mark_down(e)
+            return False
+        self._client = client
+        self._down_since = None
+        return True
+
+    def _mark_down(self, exc: BaseException) -> None:
+        self._last_error = str(exc)[:300]
+        first = self._down_since is None
+        self._down_since = time.monotonic()
+        if first:
+            logger.warning("yrpd connector: data system %s unavailable (%s); falling back to recompute, "
+                           "retrying every %.1fs", self.name, self._last_error, self.backoff_s)
+            self._on_event("down")
+        self._start_reconnect()
+
+    def _start_reconnect(self) -> None:
+        with self._lock:
+            if self._reconnecting or self._closed:
+                return
+            self._reconnecting = True
+        threading.Thread(target=self._reconnect_loop, name=f"yrpd-ds-reconnect-{self.name}", daemon=True).start()
+
+    def _reconnect_loop(self) -> None:
+        try:
+            while not self._closed:
+                time.sleep(self.backoff_s)
+                if self._closed:
+                    return
+                try:
+                    client = self._factory()
+                    status = client.health_check() if hasattr(client, "health_check") else None
+                    if status is not None and hasattr(status, "is_ok") and not status.is_ok():
+                        raise DsUnavailable(status.to_string() if hasattr(status, "to_string") else "unhealthy")
+                except Exception as e:  # noqa: BLE001
+                    self._last_error = str(e)[:300]
+                    continue
+                self._client = client
+                self._down_since = None
+                logger.info("yrpd connector: data system %s reachable again", self.name)
+                self._on_event("up")
+                return
+        finally:
+            with self._lock:
+                self._reconnecting = False
+
+    def call(self, op: str, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(client). Raises DsUnavailable when down (fast) and TransportError on failure;
+        connection-level failures mark the connection down."""
+        client = self._client
+        if client is None or self._down_since is not None:
+            raise DsUnavailable(f"data system {self.name} unavailable: {self._last_error}")
+        try:
+            return fn(client)
+        except Exception as e:  # noqa: BLE001
+            kind = classify_error(e)
+            if kind == "down":
+                self._mark_down(e)
+                raise DsUnavailable(f"{op}: {e}") from e
+            if kind == "miss":
+                raise KeyError(str(e)) from e
+            self._on_event("error")
+            raise TransportError(f"{op}: {e}") from e
+
+    def close(self) -> None:
+        self._closed = True
+        self._client = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Transports
+# ---------------------------------------------------------------------------------------------
+
+class Transport:
+    """Interface. keys[i] names the value made of block block_ids[i] of every part."""
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        raise NotImplementedError
+
+    def save(self, keys: Sequence[str], values: Any, ttl_seconds: int) -> int:
+        """Store values[i] (bytes-like, block_nbytes each) under keys[i]; returns bytes written."""
+        raise NotImplementedError
+
+    def load(self, keys: Sequence[str], parts: Sequence[Any], layout: BlockLayout,
+             block_ids: Sequence[int]) -> list[bool]:
+        """Copy the stored value of keys[i] into block block_ids[i] of every part; per-key success."""
+        raise NotImplementedError
+
+    def delete(self, keys: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    def expire(self, keys: Sequence[str], ttl_seconds: int) -> None:
+        raise NotImplementedError
+
+
+def _u8(t: Any):
+    import torch
+
+    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.reshape(-1)
+
+
+class HostTransport(Transport):
+    """KVClient shared-memory path (CPU tensors)."""
+
+    def __init__(self, conn: DsConnection, max_batch_keys: int = 512, get_timeout_ms: int = 0) -> None:
+        self.conn = conn
+        self.max_batch_keys = max_batch_keys
+        self.get_timeout_ms = get_timeout_ms
+
+    def _batches(self, n: int):
+        step = self.max_batch_keys
+        for i in range(0, n, step):
+            yield i, min(n, i + step)
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        out: list[bool] = []
+        for lo, hi in self._batches(len(keys)):
+            batch = list(keys[lo:hi])
+            res = self.conn.call("exist", lambda c: c.exist(batch))
+            out.extend(bool(x) for x in res)
+        return out
+
+    def save(self, keys: Sequence[str], values: Any, ttl_seconds: int) -> int:
+        """values: a 2-D uint8 tensor (n, block_nbytes) or a list of 1-D uint8 tensors."""
+        import torch
+
+        written = 0
+        for lo, hi in self._batches(len(keys)):
+            batch = list(keys[lo:hi])
+            sizes = [int(values[i].numel()) for i in range(lo, hi)]
+            bufs = self.conn.call("mcreate", lambda c: c.mcreate(batch, sizes, ttl_second=int(ttl_seconds)))
+            for j, buf in enumerate(bufs):
+                dst = torch.frombuffer(memoryview(buf.MutableData()), dtype=torch.uint8)
+                if dst.numel() != sizes[j]:
+                    raise TransportError(f"mcreate gave {dst.numel()} bytes for {batch[j]}, wanted {sizes[j]}")
+                dst.copy_(values[lo + j])
+            self.conn.call("mset_buffer", lambda c: c.mset_buffer(bufs))
+            written += sum(sizes)
+        return written
+
+    def load(self, keys: Sequence[str], parts: Sequence[Any], layout: BlockLayout,
+             block_ids: Sequence[int]) -> list[bool]:
+        import torch
+
+        ok = [False] * len(keys)
+        for lo, hi in self._batches(len(keys)):
+            batch = list(keys[lo:hi])
+            try:
+                bufs = self.conn.call("get", lambda c: c.get_read_only_buffers(batch, self.get_timeout_ms))
+            except KeyError:
+                continue  # none of this batch exists
+            for j, buf in enumerate(bufs):
+                if buf is None:
+                    continue
+                view = buf.immutable_data()
+                if len(view) != layout.block_nbytes:
+                    logger.warning("yrpd connector: %s has %d bytes, expected %d; not loading it",
+                                   batch[j], len(view), layout.block_nbytes)
+                    continue
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # read-only buffer; we only read it
+                    src = torch.frombuffer(view, dtype=torch.uint8)
+                b = block_ids[lo + j]
+                for p, off, size in zip(parts, layout.offsets, layout.part_nbytes):
+                    _u8(p[b]).copy_(src[off:off + size])
+                ok[lo + j] = True
+        return ok
+
+    def delete(self, keys: Sequence[str]) -> None:
+        for lo, hi in self._batches(len(keys)):
+            batch = list(keys[lo:hi])
+            self.conn.call("delete", lambda c: c.delete(batch))
+
+    def expire(self, keys: Sequence[str], ttl_seconds: int) -> None:
+        for lo, hi in self._batches(len(keys)):
+            batch = list(keys[lo:hi])
+            self.conn.call("expire", lambda c: c.expire(batch, int(ttl_seconds)))
+
+
+class NpuTransport(Transport):
+    """Device path through the data system's heterogeneous client (Ascend NPU only).
+
+    Saves go device -> host memory of the data system (`mset_d2h`), loads host -> device
+    (`mget_h2d`), one DeviceBlobList per block key gathering that block of every layer. Cannot
+    run without CANN; `save_blocks`/`load_blocks` take block ids instead of staged bytes because
+    the device client copies straight out of / into the paged cache.
+    """
+
+    def __init__(self, conn: DsConnection, device_id: int, blob_cls: Callable, dbl_cls: Callable,
+                 set_param_cls: Callable, get_timeout_ms: int = 0) -> None:
+        self.conn = conn
+        self.device_id = device_id
+        self.blob_cls = blob_cls
+        self.dbl_cls = dbl_cls
+        self.set_param_cls = set_param_cls
+        self.get_timeout_ms = get_timeout_ms
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        batch = list(keys)
+        return [bool(x) for x in self.conn.call("exist", lambda c: c.exist(batch))]
+
+    def save_blocks(self, keys: Sequence[str], parts: Sequence[Any], block_ids: Sequence[int],
+                    ttl_seconds: int) -> int:
+        dbls = device_blob_lists(parts, block_ids, self.device_id, self.blob_cls, self.dbl_cls)
+        sp = set_param_for(ttl_seconds, self.set_param_cls)
+        batch = list(keys)
+        self.conn.call("mset_d2h", lambda c: c.mset_d2h(batch, dbls, sp))
+        return sum(size for d in dbls for size in (b.size for b in d.blob_list))
+
+    def load(self, keys: Sequence[str], parts: Sequence[Any], layout: BlockLayout,
+             block_ids: Sequence[int]) -> list[bool]:
+        dbls = device_blob_lists(parts, block_ids, self.device_id, self.blob_cls, self.dbl_cls)
+        batch = list(keys)
+        try:
+            failed = self.conn.call("mget_h2d", lambda c: c.mget_h2d(batch, dbls, self.get_timeout_ms))
+        except KeyError:
+            return [False] * len(batch)
+        failed_set = set(failed or ())
+        return [k not in failed_set for k in batch]
+
+    def delete(self, keys: Sequence[str]) -> None:
+        batch = list(keys)
+        self.conn.call("delete", lambda c: c.delete(batch))
+
+    def expire(self, keys: Sequence[str], ttl_seconds: int) -> None:
+        return None  # the device client has no expire; entries carry their TTL from mset_d2h
+
+
+def kvclient_factory(host: str, port: int, connect_timeout_ms: int, request_timeout_ms: int,
+                     exclusive: bool) -> Callable[[], Any]:
+    def make():
+        from yr.datasystem import KVClient
+
+        client = KVClient(host, port, connect_timeout_ms=connect_timeout_ms, req_timeout_ms=request_timeout_ms,
+                          enable_exclusive_connection=exclusive)
+        client.init()
+        return client
+
+    return make
+
+
+def hetero_client_factory(host: str, port: int, connect_timeout_ms: int, request_timeout_ms: int
+                          ) -> Callable[[], Any]:
+    def make():
+        from yr.datasystem import HeteroClient
+
+        client = HeteroClient(host, port, connect_timeout_ms=connect_timeout_ms, req_timeout_ms=request_timeout_ms)
+        client.init()
+        return client
+
+    return make
