@@ -51,7 +51,8 @@ def owner(inode):
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
                     cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-                    return f"pid {pid} ({cmd.strip()[:60]})"
+                    cmd = cmd.strip()
+                    return f"pid {pid} ({cmd if len(cmd) <= 100 else cmd[:99] + '…'})"
         except OSError:
             continue
     return "another process"

@@ -113,12 +113,27 @@ def stop(grace):
     while session_pids() and time.monotonic() < deadline:
         time.sleep(0.1)
     remaining = [{"pid": pid, "command": cmdline(pid)} for pid in session_pids()]
+    listening = listening_ports()
+    ports = [{"port": port, "what": what} for port, what in args.get("ports", []) if port in listening]
     run = os.path.join(session_dir, "run")
     if not remaining and os.path.isdir(run):
         for entry in os.listdir(run):
             if entry.endswith(".pid"):
                 os.unlink(os.path.join(run, entry))
-    return {"stopped": stopped, "killed_after_grace": killed, "remaining": remaining}
+    return {"stopped": stopped, "killed_after_grace": killed, "remaining": remaining, "ports_listening": ports}
+
+
+def listening_ports():
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            for line in open(table).read().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A":
+                    found.add(int(cols[1].rsplit(":", 1)[1], 16))
+        except OSError:
+            pass
+    return found
 
 
 if args["action"] == "status":
@@ -128,4 +143,6 @@ else:
     print(json.dumps(report))
     for proc in report["remaining"]:
         print(f"still running after SIGKILL: pid {proc['pid']} {proc['command']}", file=sys.stderr)
-    sys.exit(1 if report["remaining"] else 0)
+    for port in report["ports_listening"]:
+        print(f"port {port['port']} ({port['what']}) is still listening after teardown", file=sys.stderr)
+    sys.exit(1 if report["remaining"] or report["ports_listening"] else 0)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from yrpd.errors import SessionError
 from yrpd.hostgroup import Host, HostGroup, SshSettings
 from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.session import Session
-from yrpd.spec import DeploySpec, DeviceKind
+from yrpd.spec import DeploySpec, DeviceKind, HostSpec
 from yrpd.steps import StepContext, host_python
 
 
@@ -61,16 +64,41 @@ def resolve_inventory(spec: DeploySpec, group: HostGroup | None = None) -> dict[
                 kind = DeviceKind(found["kind"])
             if devices is None:
                 devices = {"npu": found["npus"], "gpu": found["gpus"], "cpu": found["cores"]}[kind.value]
-        inventory[h.name] = HostInventory(kind=kind, devices=tuple(devices or ()))
+        inventory[h.name] = HostInventory(kind=kind, devices=tuple(devices or ()), ip=host_ip(spec, h))
     return inventory
 
 
+def host_ip(spec: DeploySpec, host: HostSpec) -> str | None:
+    """The address the other hosts use to reach `host`: spec `ip`, else the SSH target resolved here.
+
+    None when it cannot be resolved from here (`yrpd plan` still works; `deploy` asks for `ip:`).
+    """
+    if host.ip:
+        return host.ip
+    if host.is_local:
+        return "127.0.0.1"
+    target = host.hostname
+    config_file = Path(spec.ssh.config_file).expanduser()
+    if config_file.is_file():
+        import paramiko
+
+        target = paramiko.SSHConfig.from_path(str(config_file)).lookup(target).get("hostname", target)
+    try:
+        return str(ipaddress.ip_address(target))
+    except ValueError:
+        pass
+    try:
+        return socket.gethostbyname(target)
+    except OSError:
+        return None
+
+
 def inventory_to_json(inventory: dict[str, HostInventory]) -> dict:
-    return {name: {"kind": inv.kind.value, "devices": list(inv.devices)} for name, inv in inventory.items()}
+    return {name: {"kind": inv.kind.value, "devices": list(inv.devices), "ip": inv.ip} for name, inv in inventory.items()}
 
 
 def inventory_from_json(data: dict) -> dict[str, HostInventory]:
-    return {name: HostInventory(DeviceKind(v["kind"]), tuple(v["devices"])) for name, v in data.items()}
+    return {name: HostInventory(DeviceKind(v["kind"]), tuple(v["devices"]), v.get("ip")) for name, v in data.items()}
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Mapping
 
 from yrpd.errors import RemoteError
 
-STDERR_TAIL_LINES = 12
+STDERR_TAIL_LINES = 20
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,12 @@ class HostResult:
         return self.error is None
 
     def tail(self, lines: int = STDERR_TAIL_LINES) -> str:
+        """The end of stderr (or stdout), keeping the first line: scripts put their headline there."""
         text = self.error or self.stderr.strip() or self.stdout.strip()
-        return "\n".join(text.splitlines()[-lines:])
+        all_lines = text.splitlines()
+        if len(all_lines) <= lines:
+            return text
+        return "\n".join([all_lines[0], "..."] + all_lines[-(lines - 1):])
 
     def summary(self) -> str:
         if self.error:

@@ -30,6 +30,7 @@ class HostInventory:
 
     kind: DeviceKind
     devices: tuple[int, ...]
+    ip: str | None = None  # address other hosts reach it at; None until resolved
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class HostPlan:
     devices: tuple[int, ...]
     used: tuple[int, ...]
     ports: dict[str, int] = field(default_factory=dict)
+    ip: str | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class Plan:
                     "devices": list(h.devices),
                     "used_devices": list(h.used),
                     "ports": dict(h.ports),
+                    "ip": h.ip,
                 }
                 for h in self.hosts
             ],
@@ -224,7 +227,8 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
         used_devices = sorted(d for i in instances for r in i.ranks if r.host == h.name for d in r.devices)
         host_ports = {"datasystem": ports.datasystem}
         if h.name == master:
-            host_ports = {"proxy": ports.proxy, "etcd": ports.etcd, "etcd_peer": ports.etcd + 1, **host_ports}
+            host_ports = {"proxy": ports.proxy, "etcd": ports.etcd, "etcd_peer": ports.etcd + 1,
+                          "ds_master": ports.ds_master, **host_ports}
         hosts.append(
             HostPlan(
                 name=h.name,
@@ -234,6 +238,7 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
                 devices=tuple(inventory[h.name].devices),
                 used=tuple(used_devices),
                 ports=host_ports,
+                ip=inventory[h.name].ip,
             )
         )
     return Plan(hosts=tuple(hosts), instances=tuple(instances), proxy_host=master, proxy_port=ports.proxy)

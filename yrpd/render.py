@@ -86,6 +86,18 @@ def status_tables(report: dict) -> list[Table]:
             procs.add_row(p["host"], p["name"], str(p["pid"] or "-"), yes_no(p["alive"], "running", "dead"),
                           str(p.get("rss_mb") or "-"))
         tables.append(procs)
+    cluster = report.get("cluster")
+    if cluster:
+        table = Table(title=f"openYuanrong cluster ({cluster['mode']} mode, master {cluster['master']}, "
+                            f"etcd {cluster['etcd']})", title_justify="left")
+        for column in ("host", "component", "pid", "state", "restarts", "ports"):
+            table.add_column(column)
+        for row in cluster["components"]:
+            state = yes_no(row["healthy"], row["state"].lower(), row["state"].lower() if row.get("alive", True) else "exited")
+            ports = ", ".join(f"{p} {'up' if up else '[red]down[/red]'}" for p, up in row["ports"].items()) or "-"
+            table.add_row(row["host"], row["component"], str(row["pid"] or "-"), state,
+                          str(row["restarts"]) if row["restarts"] is not None else "-", ports)
+        tables.append(table)
     if report["instances"]:
         inst = Table(title="Instances", title_justify="left")
         for column in ("instance", "role", "host", "devices", "port", "state"):

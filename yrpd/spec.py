@@ -7,6 +7,7 @@ Every problem becomes one `SpecError` naming the field and the fix (exit code 2)
 from __future__ import annotations
 
 import getpass
+import ipaddress
 import re
 from enum import Enum
 from pathlib import Path
@@ -31,6 +32,12 @@ class DeviceKind(str, Enum):
     npu = "npu"
     gpu = "gpu"
     cpu = "cpu"
+
+
+class ClusterMode(str, Enum):
+    auto = "auto"  # full when the function system is installed on the hosts, else ds_only
+    full = "full"
+    ds_only = "ds_only"
 
 
 class Runtime(str, Enum):
@@ -123,6 +130,8 @@ class HostSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     address: str
+    #: address the other hosts use to reach this one (cluster traffic); default: the SSH target resolved
+    ip: str | None = None
     identity: str | None = None
     device_kind: DeviceKind | None = None
     devices: list[int] | None = None
@@ -162,6 +171,7 @@ class Ports(BaseModel):
 
     proxy: int = 8000
     datasystem: int = 31501
+    ds_master: int = 12123
     etcd: int = 32379
     instance_base: int = 8100
     kv_base: int = 8300
@@ -171,7 +181,7 @@ class Ports(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "Ports":
-        for name in ("proxy", "datasystem", "etcd", "instance_base", "kv_base", "hccl_base"):
+        for name in ("proxy", "datasystem", "ds_master", "etcd", "instance_base", "kv_base", "hccl_base"):
             value = getattr(self, name)
             if not 1 <= value <= 65535:
                 raise ValueError(f"{name}: {value} is not in 1-65535")
@@ -185,6 +195,7 @@ class Ports(BaseModel):
         ranges = {
             "proxy": (self.proxy, self.proxy),
             "datasystem": (self.datasystem, self.datasystem),
+            "ds_master": (self.ds_master, self.ds_master),
             "etcd": (self.etcd, self.etcd + 1),  # client and peer port
             "instance_base": (self.instance_base, self.instance_base + self.span - 1),
             "kv_base": (self.kv_base, self.kv_base + self.span - 1),
@@ -237,6 +248,11 @@ class DeploySpec(BaseModel):
     ports: Ports = Ports()
     env: dict[str, str] = {}
     env_path: str | None = None
+    #: directory on the hosts with wheel files, for hosts without a package index
+    wheels: str | None = None
+    cluster_mode: ClusterMode = ClusterMode.auto
+    #: shared memory of each data system worker (the host-side KV cache), MB
+    datasystem_memory_mb: int = Field(1024, ge=64)
     session_root: str = "~/.yrpd/sessions"
     remote_session_root: str = "/tmp/yrpd_sessions"
     ssh: SshOptions = SshOptions()
@@ -286,6 +302,13 @@ class DeploySpec(BaseModel):
         return model.rstrip("/").rsplit("/", 1)[-1].removeprefix("builtin:")
 
     @property
+    def env_root(self) -> str:
+        """Where the environments (yr, ds, vllm venvs) live on the hosts."""
+        from yrpd.versions import DEFAULT_ENV_ROOT
+
+        return (self.env_path or DEFAULT_ENV_ROOT).rstrip("/")
+
+    @property
     def is_embedded_default(self) -> bool:
         """One local host on CPU: the demo deployment that needs no model path."""
         return len(self.hosts) == 1 and self.hosts[0].is_local and self.device_kind in (DeviceKind.auto, DeviceKind.cpu)
@@ -323,6 +346,15 @@ class DeploySpec(BaseModel):
                 raise SpecError(field, f"identity file {path} does not exist", "pass an existing private key with -i")
         if self.ssh.config_file != "~/.ssh/config" and not Path(self.ssh.config_file).expanduser().is_file():
             raise SpecError("ssh.config_file", f"{self.ssh.config_file} does not exist", "pass an existing file to --ssh-config")
+        for field, path in (("env_path", self.env_path), ("wheels", self.wheels)):
+            if path is not None and not path.startswith("/"):
+                raise SpecError(field, f"{path!r} is not an absolute path", "give the directory's absolute path on the hosts")
+        for i, host in enumerate(self.hosts):
+            if host.ip is not None:
+                try:
+                    ipaddress.ip_address(host.ip)
+                except ValueError:
+                    raise SpecError(f"hosts[{i}].ip", f"{host.ip!r} is not an IP address", "give the host's IP address") from None
         if not self.remote_session_root.startswith("/"):
             raise SpecError("remote_session_root", "must be an absolute path", "e.g. /tmp/yrpd_sessions")
         return self
@@ -422,6 +454,7 @@ def _fix_for(loc: str) -> str:
     hints = {
         "device_kind": "use auto, npu, gpu or cpu",
         "runtime": "use docker or host",
+        "cluster_mode": "use auto, full or ds_only",
     }
     if loc in hints:
         return hints[loc]

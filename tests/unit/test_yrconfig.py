@@ -119,7 +119,8 @@ def test_start_commands():
     m, a = node("ds_only", True), node("ds_only", False)
     for n in (m, a):
         cmd = start_command(n)
-        assert cmd.env == {"LD_LIBRARY_PATH": "/opt/yrpd/venvs/yr/lib/python3.11/site-packages/yr"}
+        assert cmd.env == {"LD_LIBRARY_PATH": "/opt/yrpd/venvs/yr/lib/python3.11/site-packages/yr",
+                           "YRPD_HOST_IP": n.host_ip}
         assert cmd.argv[:3] == ("/opt/yrpd/venvs/yr/bin/python", "-c", YR_CLI_SHIM)
         assert cmd.argv[3:6] == ("-c", f"{DEPLOY}/config.toml", "start")
         assert "--master_address" not in cmd.argv  # agents join through their config
@@ -137,19 +138,22 @@ def test_shim_hides_ld_library_path_from_children(tmp_path):
     pkg.mkdir(parents=True)
     (tmp_path / "yr" / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
+    (pkg / "config.py").write_text("def get_ip(dst=('8.8.8.8', 80)):\n    raise OSError(101, 'Network is unreachable')\n")
     (pkg / "main.py").write_text(
         "import os, subprocess, sys\n"
+        "from yr.cli import config\n"
         "def main():\n"
         "    child = subprocess.run([sys.executable, '-c', 'import os; print(os.environ.get(\"LD_LIBRARY_PATH\"))'],\n"
         "                           capture_output=True, text=True).stdout.strip()\n"
-        "    print(sys.argv[0], sys.argv[1:], child)\n"
+        "    print(sys.argv[0], sys.argv[1:], child, config.get_ip())\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "LD_LIBRARY_PATH": "/somewhere"}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "LD_LIBRARY_PATH": "/somewhere", "YRPD_HOST_IP": "10.9.8.7"}
     out = subprocess.run(
         [sys.executable, "-c", YR_CLI_SHIM, "-c", "cfg.toml", "start", "--master"],
         env=env, capture_output=True, text=True, check=True,
     ).stdout.strip()
-    assert out == "yr ['-c', 'cfg.toml', 'start', '--master'] None"
+    # no LD_LIBRARY_PATH for children; yr's outward address probe answered with our host_ip (no default route needed)
+    assert out == "yr ['-c', 'cfg.toml', 'start', '--master'] None 10.9.8.7"
 
 
 def test_listen_ports_and_components():

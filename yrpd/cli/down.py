@@ -39,7 +39,8 @@ def down(**params) -> int:
         else:
             outcome = info["outcome"]
             ok = [h for h in outcome.ran if outcome.results[h].ok]
-            console.print(f"      done on {', '.join(ok) or 'no host'} ({outcome.seconds:.1f}s)")
+            done = f"done on {', '.join(ok)}" if ok else "nothing to do"
+            console.print(f"      {done} ({outcome.seconds:.1f}s)")
 
     with deployment.group() as group:
         try:

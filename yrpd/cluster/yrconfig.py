@@ -43,8 +43,12 @@ _FUNCTION_COMPONENTS = ("function_master", "function_proxy", "function_agent")
 _OFF_COMPONENTS = ("frontend", "dashboard", "collector", "meta_service", "function_scheduler")
 
 # Run the yr CLI with LD_LIBRARY_PATH in effect for this process only (see module doc).
+# `yr start` also probes its address with a UDP "connect" to a public address, even when values.host_ip
+# is set, and dies with ENETUNREACH on hosts without a default route: answer that probe with our host_ip.
 YR_CLI_SHIM = (
     'import os, sys; os.environ.pop("LD_LIBRARY_PATH", None); sys.argv[0] = "yr"; '
+    'import yr.cli.config as c; ip = os.environ.get("YRPD_HOST_IP"); '
+    "c.get_ip = (lambda dst=None: ip) if ip else c.get_ip; "
     "from yr.cli.main import main; main()"
 )
 
@@ -258,7 +262,7 @@ def start_command(node: YrNode, config_file: str | None = None) -> YrCommand:
     argv = [f"{node.yr_venv}/bin/python", "-c", YR_CLI_SHIM, "-c", config_file or node.config_file, "start"]
     if node.is_master:
         argv.append("--master")
-    return YrCommand(tuple(argv), _yr_env(node))
+    return YrCommand(tuple(argv), {**_yr_env(node), "YRPD_HOST_IP": node.host_ip})
 
 
 def stop_command(node: YrNode, force: bool = False) -> YrCommand:

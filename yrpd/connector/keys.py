@@ -101,10 +101,14 @@ def prefix_digests(token_ids: Sequence[int], block_size: int, num_blocks: int | 
     return out
 
 
+def key_for(ns_digest: str, prefix_digest: str) -> str:
+    return f"{KEY_PREFIX}_{ns_digest}_{prefix_digest}"
+
+
 def block_keys(ns: Namespace | str, token_ids: Sequence[int], block_size: int, num_blocks: int | None = None,
                extra: Sequence[object] | None = None) -> list[str]:
     ns_digest = ns if isinstance(ns, str) else ns.digest
-    return [f"{KEY_PREFIX}_{ns_digest}_{d}" for d in prefix_digests(token_ids, block_size, num_blocks, extra)]
+    return [key_for(ns_digest, d) for d in prefix_digests(token_ids, block_size, num_blocks, extra)]
 
 
 def is_block_key(key: str) -> bool:

@@ -281,6 +281,38 @@ def _u8(t: Any):
     return t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.reshape(-1)
 
 
+def block_rows_u8(part: Any):
+    """(num_blocks, bytes_per_block) uint8 view of a part, or None if the part is not contiguous."""
+    import torch
+
+    if not part.is_contiguous():
+        return None
+    rows = part.view(part.shape[0], -1)
+    return rows if rows.dtype == torch.uint8 else rows.view(torch.uint8)
+
+
+def stage_blocks(parts: Sequence[Any], rows_u8: Sequence[Any], block_ids: Sequence[int]) -> list:
+    """Snapshot blocks `block_ids` of every part: one gather (index_select) per part, each a
+    single contiguous copy. Returns per part a (n, bytes_per_block) uint8 tensor; the stored value
+    of block i is the concatenation of staged[p][i] over parts (see `values_from_staged`)."""
+    import torch
+
+    idx = torch.tensor(list(block_ids), dtype=torch.long, device=parts[0].device)
+    out = []
+    for p, rows in zip(parts, rows_u8):
+        if rows is not None:
+            staged = rows.index_select(0, idx)
+        else:  # non-contiguous part: copy block by block (each block itself is contiguous)
+            staged = torch.stack([_u8(p[b]) for b in block_ids])
+        out.append(staged.cpu() if staged.device.type != "cpu" else staged)
+    return out
+
+
+def values_from_staged(staged: Sequence[Any], which: Sequence[int]) -> list:
+    """Stored values (as lists of byte pieces) of the blocks at positions `which`."""
+    return [[s[i] for s in staged] for i in which]
+
+
 class HostTransport(Transport):
     """KVClient shared-memory path (CPU tensors)."""
 
@@ -303,19 +335,27 @@ class HostTransport(Transport):
         return out
 
     def save(self, keys: Sequence[str], values: Any, ttl_seconds: int) -> int:
-        """values: a 2-D uint8 tensor (n, block_nbytes) or a list of 1-D uint8 tensors."""
+        """values[i]: a 1-D uint8 tensor (e.g. a row of a 2-D staging tensor) or a list of 1-D
+        uint8 tensors written one after the other (see `values_from_staged`)."""
         import torch
+
+        def pieces(v):
+            return v if isinstance(v, (list, tuple)) else (v,)
 
         written = 0
         for lo, hi in self._batches(len(keys)):
             batch = list(keys[lo:hi])
-            sizes = [int(values[i].numel()) for i in range(lo, hi)]
+            sizes = [sum(int(x.numel()) for x in pieces(values[i])) for i in range(lo, hi)]
             bufs = self.conn.call("mcreate", lambda c: c.mcreate(batch, sizes, ttl_second=int(ttl_seconds)))
             for j, buf in enumerate(bufs):
                 dst = torch.frombuffer(memoryview(buf.MutableData()), dtype=torch.uint8)
                 if dst.numel() != sizes[j]:
                     raise TransportError(f"mcreate gave {dst.numel()} bytes for {batch[j]}, wanted {sizes[j]}")
-                dst.copy_(values[lo + j])
+                off = 0
+                for x in pieces(values[lo + j]):
+                    n = int(x.numel())
+                    dst[off:off + n].copy_(x)
+                    off += n
             self.conn.call("mset_buffer", lambda c: c.mset_buffer(bufs))
             written += sum(sizes)
         return written

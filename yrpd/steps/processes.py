@@ -55,7 +55,10 @@ def running(ctx: StepContext, host: HostPlan, name: str, **_: object) -> Command
 
 def stop_all(ctx: StepContext, host: HostPlan, grace: float = 10) -> Command:
     """Stop every process of the session on the host (TERM, then KILL after `grace` s) and prove none is left."""
-    args = {"dir": ctx.host_session_dir, "id": ctx.session_id, "action": "stop", "grace": grace}
+    from yrpd.placement import ports_on_host
+
+    args = {"dir": ctx.host_session_dir, "id": ctx.session_id, "action": "stop", "grace": grace,
+            "ports": [[port, what] for port, what in ports_on_host(ctx.plan, host.name)]}
     return host_python("session_processes.py", args, timeout=grace + 30)
 
 

@@ -1,0 +1,188 @@
+"""Save + load throughput of one request's KV blocks through the openYuanrong data system,
+compared with an in-process memcpy of the same bytes.
+
+Run in the vLLM venv (torch + yr.datasystem), from the repository root:
+
+    PYTHONPATH=. /opt/yrpd/venvs/vllm/bin/python benchmarks/connector/bench_transfer.py \
+        [--ds-address HOST:PORT] [--model-shape qwen2-7b|tiny] [--tokens 4096] [--iters 10]
+
+Without --ds-address it starts its own data-system worker with `dscli` on 127.0.0.1 (ports from
+41900 up) and stops it at the end. The KV cache is a synthetic CPU cache in vLLM's CPU layout,
+(num_blocks, kv_heads, block_size, 2 * head_size) per layer; one stored value = one block of
+every layer, exactly as YuanrongConnector stores it.
+
+Measured per iteration (median reported):
+  memcpy        one torch copy of all the request's bytes into a preallocated tensor
+  save          HostTransport.save: mcreate + copy into shared memory + mset_buffer
+  stage         the producer's snapshot in wait_for_save: one index_select gather per layer
+  save+stage    the whole producer path: snapshot, then mcreate + copy of the pieces + mset_buffer
+  load          HostTransport.load: get_read_only_buffers (zero copy) + copy into the paged cache
+Throughput = request bytes / time; ratio = throughput / memcpy throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from yrpd.connector.transport import (
+    BlockLayout,
+    DsConnection,
+    HostTransport,
+    block_rows_u8,
+    kvclient_factory,
+    part_block_nbytes,
+    stage_blocks,
+    values_from_staged,
+)
+
+SHAPES = {
+    # name: (layers, kv_heads, head_size)
+    "qwen2-7b": (28, 4, 128),
+    "llama3-8b": (32, 8, 128),
+    "tiny": (2, 2, 32),
+}
+
+
+def start_worker(venv_bin: Path, home: Path, port: int, shm_mb: int, populate: bool) -> int:
+    cmd = [str(venv_bin / "dscli"), "start", "-d", str(home), "-w", "--worker_address", f"127.0.0.1:{port}",
+           "--metastore_address", f"127.0.0.1:{port + 1}", "--start_metastore_service", "true",
+           "--shared_memory_size_mb", str(shm_mb), "--memory_reclamation_time_second", "2"]
+    if populate:  # pre-fault the shared-memory arena (production setting); needs these two as well
+        cmd += ["--shared_memory_populate", "true", "--arena_per_tenant", "1", "--enable_fallocate", "false"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    m = re.search(r"success, PID: (\d+)", out.stdout + out.stderr)
+    if out.returncode != 0 or not m:
+        raise SystemExit(f"dscli start failed:\n{out.stdout}\n{out.stderr}")
+    return int(m.group(1))
+
+
+def stop_worker(venv_bin: Path, port: int) -> None:
+    subprocess.run([str(venv_bin / "dscli"), "stop", "-w", f"127.0.0.1:{port}"], capture_output=True, timeout=60)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def run(args) -> dict:
+    layers, heads, head = SHAPES[args.model_shape]
+    bs = args.block_size
+    nblk = args.tokens // bs
+    num_blocks = nblk * 2 + 8
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    src = [torch.randn(num_blocks, heads, bs, 2 * head, generator=gen).to(dtype) for _ in range(layers)]
+    dst = [torch.zeros_like(t) for t in src]
+    layout = BlockLayout.from_sizes([part_block_nbytes(p) for p in src])
+    total = nblk * layout.block_nbytes
+    src_ids = list(range(nblk))
+    dst_ids = list(range(nblk + 8, 2 * nblk + 8))
+
+    host, _, port = args.ds_address.rpartition(":")
+    conn = DsConnection(kvclient_factory(host, int(port), 5000, 30000, True), "bench", 5.0)
+    if not conn.connect():
+        raise SystemExit(f"cannot connect to the data system at {args.ds_address}: {conn.last_error}")
+    t = HostTransport(conn, max_batch_keys=512)
+
+    rows = [block_rows_u8(p) for p in src]
+    staging = torch.empty((nblk, layout.block_nbytes), dtype=torch.uint8)
+    for i, b in enumerate(src_ids):  # the request's bytes, contiguous, for the memcpy baseline
+        for p, off, size in zip(src, layout.offsets, layout.part_nbytes):
+            staging[i, off:off + size].copy_(p[b].reshape(-1).view(torch.uint8))
+    copy_dst = torch.empty_like(staging)
+    copy_dst.copy_(staging)
+    res = {"memcpy": [], "save": [], "stage": [], "save+stage": [], "load": []}
+    for it in range(args.iters + 1):
+        keys = [f"yrpd_bench{os.getpid() % 1000:03d}_{it:04d}_{i:05d}" for i in range(nblk)]
+        t0 = time.perf_counter()
+        copy_dst.copy_(staging)
+        t1 = time.perf_counter()
+        t.save(keys, staging, ttl_seconds=600)
+        t2 = time.perf_counter()
+        ok = t.load(keys, dst, layout, dst_ids)
+        t3 = time.perf_counter()
+        assert all(ok), "load failed"
+        t.delete(keys)
+        keys2 = [k + "s" for k in keys]
+        t4 = time.perf_counter()
+        staged = stage_blocks(src, rows, src_ids)  # the producer's snapshot (on the engine's critical path)
+        t45 = time.perf_counter()
+        t.save(keys2, values_from_staged(staged, range(nblk)), ttl_seconds=600)  # the saver thread's part
+        t5 = time.perf_counter()
+        t.delete(keys2)
+        if it == 0:
+            # check bit-exactness once (and warm up page mappings)
+            for a, b in zip(src, dst):
+                assert torch.equal(a[src_ids].view(torch.int16), b[dst_ids].view(torch.int16)), "round trip differs"
+            continue
+        res["memcpy"].append(t1 - t0)
+        res["save"].append(t2 - t1)
+        res["load"].append(t3 - t2)
+        res["save+stage"].append(t5 - t4)
+        res["stage"].append(t45 - t4)
+        time.sleep(args.pause)
+    conn.close()
+    med = {k: statistics.median(v) for k, v in res.items()}
+    mem = gbps(total, med["memcpy"])
+    out = {
+        "shape": {"model": args.model_shape, "layers": layers, "kv_heads": heads, "head_size": head,
+                  "block_size": bs, "dtype": "bfloat16", "tokens": nblk * bs, "blocks": nblk,
+                  "bytes_per_block": layout.block_nbytes, "request_bytes": total},
+        "iterations": args.iters,
+        "median_ms": {k: round(v * 1000, 3) for k, v in med.items()},
+        "gbps": {k: round(gbps(total, v), 3) for k, v in med.items()},
+        "ratio_vs_memcpy": {k: round(gbps(total, v) / mem, 3) for k, v in med.items() if k != "memcpy"},
+        "round_trip_ratio_vs_2_memcpy": round((2 * med["memcpy"]) / (med["save"] + med["load"]), 3),
+    }
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ds-address", default=None, help="existing worker HOST:PORT (default: start one)")
+    ap.add_argument("--model-shape", choices=sorted(SHAPES), default="qwen2-7b")
+    ap.add_argument("--tokens", type=int, default=4096, help="prompt tokens of the request (full blocks)")
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--pause", type=float, default=0.2, help="seconds between iterations")
+    ap.add_argument("--port", type=int, default=41900, help="port for a self-started worker")
+    ap.add_argument("--no-populate", dest="populate", action="store_false",
+                    help="self-started worker without --shared_memory_populate (arena pages fault on first use)")
+    ap.add_argument("--json", action="store_true", help="print only the JSON result")
+    args = ap.parse_args()
+    venv_bin = Path(sys.executable).parent
+    home = None
+    if args.ds_address is None:
+        home = Path(tempfile.mkdtemp(prefix="yrpd-bench-ds-"))
+        layers, heads, head = SHAPES[args.model_shape]
+        need_mb = (args.tokens // args.block_size) * layers * heads * args.block_size * 2 * head * 2 * 3 >> 20
+        start_worker(venv_bin, home, args.port, max(1024, need_mb + 256), args.populate)
+        args.ds_address = f"127.0.0.1:{args.port}"
+    try:
+        out = run(args)
+    finally:
+        if home is not None:
+            stop_worker(venv_bin, args.port)
+            shutil.rmtree(home, ignore_errors=True)
+    out["command"] = "PYTHONPATH=. " + " ".join([sys.executable, *sys.argv])
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Drive the openYuanrong `yr` CLI on this host: start, wait for health, report status, stop.
+
+Run with the host's python3; one JSON argument (built by yrpd/steps/cluster.py):
+  {"action": "start"|"wait"|"status"|"stop", "deploy": DIR, "logs": DIR, "session": ID,
+   "start": [argv], "stop": [argv], "force_stop": [argv], "health": [argv], "env": {..},
+   "ports": {name: [component, port]}, "expect": [component], "host_ip": IP, "timeout": s}
+Prints one JSON line; problems go to stderr, naming the component and the last lines of its log.
+"""
+import glob
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+args = json.loads(sys.argv[1])
+deploy, logs = args["deploy"], args["logs"]
+session_file = os.path.join(deploy, "session.json")
+HEALTH_LINE = re.compile(r"^\s+(\S+)\s+([A-Z]+)\s+\(PID: (\d+)\)(?:\s+\(Restart Count: (\d+)\))?")
+
+
+def env(extra=None):
+    e = dict(os.environ)
+    e.pop("LD_LIBRARY_PATH", None)
+    e.update(args.get("env", {}))
+    e.update(extra or {})
+    return e
+
+
+def tail(path, n=8):
+    try:
+        with open(path, errors="replace") as fh:
+            return [line.rstrip("\n") for line in fh.readlines()[-n:]]
+    except OSError:
+        return []
+
+
+def component_log(name):
+    """The most telling log of a component: its stdout log, or the data system's own INFO log."""
+    candidates = [os.path.join(deploy, "logs", f"{name}_stdout.log")]
+    if name in ("ds_worker", "ds_master"):
+        sub = "worker" if name == "ds_worker" else "master"
+        candidates += sorted(glob.glob(os.path.join(deploy, "logs", "data_system", "*", "*.INFO.log")))
+        candidates += sorted(glob.glob(os.path.join(deploy, "logs", "data_system", sub, "*.INFO.log")))
+    best = None
+    for path in candidates:
+        if os.path.isfile(path) and os.path.getsize(path) > 0:
+            best = path
+    return best
+
+
+def diagnose(names):
+    lines = []
+    for name in names:
+        path = component_log(name)
+        if path:
+            # the data system logs its shutdown after the error: show the error lines, not the plain tail
+            errors = [l for l in tail(path, 400) if " | E | " in l or "fail" in l.lower()][-5:]
+            lines.append(f"{name}: {'error lines' if errors else 'last lines'} of {path}:")
+            lines += ["    " + line[-300:] for line in (errors or tail(path))]
+    daemon = os.path.join(deploy, "logs", "yr_daemon.log")
+    errors = [l for l in tail(daemon, 200) if "exited with code" in l or "ERROR" in l][-4:]
+    if errors:
+        lines.append(f"from {daemon}:")
+        lines += ["    " + l.strip()[-240:] for l in errors]
+    return lines
+
+
+def health():
+    """-> (components, raw); components: name -> {state, pid, restarts}."""
+    if not os.path.isfile(session_file):
+        return {}, "no session.json"
+    proc = subprocess.run(args["health"], env=env(), capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    comps = {}
+    for line in proc.stdout.splitlines():
+        m = HEALTH_LINE.match(line)
+        if m:
+            comps[m.group(1)] = {"state": m.group(2), "pid": int(m.group(3)), "restarts": int(m.group(4) or 0)}
+    return comps, proc.stdout + proc.stderr
+
+
+def pid_alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def port_open(port):
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((args["host_ip"], port)) == 0
+
+
+def snapshot():
+    comps, raw = health()
+    for c in comps.values():
+        c["alive"] = pid_alive(c["pid"])
+    ports = {name: port_open(port) for name, (_, port) in args.get("ports", {}).items()}
+    return {"present": os.path.isfile(session_file), "components": comps, "ports": ports,
+            "mode": read(os.path.join(deploy, "mode")), "raw": raw[-400:] if not comps else ""}
+
+
+def read(path):
+    try:
+        return open(path).read().strip()
+    except OSError:
+        return None
+
+
+def problems_of(snap, expected):
+    problems = []
+    for name in expected:
+        c = snap["components"].get(name)
+        if c is None:
+            problems.append((name, "missing from yr health"))
+        elif c["state"] != "RUNNING" or not c["alive"]:
+            problems.append((name, f"{c['state'].lower()} (pid {c['pid']}{', exited' if not c['alive'] else ''})"))
+        elif c["restarts"]:
+            problems.append((name, f"restarted {c['restarts']} time(s)"))
+    for name, up in snap["ports"].items():
+        component, port = args["ports"][name]
+        if not up and component not in {n for n, _ in problems}:
+            problems.append((component, f"port {port} ({name}) not listening"))
+    return problems
+
+
+def wait():
+    deadline = time.monotonic() + args.get("timeout", 60)
+    expected = args.get("expect", [])
+    while True:
+        snap = snapshot()
+        problems = problems_of(snap, expected)
+        if not problems:
+            return snap, []
+        if time.monotonic() > deadline:
+            return snap, problems
+        time.sleep(1)
+
+
+def start():
+    os.makedirs(logs, exist_ok=True)
+    log = os.path.join(logs, "yr-start.log")
+    with open(log, "ab") as out:
+        proc = subprocess.run(args["start"], env=env({"YRPD_SESSION": args["session"]}), stdout=out, stderr=out,
+                              stdin=subprocess.DEVNULL, cwd=deploy, start_new_session=True, timeout=args.get("timeout", 120))
+    if proc.returncode == 0:
+        snap, problems = wait()
+        if not problems:
+            return snap, []
+    else:
+        snap, problems = snapshot(), [("yr start", f"exited {proc.returncode}")]
+    report = [f"openYuanrong did not come up on this host: " + "; ".join(f"{n}: {p}" for n, p in problems)]
+    report += [f"last lines of {log}:"] + ["    " + l[-240:] for l in tail(log)]
+    report += diagnose([n for n, _ in problems if n != "yr start"] or args.get("expect", []))
+    # leave nothing half-started: the yr daemon would restart a failing component forever
+    subprocess.run(args["force_stop"], env=env(), capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    return snap, report
+
+
+def stop():
+    report = {"stopped": False, "forced": False}
+    if os.path.isfile(session_file):
+        pids = [c.get("pid") for c in json.load(open(session_file)).get("components", {}).values()]
+        try:
+            subprocess.run(args["stop"], env=env(), capture_output=True, timeout=args.get("timeout", 40), stdin=subprocess.DEVNULL)
+            report["stopped"] = True
+        except subprocess.TimeoutExpired:
+            pass
+        if any(p and pid_alive(p) for p in pids) and os.path.isfile(session_file):
+            subprocess.run(args["force_stop"], env=env(), capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+            report["forced"] = True
+    # yr keeps host-wide pointers to the last session in /tmp/yr_sessions; drop ours
+    for link in ("/tmp/yr_sessions/latest",):
+        if os.path.islink(link) and os.path.realpath(link) == os.path.realpath(deploy):
+            os.unlink(link)
+    info = "/tmp/yr_sessions/yr_current_master_info"
+    if os.path.isfile(info) and deploy in (read(info) or ""):
+        os.unlink(info)
+    return report
+
+
+action = args["action"]
+if action == "status":
+    print(json.dumps(snapshot()))
+elif action == "wait":
+    snap, problems = wait()
+    print(json.dumps(snap))
+    for name, problem in problems:
+        print(f"{name}: {problem}", file=sys.stderr)
+    if problems:
+        for line in diagnose(sorted({n for n, _ in problems})):
+            print(line, file=sys.stderr)
+    sys.exit(1 if problems else 0)
+elif action == "start":
+    snap, report = start()
+    print(json.dumps(snap))
+    for line in report:
+        print(line, file=sys.stderr)
+    sys.exit(1 if report else 0)
+elif action == "stop":
+    print(json.dumps(stop()))

@@ -1,0 +1,397 @@
+"""In-process checks of YuanrongConnector against the real vLLM API, with a fake data system.
+
+Run in the vLLM venv (needs vllm + torch, no server, no data-system worker):
+
+    PYTHONPATH=. $YRPD_VLLM_VENV/bin/python tests/connector/inproc_checks.py MODEL_DIR
+
+Drives the scheduler side with stand-in requests / scheduler outputs and the worker side with
+real CPU KV cache tensors. Prints one JSON line {"passed": [...], "failed": {name: traceback}}
+(tests/connector/test_inproc.py runs it and asserts nothing failed).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+
+import torch
+
+from tests.connector.fakes import FakeKVClient
+from yrpd.connector import keys as K
+
+BS = 128
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+class Env:
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+        self.ds = FakeKVClient()
+        import yrpd.connector.connector as impl
+
+        self.impl = impl
+        impl.kvclient_factory = lambda *a, **k: (lambda: self.ds)
+
+    def config(self, role: str, **extra):
+        from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+        mc = ModelConfig(model=self.model_dir, dtype="bfloat16", max_model_len=4096)
+        ktc = KVTransferConfig(kv_connector="YuanrongConnector", kv_connector_module_path="yrpd.connector",
+                               kv_role=role, kv_connector_extra_config={"ds_address": "127.0.0.1:1", **extra})
+        return VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BS), kv_transfer_config=ktc)
+
+    def connector(self, role: str, side: str, **extra):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        r = KVConnectorRole.SCHEDULER if side == "scheduler" else KVConnectorRole.WORKER
+        return self.impl.YuanrongConnector(self.config(role, **extra), r, None)
+
+
+def request(req_id: str, tokens: list[int], params: dict | None = None):
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, kv_transfer_params=params, lora_request=None,
+                           cache_salt=None, mm_features=[], prompt_embeds=None)
+
+
+def new_req(req_id, tokens, block_ids, computed):
+    return SimpleNamespace(req_id=req_id, prompt_token_ids=tokens, block_ids=(list(block_ids),),
+                           num_computed_tokens=computed, lora_request=None, mm_features=[], prompt_embeds=None)
+
+
+def sched_output(new=(), cached=(), num_sched=None, finished=()):
+    cached = list(cached)
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[c[0] for c in cached], resumed_req_ids=set(),
+                                              new_block_ids=[c[1] for c in cached],
+                                              num_computed_tokens=[c[2] for c in cached]),
+        num_scheduled_tokens=dict(num_sched or {}), finished_req_ids=set(finished))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    import random
+
+    r = random.Random(seed)
+    return [r.randrange(3, 4096) for _ in range(n)]
+
+
+def blocks_of(ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+# ------------------------------------------------------------------------------------------------
+
+@check
+def producer_saves_each_prompt_block_once_under_chunked_prefill(env: Env):
+    c = env.connector("kv_producer", "scheduler")
+    toks = tokens(1000, 1)
+    want = K.prefix_digests(toks, BS)
+    # chunk budget 320: blocks become complete mid-chunk; block ids arrive incrementally
+    steps = [
+        sched_output(new=[new_req("r1", toks, [10, 11, 12], 0)], num_sched={"r1": 320}),
+        sched_output(cached=[("r1", ([13, 14, 15],), 320)], num_sched={"r1": 320}),
+        sched_output(cached=[("r1", ([16, 17],), 640)], num_sched={"r1": 320}),
+        sched_output(cached=[("r1", None, 960)], num_sched={"r1": 40}),
+        sched_output(cached=[("r1", None, 1000)], num_sched={"r1": 1}),  # decode step
+    ]
+    saves = []
+    for so in steps:
+        meta = c.build_connector_meta(so)
+        pickle.loads(pickle.dumps(meta))  # crosses process boundaries in vLLM
+        saves.append([(op.block_ids, op.digests) for op in meta.saves])
+    assert saves[0] == [([10, 11], want[0:2])], saves[0]
+    assert saves[1] == [([12, 13, 14], want[2:5])], saves[1]
+    assert saves[2] == [([15, 16], want[5:7])], saves[2]
+    assert saves[3] == [] and saves[4] == []
+    delay, params = c.request_finished(request("r1", toks), [])
+    assert delay is False and params["yrpd"]["num_blocks"] == 7
+    c.shutdown()
+
+
+@check
+def producer_saves_local_prefix_hits_too(env: Env):
+    c = env.connector("kv_producer", "scheduler")
+    toks = tokens(600, 2)
+    # 2 blocks came from the local prefix cache: they are still saved (the store may have lost them)
+    meta = c.build_connector_meta(sched_output(new=[new_req("r2", toks, [5, 6, 7, 8, 9], 256)],
+                                               num_sched={"r2": 344}))
+    assert [op.block_ids for op in meta.saves] == [[5, 6, 7, 8]]
+    c.shutdown()
+
+
+@check
+def consumer_promises_only_leading_present_blocks(env: Env):
+    env.ds.store.clear()
+    c = env.connector("kv_consumer", "scheduler")
+    ns = c._rank_ns[0]
+    toks = tokens(1153, 3)  # 1153 = 9 * 128 + 1: all 9 full blocks are loadable
+    keys = K.block_keys(ns, toks, BS)
+    for k in keys[:9]:
+        env.ds.store[k] = FakeKVClient.Buf(8)
+    assert c.get_num_new_matched_tokens(request("a", toks), 0) == (9 * BS, False)
+    # the last full block of a prompt of exactly k blocks is not loadable (last token is computed)
+    assert c.get_num_new_matched_tokens(request("b", toks[:1152]), 0) == (8 * BS, False)
+    # a hole stops the run
+    del env.ds.store[keys[4]]
+    assert c.get_num_new_matched_tokens(request("c", toks), 0) == (4 * BS, False)
+    # beyond the local hit only
+    assert c.get_num_new_matched_tokens(request("d", toks), 2 * BS) == (2 * BS, False)
+    # local hit up to block 5: the hole at block 4 does not matter, blocks 5-8 are there
+    assert c.get_num_new_matched_tokens(request("e", toks), 5 * BS) == (4 * BS, False)
+    assert c.get_num_new_matched_tokens(request("e2", toks), 9 * BS) == (0, False)
+    # too short for a full loadable block
+    assert c.get_num_new_matched_tokens(request("f", toks[:128]), 0) == (0, False)
+    # another model / namespace sees nothing
+    other = K.block_keys("0" * 16, toks, BS)
+    assert not set(other) & set(env.ds.store)
+    c.shutdown()
+
+
+@check
+def consumer_load_plan_matches_allocation(env: Env):
+    env.ds.store.clear()
+    c = env.connector("kv_consumer", "scheduler")
+    toks = tokens(700, 4)
+    keys = K.block_keys(c._rank_ns[0], toks, BS)
+    for k in keys:
+        env.ds.store[k] = FakeKVClient.Buf(8)
+    req = request("g", toks)
+    n, async_ = c.get_num_new_matched_tokens(req, BS)  # 1 block local
+    assert (n, async_) == (4 * BS, False)
+    c.update_state_after_alloc(req, blocks_of([40, 41, 42, 43, 44, 45]), n)
+    meta = c.build_connector_meta(sched_output())
+    assert [(op.block_ids, op.digests) for op in meta.loads] == [([41, 42, 43, 44],
+                                                                  K.prefix_digests(toks, BS)[1:5])]
+    assert c.build_connector_meta(sched_output()).loads == []  # handed over once
+    # an allocation the connector never promised is loaded as "failed" -> vLLM recomputes
+    c.update_state_after_alloc(request("h", toks), blocks_of([50, 51, 52]), 2 * BS)
+    meta = c.build_connector_meta(sched_output())
+    assert meta.loads[0].digests == [] and meta.loads[0].block_ids == [50, 51]
+    c.shutdown()
+
+
+@check
+def consumer_waits_for_announced_blocks_then_gives_up(env: Env):
+    env.ds.store.clear()
+    c = env.connector("kv_consumer", "scheduler", ready_wait_ms=300)
+    toks = tokens(900, 5)
+    keys = K.block_keys(c._rank_ns[0], toks, BS)
+    for k in keys[:3]:
+        env.ds.store[k] = FakeKVClient.Buf(8)
+    params = {"yrpd": {"num_blocks": 7, "ns": ",".join(c._rank_ns)}}
+    req = request("w", toks, params)
+    assert c.get_num_new_matched_tokens(req, 0) == (None, False)  # prefill's saves still in flight
+    for k in keys[3:7]:
+        env.ds.store[k] = FakeKVClient.Buf(8)
+    time.sleep(0.02)
+    assert c.get_num_new_matched_tokens(req, 0) == (7 * BS, False)
+    # blocks that never show up: wait at most ready_wait_ms, then take what is there
+    req2 = request("w2", tokens(900, 6), params)
+    t0 = time.monotonic()
+    res = c.get_num_new_matched_tokens(req2, 0)
+    while res[0] is None:
+        time.sleep(0.02)
+        res = c.get_num_new_matched_tokens(req2, 0)
+    assert res == (0, False) and 0.25 < time.monotonic() - t0 < 2.0
+    # params from another namespace never make a request wait
+    req3 = request("w3", tokens(900, 7), {"yrpd": {"num_blocks": 7, "ns": "ffff"}})
+    assert c.get_num_new_matched_tokens(req3, 0) == (0, False)
+    c.shutdown()
+
+
+@check
+def consumer_survives_a_dead_data_system(env: Env):
+    env.ds.store.clear()
+    c = env.connector("kv_consumer", "scheduler", retry_backoff_s=0.2)
+    toks = tokens(900, 8)
+    for k in K.block_keys(c._rank_ns[0], toks, BS):
+        env.ds.store[k] = FakeKVClient.Buf(8)
+    env.ds.down = True
+    try:
+        assert c.get_num_new_matched_tokens(request("x", toks), 0) == (0, False)
+        t0 = time.monotonic()
+        assert c.get_num_new_matched_tokens(request("y", toks), 0) == (0, False)
+        assert time.monotonic() - t0 < 0.05  # marked down: no more calls
+    finally:
+        env.ds.down = False
+    deadline = time.monotonic() + 5
+    while not c._conn.healthy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c.get_num_new_matched_tokens(request("z", toks), 0) == (7 * BS, False)
+    assert c.stats.get("ds_reconnects") == 1
+    c.shutdown()
+
+
+@check
+def failure_policy_forced_to_recompute(env: Env):
+    c = env.connector("kv_consumer", "scheduler")
+    assert c._vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
+    c.shutdown()
+
+
+def cpu_caches(num_blocks=16, fill=True):
+    g = torch.Generator().manual_seed(7)
+    caches = {}
+    for i in range(2):
+        t = torch.randn(num_blocks, 2, BS, 64, generator=g).to(torch.bfloat16) if fill else \
+            torch.zeros(num_blocks, 2, BS, 64, dtype=torch.bfloat16)
+        caches[f"model.layers.{i}.self_attn.attn"] = t
+    return caches
+
+
+def bind(conn, loads=(), saves=()):
+    from yrpd.connector.connector import YuanrongConnectorMetadata
+
+    conn.bind_connector_metadata(YuanrongConnectorMetadata(loads=list(loads), saves=list(saves)))
+
+
+@check
+def worker_save_then_load_is_bit_exact(env: Env):
+    from yrpd.connector.connector import BlockOp
+
+    env.ds.store.clear()
+    prod = env.connector("kv_producer", "worker", ttl_seconds=42)
+    src = cpu_caches()
+    prod.register_kv_caches(src)
+    toks = tokens(700, 9)
+    dig = K.prefix_digests(toks, BS)
+    bind(prod, saves=[BlockOp("s1", dig[:5], [3, 9, 1, 15, 0])])
+    prod.wait_for_save()
+    prod.clear_connector_metadata()
+    # the source blocks may be reused right after wait_for_save: the save works on a snapshot
+    for t in src.values():
+        t[[3, 9, 1, 15, 0]] = 0
+    assert prod._saver.flush(10)
+    keys = [K.key_for(prod._ns_digest, d) for d in dig[:5]]
+    assert all(k in env.ds.store for k in keys) and all(env.ds.ttl[k] == 42 for k in keys)
+    assert prod.stats.get("saved_blocks") == 5
+
+    ref = cpu_caches()  # same seed: the values before zeroing
+    cons = env.connector("kv_consumer", "worker", delete_after_load=True)
+    dst = cpu_caches(fill=False)
+    cons.register_kv_caches(dst)
+    bind(cons, loads=[BlockOp("l1", dig[:5], [4, 5, 6, 7, 8])])
+    cons.start_load_kv(None)
+    cons.wait_for_save()
+    cons.clear_connector_metadata()
+    assert cons.get_block_ids_with_load_errors() == set()
+    for name in dst:
+        for s, d in zip([3, 9, 1, 15, 0], [4, 5, 6, 7, 8]):
+            assert torch.equal(ref[name][s].view(torch.int16), dst[name][d].view(torch.int16)), (name, s, d)
+    assert cons._saver.flush(10)
+    assert not any(k in env.ds.store for k in keys)  # delete_after_load
+    prod.shutdown()
+    cons.shutdown()
+
+
+@check
+def worker_reports_unloadable_blocks_and_never_publishes_from_them(env: Env):
+    from yrpd.connector.connector import BlockOp
+
+    env.ds.store.clear()
+    w = env.connector("kv_both", "worker")
+    caches = cpu_caches(fill=False)
+    w.register_kv_caches(caches)
+    toks = tokens(700, 10)
+    dig = K.prefix_digests(toks, BS)
+    good = K.key_for(w._ns_digest, dig[0])
+    buf = FakeKVClient.Buf(w._layout.block_nbytes)
+    env.ds.store[good] = buf
+    env.ds.store[K.key_for(w._ns_digest, dig[2])] = FakeKVClient.Buf(10)  # wrong size
+    bind(w, loads=[BlockOp("q", dig[:3], [2, 3, 4]), BlockOp("u", [], [6, 7])],
+         saves=[BlockOp("q", dig[3:5], [5, 6])])
+    w.start_load_kv(None)
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    assert w.get_block_ids_with_load_errors() == {3, 4, 6, 7}
+    assert w.get_block_ids_with_load_errors() == set()  # reported once
+    assert w._saver.flush(10)
+    assert K.key_for(w._ns_digest, dig[3]) not in env.ds.store  # request q had a failed load
+    assert w.stats.get("save_dropped_blocks") == 2
+    w.get_finished({"q"})
+    assert "q" not in w._bad_reqs
+    # data system down: loads fail fast and are reported, the engine carries on
+    env.ds.down = True
+    try:
+        w._conn._mark_down(RuntimeError("rpc unavailable"))
+        bind(w, loads=[BlockOp("v", dig[:1], [9])])
+        w.start_load_kv(None)
+        w.clear_connector_metadata()
+        assert w.get_block_ids_with_load_errors() == {9}
+    finally:
+        env.ds.down = False
+    w.shutdown()
+
+
+@check
+def vllm_stats_are_deltas_and_aggregate(env: Env):
+    from yrpd.connector.connector import YuanrongConnector
+
+    c = env.connector("kv_consumer", "scheduler")
+    assert c.get_kv_connector_stats() is None
+    c.stats.inc("lookup_hit_blocks", 3)
+    s1 = c.get_kv_connector_stats()
+    assert s1.data == {"lookup_hit_blocks": 3} and c.get_kv_connector_stats() is None
+    c.stats.inc("lookup_hit_blocks", 2)
+    merged = s1.aggregate(c.get_kv_connector_stats())
+    assert merged.reduce() == {"lookup_hit_blocks": 5}
+    rebuilt = YuanrongConnector.build_kv_connector_stats(merged.data)
+    assert rebuilt.data == {"lookup_hit_blocks": 5} and not rebuilt.is_empty()
+    c.shutdown()
+
+
+@check
+def both_constructor_signatures(env: Env):
+    import yrpd.connector.connector as impl
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+    cfg = env.config("kv_producer")
+    c = impl.YuanrongConnector(cfg, KVConnectorRole.SCHEDULER)  # 2 positional args
+    c.shutdown()
+    c = impl.YuanrongConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config=None)
+    c.shutdown()
+    # an old (vLLM 0.10) base class: __init__(self, vllm_config, role)
+    orig_init, orig_flag = KVConnectorBase_V1.__init__, impl._NEW_CTOR
+
+    def old_init(self, vllm_config, role):
+        self._connector_metadata = None
+        self._vllm_config = vllm_config
+        self._role = role
+
+    KVConnectorBase_V1.__init__ = old_init
+    impl._NEW_CTOR = False
+    try:
+        c = impl.YuanrongConnector(cfg, KVConnectorRole.SCHEDULER)
+        assert c.role == KVConnectorRole.SCHEDULER and c.block_size == BS
+        c.shutdown()
+    finally:
+        KVConnectorBase_V1.__init__ = orig_init
+        impl._NEW_CTOR = orig_flag
+
+
+def main() -> int:
+    env = Env(sys.argv[1])
+    passed, failed = [], {}
+    only = set(sys.argv[2:])
+    for fn in CHECKS:
+        if only and fn.__name__ not in only:
+            continue
+        try:
+            fn(env)
+            passed.append(fn.__name__)
+        except Exception:  # noqa: BLE001
+            failed[fn.__name__] = traceback.format_exc()
+    print(json.dumps({"passed": passed, "failed": failed}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

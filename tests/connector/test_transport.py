@@ -1,0 +1,260 @@
+"""Unit tests of the transport layer with fake data-system clients (no data system, no vLLM).
+
+The NPU path cannot run here (the device client needs Ascend + CANN); its argument building is
+tested with tensor stand-ins. The host-path round trip needs torch and is skipped without it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.connector.fakes import FakeKVClient
+from yrpd.connector.transport import (
+    BlockLayout,
+    DsConnection,
+    DsUnavailable,
+    HostTransport,
+    NpuTransport,
+    TransportError,
+    block_blobs,
+    classify_error,
+    device_blob_lists,
+    set_param_for,
+)
+
+
+class FakeTensor:
+    """Just what the argument builders use: shape, stride(0), element_size(), data_ptr()."""
+
+    def __init__(self, base: int, shape: tuple, elem: int = 2) -> None:
+        self.base, self.shape, self.elem = base, shape, elem
+
+    def stride(self, dim: int) -> int:
+        n = 1
+        for d in self.shape[dim + 1:]:
+            n *= d
+        return n
+
+    def element_size(self) -> int:
+        return self.elem
+
+    def data_ptr(self) -> int:
+        return self.base
+
+
+class Blob:
+    def __init__(self, dev_ptr, size):
+        self.dev_ptr, self.size = dev_ptr, size
+
+
+class DeviceBlobList:
+    def __init__(self, dev_idx, blob_list, src_offset=0):
+        self.dev_idx, self.blob_list, self.src_offset = dev_idx, blob_list, src_offset
+
+
+class SetParam:
+    def __init__(self):
+        self.ttl_second = 0
+        self.write_mode = "NONE_L2_CACHE"
+
+
+# vllm-ascend layout: per layer a (K, V) pair, each (num_blocks, block_size, kv_heads, head_size) fp16
+NB, BS, H, D = 16, 128, 8, 128
+PER_BLOCK = BS * H * D * 2
+
+
+def npu_parts(layers: int = 3):
+    parts = []
+    for layer in range(layers):
+        for kv in range(2):
+            parts.append(FakeTensor(0x10_0000_0000 + (layer * 2 + kv) * 0x1_0000_0000, (NB, BS, H, D)))
+    return parts
+
+
+def test_block_blobs_address_every_part_of_a_block():
+    parts = npu_parts()
+    blobs = block_blobs(parts, 5)
+    assert len(blobs) == 6
+    for part, (ptr, size) in zip(parts, blobs):
+        assert ptr == part.base + 5 * PER_BLOCK
+        assert size == PER_BLOCK
+    with pytest.raises(IndexError):
+        block_blobs(parts, NB)
+
+
+def test_device_blob_lists_one_list_per_key_in_value_order():
+    parts = npu_parts()
+    dbls = device_blob_lists(parts, [3, 0, 15], 6, Blob, DeviceBlobList)
+    assert [d.dev_idx for d in dbls] == [6, 6, 6]
+    assert [len(d.blob_list) for d in dbls] == [6, 6, 6]
+    assert [b.dev_ptr for b in dbls[0].blob_list] == [p.base + 3 * PER_BLOCK for p in parts]
+    assert dbls[1].blob_list[0].dev_ptr == parts[0].base
+    assert all(b.size == PER_BLOCK for d in dbls for b in d.blob_list)
+    with pytest.raises(ValueError):
+        device_blob_lists(parts, [0], -1, Blob, DeviceBlobList)
+
+
+def test_set_param_carries_ttl():
+    sp = set_param_for(90, SetParam)
+    assert sp.ttl_second == 90 and sp.write_mode == "NONE_L2_CACHE"
+
+
+class FakeHeteroClient:
+    def __init__(self):
+        self.calls = []
+        self.missing: set = set()
+
+    def mset_d2h(self, keys, dbls, set_param):
+        self.calls.append(("mset_d2h", keys, dbls, set_param.ttl_second))
+
+    def mget_h2d(self, keys, dbls, timeout_ms):
+        self.calls.append(("mget_h2d", keys, dbls, timeout_ms))
+        return [k for k in keys if k in self.missing]
+
+    def exist(self, keys):
+        return [k not in self.missing for k in keys]
+
+    def delete(self, keys):
+        self.calls.append(("delete", keys))
+        return []
+
+
+def test_npu_transport_builds_the_device_client_calls():
+    client = FakeHeteroClient()
+    conn = DsConnection(lambda: client, "npu0")
+    assert conn.connect()
+    t = NpuTransport(conn, device_id=2, blob_cls=Blob, dbl_cls=DeviceBlobList, set_param_cls=SetParam)
+    parts = npu_parts(2)
+    written = t.save_blocks(["k1", "k2"], parts, [4, 9], ttl_seconds=120)
+    assert written == 2 * 4 * PER_BLOCK
+    name, keys, dbls, ttl = client.calls[-1]
+    assert (name, keys, ttl) == ("mset_d2h", ["k1", "k2"], 120)
+    assert [b.dev_ptr for b in dbls[1].blob_list] == [p.base + 9 * PER_BLOCK for p in parts]
+    client.missing = {"k2"}
+    layout = BlockLayout.from_sizes([PER_BLOCK] * 4)
+    assert t.load(["k1", "k2"], parts, layout, [1, 2]) == [True, False]
+    assert client.calls[-1][0] == "mget_h2d" and client.calls[-1][2][0].dev_idx == 2
+    assert t.exists(["k1", "k2"]) == [True, False]
+
+
+# --- connection health ------------------------------------------------------------------------------
+
+class FlakyClient:
+    def __init__(self, behaviour):
+        self.behaviour = behaviour
+
+    def exist(self, keys):
+        b = self.behaviour()
+        if isinstance(b, Exception):
+            raise b
+        return [True] * len(keys)
+
+    def health_check(self):
+        class S:
+            def is_ok(self):
+                return True
+        return S()
+
+
+def test_classify_error():
+    assert classify_error(RuntimeError("code: [Key not found], msg: [Cannot get objects]")) == "miss"
+    assert classify_error(RuntimeError("code: [RPC unavailable], msg: [[UDS_CONNECT_FAILED] ...")) == "down"
+    assert classify_error(RuntimeError("code: [RPC unavailable], msg: [[RPC_RECV_TIMEOUT] ...")) == "down"
+    assert classify_error(RuntimeError("code: [Invalid parameter], msg: [key contains illegal char]")) == "error"
+
+
+def test_connection_goes_down_fails_fast_and_reconnects():
+    state = {"fail": True, "made": 0}
+    events = []
+
+    def behaviour():
+        return RuntimeError("code: [RPC unavailable], msg: [UDS_CONNECT_FAILED]") if state["fail"] else None
+
+    def factory():
+        state["made"] += 1
+        if state["made"] > 1 and state["fail"]:
+            raise RuntimeError("code: [RPC unavailable], msg: [RPC_RECV_TIMEOUT]")
+        return FlakyClient(behaviour)
+
+    conn = DsConnection(factory, "t", backoff_s=0.05, on_event=events.append)
+    assert conn.connect() and conn.healthy
+    with pytest.raises(DsUnavailable):
+        conn.call("exist", lambda c: c.exist(["a"]))
+    assert not conn.healthy and events == ["down"]
+    t0 = time.monotonic()
+    with pytest.raises(DsUnavailable):  # while down: no call reaches the client
+        conn.call("exist", lambda c: c.exist(["a"]))
+    assert time.monotonic() - t0 < 0.05
+    state["fail"] = False
+    deadline = time.monotonic() + 5
+    while not conn.healthy and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert conn.healthy and events == ["down", "up"]
+    assert conn.call("exist", lambda c: c.exist(["a", "b"])) == [True, True]
+    conn.close()
+
+
+def test_connection_miss_and_other_errors_do_not_mark_down():
+    conn = DsConnection(lambda: object(), "t")
+    conn.connect()
+
+    def missing(_c):
+        raise RuntimeError("code: [Key not found]")
+
+    def bad(_c):
+        raise RuntimeError("code: [Invalid parameter]")
+
+    with pytest.raises(KeyError):
+        conn.call("get", missing)
+    with pytest.raises(TransportError):
+        conn.call("set", bad)
+    assert conn.healthy
+
+
+def test_connect_failure_at_startup_is_not_fatal():
+    def factory():
+        raise RuntimeError("code: [RPC unavailable], msg: [RPC_RECV_TIMEOUT]")
+
+    conn = DsConnection(factory, "t", backoff_s=10)
+    assert conn.connect() is False
+    assert not conn.healthy
+    with pytest.raises(DsUnavailable):
+        conn.call("exist", lambda c: c.exist(["a"]))
+    conn.close()
+
+
+# --- host path round trip (torch) -------------------------------------------------------------------
+
+def test_host_round_trip_is_bit_exact_for_the_cpu_layout():
+    torch = pytest.importorskip("torch")
+    from yrpd.connector.transport import part_block_nbytes
+
+    # CPU layout per layer: (num_blocks, kv_heads, block_size, 2*head_size), bf16
+    src = [torch.randn(8, 2, 32, 64).to(torch.bfloat16) for _ in range(2)]
+    dst = [torch.zeros_like(t) for t in src]
+    layout = BlockLayout.from_sizes([part_block_nbytes(p) for p in src])
+    client = FakeKVClient()
+    conn = DsConnection(lambda: client, "t")
+    conn.connect()
+    t = HostTransport(conn, max_batch_keys=2)  # forces batching
+    blocks = [1, 4, 6]
+    idx = torch.tensor(blocks)
+    staging = torch.empty((3, layout.block_nbytes), dtype=torch.uint8)
+    for p, off, size in zip(src, layout.offsets, layout.part_nbytes):
+        staging[:, off:off + size].copy_(p.index_select(0, idx).reshape(3, -1).view(torch.uint8))
+    keys = ["a", "b", "c"]
+    assert t.save(keys, staging, ttl_seconds=60) == 3 * layout.block_nbytes
+    assert client.ttl == {"a": 60, "b": 60, "c": 60}
+    ok = t.load(keys + ["zz"], dst, layout, [0, 2, 7, 5])  # different destination blocks, one missing
+    assert ok == [True, True, True, False]
+    for p_src, p_dst in zip(src, dst):
+        for s, d in zip(blocks, [0, 2, 7]):
+            assert torch.equal(p_src[s].view(torch.int16), p_dst[d].view(torch.int16))
+        assert not p_dst[5].any()
+    # a value of the wrong size is refused, not half-copied
+    client.store["a"] = FakeKVClient.Buf(10)
+    assert t.load(["a"], dst, layout, [3]) == [False]
+    assert not dst[0][3].any()
+    assert t.load(["nothing"], dst, layout, [3]) == [False]

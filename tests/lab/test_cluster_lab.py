@@ -1,0 +1,150 @@
+"""openYuanrong (real `yr` CLI, real data system) brought up by yrpd on two fake hosts, data-system-only mode."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_yrpd
+
+pytestmark = pytest.mark.lab
+
+ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
+MODEL = "/tmp/models/tiny"
+
+
+@pytest.fixture(autouse=True)
+def _need_venvs():
+    missing = [v for v in ("yr", "ds") if not Path(ENV_ROOT, v, "bin", "python").exists()]
+    if missing:
+        message = f"openYuanrong venvs missing under {ENV_ROOT}: run deploy_scripts/install_openyuanrong.sh"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+class Cli:
+    def __init__(self, lab, home: Path, config: Path | None = None):
+        self.lab = lab
+        self.env = {"YRPD_HOME": str(home)}
+        self.ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+        self.config = ["--config", str(config)] if config else []
+
+    def deploy(self, *extra, check=None):
+        hosts = ",".join(h.name for h in self.lab.hosts)
+        return run_yrpd("deploy", "--hosts", hosts, "--model", MODEL, "--env-path", ENV_ROOT, *self.config,
+                        *self.ssh, *extra, env=self.env, check=check, timeout=600)
+
+    def __call__(self, *args, check=None):
+        return run_yrpd(*args, *self.ssh, env=self.env, check=check, timeout=600)
+
+
+def put_model(*hosts):
+    for host in hosts:
+        host.exec(f"mkdir -p {MODEL} && echo '{{}}' > {MODEL}/config.json")
+
+
+def cluster_pids(report):
+    return {(c["host"], c["component"]): c["pid"] for c in report["cluster"]["components"]}
+
+
+def leftovers(host):
+    """Processes and listening TCP ports of the cluster still on the host."""
+    procs = [p for p in host.processes() if any(k in p for k in ("etcd", "datasystem_worker", "yr.cli", "yr start"))]
+    ports = [p for p in host.exec("ss -ltnH | awk '{print $4}'").stdout.split() if not p.endswith(":22")]  # sshd
+    return procs, ports
+
+
+def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, tmp_path):
+    lab = fake_lab(2)
+    put_model(*lab.hosts)
+    cli = Cli(lab, tmp_path / "home")
+
+    started = time.monotonic()
+    deploy = cli.deploy(check=0)
+    bring_up = time.monotonic() - started
+    assert "start the openYuanrong master" in deploy.stderr
+    assert "prove the cache works across hosts" in deploy.stderr
+    kv_step = deploy.stderr.split("prove the cache works across hosts")[1]
+    assert "done on h1, h2" in kv_step.splitlines()[1]
+
+    report = json.loads(cli("status", "--json", check=0).stdout)
+    assert report["healthy"]
+    cluster = report["cluster"]
+    assert cluster["mode"] == "ds_only" and cluster["healthy"]
+    assert sorted((c["host"], c["component"], c["state"]) for c in cluster["components"]) == [
+        ("h1", "ds_master", "RUNNING"), ("h1", "ds_worker", "RUNNING"), ("h1", "etcd", "RUNNING"),
+        ("h2", "ds_worker", "RUNNING")]
+    assert cluster["etcd"].startswith(lab.hosts[0].address)
+    before = cluster_pids(report)
+
+    # re-running deploy restarts nothing
+    again = cli.deploy(check=0)
+    for step in ("install openYuanrong", "write the openYuanrong config", "start the openYuanrong master",
+                 "join the other hosts"):
+        assert "already done" in again.stderr.split(step)[1].splitlines()[1]
+    assert cluster_pids(json.loads(cli("status", "--json", check=0).stdout)) == before
+
+    # a killed data system worker shows up as unhealthy within 10 s (yr restarts it: the count betrays it)
+    lab.hosts[1].exec(f"kill -9 {before[('h2', 'ds_worker')]}")
+    deadline = time.monotonic() + 10
+    while True:
+        status = cli("status", "--json")
+        report = json.loads(status.stdout)
+        if not report["healthy"] or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert status.returncode == 1 and not report["healthy"]
+    assert any("ds_worker on h2" in p for p in report["problems"]), report["problems"]
+    assert "ds_worker on h2" in cli("status").stdout
+
+    started = time.monotonic()
+    cli("down", check=0)
+    teardown = time.monotonic() - started
+    for host in lab.hosts:
+        procs, ports = leftovers(host)
+        assert procs == [], (host.name, procs)
+        assert ports == [], (host.name, ports)
+    print(f"\nmeasured: 2 hosts bring-up (whole deploy) {bring_up:.1f}s, teardown {teardown:.1f}s")
+
+
+def test_agent_that_cannot_reach_etcd_fails_clearly_and_leaves_nothing_running(fake_lab, tmp_path):
+    lab = fake_lab(2)
+    put_model(*lab.hosts)
+    # the master binds its services to ITS loopback: h2 cannot reach etcd there
+    config = tmp_path / "yrpd.yaml"
+    config.write_text("hosts:\n  - {address: h1, ip: 127.0.0.1}\n  - h2\n")
+    cli = Cli(lab, tmp_path / "home", config)
+    failed = cli.deploy()
+    assert failed.returncode == 1
+    err = failed.stderr
+    assert "step 'join the other hosts to the master' failed on 1 of 1 host(s)" in err
+    assert "h2: exit 1" in err and "openYuanrong did not come up on this host" in err, err
+    assert "ds_worker" in err
+    procs, _ = leftovers(lab.hosts[1])
+    assert procs == []
+    cli("down", check=0)
+    for host in lab.hosts:
+        assert leftovers(host) == ([], [])
+
+
+def test_busy_port_and_wrong_environment_are_named_before_anything_starts(fake_lab, tmp_path):
+    lab = fake_lab(2)
+    put_model(*lab.hosts)
+    cli = Cli(lab, tmp_path / "home")
+    squatter = lab.hosts[1].exec("setsid nohup python3 -m http.server 31501 --bind 0.0.0.0 >/dev/null 2>&1 < /dev/null & echo $!").stdout.strip()
+    time.sleep(1)
+    busy = cli.deploy()
+    assert busy.returncode == 1
+    assert "port 31501 (datasystem) is already in use by pid" in busy.stderr and "h2: exit 1" in busy.stderr
+    lab.hosts[1].exec(f"kill {squatter}; while kill -0 {squatter} 2>/dev/null; do sleep 0.1; done")
+
+    wrong = run_yrpd("deploy", "--hosts", "h1,h2", "--model", MODEL, "--env-path", "/nonexistent/env", "--new-session",
+                     *cli.ssh, env=cli.env)
+    assert wrong.returncode == 1
+    assert "env_path /nonexistent/env lacks openyuanrong==9.9.9" in wrong.stderr, wrong.stderr
+    for host in lab.hosts:
+        assert leftovers(host)[0] == []
+    cli("down", "--session", (tmp_path / "home" / "sessions" / "latest").resolve().name)

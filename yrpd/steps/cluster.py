@@ -1,0 +1,207 @@
+"""openYuanrong on the hosts: install, configure, start the master, join the agents, verify, stop.
+
+The configs and `yr` command lines come from yrpd.cluster.yrconfig (pure); deploy_scripts/yr_cluster.py
+runs them on the host and reads `yr health`, because `yr start` and `yr health` both report success on a
+broken cluster in known cases (a stale etcd on our ports, a crash-looping component): we also check our
+ports listen, restart counts stay 0, and a key written through one host's data system worker reads back
+through another host's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+
+from yrpd.assets import deploy_script
+from yrpd.cluster.yrconfig import (
+    YrNode,
+    YrPorts,
+    components,
+    health_command,
+    listen_ports,
+    render_config,
+    start_command,
+    stop_command,
+)
+from yrpd.hostgroup import Command
+from yrpd.placement import HostPlan
+from yrpd.spec import ClusterMode
+from yrpd.steps import StepContext, host_python, shell_command
+from yrpd.versions import OPENYUANRONG, OPENYUANRONG_DATASYSTEM, PYTHON_TAG
+
+START_TIMEOUT = 180
+HEALTH_TIMEOUT = 60
+
+
+def venvs(ctx: StepContext) -> tuple[str, str]:
+    root = ctx.spec.env_root
+    return f"{root}/yr", f"{root}/ds"
+
+
+def deploy_path(ctx: StepContext) -> str:
+    return f"{ctx.host_session_dir}/yr"
+
+
+def master(ctx: StepContext) -> HostPlan:
+    return next(h for h in ctx.plan.hosts if h.is_master)
+
+
+def _address(host: HostPlan) -> str:
+    # plan-time only: a host whose address cannot be resolved here renders with a placeholder
+    return host.ip or "192.0.2.1"
+
+
+def yr_ports(ctx: StepContext) -> YrPorts:
+    p = ctx.spec.ports
+    return YrPorts(etcd_client=p.etcd, etcd_peer=p.etcd + 1, ds_master=p.ds_master, ds_worker=p.datasystem)
+
+
+def node(ctx: StepContext, host: HostPlan, mode: str) -> YrNode:
+    yr_venv, ds_venv = venvs(ctx)
+    return YrNode(
+        host_ip=_address(host), is_master=host.is_master, master_ip=_address(master(ctx)),
+        deploy_path=deploy_path(ctx), mode=mode, ports=yr_ports(ctx), yr_venv=yr_venv, ds_venv=ds_venv,
+        python_tag=PYTHON_TAG, shared_memory_mb=ctx.spec.datasystem_memory_mb,
+    )
+
+
+def modes(ctx: StepContext) -> list[str]:
+    mode = ctx.spec.cluster_mode
+    return ["ds_only", "full"] if mode is ClusterMode.auto else [mode.value]
+
+
+def configs(ctx: StepContext, host: HostPlan) -> dict[str, str]:
+    return {mode: render_config(node(ctx, host, mode)) for mode in modes(ctx)}
+
+
+# -- install -------------------------------------------------------------------------------------
+
+def install(ctx: StepContext, host: HostPlan) -> Command:
+    """Create the two venvs (they conflict in one) at the pinned versions; from `wheels` when offline."""
+    yr_venv, ds_venv = venvs(ctx)
+    if ctx.spec.env_path:
+        # a prepared environment is used as it is: reaching this step means its check failed
+        return shell_command(
+            f"echo 'env_path {ctx.spec.env_path} lacks openyuanrong=={OPENYUANRONG} in {yr_venv} and/or "
+            f"openyuanrong-datasystem=={OPENYUANRONG_DATASYSTEM} in {ds_venv}: "
+            f"run deploy_scripts/install_openyuanrong.sh there or drop --env-path' >&2; exit 1",
+            display=f"verify the prepared environment {ctx.spec.env_path}")
+    body = deploy_script("install_openyuanrong.sh")
+    wheels = f"--wheels {shlex.quote(ctx.spec.wheels)} " if ctx.spec.wheels else ""
+    script = (
+        f"export YR_VERSION={OPENYUANRONG} DS_VERSION={OPENYUANRONG_DATASYSTEM}\n"
+        f"bash -s -- {wheels}{shlex.quote(yr_venv)} {shlex.quote(ds_venv)} <<'YRPD_SCRIPT_END'\n{body}\nYRPD_SCRIPT_END\n"
+    )
+    return Command(script, display=f"deploy_scripts/install_openyuanrong.sh {wheels}{yr_venv} {ds_venv}", timeout=900)
+
+
+def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+    yr_venv, ds_venv = venvs(ctx)
+    probe = "import sys; from importlib.metadata import version; print(version(sys.argv[1]))"
+    return shell_command(
+        f"[ \"$({yr_venv}/bin/python -c {shlex.quote(probe)} openyuanrong 2>/dev/null)\" = {OPENYUANRONG} ] && "
+        f"[ \"$({ds_venv}/bin/python -c {shlex.quote(probe)} openyuanrong-datasystem 2>/dev/null)\" = {OPENYUANRONG_DATASYSTEM} ]"
+    )
+
+
+# -- configure -----------------------------------------------------------------------------------
+
+def configure(ctx: StepContext, host: HostPlan) -> Command:
+    """Write config.<mode>.toml for each candidate mode and pick one: full if the function system is installed."""
+    d = deploy_path(ctx)
+    q = shlex.quote
+    lines = [f"mkdir -p {q(d)}"]
+    for mode, text in configs(ctx, host).items():
+        lines.append(f"cat > {q(d + '/config.' + mode + '.toml')} <<'YRPD_CONFIG_END'\n{text}YRPD_CONFIG_END")
+    if ctx.spec.cluster_mode is ClusterMode.auto:
+        yr_venv, _ = venvs(ctx)
+        function_master = f"{yr_venv}/lib/{PYTHON_TAG}/site-packages/yr/functionsystem/bin/function_master"
+        lines.append(f"if [ -x {q(function_master)} ]; then mode=full; else mode=ds_only; fi")
+    else:
+        lines.append(f"mode={ctx.spec.cluster_mode.value}")
+    lines.append(f'cp {q(d)}/config.$mode.toml {q(d)}/config.toml && echo $mode > {q(d)}/mode && echo "cluster mode: $mode"')
+    shown = ", ".join(f"config.{m}.toml" for m in modes(ctx))
+    return Command("\n".join(lines), display=f"write {d}/{{{shown}}}, copy the one for the installed mode to config.toml\n"
+                                             + "\n".join(f"# config.{m}.toml\n{t}" for m, t in configs(ctx, host).items()))
+
+
+def configured(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+    d = deploy_path(ctx)
+    sums = "\n".join(f"{hashlib.sha256(text.encode()).hexdigest()}  {d}/config.{mode}.toml"
+                     for mode, text in configs(ctx, host).items())
+    return shell_command(f"test -f {shlex.quote(d)}/config.toml && sha256sum -c --quiet - <<'END'\n{sums}\nEND")
+
+
+# -- start / verify / status / stop (all through deploy_scripts/yr_cluster.py) -------------------
+
+def _driver_args(ctx: StepContext, host: HostPlan, action: str, mode: str, timeout: int) -> dict:
+    n = node(ctx, host, mode)
+    # teardown uses yr's forced stop: a graceful one stops etcd first, then waits out the data system
+    # processes (about 20 s on the master, measured), and the cache holds nothing worth flushing
+    start, stop, force, health = start_command(n), stop_command(n, force=True), stop_command(n, force=True), health_command(n)
+    wanted = [c for c, on in components(n).items() if on]
+    owner = {"etcd_client": "etcd", "etcd_peer": "etcd", "ds_master": "ds_master", "ds_worker": "ds_worker"}
+    return {
+        "action": action, "deploy": n.deploy_path, "logs": f"{ctx.host_session_dir}/logs", "session": ctx.session_id,
+        "start": list(start.argv), "stop": list(stop.argv), "force_stop": list(force.argv), "health": list(health.argv),
+        "env": dict(start.env), "host_ip": n.host_ip, "timeout": timeout, "expect": wanted,
+        "ports": {name: [owner.get(name, name), port] for name, port in listen_ports(n).items()},
+    }
+
+
+def _driver(ctx: StepContext, host: HostPlan, action: str, timeout: int) -> Command:
+    """yr_cluster.py for the mode the host picked (config.toml's mode); ds_only args as the plan shows them."""
+    per_mode = {m: _driver_args(ctx, host, action, m, timeout) for m in modes(ctx)}
+    if len(per_mode) == 1:
+        return host_python("yr_cluster.py", next(iter(per_mode.values())), timeout=timeout + 60)
+    d = shlex.quote(deploy_path(ctx))
+    branches = []
+    for mode, args in per_mode.items():
+        cmd = host_python("yr_cluster.py", args, timeout=timeout + 60)
+        branches.append(f"if [ \"$mode\" = {mode} ]; then\n{cmd.script}\nfi")
+    script = f"mode=$(cat {d}/mode 2>/dev/null || echo ds_only)\n" + "\n".join(branches)
+    shown = host_python("yr_cluster.py", per_mode["ds_only"], timeout=timeout)
+    return Command(script, display=f"{shown.display}  # args for the mode picked at configure", timeout=timeout + 60)
+
+
+def start_master(ctx: StepContext, host: HostPlan) -> Command:
+    return _driver(ctx, host, "start", START_TIMEOUT)
+
+
+def start_agent(ctx: StepContext, host: HostPlan) -> Command:
+    return _driver(ctx, host, "start", START_TIMEOUT)
+
+
+def healthy(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+    """Already running and healthy on this host (used to skip the start steps on re-runs)."""
+    return _driver(ctx, host, "wait", 0)
+
+
+def wait_healthy(ctx: StepContext, host: HostPlan) -> Command:
+    return _driver(ctx, host, "wait", HEALTH_TIMEOUT)
+
+
+def status(ctx: StepContext, host: HostPlan) -> Command:
+    return _driver(ctx, host, "status", 30)
+
+
+def stop(ctx: StepContext, host: HostPlan) -> Command:
+    return _driver(ctx, host, "stop", 40)
+
+
+def check_kv(ctx: StepContext, host: HostPlan) -> Command:
+    """Write a key through this host's data system worker and read it through the next host's (a ring)."""
+    hosts = list(ctx.plan.hosts)
+    peer = hosts[(hosts.index(host) + 1) % len(hosts)]
+    _, ds_venv = venvs(ctx)
+    port = ctx.spec.ports.datasystem
+    body = deploy_script("ds_kv_check.py")
+    own, other = f"{_address(host)}:{port}", f"{_address(peer)}:{port}"
+    logs = shlex.quote(f"{ctx.host_session_dir}/logs/ds-client")
+    script = (
+        f"mkdir -p {logs}\n"
+        f"env -u LD_LIBRARY_PATH DATASYSTEM_CLIENT_LOG_DIR={logs} {shlex.quote(ds_venv)}/bin/python - "
+        f"--write {own} --read {other} <<'YRPD_SCRIPT_END'\n{body}\nYRPD_SCRIPT_END\n"
+    )
+    return Command(script, display=f"{ds_venv}/bin/python deploy_scripts/ds_kv_check.py --write {own} --read {other}",
+                   timeout=60)
