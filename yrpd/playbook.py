@@ -94,7 +94,11 @@ def describe(playbook: Playbook, ctx: StepContext) -> list[tuple[StepSpec, dict[
     return [(step, step_commands(step, ctx)) for step in playbook.steps if step_enabled(step, ctx)]
 
 
-class StepFailed(GroupFailure):
+class PlaybookFailed(GroupFailure):
+    """One or more steps failed; carries every host's outcome across the steps that ran."""
+
+
+class StepFailed(PlaybookFailed):
     def __init__(self, step: StepSpec, results: dict[str, HostResult]):
         self.step = step
         super().__init__(f"step '{step.name}'", results)
@@ -121,26 +125,31 @@ class PlaybookRunner:
         self.report = report or (lambda event, step, info: None)
 
     def run(self, playbook: Playbook, keep_going: bool = False) -> list[StepOutcome]:
-        """Run every enabled step; raise StepFailed at the first failing one (unless keep_going)."""
+        """Run every enabled step; raise StepFailed at the first failing one.
+
+        With keep_going (teardown), a host that failed a step is left out of the later steps while the
+        other hosts carry on, so one dead host never keeps the rest running; the failure raised at the
+        end covers every host that took part."""
         outcomes = []
-        failures: list[StepFailed] = []
+        failed_steps: list[StepSpec] = []
+        failed_hosts: set[str] = set()
         for step in playbook.steps:
             if not step_enabled(step, self.ctx):
                 continue
-            outcome = self.run_step(step)
+            outcome = self.run_step(step, exclude=failed_hosts)
             outcomes.append(outcome)
             if not outcome.results.ok:
-                failure = StepFailed(step, dict(outcome.results))
                 if not keep_going:
-                    raise failure
-                failures.append(failure)
-        if failures:
-            raise failures[0] if len(failures) == 1 else _merge(failures)
+                    raise StepFailed(step, dict(outcome.results))
+                failed_steps.append(step)
+                failed_hosts |= {n for n, r in outcome.results.items() if not r.ok}
+        if failed_steps:
+            raise _merge(failed_steps, outcomes)
         return outcomes
 
-    def run_step(self, step: StepSpec) -> StepOutcome:
+    def run_step(self, step: StepSpec, exclude: set[str] = frozenset()) -> StepOutcome:
         started = time.monotonic()
-        hosts = step_hosts(step, self.ctx)
+        hosts = [h for h in step_hosts(step, self.ctx) if h.name not in exclude]
         group = self.group.subset(h.name for h in hosts)
         self.report("start", step, {"hosts": [h.name for h in hosts]})
         results = GroupResult()
@@ -178,11 +187,12 @@ class PlaybookRunner:
         self.session.journal(**entry)
 
 
-def _merge(failures: list[StepFailed]) -> GroupFailure:
+def _merge(failed: list[StepSpec], outcomes: list[StepOutcome]) -> PlaybookFailed:
     merged: dict[str, HostResult] = {}
-    for failure in failures:
-        for name, result in failure.results.items():
+    for outcome in outcomes:
+        for name, result in outcome.results.items():
             if name not in merged or not result.ok:
                 merged[name] = result
-    steps = ", ".join(f"'{f.step.name}'" for f in failures)
-    return GroupFailure(f"steps {steps}", merged)
+    if len(failed) == 1:
+        return StepFailed(failed[0], merged)
+    return PlaybookFailed("steps " + ", ".join(f"'{s.name}'" for s in failed), merged)

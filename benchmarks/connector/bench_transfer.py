@@ -40,6 +40,7 @@ from yrpd.connector.transport import (
     BlockLayout,
     DsConnection,
     HostTransport,
+    StagingPool,
     block_rows_u8,
     kvclient_factory,
     part_block_nbytes,
@@ -103,6 +104,7 @@ def run(args) -> dict:
             staging[i, off:off + size].copy_(p[b].reshape(-1).view(torch.uint8))
     copy_dst = torch.empty_like(staging)
     copy_dst.copy_(staging)
+    pool = StagingPool(layout.part_nbytes, 4 * total)
     res = {"memcpy": [], "save": [], "stage": [], "save+stage": [], "load": []}
     for it in range(args.iters + 1):
         keys = [f"yrpd_bench{os.getpid() % 1000:03d}_{it:04d}_{i:05d}" for i in range(nblk)]
@@ -117,10 +119,12 @@ def run(args) -> dict:
         t.delete(keys)
         keys2 = [k + "s" for k in keys]
         t4 = time.perf_counter()
-        staged = stage_blocks(src, rows, src_ids)  # the producer's snapshot (on the engine's critical path)
+        slab = pool.acquire(nblk)
+        staged = stage_blocks(src, rows, src_ids, slab)  # the producer's snapshot (engine's critical path)
         t45 = time.perf_counter()
         t.save(keys2, values_from_staged(staged, range(nblk)), ttl_seconds=600)  # the saver thread's part
         t5 = time.perf_counter()
+        pool.release(slab)
         t.delete(keys2)
         if it == 0:
             # check bit-exactness once (and warm up page mappings)
@@ -141,6 +145,7 @@ def run(args) -> dict:
                   "block_size": bs, "dtype": "bfloat16", "tokens": nblk * bs, "blocks": nblk,
                   "bytes_per_block": layout.block_nbytes, "request_bytes": total},
         "iterations": args.iters,
+        "torch_threads": torch.get_num_threads(),
         "median_ms": {k: round(v * 1000, 3) for k, v in med.items()},
         "gbps": {k: round(gbps(total, v), 3) for k, v in med.items()},
         "ratio_vs_memcpy": {k: round(gbps(total, v) / mem, 3) for k, v in med.items() if k != "memcpy"},
@@ -160,8 +165,11 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=41900, help="port for a self-started worker")
     ap.add_argument("--no-populate", dest="populate", action="store_false",
                     help="self-started worker without --shared_memory_populate (arena pages fault on first use)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1 = like a vLLM CPU worker pinned to one core, as in the e2e tests)")
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     venv_bin = Path(sys.executable).parent
     home = None
     if args.ds_address is None:

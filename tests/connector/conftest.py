@@ -25,6 +25,8 @@ def vllm_venv():
     venv = venv_path()
     reason = venv_ready(venv)
     if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"vLLM CPU venv not usable under CI: {reason}")
         pytest.skip(f"vLLM CPU venv not usable: {reason}")
     return venv
 

@@ -227,8 +227,9 @@ def test_connect_failure_at_startup_is_not_fatal():
 
 # --- host path round trip (torch) -------------------------------------------------------------------
 
+@pytest.mark.torch
 def test_host_round_trip_is_bit_exact_for_the_cpu_layout():
-    torch = pytest.importorskip("torch")
+    import torch
     from yrpd.connector.transport import part_block_nbytes
 
     # CPU layout per layer: (num_blocks, kv_heads, block_size, 2*head_size), bf16
@@ -258,3 +259,27 @@ def test_host_round_trip_is_bit_exact_for_the_cpu_layout():
     assert t.load(["a"], dst, layout, [3]) == [False]
     assert not dst[0][3].any()
     assert t.load(["nothing"], dst, layout, [3]) == [False]
+
+
+@pytest.mark.torch
+def test_staging_pool_reuses_and_bounds_memory():
+    import torch
+    from yrpd.connector.transport import StagingPool, block_rows_u8, stage_blocks, values_from_staged
+
+    parts = [torch.randn(8, 2, 32, 64).to(torch.bfloat16) for _ in range(3)]
+    rows = [block_rows_u8(p) for p in parts]
+    per_block = rows[0].shape[1]
+    pool = StagingPool([per_block] * 3, max_bytes=16 * 3 * per_block)
+    slab = pool.acquire(5)
+    assert slab is not None and slab[0].shape == (16, per_block)
+    assert pool.acquire(5) is None  # budget exhausted while the first slab is in flight
+    staged = stage_blocks(parts, rows, [6, 2, 4], slab)
+    assert all(s.data_ptr() == sl.data_ptr() for s, sl in zip(staged, slab))  # no fresh allocation
+    vals = values_from_staged(staged, [0, 2])
+    assert torch.equal(torch.cat(vals[1]), torch.cat([p[4].reshape(-1).view(torch.uint8) for p in parts]))
+    pool.release(slab)
+    assert pool.acquire(3) is slab
+    # a non-contiguous part is staged block by block
+    nc = torch.randn(2, 8, 16).to(torch.bfloat16).transpose(0, 1)  # (8, 2, 16), not contiguous
+    st = stage_blocks([nc], [block_rows_u8(nc)], [1, 7])
+    assert torch.equal(st[0][1], nc[7].reshape(-1).view(torch.uint8))

@@ -20,7 +20,7 @@ def down(**params) -> int:
     from yrpd.cli.options import apply_ssh_overrides
     from yrpd.console import err
     from yrpd.deployment import Deployment
-    from yrpd.playbook import PlaybookRunner, StepFailed, load_playbook
+    from yrpd.playbook import PlaybookFailed, PlaybookRunner, load_playbook
     from yrpd.session import SessionStore, default_root
 
     console = err()
@@ -44,8 +44,8 @@ def down(**params) -> int:
 
     with deployment.group() as group:
         try:
-            PlaybookRunner(group, ctx, session, report).run(playbook)
-        except StepFailed as failure:
+            PlaybookRunner(group, ctx, session, report).run(playbook, keep_going=True)
+        except PlaybookFailed as failure:
             session.set_state(phase="down-failed")
             failure.args = (f"{failure}\nfix the cause (or bring the host back) and run `yrpd down` again",)
             raise

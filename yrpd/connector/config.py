@@ -19,6 +19,8 @@ Keys (all optional except the data system address):
   stats_file            path of a JSON file rewritten with the counters each period; may contain
                         {side} (scheduler|worker), {rank}, {pid}, {role}, {engine}
   max_batch_keys        keys per data-system batch call (default 512; the API caps at < 2000)
+  staging_mb            producer: host staging memory for saves in flight (default 1024); when the
+                        background writer falls this far behind, further saves are dropped (counted)
   transport             "auto" (default), "host" (KVClient) or "npu" (DsTensorClient)
   device_id             NPU device index for the npu transport (default: the tensor's device)
 """
@@ -94,6 +96,7 @@ class ConnectorConfig:
     stats_interval_s: float = 10.0
     stats_file: str | None = None
     max_batch_keys: int = 512
+    staging_mb: int = 1024
     transport: str = "auto"
     device_id: int | None = None
     unknown: dict = field(default_factory=dict)
@@ -115,7 +118,7 @@ class ConnectorConfig:
 _KNOWN = {
     "ds_address", "ds_host", "ds_port", "model_id", "namespace", "ttl_seconds", "delete_after_load", "save_sync",
     "ready_wait_ms", "connect_timeout_ms", "request_timeout_ms", "retry_backoff_s", "exclusive_connection",
-    "stats_interval_s", "stats_file", "max_batch_keys", "transport", "device_id",
+    "stats_interval_s", "stats_file", "max_batch_keys", "staging_mb", "transport", "device_id",
 }
 
 
@@ -157,6 +160,7 @@ def parse_config(role: str | None, extra: Mapping[str, Any] | None, env: Mapping
         stats_interval_s=_num(extra.get("stats_interval_s", 10.0), "stats_interval_s", float, 0.1),
         stats_file=(str(extra["stats_file"]) if extra.get("stats_file") else None),
         max_batch_keys=_num(extra.get("max_batch_keys", 512), "max_batch_keys", int, 1),
+        staging_mb=_num(extra.get("staging_mb", 1024), "staging_mb", int, 1),
         transport=transport,
         device_id=(None if extra.get("device_id") is None else _num(extra["device_id"], "device_id", int, 0)),
         unknown={k: v for k, v in extra.items() if k not in _KNOWN},

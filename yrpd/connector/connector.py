@@ -51,7 +51,6 @@ from yrpd.connector.stats import ConnectorStats, StatsReporter
 from yrpd.connector.transport import (
     BlockLayout,
     DsConnection,
-    DsUnavailable,
     HostTransport,
     NpuTransport,
     TransportError,
@@ -59,6 +58,7 @@ from yrpd.connector.transport import (
     hetero_client_factory,
     kvclient_factory,
     part_block_nbytes,
+    StagingPool,
     split_kv_parts,
     stage_blocks,
     values_from_staged,
@@ -167,7 +167,7 @@ class _Lookup:
 # ---------------------------------------------------------------------------------------------
 
 class _Job:
-    __slots__ = ("kind", "keys", "data", "nbytes", "done", "req_id")
+    __slots__ = ("kind", "keys", "data", "nbytes", "done", "req_id", "slab")
 
     def __init__(self, kind: str, keys: list, data: Any = None, nbytes: int = 0, req_id: str = "") -> None:
         self.kind = kind
@@ -175,6 +175,7 @@ class _Job:
         self.data = data
         self.nbytes = nbytes
         self.req_id = req_id
+        self.slab = None
         self.done = threading.Event()
 
 
@@ -182,7 +183,8 @@ class _Saver:
     """Writes staged blocks (and deletes) to the data system off the engine's critical path."""
 
     def __init__(self, conn: DsConnection, cfg: ConnectorConfig, stats: ConnectorStats,
-                 max_pending_bytes: int) -> None:
+                 max_pending_bytes: int, pool: StagingPool | None = None) -> None:
+        self.pool = pool
         self.conn = conn
         self.transport = HostTransport(conn, cfg.max_batch_keys)
         self.cfg = cfg
@@ -235,6 +237,10 @@ class _Saver:
             finally:
                 with self._lock:
                     self._pending_bytes -= job.nbytes
+                job.data = None
+                if job.slab is not None and self.pool is not None:
+                    self.pool.release(job.slab)
+                    job.slab = None
                 job.done.set()
 
     def _save(self, job: _Job) -> None:
@@ -611,21 +617,28 @@ class YuanrongConnector(KVConnectorBase_V1):
         # request never hands off freed blocks: nothing to deliver reliably.
         return False
 
+    # vLLM's connector metrics (>= 0.11); older releases lack the module: no vLLM-side stats then.
     def get_kv_connector_stats(self):
-        from yrpd.connector.vllm_stats import delta_stats
-
+        try:
+            from yrpd.connector.vllm_stats import delta_stats
+        except ImportError:
+            return None
         return delta_stats(self)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict | None = None):
-        from yrpd.connector.vllm_stats import YuanrongKVStats
-
+        try:
+            from yrpd.connector.vllm_stats import YuanrongKVStats
+        except ImportError:
+            return None
         return YuanrongKVStats(data=dict(data or {}))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        from yrpd.connector.vllm_stats import YuanrongPromMetrics
-
+        try:
+            from yrpd.connector.vllm_stats import YuanrongPromMetrics
+        except ImportError:
+            return None
         return YuanrongPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ==============================================================================================
@@ -637,6 +650,7 @@ class YuanrongConnector(KVConnectorBase_V1):
         self._layout: BlockLayout | None = None
         self._load_transport: Any = None
         self._saver: _Saver | None = None
+        self._pool: StagingPool | None = None
         self._load_errors: set[int] = set()
         self._bad_reqs: set[str] = set()
         self._last_vllm_stats = {}
@@ -696,8 +710,9 @@ class YuanrongConnector(KVConnectorBase_V1):
             self._conn.connect()
             self._load_transport = HostTransport(self._conn, c.max_batch_keys)
             saver_conn = self._make_conn(f"saver{self.tp_rank}")
-            self._saver = _Saver(saver_conn, c, self.stats, max_pending_bytes=int(c.unknown.get(
-                "max_pending_mb", 1024)) << 20)
+            budget = c.staging_mb << 20
+            self._pool = StagingPool(self._layout.part_nbytes, budget)
+            self._saver = _Saver(saver_conn, c, self.stats, max_pending_bytes=budget, pool=self._pool)
             self._saver.start()
         self.stats.rank = self.tp_rank
         engine = str(getattr(self._ktc, "engine_id", "") or "")
@@ -817,9 +832,15 @@ class YuanrongConnector(KVConnectorBase_V1):
         layout = self._layout
         assert layout is not None and self._saver is not None
         n = len(op.block_ids)
-        staged = stage_blocks(self._parts, self._rows_u8, op.block_ids)
+        slab = self._pool.acquire(n) if self._pool is not None else None
+        if slab is None and self._pool is not None:
+            self.stats.inc("save_dropped_blocks", n)  # saver far behind: staging budget exhausted
+            return None
+        staged = stage_blocks(self._parts, self._rows_u8, op.block_ids, slab)
         job = _Job("save", keys, staged, n * layout.block_nbytes, op.req_id)
+        job.slab = slab
         if not self._saver.submit(job):
+            self._pool.release(slab)
             self.stats.inc("save_dropped_blocks", n)
             return None
         return job

@@ -275,6 +275,18 @@ class Transport:
         raise NotImplementedError
 
 
+def _memmove(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
+    """Raw copy between CPU addresses (no per-call tensor overhead; releases the GIL)."""
+    import ctypes
+
+    ctypes.memmove(dst_ptr, src_ptr, nbytes)
+
+
+def _cpu_contiguous_blocks(parts: Sequence[Any]) -> bool:
+    return all(getattr(p, "device", None) is not None and p.device.type == "cpu" and p[0].is_contiguous()
+               for p in parts)
+
+
 def _u8(t: Any):
     import torch
 
@@ -291,20 +303,74 @@ def block_rows_u8(part: Any):
     return rows if rows.dtype == torch.uint8 else rows.view(torch.uint8)
 
 
-def stage_blocks(parts: Sequence[Any], rows_u8: Sequence[Any], block_ids: Sequence[int]) -> list:
+class StagingPool:
+    """Reusable host staging buffers (fresh multi-MB allocations cost a page fault per 4 KiB).
+
+    A slab holds, per part, a (capacity, bytes_per_block) uint8 tensor. `acquire(n)` hands out a
+    free slab with capacity >= n (allocating one while the pool stays under `max_bytes`), or None
+    when the pool is exhausted; `release` returns it once the saver has written it.
+    """
+
+    def __init__(self, part_nbytes: Sequence[int], max_bytes: int) -> None:
+        self.part_nbytes = [int(x) for x in part_nbytes]
+        self.max_bytes = int(max_bytes)
+        self._free: list = []
+        self._total = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, n: int):
+        import torch
+
+        with self._lock:
+            best = None
+            for slab in self._free:
+                if slab[0].shape[0] >= n and (best is None or slab[0].shape[0] < best[0].shape[0]):
+                    best = slab
+            if best is not None:
+                self._free.remove(best)
+                return best
+            cap = 16
+            while cap < n:
+                cap *= 2
+            size = cap * sum(self.part_nbytes)
+            if self._total + size > self.max_bytes:
+                if self._free:  # drop cached small slabs to make room
+                    self._total -= sum(s[0].shape[0] for s in self._free) * sum(self.part_nbytes)
+                    self._free.clear()
+                if self._total + size > self.max_bytes:
+                    return None
+            self._total += size
+        return [torch.empty((cap, nb), dtype=torch.uint8) for nb in self.part_nbytes]
+
+    def release(self, slab) -> None:
+        if slab is None:
+            return
+        with self._lock:
+            self._free.append(slab)
+
+
+def stage_blocks(parts: Sequence[Any], rows_u8: Sequence[Any], block_ids: Sequence[int], slab=None) -> list:
     """Snapshot blocks `block_ids` of every part: one gather (index_select) per part, each a
-    single contiguous copy. Returns per part a (n, bytes_per_block) uint8 tensor; the stored value
-    of block i is the concatenation of staged[p][i] over parts (see `values_from_staged`)."""
+    single contiguous copy. Returns per part a (n, bytes_per_block) uint8 tensor (rows of `slab`
+    when given); the stored value of block i is the concatenation of staged[p][i] over parts
+    (see `values_from_staged`)."""
     import torch
 
+    n = len(block_ids)
     idx = torch.tensor(list(block_ids), dtype=torch.long, device=parts[0].device)
     out = []
-    for p, rows in zip(parts, rows_u8):
-        if rows is not None:
+    for k, (p, rows) in enumerate(zip(parts, rows_u8)):
+        dst = slab[k][:n] if slab is not None else None
+        if rows is not None and rows.device.type == "cpu" and dst is not None:
+            torch.index_select(rows, 0, idx, out=dst)
+            staged = dst
+        elif rows is not None:
             staged = rows.index_select(0, idx)
         else:  # non-contiguous part: copy block by block (each block itself is contiguous)
             staged = torch.stack([_u8(p[b]) for b in block_ids])
-        out.append(staged.cpu() if staged.device.type != "cpu" else staged)
+        if staged.device.type != "cpu":
+            staged = staged.cpu() if dst is None else dst.copy_(staged)
+        out.append(staged)
     return out
 
 
@@ -352,9 +418,13 @@ class HostTransport(Transport):
                 if dst.numel() != sizes[j]:
                     raise TransportError(f"mcreate gave {dst.numel()} bytes for {batch[j]}, wanted {sizes[j]}")
                 off = 0
+                base = dst.data_ptr()
                 for x in pieces(values[lo + j]):
                     n = int(x.numel())
-                    dst[off:off + n].copy_(x)
+                    if x.device.type == "cpu" and x.is_contiguous():
+                        _memmove(base + off, x.data_ptr(), n)
+                    else:
+                        dst[off:off + n].copy_(x)
                     off += n
             self.conn.call("mset_buffer", lambda c: c.mset_buffer(bufs))
             written += sum(sizes)
@@ -365,6 +435,7 @@ class HostTransport(Transport):
         import torch
 
         ok = [False] * len(keys)
+        raw = _cpu_contiguous_blocks(parts)
         for lo, hi in self._batches(len(keys)):
             batch = list(keys[lo:hi])
             try:
@@ -383,8 +454,13 @@ class HostTransport(Transport):
                     warnings.simplefilter("ignore", UserWarning)  # read-only buffer; we only read it
                     src = torch.frombuffer(view, dtype=torch.uint8)
                 b = block_ids[lo + j]
-                for p, off, size in zip(parts, layout.offsets, layout.part_nbytes):
-                    _u8(p[b]).copy_(src[off:off + size])
+                if raw:  # CPU cache: one memmove per layer part, straight from shared memory
+                    base = src.data_ptr()
+                    for (ptr, size), off in zip(block_blobs(parts, b), layout.offsets):
+                        _memmove(ptr, base + off, size)
+                else:
+                    for p, off, size in zip(parts, layout.offsets, layout.part_nbytes):
+                        _u8(p[b]).copy_(src[off:off + size])
                 ok[lo + j] = True
         return ok
 
