@@ -64,6 +64,8 @@ for port, what in args["ports"]:
         problems.append(f"port {port} ({what}) is already in use by {owner(listening[port])}; free it or change the port")
         continue
     with socket.socket() as probe:
+        # as servers do: connections of a just-stopped deployment in TIME_WAIT must not count as "in use"
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("0.0.0.0", port))
         except OSError as exc:

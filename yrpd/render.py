@@ -100,11 +100,36 @@ def status_tables(report: dict) -> list[Table]:
         tables.append(table)
     if report["instances"]:
         inst = Table(title="Instances", title_justify="left")
-        for column in ("instance", "role", "host", "devices", "port", "state"):
+        for column in ("instance", "role", "host", "devices", "port", "pid", "health", "running/waiting",
+                       "KV blocks loaded", "KV blocks saved", "external hit tokens"):
             inst.add_column(column)
         for i in report["instances"]:
             state = i["state"]
-            shown = {"running": "[green]running[/green]", "dead": "[red]dead[/red]"}.get(state, f"[dim]{state}[/dim]")
-            inst.add_row(i["name"], i["role"], i["host"], describe_devices(i["devices"]), str(i["port"]), shown)
+            if state == "running":
+                health = yes_no(i["healthy"], "healthy", "no answer")
+            else:
+                health = "[red]dead[/red]" if state == "dead" else f"[dim]{state}[/dim]"
+            conn = i.get("connector") or {}
+            running = i.get("requests_running")
+            load = f"{_num(running)}/{_num(i.get('requests_waiting'))}" if running is not None else "-"
+            inst.add_row(i["name"], i["role"], i["host"], describe_devices(i["devices"]), str(i["port"]),
+                         str(i.get("pid") or "-"), health, load, _num(conn.get("loaded_blocks")),
+                         _num(conn.get("saved_blocks")), _num(i.get("external_cache_hit_tokens")))
         tables.append(inst)
+    proxy = report.get("proxy")
+    if proxy:
+        table = Table(title="Proxy", title_justify="left")
+        for column in ("url", "host", "pid", "health", "in flight", "instances up"):
+            table.add_column(column)
+        up = proxy.get("instances_up") or {}
+        table.add_row(proxy["url"], proxy["host"], str(proxy.get("pid") or "-"),
+                      yes_no(proxy["healthy"], "healthy", proxy["state"] if proxy["state"] != "running" else "unhealthy"),
+                      _num(proxy.get("in_flight")), f"{sum(up.values())}/{len(up)}" if up else "-")
+        tables.append(table)
     return tables
+
+
+def _num(value) -> str:
+    if value is None:
+        return "-"
+    return str(int(value)) if float(value).is_integer() else f"{value:.1f}"

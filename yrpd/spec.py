@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import getpass
 import ipaddress
+import os
 import re
 from enum import Enum
 from pathlib import Path
@@ -257,6 +258,18 @@ class DeploySpec(BaseModel):
     remote_session_root: str = "/tmp/yrpd_sessions"
     ssh: SshOptions = SshOptions()
     min_free_disk_gb: float = Field(2.0, ge=0)
+    #: prefill instances also load prefixes stored earlier (connector role kv_both instead of kv_producer)
+    prefix_reuse: bool = True
+    #: extra `vllm serve` arguments, after yrpd's own (the last occurrence of a flag wins)
+    engine_args: list[str] = []
+    #: overrides for the connector's kv_connector_extra_config (docs/dev/connector.md lists the keys)
+    connector: dict[str, Any] = {}
+    #: address the proxy listens on; default the master's cluster address (127.0.0.1 for localhost)
+    proxy_host: str | None = None
+    #: name of an environment variable (read where yrpd runs) holding the proxy's API key
+    api_key_env: str | None = None
+    #: how long deploy waits for an instance to answer /health
+    startup_timeout_s: int = Field(900, ge=10)
 
     @field_validator("hosts", mode="before")
     @classmethod
@@ -357,7 +370,30 @@ class DeploySpec(BaseModel):
                     raise SpecError(f"hosts[{i}].ip", f"{host.ip!r} is not an IP address", "give the host's IP address") from None
         if not self.remote_session_root.startswith("/"):
             raise SpecError("remote_session_root", "must be an absolute path", "e.g. /tmp/yrpd_sessions")
+        self._check_serving()
         return self
+
+    def _check_serving(self) -> None:
+        owned = ("--port", "--host", "--served-model-name", "--kv-transfer-config", "--tensor-parallel-size",
+                 "--data-parallel-size", "--headless")
+        for arg in self.engine_args:
+            flag = arg.split("=", 1)[0]
+            if flag in owned:
+                raise SpecError("engine_args", f"{flag} is set by yrpd from the plan",
+                                "use the spec field instead (ports, served_model_name, ptp/dtp, pdp/ddp, connector)")
+        if self.proxy_host is not None:
+            try:
+                ipaddress.ip_address(self.proxy_host)
+            except ValueError:
+                raise SpecError("proxy_host", f"{self.proxy_host!r} is not an IP address",
+                                "give the address to listen on, e.g. 0.0.0.0") from None
+        if self.api_key_env is not None:
+            if not _ENV_NAME_RE.match(self.api_key_env):
+                raise SpecError("api_key_env", f"{self.api_key_env!r} is not an environment variable name",
+                                "name the variable that holds the key, e.g. YRPD_API_KEY")
+            if not os.environ.get(self.api_key_env):
+                raise SpecError("api_key_env", f"${self.api_key_env} is not set or empty here",
+                                f"export {self.api_key_env}=<key> before running yrpd")
 
 
 # -- loading -----------------------------------------------------------------------------------

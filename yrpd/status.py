@@ -6,14 +6,24 @@ import json
 
 from yrpd.deployment import Deployment
 from yrpd.hostgroup import Command
-from yrpd.steps import cluster, processes
+from yrpd.serving import PROXY_NAME, instance_url, proxy_url
+from yrpd.steps import cluster, host_python, processes
+
+
+def _serving_probe(ctx, host) -> Command:
+    instances = [{"name": i.name, "url": instance_url(ctx.plan, i)} for i in ctx.plan.instances if i.host == host.name]
+    proxy = {"url": proxy_url(ctx.spec, ctx.plan)} if host.name == ctx.plan.proxy_host else None
+    return host_python("serving_status.py", {"dir": ctx.host_session_dir, "instances": instances, "proxy": proxy},
+                       timeout=20)
 
 
 def _query(ctx, host, with_cluster: bool) -> Command:
-    """One round trip per host: its processes, and the cluster's health when the deploy started one."""
+    """One round trip per host: its processes, the cluster's health when the deploy started one, and what its
+    instances and proxy answer."""
     parts = [processes.status(ctx, host)]
     if with_cluster:
         parts.append(cluster.status(ctx, host))
+    parts.append(_serving_probe(ctx, host))
     return Command("\n".join(p.script for p in parts), timeout=sum(p.timeout for p in parts))
 
 
@@ -34,6 +44,8 @@ def collect_status(deployment: Deployment) -> dict:
     if phase != "deployed":
         problems.append(f"session is {phase}" + (" (run yrpd deploy to resume)" if phase in ("failed", "deploying") else ""))
     hosts, procs = [], []
+    serving: dict[str, dict] = {}
+    proxy_probe: dict | None = None
     for plan_host in deployment.plan.hosts:
         result = results[plan_host.name]
         entry = {"name": plan_host.name, "address": plan_host.address, "role": "master" if plan_host.is_master else "worker",
@@ -49,6 +61,10 @@ def collect_status(deployment: Deployment) -> dict:
             data = json.loads(lines[0])
             if with_cluster:
                 cluster_rows.extend(_cluster_rows(plan_host, json.loads(lines[1]), phase, problems))
+            probes = json.loads(lines[-1])
+            serving.update({p["name"]: p for p in probes["instances"]})
+            if probes["proxy"] is not None:
+                proxy_probe = probes["proxy"]
             entry["facts"] = data["host"]
             entry["session_pids"] = len(data["session_pids"])
             for proc in data["processes"]:
@@ -60,14 +76,9 @@ def collect_status(deployment: Deployment) -> dict:
             entry["healthy"] = all(p["alive"] for p in data["processes"])
         hosts.append(entry)
     live = {(p["host"], p["name"]): p for p in procs}
-    instances = []
-    for inst in deployment.plan.instances:
-        proc = live.get((inst.host, inst.name))
-        state = "not deployed" if proc is None else ("running" if proc["alive"] else "dead")
-        instances.append({
-            "name": inst.name, "role": inst.role, "host": inst.host, "devices": list(inst.devices),
-            "port": inst.port, "state": state, "healthy": state == "running",
-        })
+    instances = [_instance_row(deployment, inst, live.get((inst.host, inst.name)), serving.get(inst.name), phase, problems)
+                 for inst in deployment.plan.instances]
+    proxy = _proxy_row(deployment, live.get((deployment.plan.proxy_host, PROXY_NAME)), proxy_probe, phase, problems)
     master = next(h for h in deployment.plan.hosts if h.is_master)
     cluster_report = None
     if with_cluster:
@@ -87,8 +98,48 @@ def collect_status(deployment: Deployment) -> dict:
         "hosts": hosts,
         "processes": procs,
         "instances": instances,
+        "proxy": proxy,
         "cluster": cluster_report,
     }
+
+
+def _instance_row(deployment: Deployment, inst, proc: dict | None, probe: dict | None, phase: str,
+                  problems: list[str]) -> dict:
+    state = "not deployed" if proc is None else ("running" if proc["alive"] else "dead")
+    answered = bool(probe and probe.get("healthy"))
+    row = {
+        "name": inst.name, "role": inst.role, "host": inst.host, "devices": list(inst.devices), "tp": inst.tp,
+        "dp": inst.dp, "port": inst.port, "url": instance_url(deployment.plan, inst),
+        "pid": proc["pid"] if proc else None, "state": state, "healthy": state == "running" and answered,
+    }
+    if probe:
+        for key in ("requests_running", "requests_waiting", "prompt_tokens", "external_cache_hit_tokens",
+                    "external_cache_query_tokens"):
+            row[key] = probe.get(key)
+        counters = probe["connector"]["counters"]
+        row["connector"] = {"ds_healthy": probe["connector"]["ds_healthy"], **counters}
+        if probe.get("error"):
+            row["error"] = probe["error"]
+    if phase == "deployed" and state == "running" and not answered:
+        problems.append(f"{inst.name} on {inst.host} does not answer /health"
+                        + (f" ({probe['error']})" if probe and probe.get("error") else ""))
+    return row
+
+
+def _proxy_row(deployment: Deployment, proc: dict | None, probe: dict | None, phase: str, problems: list[str]) -> dict | None:
+    if proc is None and probe is None:
+        return None
+    state = "not deployed" if proc is None else ("running" if proc["alive"] else "dead")
+    row = {"url": proxy_url(deployment.spec, deployment.plan), "host": deployment.plan.proxy_host,
+           "pid": proc["pid"] if proc else None, "state": state,
+           "healthy": state == "running" and bool(probe and probe.get("healthy"))}
+    detail = (probe or {}).get("status") or {}
+    if detail:
+        row["instances_up"] = {i["url"]: i["up"] for i in detail.get("instances", [])}
+        row["in_flight"] = sum(i.get("in_flight", 0) for i in detail.get("instances", []))
+    if phase == "deployed" and state == "running" and not row["healthy"]:
+        problems.append(f"proxy at {row['url']} is not healthy" + (f" ({probe['error']})" if probe and probe.get("error") else ""))
+    return row
 
 
 def _cluster_rows(host, snap: dict, phase: str, problems: list[str]) -> list[dict]:

