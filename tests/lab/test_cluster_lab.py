@@ -25,9 +25,24 @@ def _need_venvs():
         pytest.skip(message)
 
 
+def cluster_playbook(tmp_dir: Path) -> Path:
+    """The real deploy playbook cut after the cluster's cross-host KV check (no vLLM in these tests)."""
+    import yaml
+
+    from yrpd.assets import playbook_path
+
+    book = yaml.safe_load(playbook_path("deploy").read_text())
+    runs = [step["run"] for step in book["steps"]]
+    book["steps"] = book["steps"][: runs.index("cluster.check_kv") + 1]
+    path = tmp_dir / "cluster-only.yaml"
+    path.write_text(yaml.safe_dump(book))
+    return path
+
+
 class Cli:
     def __init__(self, lab, home: Path, config: Path | None = None):
         self.lab = lab
+        self.playbook = ["--playbook", str(cluster_playbook(home.parent))]
         self.env = {"YRPD_HOME": str(home)}
         self.ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
         self.config = ["--config", str(config)] if config else []
@@ -35,7 +50,7 @@ class Cli:
     def deploy(self, *extra, check=None):
         hosts = ",".join(h.name for h in self.lab.hosts)
         return run_yrpd("deploy", "--hosts", hosts, "--model", MODEL, "--env-path", ENV_ROOT, *self.config,
-                        *self.ssh, *extra, env=self.env, check=check, timeout=600)
+                        *self.playbook, *self.ssh, *extra, env=self.env, check=check, timeout=600)
 
     def __call__(self, *args, check=None):
         return run_yrpd(*args, *self.ssh, env=self.env, check=check, timeout=600)

@@ -184,9 +184,17 @@ def build(out_dir: Path, force: bool = False) -> Path:
             {"recipe_hash": want, "recipe": RECIPE, "corpus_digest": digest, "corpus_files": len(files)},
             indent=2, sort_keys=True) + "\n")
         tmp.chmod(0o755)
+        if is_built(out_dir, want):
+            # another builder (a second host on a shared env root) finished first with the same recipe
+            print(f"tiny model already built at {out_dir} (recipe {want[:12]})")
+            return out_dir
         if out_dir.exists():
             shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            if not is_built(out_dir, want):
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -193,7 +193,7 @@ class Proxy:
             return exc.response()
         except web.HTTPException as exc:  # the router's 404/405, an oversized body
             detail = exc.text if exc.text and not exc.text.startswith(str(exc.status)) else exc.reason
-            return ProxyError(exc.status, f"{detail}: {request.method} {request.path}").response()
+            return ProxyError(exc.status, f"{detail} ({request.method} {request.path})").response()
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
             return ProxyError(500, "internal proxy error, see the proxy log").response()

@@ -1,0 +1,389 @@
+"""The PD proxy (yrpd.proxy) against fake vLLM instances on 127.0.0.1."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+
+from tests.unit.proxy_fakes import KV, running, until  # noqa: E402
+from yrpd.proxy.pool import Pool  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 15))
+
+
+async def post(setup, path, body, **kw):
+    async with setup.client.post(setup.url + path, json=body, **kw) as r:
+        return r.status, r.headers.get("Content-Type", ""), await r.read()
+
+
+def error_of(status, data, code):
+    """The OpenAI-style error body a client must get, never an empty 200."""
+    assert status == code, data
+    err = json.loads(data)["error"]
+    assert err["code"] == code and err["message"] and err["type"]
+    return err
+
+
+def sse_events(data: bytes) -> list[str]:
+    return [e.removeprefix("data: ") for e in data.decode().split("\n\n") if e]
+
+
+# -- the two legs
+
+
+def test_completion_prefills_with_one_token_then_decodes_with_the_kv_params_prefill_returned():
+    async def go():
+        async with running() as s:
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 20, "temperature": 0}
+            status, ctype, data = await post(s, "/v1/completions", body)
+            assert status == 200 and ctype.startswith("application/json")
+            assert json.loads(data)["choices"][0]["text"] == "d0 says hi"
+            [prefill_body] = s.prefill[0].bodies
+            assert prefill_body == {**body, "max_tokens": 1, "stream": False,
+                                    "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+            assert s.decode[0].bodies == [{**body, "kv_transfer_params": KV}]
+    run(go())
+
+
+def test_streamed_chat_reaches_the_client_byte_for_byte():
+    async def go():
+        async with running() as s:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                    "stream_options": {"include_usage": True}, "max_completion_tokens": 8, "min_tokens": 2}
+            status, ctype, data = await post(s, "/v1/chat/completions", body)
+            assert status == 200 and ctype.startswith("text/event-stream")
+            assert data == b"".join(s.decode[0].events(chat=True))
+            [p] = s.prefill[0].bodies
+            assert (p["stream"], p["max_tokens"], p["max_completion_tokens"]) == (False, 1, 1)
+            assert "stream_options" not in p and "min_tokens" not in p  # vLLM would answer 400 to both
+            assert s.decode[0].bodies == [{**body, "kv_transfer_params": KV}]
+    run(go())
+
+
+def test_without_kv_params_from_prefill_decode_gets_the_plain_request():
+    async def go():
+        async with running() as s:
+            s.prefill[0].kv = None
+            body = {"prompt": "hello", "max_tokens": 5, "kv_transfer_params": {"client": "supplied"}}
+            status, _, _ = await post(s, "/v1/completions", body)
+            assert status == 200
+            assert s.decode[0].bodies == [{"prompt": "hello", "max_tokens": 5}]
+    run(go())
+
+
+# -- choice of instance, failures, retries
+
+
+def test_pool_prefers_fewest_in_flight_and_rotates_ties_and_skips_down():
+    pool = Pool(["http://a", "http://b/"], ["http://c", "http://d", "http://e"])
+    assert pool.select("decode") is None  # nothing probed yet
+    for i in pool.instances:
+        i.up = True
+    picks = [pool.select("decode").url for _ in range(6)]
+    assert sorted(picks[:3]) == ["http://c", "http://d", "http://e"] and picks[3:] == picks[:3]
+    c, d, e = pool.of("decode")
+    c.in_flight, d.in_flight, e.in_flight = 2, 1, 1
+    assert {pool.select("decode").url for _ in range(4)} == {"http://d", "http://e"}
+    d.up = False
+    assert pool.select("decode") is e and pool.select("decode", exclude=[e]) is c
+    assert pool.of("prefill")[1].url == "http://b"
+
+
+def test_a_busy_decode_instance_is_passed_over():
+    async def go():
+        async with running(decode=2) as s:
+            for d in s.decode:
+                d.gate.clear()
+            held = asyncio.create_task(post(s, "/v1/completions", {"prompt": "long", "max_tokens": 9}))
+            await until(lambda: any(d.bodies for d in s.decode))
+            busy, free = s.decode if s.decode[0].bodies else s.decode[::-1]
+            free.gate.set()
+            for _ in range(2):  # plain round robin would send the second of these to the busy one
+                status, _, data = await post(s, "/v1/completions", {"prompt": "short", "max_tokens": 9})
+                assert status == 200 and free.name in json.loads(data)["choices"][0]["text"]
+            assert len(busy.bodies) == 1 and len(free.bodies) == 2
+            assert (await s.instance(busy))["in_flight"] == 1
+            assert f'yrpd_proxy_in_flight{{instance="{busy.url}",role="decode"}} 1' in await s.metrics()
+            busy.gate.set()
+            assert (await held)[0] == 200
+            assert (await s.instance(busy))["in_flight"] == 0
+    run(go())
+
+
+def test_a_dead_decode_instance_is_marked_down_and_the_request_retried_elsewhere():
+    async def go():
+        async with running(decode=2) as s:
+            dead, alive = s.decode
+            await dead.stop()
+            for _ in range(2):  # one of the two meets the dead instance first
+                status, _, data = await post(s, "/v1/completions", {"prompt": "x", "max_tokens": 4})
+                assert status == 200 and json.loads(data)["choices"][0]["text"] == "d1 says hi"
+            info = await s.instance(dead)
+            assert (info["up"], info["errors"]) == (False, 1) and "unreachable" in info["last_error"]
+            metrics = await s.metrics()
+            assert f'yrpd_proxy_instance_up{{instance="{dead.url}",role="decode"}} 0' in metrics
+            assert f'yrpd_proxy_upstream_errors_total{{instance="{dead.url}",role="decode"}} 1' in metrics
+
+            await alive.stop()
+            status, _, data = await post(s, "/v1/completions", {"prompt": "x", "max_tokens": 4})
+            assert "unreachable" in error_of(status, data, 502)["message"]
+            status, _, data = await post(s, "/v1/chat/completions", {"messages": [], "stream": True})
+            assert "no decode instance is up" in error_of(status, data, 503)["message"]
+            async with s.client.get(s.url + "/health") as r:
+                assert r.status == 503 and (await r.json())["missing"] == ["decode"]
+    run(go())
+
+
+def test_a_5xx_takes_the_instance_out_and_the_leg_goes_to_the_other():
+    async def go():
+        async with running(prefill=2) as s:
+            sick, well = s.prefill
+            sick.error = (500, {"error": "engine dead"})
+            for _ in range(2):
+                assert (await post(s, "/v1/completions", {"prompt": "x"}))[0] == 200
+            assert len(sick.bodies) == 1 and len(well.bodies) == 2
+            assert "engine dead" in (await s.instance(sick))["last_error"]
+            well.error = (503, {"error": "overloaded"})
+            status, _, data = await post(s, "/v1/completions", {"prompt": "x"})
+            assert "503" in error_of(status, data, 502)["message"]
+    run(go())
+
+
+def test_the_prober_takes_instances_out_and_brings_them_back():
+    async def go():
+        async with running(probe_interval=0.05) as s:
+            async with s.client.get(s.url + "/health") as r:
+                assert r.status == 200 and (await r.json())["status"] == "ok"
+            s.prefill[0].health_status = 500
+            await until(lambda: _up(s, s.prefill[0], False))
+            async with s.client.get(s.url + "/health") as r:
+                assert r.status == 503 and (await r.json())["missing"] == ["prefill"]
+            status, _, data = await post(s, "/v1/completions", {"prompt": "x"})
+            error_of(status, data, 503)
+            s.prefill[0].health_status = 200
+            await until(lambda: _up(s, s.prefill[0], True))
+            assert (await post(s, "/v1/completions", {"prompt": "x"}))[0] == 200
+    run(go())
+
+
+async def _up(s, fake, want):
+    return (await s.instance(fake))["up"] is want
+
+
+def test_an_upstream_400_reaches_the_client_as_it_is():
+    async def go():
+        async with running() as s:
+            too_long = {"error": {"message": "prompt is too long", "type": "BadRequestError", "code": 400}}
+            s.prefill[0].error = (400, too_long)
+            status, _, data = await post(s, "/v1/chat/completions", {"messages": [], "stream": True})
+            assert status == 400 and json.loads(data) == too_long
+            assert s.decode[0].bodies == []
+            s.prefill[0].error, s.decode[0].error = None, (400, too_long)
+            status, ctype, data = await post(s, "/v1/chat/completions", {"messages": [], "stream": True})
+            assert status == 400 and ctype.startswith("application/json") and json.loads(data) == too_long
+            assert all(i["up"] and i["errors"] == 0 for i in (await s.status())["instances"])
+    run(go())
+
+
+def test_an_instance_that_stays_silent_gives_504():
+    async def go():
+        async with running(request_timeout=0.3) as s:
+            s.prefill[0].gate.clear()
+            status, _, data = await post(s, "/v1/completions", {"prompt": "x"})
+            assert "0.3 s" in error_of(status, data, 504)["message"]
+            assert (await s.instance(s.prefill[0]))["up"] is True  # slow is not dead
+    run(go())
+
+
+def test_a_stream_that_breaks_ends_with_an_error_event():
+    async def go():
+        async with running() as s:
+            s.decode[0].break_after = 2
+            status, ctype, data = await post(s, "/v1/completions", {"prompt": "x", "stream": True})
+            assert status == 200 and ctype.startswith("text/event-stream")
+            events = sse_events(data)
+            assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["d0-0 ", "d0-1 "]
+            assert json.loads(events[2])["error"]["code"] == 502 and events[3:] == ["[DONE]"]
+            assert (await s.instance(s.decode[0]))["up"] is False
+    run(go())
+
+
+def test_a_non_stream_answer_that_breaks_gives_502():
+    async def go():
+        async with running() as s:
+            s.decode[0].break_after = 0
+            status, _, data = await post(s, "/v1/completions", {"prompt": "x"})
+            assert "broke off" in error_of(status, data, 502)["message"]
+    run(go())
+
+
+# -- the client side
+
+
+def test_the_api_key_is_enforced_on_v1_only():
+    async def go():
+        async with running(api_key="s3cret") as s:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                status, _, data = await post(s, "/v1/completions", {"prompt": "x"}, headers=headers)
+                error_of(status, data, 401)
+            async with s.client.get(s.url + "/v1/models") as r:
+                assert r.status == 401
+            status, _, _ = await post(s, "/v1/completions", {"prompt": "x"}, headers={"Authorization": "Bearer s3cret"})
+            assert status == 200 and s.prefill[0].bodies and s.decode[0].bodies
+            async with s.client.get(s.url + "/health") as r:
+                assert r.status == 200
+    run(go())
+
+
+def test_a_client_that_hangs_up_mid_stream_closes_the_decode_request():
+    async def go():
+        async with running() as s:
+            s.decode[0].hang_after = 1
+            resp = await s.client.post(s.url + "/v1/completions", json={"prompt": "x", "stream": True})
+            assert resp.status == 200 and b"d0-0" in await resp.content.readuntil(b"\n\n")
+            resp.close()
+            await asyncio.wait_for(s.decode[0].cancelled.wait(), 3)
+            await until(lambda: _in_flight_zero(s))
+    run(go())
+
+
+def test_a_client_that_hangs_up_during_prefill_closes_the_prefill_request():
+    async def go():
+        async with running() as s:
+            s.prefill[0].gate.clear()
+            task = asyncio.create_task(post(s, "/v1/completions", {"prompt": "x"}))
+            await asyncio.wait_for(s.prefill[0].received.wait(), 3)
+            task.cancel()
+            await asyncio.wait_for(s.prefill[0].cancelled.wait(), 3)
+            await until(lambda: _in_flight_zero(s))
+            assert s.decode[0].bodies == []
+            assert 'yrpd_proxy_requests_total{endpoint="/v1/completions",status="499"} 1' in await s.metrics()
+    run(go())
+
+
+async def _in_flight_zero(s):
+    st = await s.status()
+    return st["totals"]["in_flight"] == 0 and all(i["in_flight"] == 0 for i in st["instances"])
+
+
+def test_models_come_from_a_decode_instance():
+    async def go():
+        async with running() as s:
+            async with s.client.get(s.url + "/v1/models") as r:
+                assert r.status == 200 and (await r.json())["data"][0]["owned_by"] == "d0"
+            await s.decode[0].stop()
+            async with s.client.get(s.url + "/v1/models") as r:
+                error_of(r.status, await r.read(), 502)
+            async with s.client.get(s.url + "/v1/models") as r:
+                error_of(r.status, await r.read(), 503)
+    run(go())
+
+
+def test_bad_requests_get_json_errors():
+    async def go():
+        async with running() as s:
+            async with s.client.post(s.url + "/v1/completions", data=b"{not json") as r:
+                error_of(r.status, await r.read(), 400)
+            status, _, data = await post(s, "/v1/completions", ["a list"])
+            error_of(status, data, 400)
+            async with s.client.get(s.url + "/v1/embeddings") as r:
+                error_of(r.status, await r.read(), 404)
+            async with s.client.get(s.url + "/v1/completions") as r:
+                error_of(r.status, await r.read(), 405)
+            assert s.prefill[0].bodies == []
+    run(go())
+
+
+# -- monitoring
+
+
+def test_metrics_and_status_report_what_happened():
+    async def go():
+        async with running() as s:
+            assert (await post(s, "/v1/completions", {"prompt": "x", "stream": True}))[0] == 200
+            assert (await post(s, "/v1/chat/completions", {"messages": []}))[0] == 200
+            s.prefill[0].error = (400, {"error": "too long"})
+            assert (await post(s, "/v1/completions", {"prompt": "x"}))[0] == 400
+            metrics = await s.metrics()
+            lines = set(metrics.splitlines())
+            for line in ('yrpd_proxy_requests_total{endpoint="/v1/completions",status="200"} 1',
+                         'yrpd_proxy_requests_total{endpoint="/v1/completions",status="400"} 1',
+                         'yrpd_proxy_requests_total{endpoint="/v1/chat/completions",status="200"} 1',
+                         f'yrpd_proxy_instance_up{{instance="{s.decode[0].url}",role="decode"}} 1',
+                         f'yrpd_proxy_in_flight{{instance="{s.prefill[0].url}",role="prefill"}} 0',
+                         f'yrpd_proxy_upstream_errors_total{{instance="{s.prefill[0].url}",role="prefill"}} 0',
+                         "# TYPE yrpd_proxy_ttft_seconds histogram",
+                         'yrpd_proxy_ttft_seconds_bucket{le="+Inf"} 1',  # streamed requests only
+                         "yrpd_proxy_ttft_seconds_count 1"):
+                assert line in lines, line
+            st = await s.status()
+            assert st["model"] == "tiny"
+            assert st["totals"] | {"requests": 3, "failed": 1, "in_flight": 0, "prefill_up": 1, "decode_up": 1} \
+                == st["totals"]
+            by_url = {i["url"]: i for i in st["instances"]}
+            assert by_url[s.prefill[0].url]["requests"] == 3 and by_url[s.decode[0].url]["requests"] == 2
+            assert {i["role"] for i in st["instances"]} == {"prefill", "decode"}
+    run(go())
+
+
+# -- the command line, as the deploy step runs it
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _get(url, headers=None):
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_cli_serves_503_without_instances_and_stops_on_sigterm():
+    port, nobody = _free_port(), _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TEST_PROXY_KEY": "k1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "yrpd.proxy", "--host", "127.0.0.1", "--port", str(port),
+         "--prefill", f"http://127.0.0.1:{nobody}", "--decode", f"http://127.0.0.1:{nobody}/",
+         "--served-model-name", "tiny", "--api-key-env", "TEST_PROXY_KEY", "--probe-interval", "0.2"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                status, body = _get(f"http://127.0.0.1:{port}/health")
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "proxy did not come up"
+                time.sleep(0.05)
+        assert status == 503 and body["missing"] == ["prefill", "decode"]
+        assert _get(f"http://127.0.0.1:{port}/v1/models")[0] == 401
+        assert _get(f"http://127.0.0.1:{port}/v1/models", {"Authorization": "Bearer k1"})[0] == 503
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=5) == 0
+        out = proc.stdout.read()
+        assert f"prefill: http://127.0.0.1:{nobody} (down); decode: http://127.0.0.1:{nobody} (down)" in out
+        assert "GET /v1/models 401" in out and "GET /v1/models 503" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
