@@ -370,6 +370,13 @@ class DeploySpec(BaseModel):
                     raise SpecError(f"hosts[{i}].ip", f"{host.ip!r} is not an IP address", "give the host's IP address") from None
         if not self.remote_session_root.startswith("/"):
             raise SpecError("remote_session_root", "must be an absolute path", "e.g. /tmp/yrpd_sessions")
+        # vLLM binds IPC sockets at $TMPDIR/<uuid4> and TMPDIR is <root>/<session id>/tmp; a unix socket
+        # path longer than 107 bytes fails deep inside engine start-up
+        longest = len(self.remote_session_root.rstrip("/")) + len("/20261122-181524-3086ce/tmp/") + 36
+        if longest > 107:
+            raise SpecError("remote_session_root", f"is too long ({len(self.remote_session_root)} characters): vLLM's "
+                            f"IPC socket paths under it would exceed the 107-byte limit of unix sockets",
+                            f"use a path of at most {107 - longest + len(self.remote_session_root)} characters")
         self._check_serving()
         return self
 

@@ -65,6 +65,12 @@ CASES = [
     ("missing-identity", GOOD + ["-i", "/nonexistent/key"], None, "identity file /nonexistent/key does not exist"),
     ("missing-ssh-config", GOOD + ["--ssh-config", "/nonexistent/cfg"], None, "ssh.config_file"),
     ("too-many-instances", without(GOOD, "--devices") + ["--devices", "0-7", "--prefill", "65"], None, "prefill"),
+    ("session-root-too-long", GOOD, "remote_session_root: /var/lib/a-very-long-directory-name/for-sessions\n",
+     "remote_session_root: is too long"),
+    ("engine-args-owns-port", GOOD, "engine_args: ['--port', '9000']\n", "engine_args: --port is set by yrpd"),
+    ("proxy-host-not-ip", GOOD, "proxy_host: everywhere\n", "proxy_host: 'everywhere' is not an IP address"),
+    ("api-key-env-unset", GOOD, "api_key_env: YRPD_TEST_SURELY_UNSET_KEY\n", "api_key_env: $YRPD_TEST_SURELY_UNSET_KEY is not set"),
+    ("startup-timeout-too-small", GOOD, "startup_timeout_s: 1\n", "startup_timeout_s"),
     ("mixed-kinds", ["--hosts", "h1,h2", "--devices", "0-3", "--model", "/m"],
      "hosts:\n  - {address: h1, device_kind: npu}\n  - {address: h2, device_kind: cpu}\n", "hosts mix device kinds"),
 ]
