@@ -33,8 +33,26 @@ def cmdline(pid):
         return ""
 
 
+def unix_session(pid):
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[3])
+
+
 def session_pids():
-    return sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid() and environ_has_marker(p))
+    """Processes of the session: those carrying the marker, plus members of the unix sessions yrpd started
+    (setsid). The second catches children that renamed themselves with setproctitle, which overwrites
+    /proc/PID/environ (vLLM's "VLLM::Worker" does) and outlive a killed parent."""
+    leaders = {pid for pid in managed().values() if pid}
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        if environ_has_marker(entry) or (leaders and unix_session(entry) in leaders):
+            found.append(int(entry))
+    return sorted(found)
 
 
 def rss_mb(pid):
@@ -86,25 +104,39 @@ def status():
     return {"host": host_facts(), "processes": processes, "session_pids": sorted(live), "other_pids": others}
 
 
+def exited(pid):
+    """Gone or a zombie. A killed process whose memory is still being freed has an unreadable environ (so
+    session_pids() no longer lists it) but still holds its sockets: only this says it is really gone."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"
+
+
 def stop(grace):
+    """TERM the processes yrpd started (their own shutdown stops their children in order), then TERM what is
+    left of the session, then KILL; wait until every one of them is really gone."""
     stopped = []
+    signalled = set(session_pids())
     for name, pid in managed().items():
-        if pid is not None and environ_has_marker(pid):
+        if pid is not None and pid in signalled:
             try:
-                os.killpg(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGTERM)
             except OSError:
+                pass
+            stopped.append(name)
+    deadline = time.monotonic() + grace
+    while session_pids() and time.monotonic() < deadline:
+        leaders_left = [pid for pid in managed().values() if pid and not exited(pid)]
+        if not leaders_left:
+            # orphans of a crashed leader, or children a leader left behind: their turn
+            for pid in session_pids():
                 try:
                     os.kill(pid, signal.SIGTERM)
                 except OSError:
                     pass
-            stopped.append(name)
-    for pid in session_pids():
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
-    deadline = time.monotonic() + grace
-    while session_pids() and time.monotonic() < deadline:
+            deadline = min(deadline, time.monotonic() + 3)
         time.sleep(0.2)
     killed = []
     for pid in session_pids():
@@ -113,10 +145,11 @@ def stop(grace):
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    deadline = time.monotonic() + 5
-    while session_pids() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 10
+    while (session_pids() or not all(exited(p) for p in signalled)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    remaining = [{"pid": pid, "command": cmdline(pid)} for pid in session_pids()]
+    still = set(session_pids()) | {p for p in signalled if not exited(p)}
+    remaining = [{"pid": pid, "command": cmdline(pid) or "(exiting)"} for pid in sorted(still)]
     listening = listening_ports()
     ports = [{"port": port, "what": what} for port, what in args.get("ports", []) if port in listening]
     run = os.path.join(session_dir, "run")

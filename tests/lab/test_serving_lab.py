@@ -193,12 +193,12 @@ def test_pd_across_two_hosts_serves_like_one_instance_and_tears_down_clean(fake_
 
         started = time.monotonic()
         down = cli("down", check=0)
-        print(f"measured: 2-host down {time.monotonic() - started:.1f}s")
+        print(f"measured: 2-host down {time.monotonic() - started:.1f}s\n{down.stderr}")
         assert "is down" in down.stderr
         for host in lab.hosts:
             assert session_processes(host) == [], host.name
             procs, ports = leftovers(host)
-            assert procs == [] and ports == [], (host.name, procs, ports)
+            assert procs == [] and ports == [], (host.name, procs, host.exec("ss -ltnpH").stdout)
     finally:
         reference.close()
         run_yrpd("down", *ssh, env=env, timeout=300)

@@ -1,0 +1,133 @@
+"""Serving benchmarks against a running deployment (benchmark, not a test).
+
+    .venv/bin/python benchmarks/serving.py deploy-split [--session-dir DIR]
+    .venv/bin/python benchmarks/serving.py proxy-overhead [--requests 20] [--prompt-words 600]
+
+deploy-split: reads a session's journal and splits the deploy's wall time into installs, model build,
+openYuanrong start, vLLM instance start (process start to /health) and the rest (yrpd's orchestration: SSH
+round trips, checks, the proxy).
+
+proxy-overhead: time to first token of streamed completions (a) through the proxy, (b) the same two legs
+driven by this client straight against prefill and decode (what the proxy does, minus the proxy), and
+(c) decode alone (no disaggregation). (a) - (b) is the proxy's own cost. Prompts are unique per request
+(distinct prefixes) so neither the local prefix cache nor the data system short-cuts later requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+GROUPS = {
+    "installs": ("cluster.install", "vllm_env.install", "vllm_env.ship_code"),
+    "model build": ("model.build",),
+    "openYuanrong start + checks": ("cluster.configure", "cluster.start_master", "cluster.start_agent",
+                                    "cluster.wait_healthy", "cluster.check_kv"),
+    "vLLM instance start (to /health)": ("instances.start", "instances.wait_healthy"),
+}
+
+
+def deploy_split(session_dir: Path) -> None:
+    entries = [json.loads(line) for line in (session_dir / "journal.jsonl").read_text().splitlines()]
+    # steps run host-parallel: a step costs its slowest host
+    per_step: dict[str, float] = {}
+    for e in entries:
+        if "seconds" in e:
+            per_step[e["run"]] = max(per_step.get(e["run"], 0.0), e["seconds"])
+    first = min(e["time"] for e in entries)
+    last = max(e["time"] for e in entries)
+    fmt = "%Y-%m-%dT%H:%M:%S"
+    wall = time.mktime(time.strptime(last, fmt)) - time.mktime(time.strptime(first, fmt))
+    print(f"session {session_dir.name}: journal spans {wall:.0f}s (1 s resolution)")
+    for group, runs in GROUPS.items():
+        seconds = sum(per_step.get(r, 0.0) for r in runs)
+        print(f"  {group:34s} {seconds:7.1f}s")
+    rest = sum(s for r, s in per_step.items() if not any(r in runs for runs in GROUPS.values()))
+    print(f"  {'other steps (preflight, session, proxy)':34s} {rest:7.1f}s")
+
+
+def ttft(url: str, body: dict) -> float:
+    data = json.dumps({**body, "stream": True}).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            if raw.startswith(b"data: ") and b'"text":""' not in raw:
+                first = time.perf_counter() - started
+                break
+        for _ in resp:
+            pass
+    return first
+
+
+def two_legs(prefill: str, decode: str, body: dict) -> float:
+    started = time.perf_counter()
+    leg = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    req = urllib.request.Request(f"{prefill}/v1/completions", data=json.dumps(leg).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        params = json.load(resp).get("kv_transfer_params")
+    return time.perf_counter() - started + ttft(f"{decode}/v1/completions", {**body, "kv_transfer_params": params})
+
+
+def proxy_overhead(n: int, words: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from yrpd.session import SessionStore, default_root
+
+    session = SessionStore(default_root()).get(None)
+    plan = json.loads((session.path / "plan.json").read_text())
+    spec = json.loads((session.path / "spec.json").read_text())
+    ip = {h["name"]: h["ip"] for h in plan["hosts"]}
+    url = {i["role"]: f"http://{ip[i['host']]}:{i['port']}" for i in plan["instances"]}
+    proxy = f"http://{ip[plan['proxy']['host']]}:{plan['proxy']['port']}"
+    text = Path(os.__file__).read_text().split()
+    model = spec.get("served_model_name") or "tiny-qwen2"
+    results: dict[str, list[float]] = {"proxy": [], "client-driven PD legs": [], "decode alone": []}
+    for i in range(n):
+        for name in results:
+            # a distinct leading word per request and path: no prefix is ever reused
+            prompt = f"{name} {i} " + " ".join(text[i * 7:i * 7 + words])
+            body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            if name == "proxy":
+                results[name].append(ttft(f"{proxy}/v1/completions", body))
+            elif name == "decode alone":
+                results[name].append(ttft(f"{url['decode']}/v1/completions", body))
+            else:
+                results[name].append(two_legs(url["prefill"], url["decode"], body))
+    print(f"TTFT over {n} streamed completions of ~{words} words (session {session.id}):")
+    for name, values in results.items():
+        print(f"  {name:24s} median {statistics.median(values) * 1000:7.1f} ms   "
+              f"p90 {sorted(values)[int(0.9 * (len(values) - 1))] * 1000:7.1f} ms")
+    overhead = statistics.median(results["proxy"]) - statistics.median(results["client-driven PD legs"])
+    print(f"  proxy's own cost (median difference): {overhead * 1000:.1f} ms")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    split = sub.add_parser("deploy-split")
+    split.add_argument("--session-dir", type=Path)
+    over = sub.add_parser("proxy-overhead")
+    over.add_argument("--requests", type=int, default=20)
+    over.add_argument("--prompt-words", type=int, default=600)
+    args = ap.parse_args()
+    if args.what == "deploy-split":
+        if args.session_dir is None:
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+            from yrpd.session import SessionStore, default_root
+
+            args.session_dir = SessionStore(default_root()).get(None).path
+        deploy_split(args.session_dir)
+    else:
+        proxy_overhead(args.requests, args.prompt_words)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

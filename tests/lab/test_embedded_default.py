@@ -1,0 +1,89 @@
+"""`yrpd deploy --hosts localhost`, no other flag, on this CPU-only machine: the embedded default, end to end.
+
+It runs inside a network namespace the test creates, so its 127.0.0.1 ports (proxy 8000, instances 8100+, the
+data system, etcd) can never collide with anything else on the machine, and everything it leaves is found.
+"""
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.lab.fakehosts import _kill_and_wait, _ns_key, _pids_in_ns
+
+pytestmark = [pytest.mark.lab, pytest.mark.e2e]
+
+ENV_ROOT = Path("/opt/yrpd/venvs")  # the embedded default's own environment root
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def netns():
+    missing = [v for v in ("yr", "ds", "vllm") if not (ENV_ROOT / v / "bin" / "python").exists()]
+    if missing:
+        message = f"venvs {missing} missing under {ENV_ROOT}: run scripts/test.sh (it installs them)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    name = f"yl-demo-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        yield name
+    finally:
+        leftover = _pids_in_ns("net", _ns_key(f"/run/netns/{name}"))
+        _kill_and_wait(leftover)
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def in_ns(ns: str, *argv: str, env: dict, timeout: float = 1500) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", "netns", "exec", ns, *argv], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env}, stdin=subprocess.DEVNULL, cwd=REPO)
+
+
+def test_deploy_localhost_alone_serves_reuses_and_tears_down(netns, tmp_path):
+    env = {"YRPD_HOME": str(tmp_path / "home")}
+    yrpd = [sys.executable, "-m", "yrpd"]
+    try:
+        started = time.monotonic()
+        first = in_ns(netns, *yrpd, "deploy", "--hosts", "localhost", env=env)
+        print(f"measured: embedded default deploy {time.monotonic() - started:.1f}s\n{first.stderr}")
+        assert first.returncode == 0, first.stderr[-4000:]
+        url = first.stdout.strip().splitlines()[-1]
+        assert url == "http://127.0.0.1:8000"
+        assert "try: curl -s http://127.0.0.1:8000/v1/completions" in first.stderr
+
+        # the sample request the deploy printed, sent as a user would
+        sample = first.stderr.split("try: ", 1)[1].splitlines()[0]
+        answer = in_ns(netns, "bash", "-c", sample, env=env, timeout=300)
+        reply = json.loads(answer.stdout)
+        assert reply["choices"][0]["text"] and reply["usage"]["completion_tokens"] == 32, answer.stdout[:500]
+
+        started = time.monotonic()
+        second = in_ns(netns, *yrpd, "deploy", "--hosts", "localhost", env=env)
+        print(f"measured: second deploy {time.monotonic() - started:.1f}s")
+        assert second.returncode == 0, second.stderr[-4000:]
+        assert "resuming session" in second.stderr
+        for step in ("start the openYuanrong master", "start the prefill and decode instances", "start the proxy"):
+            after = second.stderr.split(step, 1)[1].splitlines()[1]
+            assert "already done on localhost" in after, (step, after)
+
+        status = in_ns(netns, *yrpd, "status", "--json", env=env, timeout=120)
+        assert status.returncode == 0, status.stdout[-3000:]
+        report = json.loads(status.stdout)
+        assert {(i["role"], i["healthy"]) for i in report["instances"]} == {("prefill", True), ("decode", True)}
+        assert report["proxy"]["url"] == url and report["proxy"]["healthy"]
+        assert report["cluster"]["mode"] == "ds_only" and report["cluster"]["healthy"]
+
+        down = in_ns(netns, *yrpd, "down", env=env, timeout=300)
+        assert down.returncode == 0, down.stderr[-3000:]
+        listening = in_ns(netns, "ss", "-ltnpH", env=env, timeout=30).stdout
+        assert listening.strip() == "", listening
+        assert _pids_in_ns("net", _ns_key(f"/run/netns/{netns}")) == []
+    finally:
+        in_ns(netns, *yrpd, "down", env=env, timeout=300)
