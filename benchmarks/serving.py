@@ -35,6 +35,9 @@ GROUPS = {
 
 def deploy_split(session_dir: Path) -> None:
     entries = [json.loads(line) for line in (session_dir / "journal.jsonl").read_text().splitlines()]
+    teardown = ("proxy.stop", "instances.stop", "cluster.stop", "processes.stop_all", "host_session.purge")
+    cut = next((i for i, e in enumerate(entries) if e.get("run") in teardown), len(entries))
+    entries = entries[:cut]  # the deploy only
     # steps run host-parallel: a step costs its slowest host
     per_step: dict[str, float] = {}
     for e in entries:
@@ -50,6 +53,7 @@ def deploy_split(session_dir: Path) -> None:
         print(f"  {group:34s} {seconds:7.1f}s")
     rest = sum(s for r, s in per_step.items() if not any(r in runs for runs in GROUPS.values()))
     print(f"  {'other steps (preflight, session, proxy)':34s} {rest:7.1f}s")
+    print(f"  {'orchestration (checks, SSH, waits)':34s} {wall - sum(per_step.values()):7.1f}s  (span minus steps)")
 
 
 def ttft(url: str, body: dict) -> float:

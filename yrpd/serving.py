@@ -85,6 +85,11 @@ class Launch:
     def command(self) -> str:
         return " ".join(shlex.quote(a) for a in self.argv)
 
+    @property
+    def exec_command(self) -> str:
+        # exec: the pid yrpd records is the server itself, which gets the TERM at teardown
+        return "exec " + self.command
+
 
 def model_path(spec: DeploySpec, paths: HostPaths) -> str:
     model = spec.model or BUILTIN_MODEL

@@ -19,7 +19,7 @@ def start(ctx: StepContext, host: HostPlan) -> Command | None:
     launches = _launches(ctx, host)
     if not launches:
         return None
-    script = "\n".join(start_script(ctx, launch.name, launch.command, launch.env, settle=1.0) for launch in launches)
+    script = "\n".join(start_script(ctx, launch.name, launch.exec_command, launch.env, settle=1.0) for launch in launches)
     display = "\n".join(f"start {launch.name} detached: {' '.join(f'{k}={v}' for k, v in launch.env.items())} "
                         f"{launch.command}  (log {ctx.host_session_dir}/logs/{launch.name}.log)" for launch in launches)
     return Command(script, display=display, timeout=60)

@@ -39,7 +39,7 @@ def start_script(ctx: StepContext, name: str, command: str, env: dict | None = N
         f"if {_alive_test(ctx, name)}; then echo '{name} already running (pid '$pid')'; else",
         # only the command itself goes to the background: $! is its pid, and nothing else holds our stdout
         f"  (cd {q(d)} || exit 1",
-        f"   env {env_words} setsid nohup bash -c {q('exec ' + command)} >> {log} 2>&1 < /dev/null &",
+        f"   env {env_words} setsid nohup bash -c {q(command)} >> {log} 2>&1 < /dev/null &",
         f"   echo $! > {q(d + '/run/' + name + '.pid')})",
         f"  sleep {settle}; pid=$(cat {q(d + '/run/' + name + '.pid')})",
         f"  if ! kill -0 $pid 2>/dev/null; then echo '{name} exited right after start; last log lines:' >&2; "

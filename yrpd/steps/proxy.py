@@ -26,7 +26,7 @@ def start(ctx: StepContext, host: HostPlan) -> Command:
         shown["YRPD_API_KEY"] = f"${ctx.spec.api_key_env}"
     display = (f"start {PROXY_NAME} detached: {' '.join(f'{k}={v}' for k, v in shown.items())} {launch.command}  "
                f"(log {ctx.host_session_dir}/logs/{PROXY_NAME}.log)")
-    return Command(start_script(ctx, PROXY_NAME, launch.command, env), display=display, timeout=60)
+    return Command(start_script(ctx, PROXY_NAME, launch.exec_command, env), display=display, timeout=60)
 
 
 def running(ctx: StepContext, host: HostPlan, **_: object) -> Command:

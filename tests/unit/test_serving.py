@@ -1,0 +1,97 @@
+"""What yrpd would launch on the hosts: vllm serve and proxy command lines from the plan (pure, no host)."""
+
+import json
+import shlex
+
+from yrpd.placement import HostInventory, make_plan
+from yrpd.serving import HostPaths, instance_launches, launches_on_host, proxy_launch, sample_request
+from yrpd.spec import DeviceKind, build_spec
+from yrpd.steps.vllm_env import MAX_BUNDLE_B64, bundle
+
+PATHS = HostPaths(env_root="/opt/yrpd/venvs", session_dir="/tmp/yrpd_sessions/S", bundle_dir="/opt/yrpd/venvs/lib/yrpd-x")
+
+
+def deployment(kind=DeviceKind.npu, devices=8, hosts=("h1", "h2"), **over):
+    spec = build_spec({}, {"hosts": ",".join(hosts), "model": "/models/qwen", "device_kind": kind.value, **over})
+    inventory = {h: HostInventory(kind, tuple(range(devices)), f"10.0.0.{i + 1}") for i, h in enumerate(hosts)}
+    return spec, make_plan(spec, inventory)
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_guide_layout_npu_instances_get_their_devices_ports_and_connector_roles():
+    spec, plan = deployment(ptp=4, dtp=4)
+    prefill = launches_on_host(spec, plan, "h1", PATHS)
+    decode = launches_on_host(spec, plan, "h2", PATHS)
+    assert [l.name for l in prefill] == ["prefill-0"] and [l.name for l in decode] == ["decode-0"]
+    p, d = prefill[0], decode[0]
+    assert p.env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3" and d.env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert p.env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and p.env["HCCL_IF_BASE_PORT"] == "61000"
+    assert flag(p.argv, "--tensor-parallel-size") == "4" and flag(p.argv, "--port") == "8100"
+    assert flag(p.argv, "--host") == "10.0.0.1" and flag(d.argv, "--host") == "10.0.0.2"
+    kv_p, kv_d = json.loads(flag(p.argv, "--kv-transfer-config")), json.loads(flag(d.argv, "--kv-transfer-config"))
+    assert (kv_p["kv_role"], kv_d["kv_role"]) == ("kv_both", "kv_consumer")  # prefix reuse on by default
+    # each instance talks to the data system worker of its own host
+    assert kv_p["kv_connector_extra_config"]["ds_address"] == "10.0.0.1:31501"
+    assert kv_d["kv_connector_extra_config"]["ds_address"] == "10.0.0.2:31501"
+    assert kv_p["kv_connector_module_path"] == "yrpd.connector" and kv_p["kv_load_failure_policy"] == "recompute"
+    assert p.health_url == "http://10.0.0.1:8100/health"
+    assert "--enforce-eager" not in p.argv  # CPU-only default
+
+
+def test_prefix_reuse_off_makes_prefill_a_pure_producer_and_connector_overrides_apply():
+    spec, plan = deployment(ptp=4, dtp=4, prefix_reuse=False, connector={"ttl_seconds": 30})
+    kv = json.loads(flag(instance_launches(spec, plan, plan.instances[0], PATHS)[0].argv, "--kv-transfer-config"))
+    assert kv["kv_role"] == "kv_producer" and kv["kv_connector_extra_config"]["ttl_seconds"] == 30
+
+
+def test_cpu_instances_bind_cores_per_tp_rank_and_user_engine_args_come_last():
+    spec, plan = deployment(DeviceKind.cpu, devices=4, hosts=("h1",), ptp=2, dtp=2,
+                            engine_args=["--max-model-len", "2048"])
+    p, d = launches_on_host(spec, plan, "h1", PATHS)
+    assert p.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and d.env["VLLM_CPU_OMP_THREADS_BIND"] == "2|3"
+    assert "--enforce-eager" in p.argv
+    # argparse keeps the last occurrence: the user's value wins over yrpd's CPU default of 4096
+    assert [p.argv[i + 1] for i, a in enumerate(p.argv) if a == "--max-model-len"][-1] == "2048"
+    assert p.env["PYTHONPATH"] == PATHS.bundle_dir and p.env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_data_parallel_ranks_on_two_hosts_run_a_headless_engine_on_the_second():
+    spec, plan = deployment(ptp=4, pdp=2, dtp=4, prefill=1, decode=1, devices=4, hosts=("h1", "h2", "h3"))
+    prefill = plan.instances[0]
+    assert [r.host for r in prefill.ranks] == ["h1", "h2"]  # each 4-device host fits one TP-4 rank
+    head, other = instance_launches(spec, plan, prefill, PATHS)
+    assert flag(head.argv, "--data-parallel-size") == "2" and "--headless" not in head.argv
+    assert "--headless" in other.argv and flag(other.argv, "--data-parallel-start-rank") == "1"
+    assert flag(other.argv, "--data-parallel-address") == flag(head.argv, "--data-parallel-address")
+    assert other.health_url is None
+
+
+def test_proxy_lists_every_instance_and_never_shows_the_key(monkeypatch):
+    monkeypatch.setenv("MY_KEY", "s3cret")
+    spec, plan = deployment(ptp=4, dtp=4, prefill=2, decode=2, devices=8, api_key_env="MY_KEY")
+    launch = proxy_launch(spec, plan, PATHS)
+    assert launch.host == "h1" and launch.argv[:3] == [PATHS.python, "-m", "yrpd.proxy"]
+    assert [a for i, a in enumerate(launch.argv) if launch.argv[i - 1] == "--prefill"] == \
+        [f"http://10.0.0.{1 if i.host == 'h1' else 2}:{i.port}" for i in plan.instances if i.role == "prefill"]
+    assert flag(launch.argv, "--api-key-env") == "YRPD_API_KEY" and "s3cret" not in launch.command
+    assert "$MY_KEY" in sample_request(spec, plan) and "s3cret" not in sample_request(spec, plan)
+    assert shlex.split(sample_request(spec, plan))[2] == "http://10.0.0.1:8000/v1/completions"
+
+
+def test_host_bundle_fits_one_shell_argument_and_carries_only_host_side_code():
+    import base64
+    import io
+    import tarfile
+
+    digest, encoded = bundle()
+    assert len(encoded) <= MAX_BUNDLE_B64
+    names = tarfile.open(fileobj=io.BytesIO(base64.b64decode(encoded))).getnames()
+    assert "yrpd/connector/connector.py" in names and "yrpd/proxy/app.py" in names
+    assert "yrpd/demo/tiny_model.py" in names
+    # nothing that needs yrpd's own dependencies (fabric, pydantic, click) on the hosts
+    assert not any(n.startswith(("yrpd/cli", "yrpd/steps")) or n in ("yrpd/spec.py", "yrpd/hostgroup.py")
+                   for n in names)
+    assert bundle() == (digest, encoded)  # reproducible: same code, same hash
