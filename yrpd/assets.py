@@ -29,3 +29,15 @@ def deploy_script(name: str) -> str:
 
 def playbook_path(name: str) -> Path:
     return asset_dir("playbooks") / f"{name}.yaml"
+
+
+def patches_dir() -> Path:
+    """The patch series root (`<target>/<series>/manifest.yaml` below it): `patches/` in a source checkout,
+    the package `yrpd.patches_data` in an installed wheel (`yrpd.patches` is the module that applies them)."""
+    checkout = _ROOT / "patches"
+    if any(checkout.glob("*/*/manifest.yaml")):
+        return checkout
+    installed = Path(__file__).resolve().parent / "patches_data"
+    if installed.is_dir():
+        return installed
+    raise FileNotFoundError("yrpd is installed without its patch series (patches/ or yrpd/patches_data/)")
