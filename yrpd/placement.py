@@ -141,7 +141,12 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
     kind = kinds.pop() if kinds else DeviceKind.auto
     units = unit_name(kind)
 
-    roles = [("prefill", spec.prefill, spec.ptp, spec.pdp, "ptp"), ("decode", spec.decode, spec.dtp, spec.ddp, "dtp")]
+    if spec.disaggregated:
+        roles = [("prefill", spec.prefill, spec.ptp, spec.pdp, "ptp"), ("decode", spec.decode, spec.dtp, spec.ddp, "dtp")]
+    else:
+        roles = [("single", spec.prefill, spec.ptp, spec.pdp, "ptp")]
+    # devices a TP rank takes: one per rank on accelerators; on CPU a rank may bind several cores
+    per_rank = spec.cores_per_rank if kind is DeviceKind.cpu else 1
 
     for role, _count, tp, _dp, field_name in roles:
         if kind is not DeviceKind.cpu:
@@ -155,10 +160,10 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
                         f"use one of {', '.join(map(str, divisors))} (a TP group never spans hosts)",
                     )
 
-    needed = sum(count * tp * dp for _, count, tp, dp, _ in roles)
+    needed = sum(count * tp * per_rank * dp for _, count, tp, dp, _ in roles)
     offered = [len(inventory[n].devices) for n in host_names]
     if needed > sum(offered):
-        need_text = " and ".join(f"{role} {count * dp} x {tp} {units}" for role, count, tp, dp, _ in roles)
+        need_text = " and ".join(f"{role} {count * dp} x {tp * per_rank} {units}" for role, count, tp, dp, _ in roles)
         need_text = need_text.replace(" ", " needs ", 1)
         raise SpecError(
             "devices",
@@ -172,23 +177,24 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
     for role, count, tp, dp, _ in roles:
         for index in range(count):
             ranks: list[RankPlacement] = []
+            width = tp * per_rank
             for dp_rank in range(dp):
                 previous = ranks[-1].host if ranks else None
-                if previous is not None and len(free[previous]) >= tp:
+                if previous is not None and len(free[previous]) >= width:
                     host = previous
                 else:
-                    fitting = [n for n in host_names if len(free[n]) >= tp]
+                    fitting = [n for n in host_names if len(free[n]) >= width]
                     if not fitting:
                         largest = max(host_names, key=lambda n: (len(free[n]), -order[n]))
                         raise SpecError(
                             "devices",
-                            f"{role}-{index} rank {dp_rank} needs {tp} {units} on one host but the most left on any host "
+                            f"{role}-{index} rank {dp_rank} needs {width} {units} on one host but the most left on any host "
                             f"is {len(free[largest])} (on {largest})",
                             "a TP group never spans hosts: use TP sizes that fit each host's devices",
                         )
                     host = min(fitting, key=lambda n: (-len(free[n]), order[n]))
-                taken = tuple(free[host][:tp])
-                del free[host][:tp]
+                taken = tuple(free[host][:width])
+                del free[host][:width]
                 ranks.append(RankPlacement(host=host, dp_rank=dp_rank, devices=taken))
             placed.append((f"{role}-{index}", role, index, tp, dp, tuple(ranks)))
 

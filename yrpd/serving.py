@@ -116,6 +116,11 @@ def instance_url(plan: Plan, inst: InstancePlan) -> str:
     return f"http://{host_ip(host_of(plan, inst.host))}:{inst.port}"
 
 
+def endpoint_url(spec: DeploySpec, plan: Plan) -> str:
+    """Where clients send requests: the proxy, or the first instance when there is no proxy."""
+    return proxy_url(spec, plan) if spec.disaggregated else instance_url(plan, plan.instances[0])
+
+
 def proxy_url(spec: DeploySpec, plan: Plan) -> str:
     bind = spec.proxy_host or host_ip(host_of(plan, plan.proxy_host))
     shown = host_ip(host_of(plan, plan.proxy_host)) if bind == "0.0.0.0" else bind
@@ -156,13 +161,12 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
     host its DP ranks span (vLLM's multi-node data parallel)."""
     head = host_of(plan, inst.host)
     kind = head.kind
-    common = [
-        paths.vllm, "serve", model_path(spec, paths),
-        "--served-model-name", spec.model_name,
-        "--tensor-parallel-size", str(inst.tp),
-        "--kv-transfer-config", json.dumps(kv_transfer_config(spec, plan, inst, paths), separators=(",", ":")),
-        *KIND_ENGINE_ARGS.get(kind, []),
-    ]
+    common = [paths.vllm, "serve", model_path(spec, paths), "--served-model-name", spec.model_name,
+              "--tensor-parallel-size", str(inst.tp)]
+    if inst.role != "single":  # the non-disaggregated baseline is plain vLLM
+        kv = kv_transfer_config(spec, plan, inst, paths)
+        common += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+    common += KIND_ENGINE_ARGS.get(kind, [])
     env = {**BASE_ENV, **(NPU_ENV if kind is DeviceKind.npu else {}),
            "PYTHONPATH": paths.bundle_dir, "VLLM_CACHE_ROOT": paths.vllm_cache,
            "TMPDIR": f"{paths.session_dir}/tmp", "VLLM_HOST_IP": host_ip(head)}
@@ -203,7 +207,9 @@ def launches_on_host(spec: DeploySpec, plan: Plan, host: str, paths: HostPaths) 
 PROXY_NAME = "proxy"
 
 
-def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch:
+def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | None:
+    if not spec.disaggregated:
+        return None
     bind = spec.proxy_host or host_ip(host_of(plan, plan.proxy_host))
     argv = [paths.python, "-m", "yrpd.proxy", "--host", bind, "--port", str(plan.proxy_port),
             "--served-model-name", spec.model_name]
@@ -218,5 +224,5 @@ def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch:
 def sample_request(spec: DeploySpec, plan: Plan) -> str:
     body = json.dumps({"model": spec.model_name, "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
     auth = f" -H \"Authorization: Bearer ${spec.api_key_env}\"" if spec.api_key_env else ""
-    return (f"curl -s {proxy_url(spec, plan)}/v1/completions -H 'Content-Type: application/json'{auth} "
+    return (f"curl -s {endpoint_url(spec, plan)}/v1/completions -H 'Content-Type: application/json'{auth} "
             f"-d '{body}'")

@@ -258,6 +258,11 @@ class DeploySpec(BaseModel):
     remote_session_root: str = "/tmp/yrpd_sessions"
     ssh: SshOptions = SshOptions()
     min_free_disk_gb: float = Field(2.0, ge=0)
+    #: prefill/decode instances behind the proxy; false = `prefill` plain vLLM instances ("single-N", no
+    #: connector, no proxy): the non-disaggregated baseline `yrpd bench` compares against
+    disaggregated: bool = True
+    #: CPU hosts only: cores each TP rank binds (devices are cores there)
+    cores_per_rank: int = Field(1, ge=1, le=256)
     #: prefill instances also load prefixes stored earlier (connector role kv_both instead of kv_producer)
     prefix_reuse: bool = True
     #: extra `vllm serve` arguments, after yrpd's own (the last occurrence of a flag wins)
@@ -347,6 +352,12 @@ class DeploySpec(BaseModel):
             raise SpecError(
                 "model", "no model path given", "pass --model /path/on/hosts or set model: in yrpd.yaml"
             )
+        if self.model is not None and self.model.startswith("builtin:"):
+            from yrpd.demo.tiny_model import RECIPES
+
+            if self.model.removeprefix("builtin:") not in RECIPES:
+                raise SpecError("model", f"{self.model!r} is not a built-in model",
+                                "use " + " or ".join(f"builtin:{n}" for n in RECIPES) + ", or an absolute path")
         if self.model is not None and not self.model.startswith("builtin:") and not self.model.startswith("/"):
             raise SpecError("model", f"{self.model!r} is not an absolute path", "give the model directory's absolute path on the hosts")
         if self.served_model_name is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$", self.served_model_name):

@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("yrpd.cli.status", "Show hosts, processes and instances of a deployment."),
     "logs": ("yrpd.cli.logs", "Tail the session's logs from every host."),
     "down": ("yrpd.cli.down", "Tear a deployment down and verify nothing is left."),
+    "bench": ("yrpd.cli.bench", "Benchmark a deployment against its baselines (dataset, run, report)."),
+    "patch": ("yrpd.cli.patch", "List, check, apply or revert the vllm-ascend patch series on a source tree."),
 }
 
 

@@ -85,12 +85,12 @@ def run_deploy(spec, playbook_file: str | None, new_session: bool) -> int:
     console.print(f"deployed session {session.id} in {time.monotonic() - started:.1f}s; "
                   f"see `yrpd status`, `yrpd logs`; `yrpd down` tears it down")
     if any(step.run == "proxy.start" for step in playbook.steps):
-        from yrpd.serving import proxy_url, sample_request
+        from yrpd.serving import endpoint_url, sample_request
 
-        console.print(f"OpenAI-compatible endpoint: {proxy_url(spec, placement)}/v1 (model {spec.model_name})")
+        console.print(f"OpenAI-compatible endpoint: {endpoint_url(spec, placement)}/v1 (model {spec.model_name})")
         console.print(f"try: {sample_request(spec, placement)}", soft_wrap=True, highlight=False, markup=False)
         # the URL alone on stdout, for scripts: URL=$(yrpd deploy ...)
-        click.echo(proxy_url(spec, placement))
+        click.echo(endpoint_url(spec, placement))
     return 0
 
 

@@ -22,7 +22,7 @@ def build(ctx: StepContext, host: HostPlan) -> Command | None:
     p = paths(ctx)
     out = model_path(ctx.spec, p)
     script = (f"PYTHONPATH={shlex.quote(p.bundle_dir)} HF_HUB_OFFLINE=1 {shlex.quote(p.python)} "
-              f"-m yrpd.demo.tiny_model {shlex.quote(out)}")
+              f"-m yrpd.demo.tiny_model --recipe {shlex.quote(builtin_model(ctx.spec))} {shlex.quote(out)}")
     return Command(script, display=f"build the demo model {builtin_model(ctx.spec)} into {out}", timeout=900)
 
 

@@ -7,7 +7,7 @@ import os
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
 from yrpd.serving import PROXY_NAME, proxy_launch
-from yrpd.steps import StepContext, host_python
+from yrpd.steps import StepContext, host_python, shell_command
 from yrpd.steps.processes import running as process_running
 from yrpd.steps.processes import start_script
 from yrpd.steps.processes import stop as stop_processes
@@ -16,8 +16,10 @@ from yrpd.steps.vllm_env import paths
 READY_TIMEOUT = 60
 
 
-def start(ctx: StepContext, host: HostPlan) -> Command:
+def start(ctx: StepContext, host: HostPlan) -> Command | None:
     launch = proxy_launch(ctx.spec, ctx.plan, paths(ctx))
+    if launch is None:
+        return None
     env = dict(launch.env)
     shown = dict(env)
     if ctx.spec.api_key_env:
@@ -30,11 +32,15 @@ def start(ctx: StepContext, host: HostPlan) -> Command:
 
 
 def running(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+    if not ctx.spec.disaggregated:
+        return shell_command("true")
     return process_running(ctx, host, PROXY_NAME)
 
 
-def wait_ready(ctx: StepContext, host: HostPlan) -> Command:
+def wait_ready(ctx: StepContext, host: HostPlan) -> Command | None:
     launch = proxy_launch(ctx.spec, ctx.plan, paths(ctx))
+    if launch is None:
+        return None
     return host_python("wait_ready.py", {"dir": ctx.host_session_dir, "timeout": READY_TIMEOUT,
                                          "targets": [{"name": PROXY_NAME, "url": launch.health_url}]},
                        timeout=READY_TIMEOUT + 30)

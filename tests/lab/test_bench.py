@@ -1,0 +1,51 @@
+"""`yrpd bench` end to end on the embedded default (tiny model, a few prompts), inside a private netns."""
+
+import json
+import statistics
+import sys
+
+import pytest
+
+from tests.lab.test_embedded_default import in_ns, netns  # noqa: F401  (fixture)
+
+pytestmark = [pytest.mark.lab, pytest.mark.e2e]
+
+
+def test_tiny_bench_runs_all_three_targets_and_reports_what_it_measured(netns, tmp_path):  # noqa: F811
+    env = {"YRPD_HOME": str(tmp_path / "home")}
+    yrpd = [sys.executable, "-m", "yrpd"]
+    try:
+        first = in_ns(netns, *yrpd, "deploy", "--hosts", "localhost", env=env)
+        assert first.returncode == 0, first.stderr[-3000:]
+        dataset = tmp_path / "set.jsonl"
+        made = in_ns(netns, *yrpd, "bench", "dataset", "--groups", "2", "--prompts-per-group", "2",
+                     "--prefix-len", "400", "--suffix-len", "40", "--seed", "3", "--out", str(dataset), env=env)
+        assert made.returncode == 0, made.stderr
+        lines = [json.loads(line) for line in dataset.read_text().splitlines()]
+        assert len(lines) == 4 and len({p["prompt"][:200] for p in lines}) == 2  # two shared prefixes
+
+        bench = in_ns(netns, *yrpd, "bench", "run", "--dataset", str(dataset), "--output-len", "4",
+                      "--no-restore", env=env, timeout=2400)
+        print(bench.stderr[-3000:])
+        assert bench.returncode == 0, bench.stderr[-4000:]
+        results_dir = sorted((tmp_path / "home" / "sessions").glob("*/bench/*"))[-1]
+        doc = json.loads((results_dir / "results.json").read_text())
+        assert list(doc["targets"]) == ["pd", "pd-noreuse", "single"]
+        for name, target in doc["targets"].items():
+            assert target["metrics"]["completed"] == 4, name
+            # the reported mean is the mean of the per-request times vllm bench serve measured in this run
+            assert len(target["ttfts_ms"]) == 4
+            assert target["metrics"]["mean_ttft_ms"] == pytest.approx(statistics.mean(target["ttfts_ms"]), rel=0.01)
+            assert (results_dir / f"{name}.json").is_file() and "vllm" in (results_dir / f"{name}.cmd").read_text()
+        pd, single = doc["targets"]["pd"], doc["targets"]["single"]
+        assert pd["counters"]["saved_blocks"] > 0 and pd["counters"]["external_cache_hit_tokens"] > 0
+        assert single["counters"]["loaded_blocks"] == 0  # plain vLLM: no connector
+        ratio = doc["ratios"]["pd/pd-noreuse mean TTFT"]
+        assert ratio == pytest.approx(pd["metrics"]["mean_ttft_ms"] / doc["targets"]["pd-noreuse"]["metrics"]["mean_ttft_ms"], rel=0.01)
+        report = (results_dir / "report.md").read_text()
+        assert "| mean TTFT (ms) |" in report and "pd/pd-noreuse mean TTFT" in report
+        assert (results_dir / "ttft_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "mean TTFT" in bench.stdout
+    finally:
+        for _ in range(2):  # the bench's last target, then anything it left
+            in_ns(netns, *yrpd, "down", env=env, timeout=300)

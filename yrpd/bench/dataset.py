@@ -1,0 +1,76 @@
+"""The prefix-shared long-sequence dataset: G groups x P prompts; every prompt of a group starts with the same
+A-token prefix and ends with its own B-token suffix, lengths counted in the deployed model's tokenizer.
+
+Deterministic for a seed: token ids are drawn from the tokenizer's ordinary vocabulary, decoded to text, and
+cut so the text re-encodes to the wanted length; the prompts are shuffled with the same seed, so requests of a
+group arrive interleaved with other groups as the guide's set does. Written as the JSONL (`{"prompt": ...}` per
+line) that `vllm bench serve --dataset-name custom` reads, with a `.meta.json` beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    groups: int
+    prompts_per_group: int
+    prefix_len: int
+    suffix_len: int
+    seed: int = 0
+
+
+def load_tokenizer(model_dir: Path):
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: pass --tokenizer DIR with the deployed model's tokenizer.json")
+    return Tokenizer.from_file(str(path))
+
+
+def ordinary_ids(tokenizer) -> list[int]:
+    special = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+    return sorted(i for tok, i in tokenizer.get_vocab().items() if tok not in special)
+
+
+def text_of_length(tokenizer, ids: list[int], rng: random.Random, n: int) -> str:
+    """Text that encodes to exactly n tokens (re-encoding merges some pieces: draw more, cut, re-check)."""
+    if n == 0:
+        return ""
+    draw = n
+    while True:
+        text = tokenizer.decode([rng.choice(ids) for _ in range(draw + 8)])
+        encoded = tokenizer.encode(text, add_special_tokens=False).ids
+        if len(encoded) >= n:
+            for cut in (n, n - 1, n + 1):  # a cut inside a merged piece can shift the count by one
+                candidate = tokenizer.decode(encoded[:cut])
+                if len(tokenizer.encode(candidate, add_special_tokens=False).ids) == n:
+                    return candidate
+        draw += max(8, n // 8)
+
+
+def generate(spec: DatasetSpec, tokenizer) -> tuple[list[str], dict]:
+    rng = random.Random(spec.seed)
+    ids = ordinary_ids(tokenizer)
+    prompts = []
+    for _ in range(spec.groups):
+        prefix = text_of_length(tokenizer, ids, rng, spec.prefix_len)
+        for _ in range(spec.prompts_per_group):
+            # a space keeps the suffix's first piece from merging with the prefix's last one
+            prompts.append(prefix + " " + text_of_length(tokenizer, ids, rng, spec.suffix_len))
+    rng.shuffle(prompts)
+    lengths = [len(tokenizer.encode(p, add_special_tokens=False).ids) for p in prompts]
+    meta = {**asdict(spec), "prompts": len(prompts), "prompt_tokens_min": min(lengths),
+            "prompt_tokens_max": max(lengths), "prompt_tokens_mean": round(sum(lengths) / len(lengths), 1)}
+    return prompts, meta
+
+
+def write(prompts: list[str], meta: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    out.with_name(out.name + ".meta.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -1,0 +1,90 @@
+"""The bench report: the targets side by side with ratios (JSON, Markdown table) and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROWS = [  # (label, metric key in vllm bench serve's result, unit)
+    ("mean TTFT", "mean_ttft_ms", "ms"),
+    ("median TTFT", "median_ttft_ms", "ms"),
+    ("p90 TTFT", "p90_ttft_ms", "ms"),
+    ("p99 TTFT", "p99_ttft_ms", "ms"),
+    ("mean TPOT", "mean_tpot_ms", "ms"),
+    ("mean ITL", "mean_itl_ms", "ms"),
+    ("p99 ITL", "p99_itl_ms", "ms"),
+    ("request throughput", "request_throughput", "req/s"),
+    ("output throughput", "output_throughput", "tok/s"),
+    ("total token throughput", "total_token_throughput", "tok/s"),
+    ("completed", "completed", "requests"),
+]
+COUNTER_ROWS = [("external cache hit tokens", "external_cache_hit_tokens"), ("KV blocks loaded", "loaded_blocks"),
+                ("KV blocks saved", "saved_blocks")]
+
+
+def ratios(results: dict) -> dict:
+    """Mean TTFT of `pd` against each baseline (lower is better; the goal is <= 0.6 against pd-noreuse)."""
+    out = {}
+    if "pd" in results:
+        mine = results["pd"]["metrics"].get("mean_ttft_ms")
+        for base in ("pd-noreuse", "single"):
+            theirs = results.get(base, {}).get("metrics", {}).get("mean_ttft_ms")
+            if mine and theirs:
+                out[f"pd/{base} mean TTFT"] = round(mine / theirs, 3)
+    return out
+
+
+def markdown(results: dict, meta: dict) -> str:
+    names = list(results)
+    lines = [f"# yrpd bench: {meta.get('prompts')} prompts, {meta.get('groups')} groups x "
+             f"{meta.get('prompts_per_group')}, prefix {meta.get('prefix_len')} + suffix {meta.get('suffix_len')} "
+             f"tokens, seed {meta.get('seed')}", "",
+             "| metric | " + " | ".join(f"{n} ({results[n]['description']})" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    for label, key, unit in ROWS:
+        values = [results[n]["metrics"].get(key) for n in names]
+        if all(v is None for v in values):
+            continue
+        lines.append(f"| {label} ({unit}) | " + " | ".join(_fmt(v) for v in values) + " |")
+    for label, key in COUNTER_ROWS:
+        lines.append(f"| {label} | " + " | ".join(f"{results[n]['counters'].get(key, 0):,.0f}" for n in names) + " |")
+    lines.append("")
+    for name, value in ratios(results).items():
+        lines.append(f"- {name}: **{value}**")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,}" if isinstance(value, int) else f"{value:,.2f}"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    data = [results[n]["ttfts_ms"] or [0.0] for n in names]
+    left.boxplot(data, showmeans=True)
+    left.set_xticks(range(1, len(names) + 1), names)
+    left.set_ylabel("TTFT (ms)")
+    left.set_title("Time to first token per request")
+    throughput = [results[n]["metrics"].get("total_token_throughput") or 0.0 for n in names]
+    right.bar(names, throughput, color=["#2a7ab9", "#999999", "#d98c2b"][: len(names)])
+    right.set_ylabel("tokens/s (prompt + output)")
+    right.set_title("Total token throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(results: dict, meta: dict, out_dir: Path) -> dict:
+    doc = {"dataset": meta, "targets": results, "ratios": ratios(results)}
+    (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out_dir / "report.md").write_text(markdown(results, meta))
+    plot(results, out_dir / "ttft_throughput.png")
+    return doc

@@ -1,0 +1,158 @@
+"""`yrpd bench run`: drive `vllm bench serve` against the deployment and against its baselines.
+
+Targets, each a deployment of the same model on the same hosts and devices:
+- `pd`: the PD deployment with prefix reuse (prefill `kv_both`, vLLM's local prefix cache on);
+- `pd-noreuse`: the same PD deployment with prefix reuse off (prefill `kv_producer`, no local prefix cache):
+  every prompt is prefilled in full, decode still loads it through the data system;
+- `single`: one plain vLLM instance (no disaggregation, no connector, vLLM defaults) on all the devices the
+  PD instances use.
+
+A target that is not what is deployed now is deployed for the run (`yrpd down` of the current session, then
+`yrpd deploy --new-session` with the variant spec) and torn down after; the original spec is deployed again at
+the end. Everything goes through the same CLI a user runs, so the numbers measure what users get.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from yrpd.spec import DeploySpec, DeviceKind
+
+TARGETS = {
+    "pd": "PD + prefix reuse",
+    "pd-noreuse": "PD, prefix reuse off",
+    "single": "single instance, same devices",
+}
+
+
+def variant(spec: DeploySpec, target: str, kind: DeviceKind) -> DeploySpec:
+    data = spec.model_dump(mode="json")
+    if target == "pd":
+        data.update(disaggregated=True, prefix_reuse=True)
+    elif target == "pd-noreuse":
+        data.update(disaggregated=True, prefix_reuse=False,
+                    engine_args=[*spec.engine_args, "--no-enable-prefix-caching"])
+    elif target == "single":
+        devices = spec.prefill * spec.ptp * spec.pdp + spec.decode * spec.dtp * spec.ddp
+        data.update(disaggregated=False, prefill=1, pdp=1, decode=1, ddp=1)
+        if kind is DeviceKind.cpu:  # one TP rank binding every core the PD pair used
+            data.update(ptp=1, cores_per_rank=devices * spec.cores_per_rank)
+        else:
+            data.update(ptp=devices)
+    else:
+        raise ValueError(target)
+    return DeploySpec.model_validate(data).check()
+
+
+def yrpd(*args: str, capture: bool = False) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "yrpd", *args], stdin=subprocess.DEVNULL, text=True,
+                          capture_output=capture, env=os.environ.copy())
+    return proc
+
+
+def deploy(spec: DeploySpec, workdir: Path, name: str) -> str:
+    """Deploy `spec` as a new session; returns its id."""
+    config = workdir / f"spec-{name}.yaml"
+    config.write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+    proc = yrpd("deploy", "--config", str(config), "--new-session", capture=True)
+    sys.stderr.write(proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"deploying the {name} target failed (exit {proc.returncode}); see above")
+    from yrpd.session import SessionStore, default_root
+
+    return SessionStore(default_root()).latest().id
+
+
+def down(session_id: str) -> None:
+    proc = yrpd("down", "--session", session_id)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`yrpd down --session {session_id}` failed (exit {proc.returncode})")
+
+
+def counters(session_id: str) -> dict:
+    """Connector and cache counters summed over the instances (from `yrpd status --json`)."""
+    proc = yrpd("status", "--json", "--session", session_id, capture=True)
+    report = json.loads(proc.stdout)
+    total = {"external_cache_hit_tokens": 0.0, "prompt_tokens": 0.0, "loaded_blocks": 0, "saved_blocks": 0}
+    for inst in report["instances"]:
+        for key in ("external_cache_hit_tokens", "prompt_tokens"):
+            total[key] += inst.get(key) or 0
+        for key in ("loaded_blocks", "saved_blocks"):
+            total[key] += (inst.get("connector") or {}).get(key) or 0
+    return total
+
+
+def bench_serve(vllm_venv: Path, url: str, model: str, tokenizer: Path, dataset: Path, out_dir: Path, name: str,
+                num_prompts: int, output_len: int, concurrency: int, seed: int) -> dict:
+    argv = [str(vllm_venv / "bin/vllm"), "bench", "serve", "--backend", "vllm", "--base-url", url,
+            "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tokenizer),
+            "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
+            "--custom-output-len", str(output_len), "--num-prompts", str(num_prompts), "--disable-shuffle",
+            "--max-concurrency", str(concurrency), "--temperature", "0", "--seed", str(seed),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", f"{name}.json",
+            "--label", name]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    (out_dir / f"{name}.cmd").write_text(" ".join(argv) + "\n")
+    with open(out_dir / f"{name}.log", "w") as log:
+        proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    if proc.returncode != 0:
+        tail = (out_dir / f"{name}.log").read_text().splitlines()[-15:]
+        raise RuntimeError(f"vllm bench serve for {name} failed (exit {proc.returncode}):\n" + "\n".join(tail))
+    return json.loads((out_dir / f"{name}.json").read_text())
+
+
+def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str], dataset: Path, out_dir: Path,
+                vllm_venv: Path, tokenizer: Path, num_prompts: int, output_len: int, concurrency: int, seed: int,
+                restore: bool, log=print) -> dict:
+    from yrpd.serving import endpoint_url
+    from yrpd.steps import spec_fingerprint
+
+    current = session.id if session.phase == "deployed" else None
+    original = spec
+    results: dict[str, dict] = {}
+    try:
+        for target in targets:
+            want = variant(original, target, kind)
+            live = current is not None and spec_fingerprint(want) == spec_fingerprint(spec)
+            if not live:
+                if current is not None:
+                    log(f"bench: tearing down session {current} to deploy the {target} target")
+                    down(current)
+                    current = None
+                log(f"bench: deploying the {target} target ({TARGETS[target]})")
+                current = deploy(want, out_dir, target)
+                spec = want
+            from yrpd.deployment import Deployment
+            from yrpd.session import SessionStore, default_root
+
+            deployed = Deployment.load(SessionStore(default_root()).get(current))
+            url = endpoint_url(deployed.spec, deployed.plan)
+            before = counters(current)
+            log(f"bench: {target}: vllm bench serve against {url} ({num_prompts} prompts)")
+            started = time.monotonic()
+            raw = bench_serve(vllm_venv, url, deployed.spec.model_name, tokenizer, dataset, out_dir, target,
+                              num_prompts, output_len, concurrency, seed)
+            after = counters(current)
+            results[target] = {
+                "description": TARGETS[target], "session": current, "url": url,
+                "wall_s": round(time.monotonic() - started, 1),
+                "metrics": {k: v for k, v in raw.items() if isinstance(v, (int, float))},
+                "ttfts_ms": [round(t * 1000, 2) for t in raw.get("ttfts", []) if t],
+                "counters": {k: after[k] - before[k] for k in after},
+            }
+    finally:
+        if restore and spec_fingerprint(spec) != spec_fingerprint(original):
+            if current is not None:
+                down(current)
+            log("bench: deploying the original spec again")
+            deploy(original, out_dir, "restore")
+    return results

@@ -1,0 +1,146 @@
+"""`yrpd bench`: the prefix-shared long-sequence benchmark (dataset, run, report)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from yrpd.cli.options import session_option, version
+
+
+@click.group()
+@version
+def bench() -> None:
+    """Benchmark a deployment with vLLM's own `vllm bench serve`, against its baselines."""
+
+
+def _need_bench_extra() -> None:
+    import importlib.util
+
+    from yrpd.errors import SpecError
+
+    missing = [m for m in ("tokenizers", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SpecError("bench", f"{', '.join(missing)} not installed", "pip install 'yrpd[bench]'")
+
+
+def _tokenizer_dir(given: Path | None, session_id: str | None) -> Path:
+    """The tokenizer: given, or the deployed model's directory when it is on this machine."""
+    if given is not None:
+        return given
+    from yrpd.deployment import Deployment
+    from yrpd.errors import SpecError
+    from yrpd.serving import model_path
+    from yrpd.session import SessionStore, default_root
+    from yrpd.steps.vllm_env import paths
+
+    deployment = Deployment.load(SessionStore(default_root()).get(session_id))
+    local = Path(model_path(deployment.spec, paths(deployment.context())))
+    if not (local / "tokenizer.json").is_file():
+        raise SpecError("--tokenizer", f"the deployed model {local} is not on this machine",
+                        "pass --tokenizer DIR with a local copy of its tokenizer.json")
+    return local
+
+
+def _dataset_options(func):
+    for option in reversed([
+        click.option("--groups", type=click.IntRange(1, 10000), default=4, show_default=True,
+                     help="prompt groups (each shares one prefix)"),
+        click.option("--prompts-per-group", type=click.IntRange(1, 10000), default=4, show_default=True),
+        click.option("--prefix-len", type=click.IntRange(0, 1_000_000), default=1536, show_default=True,
+                     help="shared prefix, tokens"),
+        click.option("--suffix-len", type=click.IntRange(1, 1_000_000), default=256, show_default=True,
+                     help="unique suffix, tokens"),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--tokenizer", type=click.Path(path_type=Path, file_okay=False),
+                     help="directory with the deployed model's tokenizer.json (default: the deployed model, if local)"),
+    ]):
+        func = option(func)
+    return func
+
+
+@bench.command()
+@_dataset_options
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), required=True, help="JSONL file to write")
+@session_option
+def dataset(**params) -> int:
+    """Write the prefix-shared dataset as JSONL for `vllm bench serve --dataset-name custom`."""
+    _need_bench_extra()
+    from yrpd.bench.dataset import DatasetSpec, generate, load_tokenizer, write
+    from yrpd.console import err
+
+    spec = DatasetSpec(params["groups"], params["prompts_per_group"], params["prefix_len"], params["suffix_len"],
+                       params["seed"])
+    prompts, meta = generate(spec, load_tokenizer(_tokenizer_dir(params["tokenizer"], params["session_id"])))
+    write(prompts, meta, params["out"])
+    err().print(f"wrote {meta['prompts']} prompts of {meta['prompt_tokens_min']}-{meta['prompt_tokens_max']} "
+                f"tokens to {params['out']}")
+    return 0
+
+
+@bench.command()
+@_dataset_options
+@click.option("--dataset", "dataset_file", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="a JSONL from `yrpd bench dataset` (default: generate one with the options above)")
+@click.option("--targets", default="pd,pd-noreuse,single", show_default=True,
+              help="comma-separated: pd, pd-noreuse, single")
+@click.option("--num-prompts", type=click.IntRange(1), help="default: every prompt of the dataset")
+@click.option("--output-len", type=click.IntRange(1), default=32, show_default=True, help="tokens per answer")
+@click.option("--max-concurrency", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--vllm-venv", type=click.Path(path_type=Path, file_okay=False),
+              help="local venv with vLLM for `vllm bench serve` (default: <env_root>/vllm)")
+@click.option("--no-restore", is_flag=True, help="leave the last target deployed instead of the original spec")
+@session_option
+@version
+def run(**params) -> int:
+    """Run the benchmark against the latest deployment and its baselines; results land in the session."""
+    import time
+
+    _need_bench_extra()
+
+    from yrpd.bench.dataset import DatasetSpec, generate, load_tokenizer, write
+    from yrpd.bench.report import markdown, write_report
+    from yrpd.bench.run import TARGETS, run_targets
+    from yrpd.console import err, out
+    from yrpd.deployment import Deployment
+    from yrpd.errors import SpecError
+    from yrpd.session import SessionStore, default_root
+
+    targets = [t.strip() for t in params["targets"].split(",") if t.strip()]
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        raise SpecError("--targets", f"unknown target(s) {', '.join(unknown) or '(none)'}",
+                        f"use a comma-separated subset of {', '.join(TARGETS)}")
+    session = SessionStore(default_root()).get(params["session_id"])
+    deployment = Deployment.load(session)
+    if session.phase != "deployed":
+        raise SpecError("bench", f"session {session.id} is {session.phase}", "deploy first: yrpd deploy ...")
+    if not deployment.spec.disaggregated:
+        raise SpecError("bench", f"session {session.id} is not a PD deployment", "bench a PD deployment")
+    kind = deployment.plan.hosts[0].kind
+    tokenizer = _tokenizer_dir(params["tokenizer"], session.id)
+    vllm_venv = params["vllm_venv"] or Path(deployment.spec.env_root) / "vllm"
+    if not (vllm_venv / "bin" / "vllm").exists():
+        raise SpecError("--vllm-venv", f"{vllm_venv}/bin/vllm not found", "pass a local venv with vLLM installed")
+    out_dir = session.path / "bench" / time.strftime("%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True)
+    if params["dataset_file"]:
+        dataset_file = params["dataset_file"]
+        meta_file = dataset_file.with_name(dataset_file.name + ".meta.json")
+        meta = __import__("json").loads(meta_file.read_text()) if meta_file.exists() else {}
+        meta.setdefault("prompts", sum(1 for _ in dataset_file.open()))
+    else:
+        spec = DatasetSpec(params["groups"], params["prompts_per_group"], params["prefix_len"],
+                           params["suffix_len"], params["seed"])
+        prompts, meta = generate(spec, load_tokenizer(tokenizer))
+        dataset_file = out_dir / "dataset.jsonl"
+        write(prompts, meta, dataset_file)
+    console = err()
+    results = run_targets(session, deployment.spec, kind, targets, dataset_file, out_dir, vllm_venv, tokenizer,
+                          params["num_prompts"] or meta["prompts"], params["output_len"], params["max_concurrency"],
+                          params["seed"], restore=not params["no_restore"], log=console.print)
+    write_report(results, meta, out_dir)
+    out().print(markdown(results, meta), markup=False, highlight=False)
+    console.print(f"results: {out_dir}/results.json, report.md, ttft_throughput.png")
+    return 0
