@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(openssh-server openssh-client iproute2 procps util-linux coreutils)
+APT_PACKAGES=(openssh-server openssh-client iproute2 procps util-linux coreutils git
+              # the docker lab test: a dockerd inside each fake host, and the stand-in image's root file system
+              docker.io debootstrap)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
@@ -14,7 +16,19 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "bootstrap: installing ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    # never let the package start dockerd in this (root) namespace: it would turn on ip_forward and set the
+    # iptables FORWARD policy for the whole machine; the lab tests run their own dockerd inside fake hosts
+    policy_rc=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && policy_rc=1
+    fi
+    rc=0
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || rc=$?
+    [ -z "$policy_rc" ] || rm -f /usr/sbin/policy-rc.d
+    [ "$rc" -eq 0 ] || exit "$rc"
+    if [ -d /run/systemd/system ] && printf '%s\n' "${missing[@]}" | grep -qx docker.io; then
+        systemctl disable --now docker.service docker.socket >/dev/null 2>&1 || true
+    fi
 fi
 
 if [ ! -x .venv/bin/python ]; then

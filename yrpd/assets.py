@@ -41,3 +41,15 @@ def patches_dir() -> Path:
     if installed.is_dir():
         return installed
     raise FileNotFoundError("yrpd is installed without its patch series (patches/ or yrpd/patches_data/)")
+
+
+def container_profiles_dir() -> Path:
+    """The container profiles (`<name>.yaml`): `containers/` in a source checkout, the package
+    `yrpd.container_profiles` in an installed wheel (`yrpd.containers` is the module that renders them)."""
+    checkout = _ROOT / "containers"
+    if checkout.is_dir():
+        return checkout
+    installed = Path(__file__).resolve().parent / "container_profiles"
+    if installed.is_dir():
+        return installed
+    raise FileNotFoundError("yrpd is installed without its container profiles (containers/ or yrpd/container_profiles/)")

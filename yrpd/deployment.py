@@ -12,7 +12,7 @@ from yrpd.errors import SessionError
 from yrpd.hostgroup import Host, HostGroup, SshSettings
 from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.session import Session
-from yrpd.spec import DeploySpec, DeviceKind, HostSpec
+from yrpd.spec import DeploySpec, DeviceKind, HostSpec, Runtime
 from yrpd.steps import StepContext, host_python
 
 
@@ -28,6 +28,17 @@ def host_group(spec: DeploySpec) -> HostGroup:
         for h in spec.hosts
     ]
     return HostGroup(hosts, ssh_settings(spec))
+
+
+def runtime_group(group: HostGroup, spec: DeploySpec, session_id: str, absent_ok: bool = False) -> HostGroup:
+    """The group as the session's steps see it: under the docker runtime, a view whose commands run in each
+    host's container of the session (except those marked on_host); `absent_ok` for teardown."""
+    if spec.runtime is not Runtime.docker:
+        return group
+    from yrpd.containers import container_name
+
+    name = container_name(session_id)
+    return group.in_containers({h.name: name for h in group.hosts}, spec.container_engine.value, absent_ok)
 
 
 def needs_probe(spec: DeploySpec) -> list[str]:
@@ -122,8 +133,8 @@ class Deployment:
     def context(self, **options) -> StepContext:
         return StepContext(spec=self.spec, plan=self.plan, session_id=self.session.id, options=options)
 
-    def group(self) -> HostGroup:
-        return host_group(self.spec)
+    def group(self, absent_ok: bool = False) -> HostGroup:
+        return runtime_group(host_group(self.spec), self.spec, self.session.id, absent_ok)
 
 
 def save_deployment(session: Session, spec: DeploySpec, inventory: dict[str, HostInventory], plan: Plan) -> None:

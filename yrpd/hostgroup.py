@@ -10,6 +10,11 @@ Rules that keep remote work predictable:
 - host keys are checked against known_hosts (Fabric accepts any key by default); unknown keys are
   refused unless `accept_new_host_keys`, which appends them to known_hosts;
 - `localhost` runs through a local shell, without SSH.
+
+With the docker runtime a host's commands run inside that host's container: `HostGroup.in_containers()` gives
+a view of the group whose runners are `ContainerRunner`s, which wrap each command into `docker exec` on the host
+(as Ray's cluster launcher keeps its SSH and Docker command runners apart). A command marked `on_host` (preflight,
+creating and removing the container) still runs on the host itself.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
@@ -48,6 +53,8 @@ class Command:
     script: str
     display: str | None = None
     timeout: float = 120
+    #: run on the host even where the host's commands go into its container (docker runtime)
+    on_host: bool = False
 
     def __str__(self) -> str:
         return self.display or self.script
@@ -121,6 +128,40 @@ class GroupResult(dict[str, HostResult]):
 def wrap_timeout(script: str, seconds: float) -> str:
     """Run `script` under coreutils timeout on the host; KILL follows TERM after 10 s."""
     return f"timeout -k 10 {int(max(1, seconds))} bash -c {shlex.quote(script)}"
+
+
+#: seconds the host-side timeout of a `docker exec` waits beyond the command's own (which runs in the container)
+CONTAINER_EXEC_GRACE = 20
+#: exit status of a command whose container is not running (docker's own "cannot run" code)
+CONTAINER_DOWN = 125
+
+
+def on_host(command: Command) -> Command:
+    """The same command, marked to run on the host itself under the docker runtime."""
+    return replace(command, on_host=True)
+
+
+def container_exec(command: Command, container: str, engine: str = "docker", absent_ok: bool = False) -> Command:
+    """`command` run inside `container` on its host: `ENGINE exec CONTAINER timeout ... bash -c SCRIPT`.
+
+    The command's timeout is applied inside the container (killing the `docker exec` client would leave the
+    command running there); the host-side timeout the runner adds is a backstop a little longer. No `-i`/`-t`:
+    scripts carry their input as here-documents. A container that is not running gives exit 125 and a line
+    naming it, or, with `absent_ok` (teardown: nothing of the session can run in it), exit 0 and a note.
+    """
+    q = shlex.quote
+    name = q(container)
+    if absent_ok:
+        down = f"echo \"container {container} is not running on $(uname -n): nothing to do in it\"; exit 0"
+    else:
+        down = (f"echo \"container {container} is not running on $(uname -n) (deploy creates it: "
+                f"run the same yrpd deploy again)\" >&2; exit {CONTAINER_DOWN}")
+    script = "\n".join([
+        f"if [ \"$({engine} inspect -f '{{{{.State.Running}}}}' {name} 2>/dev/null)\" != true ]; then {down}; fi",
+        f"exec {engine} exec {name} {wrap_timeout(command.script, command.timeout)}",
+    ])
+    return Command(script, display=f"in container {container}: {command}",
+                   timeout=command.timeout + CONTAINER_EXEC_GRACE, on_host=True)
 
 
 class LocalRunner:
@@ -246,6 +287,28 @@ class SshRunner:
                 self._conn = None
 
 
+class ContainerRunner:
+    """Runs a host's commands inside its container through the host's own runner (SSH or local), except those
+    marked `on_host`."""
+
+    def __init__(self, inner: "LocalRunner | SshRunner", container: str, engine: str = "docker",
+                 absent_ok: bool = False):
+        self.inner = inner
+        self.container = container
+        self.engine = engine
+        self.absent_ok = absent_ok
+
+    def run(self, command: Command, on_line: Callable[[str, str], None] | None = None) -> HostResult:
+        if command.on_host:
+            return self.inner.run(command, on_line)
+        result = self.inner.run(container_exec(command, self.container, self.engine, self.absent_ok), on_line)
+        result.command = str(command)
+        return result
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class AppendNewHostKey:
     """paramiko missing-host-key policy for --accept-new-host-keys: trust on first use, append to known_hosts."""
 
@@ -305,6 +368,12 @@ class HostGroup:
     ssh: SshSettings = field(default_factory=SshSettings)
     max_parallel: int = 32
 
+    #: docker runtime: host name -> its container; commands not marked on_host run in it
+    containers: dict[str, str] = field(default_factory=dict)
+    engine: str = "docker"
+    #: teardown: a container that is not running means nothing runs in it (exit 0 instead of 125)
+    absent_ok: bool = False
+
     def __post_init__(self) -> None:
         self._runners: dict[str, LocalRunner | SshRunner] = {}
         self._lock = threading.Lock()
@@ -321,16 +390,27 @@ class HostGroup:
 
     def subset(self, names: Iterable[str]) -> "HostGroup":
         wanted = set(names)
-        group = HostGroup([h for h in self.hosts if h.name in wanted], self.ssh, self.max_parallel)
+        return self._view([h for h in self.hosts if h.name in wanted], self.containers, self.engine, self.absent_ok)
+
+    def in_containers(self, containers: Mapping[str, str], engine: str = "docker",
+                      absent_ok: bool = False) -> "HostGroup":
+        """A view of the same hosts (and connections) whose commands run in the named containers."""
+        return self._view(list(self.hosts), dict(containers), engine, absent_ok)
+
+    def _view(self, hosts: list[Host], containers: Mapping[str, str], engine: str, absent_ok: bool) -> "HostGroup":
+        group = HostGroup(hosts, self.ssh, self.max_parallel, dict(containers), engine, absent_ok)
         group._runners = self._runners  # share open connections
         group._lock = self._lock
         return group
 
-    def _runner(self, host: Host) -> LocalRunner | SshRunner:
+    def _runner(self, host: Host) -> LocalRunner | SshRunner | ContainerRunner:
         with self._lock:
             if host.name not in self._runners:
                 self._runners[host.name] = LocalRunner(host) if host.local else SshRunner(host, self.ssh)
-            return self._runners[host.name]
+            runner = self._runners[host.name]
+        if host.name in self.containers:
+            return ContainerRunner(runner, self.containers[host.name], self.engine, self.absent_ok)
+        return runner
 
     def run(self, commands: Command | Mapping[str, Command] | Callable[[Host], Command | None],
             on_line: Callable[[str, str], None] | None = None) -> GroupResult:

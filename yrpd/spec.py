@@ -46,6 +46,11 @@ class Runtime(str, Enum):
     host = "host"
 
 
+class ContainerEngine(str, Enum):
+    docker = "docker"
+    podman = "podman"  # where its CLI is docker's (docs/dev/containers.md)
+
+
 def parse_device_list(text: str | list[int] | None, field: str) -> list[int] | None:
     """`0-3`, `0,1,2,3`, `0-1,4-5` or a YAML list -> sorted ids; duplicates and bad ranges are errors."""
     if text is None:
@@ -246,6 +251,9 @@ class DeploySpec(BaseModel):
     served_model_name: str | None = None
     image: str | None = None
     runtime: Runtime = Runtime.host
+    #: runtime docker: a profile in containers/ by name, or a profile file; default: the one made for `image`
+    container_profile: str | None = None
+    container_engine: ContainerEngine = ContainerEngine.docker
     ports: Ports = Ports()
     env: dict[str, str] = {}
     env_path: str | None = None
@@ -348,6 +356,7 @@ class DeploySpec(BaseModel):
             raise SpecError("master", f"{self.master!r} is not one of the hosts ({names})", "pick one of the hosts")
         if self.runtime is Runtime.docker and not self.image:
             raise SpecError("image", "runtime docker needs an image", "pass --image NAME:TAG or use --runtime host")
+        self._check_container()
         if self.model is None and not self.is_embedded_default:
             raise SpecError(
                 "model", "no model path given", "pass --model /path/on/hosts or set model: in yrpd.yaml"
@@ -390,6 +399,20 @@ class DeploySpec(BaseModel):
                             f"use a path of at most {107 - longest + len(self.remote_session_root)} characters")
         self._check_serving()
         return self
+
+    def _check_container(self) -> None:
+        if self.runtime is not Runtime.docker:
+            if self.container_profile is not None:
+                raise SpecError("container_profile", "is only used with runtime docker",
+                                "drop it, or pass --runtime docker --image NAME:TAG")
+            return
+        from yrpd.containers import check_image, container_profile
+
+        try:
+            check_image(self.image)
+        except ValueError as exc:
+            raise SpecError("image", str(exc), "write it as docker does, e.g. quay.io/ascend/vllm-ascend:v0.10.0rc1-openeuler") from None
+        container_profile(self)  # loads and validates it (SpecError naming the profile field)
 
     def _check_serving(self) -> None:
         owned = ("--port", "--host", "--served-model-name", "--kv-transfer-config", "--tensor-parallel-size",
@@ -508,6 +531,7 @@ def _fix_for(loc: str) -> str:
     hints = {
         "device_kind": "use auto, npu, gpu or cpu",
         "runtime": "use docker or host",
+        "container_engine": "use docker or podman",
         "cluster_mode": "use auto, full or ds_only",
     }
     if loc in hints:

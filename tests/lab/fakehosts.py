@@ -31,9 +31,21 @@ namespaces and links named ``yl...`` whose lock is not held (their lab crashed
 or was killed), so parallel labs of other pytest processes are left alone.
 Open labs are also closed by an atexit hook.
 
-Notes: ``ip netns exec`` mounts a fresh sysfs on /sys, so /sys/fs/cgroup is
-empty inside hosts (this machine uses cgroup v1); remount the hierarchies there
-if a host ever needs cgroups (docker).  The bridge is subject to br_netfilter
+Options for container tests (all off by default):
+
+* ``fake_npus=N``: a private ``/dev`` (tmpfs with the usual nodes, devpts, shm)
+  holding FAKE Ascend device nodes ``davinci0..N-1``, ``davinci_manager``,
+  ``devmm_svm`` and ``hisi_hdc``.  They are character devices with /dev/null's
+  numbers (1:3): they exist, docker can pass them to containers, and reading
+  them gives nothing.  No NPU stands behind them.
+* ``overlays=("/usr", "/etc")``: a private writable overlay on each path (upper
+  dir under the host's directory), so a test can put fake driver files such as
+  ``/usr/local/bin/npu-smi`` into a host without touching the machine.
+* ``docker=True``: a private ``/var/lib/docker`` and the cgroup hierarchies
+  mounted again under ``/sys/fs/cgroup`` (``ip netns exec`` mounts a fresh sysfs
+  whose ``/sys/fs/cgroup`` is empty), so a dockerd can run inside the host with
+  its defaults (socket, pid file and exec root land in the private ``/run``).
+  Starting dockerd is the test's business (tests/lab/dockerlab.py).  The bridge is subject to br_netfilter
 (``bridge-nf-call-iptables=1`` here): host-to-host traffic would be dropped if
 something set the iptables FORWARD policy to DROP (dockerd in the root
 namespace does).
@@ -251,8 +263,12 @@ def _keygen(path: Path, comment: str) -> subprocess.Popen:
 class FakeHost:
     """One fake host.  Created by FakeHostLab; do not instantiate directly."""
 
-    def __init__(self, name: str, address: str, netns: str, veth: str, dir: Path):
+    def __init__(self, name: str, address: str, netns: str, veth: str, dir: Path,
+                 fake_npus: int = 0, overlays: tuple[str, ...] = (), docker: bool = False):
         self.name = name
+        self.fake_npus = fake_npus
+        self.overlays = overlays
+        self.docker = docker
         self.address = address
         self.netns = netns
         self.veth = veth
@@ -345,6 +361,7 @@ class FakeHost:
         ]
         if PYENV_ROOT.is_dir():
             setup.append(f"mount --bind -o ro {PYENV_ROOT} {d}/root/.pyenv")
+        setup += self._container_setup()
         setup += [
             f"mount --rbind {d}/root /root",
             f"mount --bind {d}/etc_ssh /etc/ssh",
@@ -360,6 +377,26 @@ class FakeHost:
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                 start_new_session=True, env=HOST_ENV)
 
+    def _container_setup(self) -> list[str]:
+        """Setup lines for the container-test options (see the module docstring); none by default."""
+        d = shlex.quote(str(self.dir))
+        lines = []
+        for i, path in enumerate(self.overlays):
+            upper, work = f"{d}/overlay/{i}/upper", f"{d}/overlay/{i}/work"
+            lines += [f"mkdir -p {upper} {work}",
+                      f"mount -t overlay overlay -o lowerdir={shlex.quote(path)},upperdir={upper},workdir={work} "
+                      f"{shlex.quote(path)}"]
+        if self.fake_npus:
+            lines += _private_dev_lines(f"{d}/devfs", self.fake_npus)
+        if self.docker:
+            # /var has an overlay (FakeHostLab adds it), so the mount point can be made without touching the
+            # machine; the data root itself is a plain directory: overlay2 cannot sit on an overlay
+            lines += ["mkdir -p /var/lib/docker", f"mount --bind {d}/var_lib_docker /var/lib/docker",
+                      "mount -t tmpfs -o mode=0755 cgroup /sys/fs/cgroup"]
+            for mountpoint, fstype, options in _cgroup_mounts():
+                lines += [f"mkdir -p {mountpoint}", f"mount -t {fstype} -o {options} {fstype} {mountpoint}"]
+        return lines
+
     def _attach(self, pid: int) -> None:
         self._pidfd = os.pidfd_open(pid)
         self._pidns = _ns_key(f"/proc/{pid}/ns/pid")
@@ -369,9 +406,19 @@ class FakeHost:
 class FakeHostLab:
     """n fake hosts h1..hn on a private bridge; use as a context manager."""
 
-    def __init__(self, n: int, workdir: Path, prefix: str | None = None):
+    def __init__(self, n: int, workdir: Path, prefix: str | None = None, *, fake_npus: int = 0,
+                 overlays: tuple[str, ...] = (), docker: bool = False):
         """prefix: names of the lab's namespaces and links; default: "yl" + 5 random
-        characters.  Only "yl..." prefixes are covered by cleanup_stale()'s default."""
+        characters.  Only "yl..." prefixes are covered by cleanup_stale()'s default.
+        fake_npus, overlays, docker: see the module docstring."""
+        for path in overlays:
+            if not path.startswith("/") or path in ("/", "/tmp", "/run", "/dev", "/proc", "/sys"):
+                raise ValueError(f"overlays: {path!r} cannot have an overlay")
+        if docker and "/var" not in overlays:
+            overlays = (*overlays, "/var")
+        self.fake_npus = fake_npus
+        self.overlays = tuple(overlays)
+        self.docker = docker
         if not 1 <= n <= _MAX_HOSTS:
             raise ValueError(f"n must be in 1..{_MAX_HOSTS}")
         if prefix is not None and not re.fullmatch(r"[a-z][a-z0-9]{0,9}", prefix):
@@ -423,7 +470,8 @@ class FakeHostLab:
                 host_dir = self.workdir / f"h{i}"
                 self.hosts.append(FakeHost(
                     f"h{i}", str(self.subnet.network_address + 10 + i),
-                    f"{self.prefix}h{i}", f"{self.prefix}v{i}", host_dir))
+                    f"{self.prefix}h{i}", f"{self.prefix}v{i}", host_dir,
+                    fake_npus=self.fake_npus, overlays=self.overlays, docker=self.docker))
             self._write_keys_and_configs()
             for host in self.hosts:
                 self._create_host_network(host)
@@ -487,7 +535,7 @@ class FakeHostLab:
     def _write_keys_and_configs(self) -> None:
         jobs = [_keygen(self.identity_file, f"yrpd-lab-{self.prefix}")]
         for host in self.hosts:
-            for sub in ("root/.ssh", "root/.pyenv", "etc_ssh", "tmp"):
+            for sub in ("root/.ssh", "root/.pyenv", "etc_ssh", "tmp") + (("var_lib_docker",) if self.docker else ()):
                 (host.dir / sub).mkdir(parents=True, exist_ok=True)
             os.chmod(host.dir / "root", 0o700)
             os.chmod(host.dir / "root/.ssh", 0o700)
@@ -593,6 +641,44 @@ class FakeHostLab:
         if errors:
             # Whatever is left is now unlocked, so cleanup_stale() will retry it.
             raise errors[0]
+
+
+FAKE_NPU_EXTRA_NODES = ("davinci_manager", "devmm_svm", "hisi_hdc")
+
+
+def _private_dev_lines(stage: str, fake_npus: int) -> list[str]:
+    """Shell lines that replace /dev with a tmpfs holding the usual nodes plus FAKE Ascend nodes.
+
+    The nodes are made on a tmpfs at `stage` and the tmpfs is then moved onto /dev.  Every fake
+    Ascend node is a character device 1:3, the numbers of /dev/null."""
+    nodes = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
+    fakes = [f"davinci{i}" for i in range(fake_npus)] + list(FAKE_NPU_EXTRA_NODES)
+    lines = [f"mkdir -p {stage}", f"mount -t tmpfs -o mode=0755,size=16m devfs {stage}"]
+    for name, (major, minor) in nodes.items():
+        lines.append(f"mknod -m 0666 {stage}/{name} c {major} {minor}")
+    lines += [f"mknod -m 0660 {stage}/{name} c 1 3" for name in fakes]
+    lines += [f"mkdir -m 0755 {stage}/pts {stage}/mqueue", f"mkdir -m 1777 {stage}/shm",
+              f"ln -s /proc/self/fd {stage}/fd", f"ln -s /proc/self/fd/0 {stage}/stdin",
+              f"ln -s /proc/self/fd/1 {stage}/stdout", f"ln -s /proc/self/fd/2 {stage}/stderr",
+              f"ln -s pts/ptmx {stage}/ptmx",
+              f"mount --move {stage} /dev",
+              "mount -t devpts -o newinstance,ptmxmode=0666,mode=0620 devpts /dev/pts",
+              "mount -t tmpfs -o mode=1777 shm /dev/shm",
+              "mount -t mqueue mqueue /dev/mqueue"]
+    return lines
+
+
+def _cgroup_mounts() -> list[tuple[str, str, str]]:
+    """(mount point, fstype, options) of this machine's cgroup hierarchies below /sys/fs/cgroup."""
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        sep = fields.index("-")
+        mountpoint, fstype, super_options = fields[4], fields[sep + 1], fields[sep + 3]
+        if fstype in ("cgroup", "cgroup2") and mountpoint.startswith("/sys/fs/cgroup/"):
+            options = ",".join(o for o in super_options.split(",") if o not in ("rw", "ro")) or "defaults"
+            found.append((mountpoint, fstype, options))
+    return found
 
 
 def _write(path: Path, text: str, mode: int) -> None:

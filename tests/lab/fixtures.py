@@ -25,7 +25,8 @@ def _lab_unavailable() -> str | None:
 
 @pytest.fixture
 def fake_lab(tmp_path):
-    """Factory: ``make(n, prefix=None)`` starts and returns a FakeHostLab of n hosts.
+    """Factory: ``make(n, prefix=None, **options)`` starts and returns a FakeHostLab of n hosts
+    (options: fake_npus, overlays, docker; see tests/lab/fakehosts.py).
 
     Every lab made is closed at teardown, whether the test passed or not.
     """
@@ -37,8 +38,8 @@ def fake_lab(tmp_path):
     cleanup_stale()
     labs: list[FakeHostLab] = []
 
-    def make(n: int, prefix: str | None = None) -> FakeHostLab:
-        lab = FakeHostLab(n, tmp_path / f"lab{len(labs)}", prefix=prefix)
+    def make(n: int, prefix: str | None = None, **options) -> FakeHostLab:
+        lab = FakeHostLab(n, tmp_path / f"lab{len(labs)}", prefix=prefix, **options)
         labs.append(lab)
         return lab.start()
 

@@ -60,6 +60,18 @@ CASES = [
     ("devices-duplicate", without(GOOD, "--devices") + ["--devices", "0,1,1"], None, "device 1 is listed twice"),
     ("devices-garbage", without(GOOD, "--devices") + ["--devices", "a-b"], None, "devices"),
     ("docker-without-image", GOOD + ["--runtime", "docker"], None, "image: runtime docker needs an image"),
+    ("docker-bad-image", GOOD + ["--runtime", "docker", "--image", "Not An Image"], None,
+     "image: 'Not An Image' is not an image reference"),
+    ("docker-image-without-profile", GOOD + ["--runtime", "docker", "--image", "example.org/my/vllm:1"], None,
+     "container_profile: no shipped profile is made for image example.org/my/vllm:1"),
+    ("docker-unknown-profile", GOOD + ["--runtime", "docker", "--image", "example.org/my/vllm:1",
+                                       "--container-profile", "nope"], None, "container_profile: 'nope' is not a shipped profile"),
+    ("docker-missing-profile-file", GOOD + ["--runtime", "docker", "--image", "example.org/my/vllm:1",
+                                            "--container-profile", "/nonexistent/p.yaml"], None,
+     "container_profile: /nonexistent/p.yaml does not exist"),
+    ("profile-without-docker", GOOD + ["--container-profile", "vllm-ascend-v0.23.0"], None,
+     "container_profile: is only used with runtime docker"),
+    ("unknown-container-engine", GOOD, "container_engine: lxc\n", "container_engine"),
     ("bad-env", GOOD + ["--env", "NOEQUALS"], None, "--env"),
     ("bad-env-name", GOOD + ["--env", "1X=2"], None, "env.1X"),
     ("missing-identity", GOOD + ["-i", "/nonexistent/key"], None, "identity file /nonexistent/key does not exist"),
@@ -103,3 +115,22 @@ def test_bad_input_exits_2_with_one_line(tmp_path, yrpd, yrpd_home, command, cas
 
 def test_cases_are_distinct():
     assert len({c[0] for c in CASES}) == len(CASES) >= 20
+
+
+DEPLOY_ONLY = [
+    ("recreate-without-docker", GOOD + ["--recreate"], "--recreate: only applies to runtime docker"),
+    ("pull-without-docker", GOOD + ["--pull", "missing"], "--pull: only applies to runtime docker"),
+    ("pull-unknown-policy", GOOD + ["--runtime", "docker", "--image", "quay.io/ascend/vllm-ascend:v0.10.0rc1-openeuler",
+                                    "--pull", "sometimes"], "--pull"),
+]
+
+
+@pytest.mark.parametrize("case_id,args,expected", DEPLOY_ONLY, ids=[c[0] for c in DEPLOY_ONLY])
+def test_bad_deploy_options_exit_2_with_one_line(tmp_path, yrpd, yrpd_home, case_id, args, expected):
+    ssh_config = tmp_path / "ssh_config"
+    ssh_config.write_text(SSH_CONFIG)
+    proc = yrpd("deploy", *args, "--ssh-config", str(ssh_config))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
+    assert not (yrpd_home / "sessions").exists() or not any((yrpd_home / "sessions").iterdir())

@@ -12,26 +12,42 @@ from yrpd.cli.options import spec_options, version
 @click.option("--dry-run", is_flag=True, help="print the plan and commands, touch nothing")
 @click.option("--playbook", metavar="FILE", help="deploy playbook [playbooks/deploy.yaml]")
 @click.option("--new-session", is_flag=True, help="start a new session even if the latest one is still up")
+@click.option("--recreate", is_flag=True, default=None,
+              help="runtime docker: replace a container of this session whose spec differs [refuse]")
+@click.option("--pull", type=click.Choice(["never", "missing", "always"]), default=None,
+              help="runtime docker: pull the image never (it must be on the hosts), when missing, or always [never]")
 @version
 def deploy(**params) -> int:
     """Deploy PD serving onto the hosts. Re-running it resumes: finished steps are skipped."""
     from yrpd.cli.options import spec_from_options
 
     spec = spec_from_options(params)
+    options = container_options(spec, params)
     if params["dry_run"]:
         from yrpd.cli.plan import show_plan
 
         return show_plan(spec, params.get("playbook"), as_json=False)
-    return run_deploy(spec, params.get("playbook"), params["new_session"])
+    return run_deploy(spec, params.get("playbook"), params["new_session"], options)
 
 
-def run_deploy(spec, playbook_file: str | None, new_session: bool) -> int:
+def container_options(spec, params) -> dict:
+    """--recreate and --pull: actions of this deploy, not part of the deployment's identity (spec)."""
+    from yrpd.errors import SpecError
+    from yrpd.spec import Runtime
+
+    for flag in ("recreate", "pull"):
+        if params.get(flag) is not None and spec.runtime is not Runtime.docker:
+            raise SpecError(f"--{flag}", "only applies to runtime docker", "drop it, or pass --runtime docker")
+    return {"recreate": bool(params.get("recreate")), "pull": params.get("pull") or "never"}
+
+
+def run_deploy(spec, playbook_file: str | None, new_session: bool, options: dict | None = None) -> int:
     import time
     from pathlib import Path
 
     from yrpd.assets import playbook_path
     from yrpd.console import err
-    from yrpd.deployment import host_group, resolve_inventory, save_deployment
+    from yrpd.deployment import host_group, resolve_inventory, runtime_group, save_deployment
     from yrpd.placement import make_plan
     from yrpd.playbook import PlaybookRunner, StepFailed, load_playbook
     from yrpd.session import SessionStore, resolve_root
@@ -53,7 +69,7 @@ def run_deploy(spec, playbook_file: str | None, new_session: bool) -> int:
             console.print(f"resuming session {session.id}: finished steps are skipped")
         save_deployment(session, spec, inventory, placement)
         session.set_state(phase="deploying", playbook=str(playbook_file or "deploy"))
-        ctx = StepContext(spec=spec, plan=placement, session_id=session.id)
+        ctx = StepContext(spec=spec, plan=placement, session_id=session.id, options=dict(options or {}))
         total = len(playbook.steps)
 
         def report(event, step, info):
@@ -75,7 +91,7 @@ def run_deploy(spec, playbook_file: str | None, new_session: bool) -> int:
                 console.print(f"      {'; '.join(parts) or 'nothing to do'} ({outcome.seconds:.1f}s)")
 
         try:
-            PlaybookRunner(group, ctx, session, report).run(playbook)
+            PlaybookRunner(runtime_group(group, spec, session.id), ctx, session, report).run(playbook)
         except StepFailed as failure:
             session.set_state(phase="failed", failed_step=failure.step.name)
             failure.args = (f"{failure}\nfix the cause and run the same `yrpd deploy` again to resume session "

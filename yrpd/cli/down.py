@@ -42,7 +42,8 @@ def down(**params) -> int:
             done = f"done on {', '.join(ok)}" if ok else "nothing to do"
             console.print(f"      {done} ({outcome.seconds:.1f}s)")
 
-    with deployment.group() as group:
+    # docker runtime: a container that is gone or stopped has nothing of the session running in it
+    with deployment.group(absent_ok=True) as group:
         try:
             PlaybookRunner(group, ctx, session, report).run(playbook, keep_going=True)
         except PlaybookFailed as failure:

@@ -39,8 +39,10 @@ def logs(**params) -> int:
         if host not in known:
             raise SpecError("--host", f"{host!r} is not a host of session {session.id} ({', '.join(known)})", "pick one of them")
     wanted = list(params["hosts"]) or known
+    # on the host itself: under the docker runtime the session directory is mounted from there, so logs stay
+    # readable after the container is gone
     command = Command(tail_script(deployment.context().host_session_dir, name, params["lines"], params["follow"]),
-                      timeout=7 * 24 * 3600 if params["follow"] else 60)
+                      timeout=7 * 24 * 3600 if params["follow"] else 60, on_host=True)
 
     lock = threading.Lock()
     splitters: dict[str, TailSplitter] = {}

@@ -38,7 +38,7 @@ def show_plan(spec, playbook_file: str | None, as_json: bool) -> int:
     inventory = resolve_inventory(spec)
     placement = make_plan(spec, inventory)
     ctx = StepContext(spec=spec, plan=placement)
-    steps = describe(playbook, ctx)
+    steps = in_containers(spec, ctx, describe(playbook, ctx))
     if as_json:
         data = placement.to_dict()
         data["steps"] = [
@@ -53,3 +53,17 @@ def show_plan(spec, playbook_file: str | None, as_json: bool) -> int:
     for renderable in plan_commands(steps):
         console.print(renderable)
     return 0
+
+
+def in_containers(spec, ctx, steps):
+    """Runtime docker: show which commands run inside the container (`docker exec`), as deploy runs them."""
+    from yrpd.spec import Runtime
+
+    if spec.runtime is not Runtime.docker:
+        return steps
+    from yrpd.containers import container_name
+    from yrpd.hostgroup import container_exec
+
+    name, engine = container_name(ctx.session_id), spec.container_engine.value
+    return [(step, {host: cmd if cmd.on_host else container_exec(cmd, name, engine) for host, cmd in commands.items()})
+            for step, commands in steps]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from yrpd.hostgroup import Command
+from yrpd.hostgroup import Command, on_host
 from yrpd.placement import HostPlan, ports_on_host
 from yrpd.steps import StepContext, host_python, shell_command
 
@@ -22,11 +22,12 @@ def check_hosts(ctx: StepContext, host: HostPlan) -> Command:
     check = host_python("preflight.py", args, timeout=60)
     marker = shlex.quote(f"{ctx.host_session_dir}/preflight.ok")
     record = f"mkdir -p {shlex.quote(ctx.host_session_dir)} && echo {shlex.quote(ctx.spec_hash)} > {marker}"
-    return Command(script=f"{check.script}\n{record}", display=check.display, timeout=check.timeout)
+    # on the host itself, also under the docker runtime: its ports, disk, devices and model path are the host's
+    return Command(script=f"{check.script}\n{record}", display=check.display, timeout=check.timeout, on_host=True)
 
 
 def passed_before(ctx: StepContext, host: HostPlan, **_: object) -> Command:
     """Skip preflight on re-runs of the same session: its ports are then held by our own services."""
     marker = f"{ctx.host_session_dir}/preflight.ok"
-    return shell_command(f"grep -qx {shlex.quote(ctx.spec_hash)} {shlex.quote(marker)} 2>/dev/null")
+    return on_host(shell_command(f"grep -qx {shlex.quote(ctx.spec_hash)} {shlex.quote(marker)} 2>/dev/null"))
 

@@ -38,12 +38,16 @@ def bundle() -> tuple[str, str]:
     for entry in BUNDLED:
         path = pkg / entry
         files += [path] if path.is_file() else sorted(p for p in path.rglob("*.py"))
+    return bundle_archive([("yrpd/" + path.relative_to(pkg).as_posix(), path) for path in files])
+
+
+def bundle_archive(files: list[tuple[str, Path]]) -> tuple[str, str]:
+    """(content hash, base64 of a reproducible tar.gz) of files stored under the given archive names."""
     digest = hashlib.sha256()
     raw = io.BytesIO()
     # mtime 0 and no owner: the same sources give the same bytes
     with tarfile.open(fileobj=raw, mode="w:gz", compresslevel=9) as tar:
-        for path in files:
-            rel = "yrpd/" + path.relative_to(pkg).as_posix()
+        for rel, path in files:
             data = path.read_bytes()
             digest.update(rel.encode() + b"\0" + data + b"\0")
             info = tarfile.TarInfo(rel)
@@ -53,6 +57,19 @@ def bundle() -> tuple[str, str]:
     if len(encoded) > MAX_BUNDLE_B64:
         raise RuntimeError(f"yrpd host bundle is {len(encoded)} bytes of base64, over {MAX_BUNDLE_B64}")
     return digest.hexdigest()[:16], encoded
+
+
+def unpack_script(target_dir: str, encoded: str) -> str:
+    """Shell lines that unpack a bundle to `target_dir` atomically and mark it complete."""
+    target = shlex.quote(target_dir)
+    return "\n".join([
+        f"mkdir -p $(dirname {target})",
+        f"tmp=$(mktemp -d {target}.tmp.XXXXXX)",
+        f"base64 -d > \"$tmp/bundle.tgz\" <<'YRPD_BUNDLE_END'\n{encoded}\nYRPD_BUNDLE_END",
+        "tar -xzf \"$tmp/bundle.tgz\" -C \"$tmp\" && rm \"$tmp/bundle.tgz\"",
+        # rename is atomic: a concurrent or interrupted copy never leaves a half bundle at the final path
+        f"chmod 755 \"$tmp\" && rm -rf {target} && mv \"$tmp\" {target} && touch {target}/.complete",
+    ])
 
 
 def paths(ctx: StepContext) -> HostPaths:
@@ -110,15 +127,7 @@ def ship_code(ctx: StepContext, host: HostPlan) -> Command | None:
     if not _serves(ctx, host):
         return None
     digest, encoded = bundle()
-    target = shlex.quote(paths(ctx).bundle_dir)
-    script = "\n".join([
-        f"mkdir -p $(dirname {target})",
-        f"tmp=$(mktemp -d {target}.tmp.XXXXXX)",
-        f"base64 -d > \"$tmp/bundle.tgz\" <<'YRPD_BUNDLE_END'\n{encoded}\nYRPD_BUNDLE_END",
-        "tar -xzf \"$tmp/bundle.tgz\" -C \"$tmp\" && rm \"$tmp/bundle.tgz\"",
-        # rename is atomic: a concurrent or interrupted copy never leaves a half bundle at the final path
-        f"chmod 755 \"$tmp\" && rm -rf {target} && mv \"$tmp\" {target} && touch {target}/.complete",
-    ])
+    script = unpack_script(paths(ctx).bundle_dir, encoded)
     return Command(script, display=f"unpack yrpd's connector/proxy code ({digest}) into {paths(ctx).bundle_dir}",
                    timeout=120)
 

@@ -1,0 +1,56 @@
+"""Apply yrpd's patch series to the vllm-ascend tree inside the container, reinstall only when it changed.
+
+Runs in the container with its python3; yrpd's patch manager (yrpd/patches.py, which needs PyYAML and packaging,
+both vLLM dependencies) and the series come in a bundle unpacked at args["bundle"]. Args: one JSON object
+(see yrpd/steps/container.py). Writes args["marker"] when the tree is patched and the package that python3
+imports is the patched tree; the deploy step's check looks for it.
+"""
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ARGS = json.loads(sys.argv[1])
+sys.path.insert(0, ARGS["bundle"])
+from yrpd import patches as P  # noqa: E402
+from yrpd.errors import YrpdError  # noqa: E402
+
+tree = Path(ARGS["tree"])
+if not tree.is_dir():
+    print(f"the vllm-ascend source tree {tree} is not in this container: the container profile's source_tree "
+          f"must name it (or be null when the image has none)", file=sys.stderr)
+    sys.exit(1)
+try:
+    outcome = P.apply(tree, Path(ARGS["bundle"]) / "patches")
+except YrpdError as exc:
+    print(f"patch series: {exc}", file=sys.stderr)
+    sys.exit(exc.exit_code)
+print(outcome.message)
+series, version = outcome.state.series, outcome.state.version.version
+if outcome.changed and ARGS.get("reinstall"):
+    env = dict(os.environ, YRPD_PATCH_ACTION="apply", YRPD_PATCH_SERIES=series.id, YRPD_PATCH_VERSION=version)
+    # a reinstall of the now dirty git checkout would get a setuptools-scm dev version otherwise
+    env.setdefault("SETUPTOOLS_SCM_PRETEND_VERSION_FOR_" + re.sub(r"[^A-Za-z0-9]+", "_", series.target).upper(), version)
+    print(f"reinstalling: {ARGS['reinstall']}", flush=True)
+    proc = subprocess.run(ARGS["reinstall"], shell=True, cwd=tree, env=env)
+    if proc.returncode != 0:
+        print(f"reinstall command exited {proc.returncode}; the tree is patched, the installed package may be stale",
+              file=sys.stderr)
+        sys.exit(1)
+# the patch only matters if the package python3 imports is this tree (an editable install)
+found = importlib.util.find_spec(series.import_package)
+origin = Path(found.origin).resolve() if found and found.origin else None
+if origin is None or tree.resolve() not in origin.parents:
+    print(f"python3 ({sys.executable}) imports {series.import_package} from {origin or 'nowhere'}, not from the "
+          f"patched tree {tree}: set the container profile's reinstall command (e.g. pip install -e .)",
+          file=sys.stderr)
+    sys.exit(1)
+marker = Path(ARGS["marker"])
+marker.parent.mkdir(parents=True, exist_ok=True)
+# (applied outside yrpd, e.g. with the guide's `git am`, the tree has no record of ours)
+marker.write_text(json.dumps({"series": series.id, "series_sha256": series.digest(), "version": version,
+                              "changed": outcome.changed}) + "\n")
+print(json.dumps({"series": series.id, "version": version, "changed": outcome.changed, "imports_from": str(origin)}))

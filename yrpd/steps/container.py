@@ -1,0 +1,231 @@
+"""Steps of the docker runtime: Ascend preflight, the container per host, the patch series in it, the derived
+image, removal. Under runtime host every step but the NPU preflight is a no-op (run gives None, check `true`).
+
+Where each runs: the preflight, `ensure`, `commit` and `remove` act on the host itself (the container engine
+lives there; their commands are marked `on_host`); `patch` runs inside the container like every other step
+of a docker deployment (yrpd.hostgroup.ContainerRunner wraps those into `docker exec`).
+
+Options (StepContext.options, from `yrpd deploy`): `recreate` replaces a container whose spec differs
+instead of refusing; `pull` is never (default), missing or always.
+"""
+
+from __future__ import annotations
+
+import shlex
+from functools import lru_cache
+
+from yrpd.containers import ContainerRun, Mount, Profile, container_name, container_profile, container_run, derived_image
+from yrpd.hostgroup import Command, on_host
+from yrpd.placement import HostPlan
+from yrpd.spec import DeviceKind, Runtime
+from yrpd.steps import StepContext, host_python, shell_command
+
+PULL_POLICIES = ("never", "missing", "always")
+#: the Ascend driver's files the preflight reads (the profile mounts the same paths)
+NPU_SMI = "/usr/local/bin/npu-smi"
+DRIVER_VERSION_FILE = "/usr/local/Ascend/driver/version.info"
+HCCN_CONF = "/etc/hccn.conf"
+
+
+def docker(ctx: StepContext) -> bool:
+    return ctx.spec.runtime is Runtime.docker
+
+
+def engine(ctx: StepContext) -> str:
+    return ctx.spec.container_engine.value
+
+
+def profile(ctx: StepContext) -> Profile:
+    return container_profile(ctx.spec)
+
+
+def name(ctx: StepContext) -> str:
+    return container_name(ctx.session_id)
+
+
+def multi_host(ctx: StepContext) -> bool:
+    return len(ctx.plan.hosts) > 1
+
+
+def pull_policy(ctx: StepContext) -> str:
+    return ctx.options.get("pull") or "never"
+
+
+def deployment_mounts(ctx: StepContext) -> list[Mount]:
+    """What the deployment adds to the profile's mounts: the session directories (logs and pid files stay
+    readable on the host and outlive the container) and the model, read-only."""
+    mounts = [Mount(source=ctx.spec.remote_session_root.rstrip("/"), create=True,
+                    purpose="yrpd's session directories")]
+    model = ctx.spec.model
+    if model and model.startswith("/"):
+        mounts.append(Mount(source=model.rstrip("/"), read_only=True, purpose="the model"))
+    return mounts
+
+
+def run_spec(ctx: StepContext, host: HostPlan) -> ContainerRun:
+    npus = host.used if host.kind is DeviceKind.npu else ()
+    return container_run(profile(ctx), name=name(ctx), image=ctx.spec.image, npus=npus,
+                         mounts=deployment_mounts(ctx), multi_host=multi_host(ctx), session_id=ctx.session_id,
+                         engine=engine(ctx))
+
+
+@lru_cache(maxsize=1)
+def series_digest() -> str:
+    """Identity of every shipped patch series together (any change makes a new derived image)."""
+    import hashlib
+
+    from yrpd import patches
+
+    digests = sorted(f"{s.id} {s.digest()}" for s in patches.load_all(patches.default_root()))
+    return hashlib.sha256("\n".join(digests).encode()).hexdigest()[:16]
+
+
+def derived_inputs(ctx: StepContext) -> dict:
+    """Everything yrpd puts into the container before it is committed."""
+    from yrpd.steps.vllm_env import bundle
+    from yrpd.versions import OPENYUANRONG, OPENYUANRONG_DATASYSTEM
+
+    p = profile(ctx)
+    return {"schema": "yrpd.derived-image/1", "patches": series_digest(), "host_code": bundle()[0],
+            "openyuanrong": OPENYUANRONG, "datasystem": OPENYUANRONG_DATASYSTEM, "env_root": ctx.spec.env_root,
+            "source_tree": p.source_tree, "reinstall": p.reinstall, "patch_bundle": patch_bundle()[0]}
+
+
+def derived(ctx: StepContext) -> str:
+    return derived_image(ctx.spec.image, derived_inputs(ctx))
+
+
+def _runtime_args(ctx: StepContext, action: str, **extra) -> dict:
+    return {"action": action, "engine": engine(ctx), "name": name(ctx), "image": ctx.spec.image,
+            "derived": derived(ctx), **extra}
+
+
+# -- preflight -----------------------------------------------------------------------------------
+
+def preflight(ctx: StepContext, host: HostPlan) -> Command | None:
+    """NPU hosts: device nodes, `npu-smi info`, driver version, hccn.conf across hosts. Docker runtime: the
+    engine answers, the image is here (or --pull), every mount source the profile needs exists."""
+    npu = None
+    if host.kind is DeviceKind.npu:
+        extra = profile(ctx).devices if docker(ctx) else ["/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"]
+        npu = {"devices": list(host.used), "npu_device": profile(ctx).npu_device if docker(ctx) else "/dev/davinci{id}",
+               "nodes": list(extra), "npu_smi": NPU_SMI, "version_file": DRIVER_VERSION_FILE,
+               "hccn_conf": HCCN_CONF if multi_host(ctx) and host.used else None}
+    box = None
+    if docker(ctx):
+        required = [m for m in profile(ctx).mounts_for(multi_host(ctx)) if not m.create]
+        box = {"engine": engine(ctx), "image": ctx.spec.image, "derived": derived(ctx), "pull": pull_policy(ctx),
+               "mounts": [[m.source, m.purpose] for m in required]}
+    if npu is None and box is None:
+        return None
+    check = host_python("ascend_preflight.py", {"npu": npu, "container": box}, timeout=90)
+    marker = shlex.quote(f"{ctx.host_session_dir}/ascend_preflight.ok")
+    record = f"mkdir -p {shlex.quote(ctx.host_session_dir)} && echo {shlex.quote(ctx.spec_hash)} > {marker}"
+    return on_host(Command(f"{check.script}\n{record}", display=check.display, timeout=check.timeout))
+
+
+def preflight_passed(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+    if host.kind is not DeviceKind.npu and not docker(ctx):
+        return shell_command("true")  # nothing to check on this host
+    marker = shlex.quote(f"{ctx.host_session_dir}/ascend_preflight.ok")
+    return on_host(shell_command(f"grep -qx {shlex.quote(ctx.spec_hash)} {marker} 2>/dev/null"))
+
+
+# -- the container ---------------------------------------------------------------------------------
+
+def ensure(ctx: StepContext, host: HostPlan) -> Command | None:
+    """Create the host's container, or reuse it when its spec label matches; a different spec is refused
+    (naming the difference) unless --recreate. Starts from the derived image when it is there."""
+    if not docker(ctx):
+        return None
+    run = run_spec(ctx, host)
+    p = profile(ctx)
+    mounts = [[m.source, m.create, m.purpose] for m in [*p.mounts_for(multi_host(ctx)), *deployment_mounts(ctx)]]
+    args = _runtime_args(ctx, "ensure", argv=run.argv[1:], image_index=run.image_index - 1, spec=run.spec,
+                         spec_hash=run.spec_hash, recreate=bool(ctx.options.get("recreate")),
+                         pull=pull_policy(ctx), mounts=mounts)
+    cmd = host_python("container_runtime.py", args, timeout=900 if pull_policy(ctx) == "never" else 3900)
+    shown = " ".join("yrpd.args=<the spec as JSON>" if w.startswith("yrpd.args=") else shlex.quote(w) for w in run.argv)
+    return on_host(Command(cmd.script, display=f"create or reuse container {name(ctx)} (from the derived image "
+                                               f"{derived(ctx)} where present): {shown}", timeout=cmd.timeout))
+
+
+def ensured(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+    if not docker(ctx):
+        return shell_command("true")
+    want = f"true {run_spec(ctx, host).spec_hash}"
+    fmt = "{{.State.Running}} {{index .Config.Labels \"yrpd.spec\"}}"
+    return on_host(shell_command(
+        f"[ \"$({engine(ctx)} inspect -f {shlex.quote(fmt)} {shlex.quote(name(ctx))} 2>/dev/null)\" = {shlex.quote(want)} ]"))
+
+
+def remove(ctx: StepContext, host: HostPlan) -> Command | None:
+    """Remove the host's container of the session (its processes were stopped by the steps before)."""
+    if not docker(ctx):
+        return None
+    return on_host(host_python("container_runtime.py", {"action": "remove", "engine": engine(ctx), "name": name(ctx)},
+                               timeout=180))
+
+
+# -- the patch series and the derived image ------------------------------------------------------
+
+@lru_cache(maxsize=1)
+def patch_bundle() -> tuple[str, str]:
+    """yrpd's patch manager and the shipped series, as one content-addressed bundle for the container."""
+    from pathlib import Path
+
+    from yrpd.assets import patches_dir
+    from yrpd.steps.vllm_env import bundle_archive
+
+    pkg = Path(__file__).resolve().parent.parent
+    files = [(f"yrpd/{n}", pkg / n) for n in ("__init__.py", "errors.py", "patches.py")]
+    root = patches_dir()
+    files += [(f"patches/{p.relative_to(root).as_posix()}", p) for p in sorted(root.rglob("*"))
+              if p.is_file() and (p.suffix == ".patch" or p.name == "manifest.yaml")]
+    return bundle_archive(files)
+
+
+def _patch_paths(ctx: StepContext) -> tuple[str, str]:
+    digest = patch_bundle()[0]
+    return f"{ctx.spec.env_root}/lib/yrpd-patch-{digest}", f"{ctx.spec.env_root}/state/patched-{digest}.json"
+
+
+def patch(ctx: StepContext, host: HostPlan) -> Command | None:
+    """In the container: apply the series for its vllm-ascend tree (already applied: nothing changes),
+    reinstall only when it changed, and check python3 imports the patched tree."""
+    if not docker(ctx) or profile(ctx).source_tree is None:
+        return None
+    from yrpd.steps.vllm_env import unpack_script
+
+    bundle_dir, marker = _patch_paths(ctx)
+    p = profile(ctx)
+    run = host_python("container_patch.py", {"bundle": bundle_dir, "tree": p.source_tree, "reinstall": p.reinstall,
+                                             "marker": marker}, timeout=1800)
+    unpack = f"if [ ! -f {shlex.quote(bundle_dir)}/.complete ]; then\n{unpack_script(bundle_dir, patch_bundle()[1])}\nfi"
+    return Command(f"{unpack}\n{run.script}", display=f"unpack yrpd's patch manager and series into {bundle_dir}; "
+                                                     f"{run.display}", timeout=run.timeout)
+
+
+def patched(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+    if not docker(ctx) or profile(ctx).source_tree is None:
+        return shell_command("true")
+    return shell_command(f"[ -f {shlex.quote(_patch_paths(ctx)[1])} ]")
+
+
+def commit(ctx: StepContext, host: HostPlan) -> Command | None:
+    """Commit the patched container (with yrpd's packages installed) as the derived image; later deploys with
+    the same inputs start from it and skip the patch and install steps."""
+    if not docker(ctx):
+        return None
+    return on_host(host_python("container_runtime.py", _runtime_args(ctx, "commit"), timeout=1860))
+
+
+def committed(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+    """Done when the container runs the derived image, or the derived image was made from the container's image."""
+    if not docker(ctx):
+        return shell_command("true")
+    e, c, d = engine(ctx), shlex.quote(name(ctx)), shlex.quote(derived(ctx))
+    fmt = shlex.quote("{{.Id}} {{index .Config.Labels \"yrpd.base-id\"}}")
+    return on_host(shell_command(
+        f"img=$({e} inspect -f '{{{{.Image}}}}' {c} 2>/dev/null) && [ -n \"$img\" ] && "
+        f"have=$({e} image inspect -f {fmt} {d} 2>/dev/null) && case \" $have \" in *\" $img \"*) exit 0;; esac; exit 1"))
