@@ -135,11 +135,15 @@ class HostSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    #: name, user@host:port or ssh_config alias
     address: str
     #: address the other hosts use to reach this one (cluster traffic); default: the SSH target resolved
     ip: str | None = None
+    #: private key for this host (or, under ssh:, for every host) (`-i`)
     identity: str | None = None
+    #: this host's device kind (default: the top-level device_kind)
     device_kind: DeviceKind | None = None
+    #: this host's device ids (default: the top-level devices, else detected)
     devices: list[int] | None = None
 
     @field_validator("devices", mode="before")
@@ -175,12 +179,19 @@ class Ports(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    #: the proxy, on the master (`--proxy-port`)
     proxy: int = 8000
+    #: the data system worker, every host
     datasystem: int = 31501
+    #: the data system master, on the master
     ds_master: int = 12123
+    #: etcd client port on the master; etcd+1 is its peer port
     etcd: int = 32379
+    #: the k-th instance on a host listens on instance_base+k
     instance_base: int = 8100
+    #: the k-th instance's KV side channel (and multi-host DP rpc port)
     kv_base: int = 8300
+    #: the k-th instance gets hccl_base+16k .. +15 for collective communication
     hccl_base: int = 61000
     #: instances a host may run: instance_base and kv_base reserve this many ports, hccl_base 16 each
     span: int = 100
@@ -225,10 +236,15 @@ def _fmt_range(r: tuple[int, int]) -> str:
 class SshOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    #: ssh_config file for host aliases (`--ssh-config`)
     config_file: str = "~/.ssh/config"
+    #: private key for this host (or, under ssh:, for every host) (`-i`)
     identity: str | None = None
+    #: host keys are checked against this file (`--known-hosts`)
     known_hosts: str = "~/.ssh/known_hosts"
+    #: append unknown host keys instead of refusing (`--accept-new-host-keys`)
     accept_new_host_keys: bool = False
+    #: seconds to wait for an SSH connection
     connect_timeout: float = 10.0
 
 
@@ -237,34 +253,57 @@ class DeploySpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    #: hosts: names, user@host:port, ssh_config aliases, or entries with per-host settings (`--hosts`)
     hosts: list[HostSpec]
+    #: the host that holds etcd, the cluster master and the proxy; default the first host (`--master`)
     master: str | None = None
+    #: device kind of every host; auto = detected at deploy: /dev/davinci*, /dev/nvidia*, else CPU cores (`--device-kind`)
     device_kind: DeviceKind = DeviceKind.auto
+    #: this host's device ids (default: the top-level devices, else detected)
     devices: list[int] | None = None
+    #: prefill instances, the guide's PREFILL_INS_NUM (`--prefill`)
     prefill: int = Field(1, ge=1, le=64)
+    #: decode instances, the guide's DECODE_INS_NUM (`--decode`)
     decode: int = Field(1, ge=1, le=64)
+    #: tensor parallel size of each prefill instance (`--ptp`)
     ptp: int = Field(1, ge=1, le=64)
+    #: tensor parallel size of each decode instance (`--dtp`)
     dtp: int = Field(1, ge=1, le=64)
+    #: data parallel ranks of each prefill instance (`--pdp`)
     pdp: int = Field(1, ge=1, le=64)
+    #: data parallel ranks of each decode instance (`--ddp`)
     ddp: int = Field(1, ge=1, le=64)
+    #: absolute model directory on the hosts, or builtin:tiny-qwen2 / builtin:bench-qwen2 (`--model`)
     model: str | None = None
+    #: model name clients use; default the model directory's name (`--served-model-name`)
     served_model_name: str | None = None
+    #: container image for runtime docker (`--image`)
     image: str | None = None
+    #: host = processes on the hosts; docker = one container per host (`--runtime`)
     runtime: Runtime = Runtime.host
     #: runtime docker: a profile in containers/ by name, or a profile file; default: the one made for `image`
     container_profile: str | None = None
+    #: runtime docker: the container CLI (podman is documented, not tested)
     container_engine: ContainerEngine = ContainerEngine.docker
+    #: the ports the deployment listens on (see the ports section)
     ports: Ports = Ports()
+    #: extra environment for every service (`--env KEY=VALUE`)
     env: dict[str, str] = {}
+    #: prepared environments on the hosts (yr/, ds/, vllm/ venvs): skips installs (`--env-path`)
     env_path: str | None = None
     #: directory on the hosts with wheel files, for hosts without a package index
     wheels: str | None = None
+    #: openYuanrong mode: full needs the function system; auto picks by what is installed
     cluster_mode: ClusterMode = ClusterMode.auto
     #: shared memory of each data system worker (the host-side KV cache), MB
     datasystem_memory_mb: int = Field(1024, ge=64)
+    #: local session directories (or $YRPD_HOME/sessions)
     session_root: str = "~/.yrpd/sessions"
+    #: session directories on the hosts (logs, pid files, cluster state)
     remote_session_root: str = "/tmp/yrpd_sessions"
+    #: how yrpd reaches the hosts (see the ssh section)
     ssh: SshOptions = SshOptions()
+    #: preflight: free disk needed under remote_session_root
     min_free_disk_gb: float = Field(2.0, ge=0)
     #: prefill/decode instances behind the proxy; false = `prefill` plain vLLM instances ("single-N", no
     #: connector, no proxy): the non-disaggregated baseline `yrpd bench` compares against
