@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit import golden_files
+
 from yrpd.containers import (Mount, container_run, derived_image, load_profile, profile_for_image, profile_names,
                              render_docker_run, spec_hash, split_image)
 from yrpd.errors import SpecError
 from yrpd.hostgroup import Command, ContainerRunner, Host, HostGroup, HostResult, container_exec, on_host
 
 REPO = Path(__file__).resolve().parents[2]
-GOLDEN = Path(__file__).parent / "golden" / "containers"
-UPDATE = os.environ.get("YRPD_UPDATE_GOLDEN") == "1"
 GUIDE = "vllm-ascend-v0.10.0rc1-openeuler"
 GUIDE_IMAGE = "quay.io/ascend/vllm-ascend:v0.10.0rc1-openeuler"
 SESSION = "20260101-120000-abcdef"
@@ -32,12 +32,7 @@ DEPLOYMENT_MOUNTS = [Mount(source="/tmp/yrpd_sessions", create=True), Mount(sour
 
 
 def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if UPDATE:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    assert path.exists(), f"missing golden {path}; run with YRPD_UPDATE_GOLDEN=1"
-    assert text == path.read_text(), f"{name} differs from its golden; run with YRPD_UPDATE_GOLDEN=1 and review"
+    golden_files.check_golden("containers", name, text)
 
 
 def as_lines(argv: list[str]) -> str:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit import golden_files
+
 from yrpd.cluster.yrconfig import (
     YR_CLI_SHIM,
     YrNode,
@@ -30,8 +32,6 @@ from yrpd.cluster.yrconfig import (
     validate,
 )
 
-GOLDEN = Path(__file__).parent / "golden" / "yrconfig"
-UPDATE = os.environ.get("YRPD_UPDATE_GOLDEN") == "1"
 
 MASTER_IP, AGENT_IP = "10.0.0.1", "10.0.0.2"
 DEPLOY = "/var/lib/yrpd/yr-session"
@@ -51,12 +51,7 @@ CASES = [(mode, role) for mode in ("ds_only", "full") for role in ("master", "ag
 
 
 def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if UPDATE:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    assert path.exists(), f"missing golden {path}; run with YRPD_UPDATE_GOLDEN=1"
-    assert text == path.read_text(), f"{name} differs from its golden; run with YRPD_UPDATE_GOLDEN=1 and review"
+    golden_files.check_golden("yrconfig", name, text)
 
 
 @pytest.mark.parametrize("mode,role", CASES)
