@@ -1,4 +1,5 @@
-"""`yrpd bench` end to end on the embedded default (tiny model, a few prompts), inside a private netns."""
+"""`yrpd bench` end to end on the embedded default (the tiny test model), inside a private netns: the dataset and run
+commands exactly as docs/benchmarks.md shows them (16 prompts of about 1792 tokens, 32 tokens each answer)."""
 
 import json
 import statistics
@@ -6,6 +7,7 @@ import sys
 
 import pytest
 
+from tests.doc_commands import commands, is_the_tiny_bench, words
 from tests.lab.test_embedded_default import in_ns, netns  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
@@ -17,24 +19,23 @@ def test_tiny_bench_runs_all_three_targets_and_reports_what_it_measured(netns, t
     try:
         first = in_ns(netns, *yrpd, "deploy", "--hosts", "localhost", env=env)
         assert first.returncode == 0, first.stderr[-3000:]
-        dataset = tmp_path / "set.jsonl"
-        made = in_ns(netns, *yrpd, "bench", "dataset", "--groups", "2", "--prompts-per-group", "2",
-                     "--prefix-len", "400", "--suffix-len", "40", "--seed", "3", "--out", str(dataset), env=env)
+        [make_set, run_on_set] = commands(is_the_tiny_bench)  # `bench dataset ... --out set.jsonl`, `bench run --dataset set.jsonl`
+        assert words(make_set)[:2] == ["bench", "dataset"] and words(run_on_set)[:2] == ["bench", "run"]
+        made = in_ns(netns, *yrpd, *words(make_set), env=env, cwd=tmp_path)
         assert made.returncode == 0, made.stderr
-        lines = [json.loads(line) for line in dataset.read_text().splitlines()]
-        assert len(lines) == 4 and len({p["prompt"][:200] for p in lines}) == 2  # two shared prefixes
+        lines = [json.loads(line) for line in (tmp_path / "set.jsonl").read_text().splitlines()]
+        assert len(lines) == 16 and len({p["prompt"][:200] for p in lines}) == 4  # four shared prefixes
 
-        bench = in_ns(netns, *yrpd, "bench", "run", "--dataset", str(dataset), "--output-len", "4",
-                      "--no-restore", env=env, timeout=2400)
+        bench = in_ns(netns, *yrpd, *words(run_on_set), env=env, timeout=2400, cwd=tmp_path)
         print(bench.stderr[-3000:])
         assert bench.returncode == 0, bench.stderr[-4000:]
         results_dir = sorted((tmp_path / "home" / "sessions").glob("*/bench/*"))[-1]
         doc = json.loads((results_dir / "results.json").read_text())
         assert list(doc["targets"]) == ["pd", "pd-noreuse", "single"]
         for name, target in doc["targets"].items():
-            assert target["metrics"]["completed"] == 4, name
+            assert target["metrics"]["completed"] == 16, name
             # the reported mean is the mean of the per-request times vllm bench serve measured in this run
-            assert len(target["ttfts_ms"]) == 4
+            assert len(target["ttfts_ms"]) == 16
             assert target["metrics"]["mean_ttft_ms"] == pytest.approx(statistics.mean(target["ttfts_ms"]), rel=0.01)
             assert (results_dir / f"{name}.json").is_file() and "vllm" in (results_dir / f"{name}.cmd").read_text()
         pd, single = doc["targets"]["pd"], doc["targets"]["single"]
@@ -46,6 +47,13 @@ def test_tiny_bench_runs_all_three_targets_and_reports_what_it_measured(netns, t
         assert "| mean TTFT (ms) |" in report and "pd/pd-noreuse mean TTFT" in report
         assert (results_dir / "ttft_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "mean TTFT" in bench.stdout
+
+        # the deployment the user had (PD with prefix reuse, behind the proxy) is back after the run
+        status = in_ns(netns, *yrpd, "status", "--json", env=env, timeout=120)
+        assert status.returncode == 0, status.stdout[-3000:]
+        report = json.loads(status.stdout)
+        assert {(i["role"], i["healthy"]) for i in report["instances"]} == {("prefill", True), ("decode", True)}
+        assert report["proxy"]["healthy"]
     finally:
         for _ in range(2):  # the bench's last target, then anything it left
             in_ns(netns, *yrpd, "down", env=env, timeout=300)

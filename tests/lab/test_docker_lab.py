@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_yrpd
+from tests.doc_commands import commands, detects_npus_on_h1_h2, words
 
 from .dockerlab import (DockerHosts, _under_ci, docker_unavailable, prepare_tree, standin_rootfs,
                         vllm_ascend_sdist)
@@ -100,6 +101,18 @@ def test_docker_runtime_container_patch_derived_image_and_teardown(docker_hosts,
     profile.write_text(PROFILE.read_text())  # a copy the test edits later (a changed container spec)
     home = tmp_path / "home"
     cli = Cli(lab, home, profile)
+
+    # 0. the README's plan and deploy (as --dry-run) for hosts h1,h2: the NPUs are detected over SSH (FAKE ones)
+    documented = commands(detects_npus_on_h1_h2)
+    assert {words(c)[0] for c in documented} == {"plan", "deploy"}, documented
+    for command in documented:
+        argv = words(command) + (["--dry-run"] if words(command)[0] == "deploy" else [])
+        planned = cli(*argv, check=0).stdout
+        table = [line.split("│")[1:5] for line in planned.splitlines() if line.count("│") > 5 and "-0 " in line]
+        assert [[c.strip() for c in row] for row in table] == [
+            ["h1", "prefill-0", "prefill", "0-3"], ["h2", "decode-0", "decode", "0-3"]], planned[:3000]
+        assert "ASCEND_RT_VISIBLE_DEVICES=0,1,2,3" in planned, planned[-3000:]
+    assert not (home / "sessions").exists()
 
     # 1. preflight names each host and the missing piece: no image anywhere yet, and h2 lacks hccn.conf
     h2.exec("mv /etc/hccn.conf /etc/hccn.conf.away")

@@ -7,6 +7,8 @@ data system, etcd) can never collide with anything else on the machine, and ever
 import json
 import os
 import secrets
+import select
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.doc_commands import acts_on_a_deployment, commands, documented_shell, words
 from tests.lab.fakehosts import _kill_and_wait, _ns_key, _pids_in_ns
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
@@ -42,9 +45,29 @@ def netns():
         subprocess.run(["ip", "netns", "del", name], check=False)
 
 
-def in_ns(ns: str, *argv: str, env: dict, timeout: float = 1500) -> subprocess.CompletedProcess:
+def in_ns(ns: str, *argv: str, env: dict, timeout: float = 1500, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", "netns", "exec", ns, *argv], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **env}, stdin=subprocess.DEVNULL, cwd=REPO)
+                          env={**os.environ, **env}, stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+def follow_in_ns(ns: str, argv: list[str], env: dict, wanted: int, timeout: float = 60) -> list[str]:
+    """The first `wanted` lines of a command that never ends by itself (`logs -f`), then stop it."""
+    proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **env}, stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
+    received = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while received.count(b"\n") < wanted and time.monotonic() < deadline:
+            ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+            if ready:
+                chunk = os.read(proc.stdout.fileno(), 65536)
+                if not chunk:
+                    break
+                received += chunk
+        return received.decode(errors="replace").splitlines()[:wanted]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
 
 
 def test_deploy_localhost_alone_serves_reuses_and_tears_down(netns, tmp_path):
@@ -74,15 +97,38 @@ def test_deploy_localhost_alone_serves_reuses_and_tears_down(netns, tmp_path):
             after = second.stderr.split(step, 1)[1].splitlines()[1]
             assert "already done on localhost" in after, (step, after)
 
-        status = in_ns(netns, *yrpd, "status", "--json", env=env, timeout=120)
-        assert status.returncode == 0, status.stdout[-3000:]
-        report = json.loads(status.stdout)
-        assert {(i["role"], i["healthy"]) for i in report["instances"]} == {("prefill", True), ("decode", True)}
-        assert report["proxy"]["url"] == url and report["proxy"]["healthy"]
-        assert report["cluster"]["mode"] == "ds_only" and report["cluster"]["healthy"]
-
-        down = in_ns(netns, *yrpd, "down", env=env, timeout=300)
-        assert down.returncode == 0, down.stderr[-3000:]
+        # the documented request and the documented commands against a deployment, verbatim
+        answer = in_ns(netns, "bash", "-c", documented_shell("quickstart-cpu.md", "curl -s "), env=env, timeout=300)
+        reply = json.loads(answer.stdout)
+        assert reply["choices"][0]["text"] and reply["usage"]["completion_tokens"] == 32, answer.stdout[:500]
+        documented = commands(acts_on_a_deployment)
+        ran = set()
+        for command in [c for c in documented if words(c)[0] != "down"] + [c for c in documented if words(c)[0] == "down"]:
+            argv = [*yrpd, *words(command)]
+            if "-f" in argv:
+                lines = follow_in_ns(netns, argv, env, wanted=3)
+                assert len(lines) == 3 and all(line.startswith("localhost decode-0 | ") for line in lines), lines
+                ran.add("follow")
+                continue
+            proc = in_ns(netns, *argv, env=env, timeout=300)
+            assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
+            if words(command) == ["status", "--json"]:
+                report = json.loads(proc.stdout)
+                assert {(i["role"], i["healthy"]) for i in report["instances"]} == {("prefill", True), ("decode", True)}
+                assert report["proxy"]["url"] == url and report["proxy"]["healthy"]
+                assert report["cluster"]["mode"] == "ds_only" and report["cluster"]["healthy"]
+                ran.add("status --json")
+            elif words(command) == ["status"]:
+                for layer in ("Hosts", "openYuanrong cluster", "Instances", "Proxy"):
+                    assert layer in proc.stdout, (layer, proc.stdout[-2000:])
+                ran.add("status")
+            elif words(command)[0] == "logs":
+                assert {"localhost prefill-0 |", "localhost decode-0 |"} <= {
+                    " ".join(line.split()[:2]) + " |" for line in proc.stdout.splitlines()}, proc.stdout[-2000:]
+                ran.add("logs")
+            elif words(command) == ["down"]:
+                ran.add("down")
+        assert ran == {"status --json", "status", "logs", "follow", "down"}, (ran, documented)
         listening = in_ns(netns, "ss", "-ltnpH", env=env, timeout=30).stdout
         assert listening.strip() == "", listening
         assert _pids_in_ns("net", _ns_key(f"/run/netns/{netns}")) == []

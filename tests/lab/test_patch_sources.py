@@ -22,10 +22,12 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, run_yrpd
+from tests.doc_commands import acts_on_a_source_tree, commands, words
 
 pytestmark = pytest.mark.e2e
 
 SERIES_ROOT = REPO / "patches" / "vllm-ascend"
+GUIDE_TREE = "/vllm-workspace/vllm-ascend"  # where the guide's image has the source tree
 CACHE = Path(os.environ.get("YRPD_VLLM_ASCEND_SRC", "/var/cache/yrpd/vllm-ascend-src"))
 CHECK_SCRIPT = Path(__file__).with_name("patch_registration_check.py")
 
@@ -115,7 +117,10 @@ def test_apply_reapply_revert_byte_for_byte(sources, tmp_path, version):
     tree = _copy_tree(sources, version, tmp_path)
     pristine = snapshot(tree)
 
-    proc = run_yrpd("patch", "check", "--target", tree, check=0)
+    # the README's `yrpd patch check --target /vllm-workspace/vllm-ascend`, on this tree
+    [documented] = commands(acts_on_a_source_tree)
+    assert words(documented)[:2] == ["patch", "check"], f"extend this test to run {documented!r}"
+    proc = run_yrpd(*[str(tree) if w == GUIDE_TREE else w for w in words(documented)], check=0)
     assert f"vllm-ascend {version} (from PKG-INFO)" in proc.stdout
     assert "applies cleanly" in proc.stdout
     assert snapshot(tree) == pristine

@@ -1,14 +1,23 @@
-"""The docs that are generated from the code are up to date, and the commands the docs show parse."""
+"""The docs that are generated from the code are up to date, and every command the docs show is run by a test.
 
-import re
-import shlex
+Which test runs which documented command: tests/doc_commands.py. This file runs the ones that need no host and
+checks the published benchmark against the command that is documented to produce it."""
+
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests.doc_commands import (RUNNERS, commands, documented_commands, is_the_published_benchmark,
+                                needs_no_host, words)
 from yrpd.config_reference import render
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs"
+PUBLISHED_RESULTS = DOCS / "bench" / "cpu-bench-qwen2-results.json"
 
 
 def test_configuration_reference_matches_the_spec_model():
@@ -16,33 +25,23 @@ def test_configuration_reference_matches_the_spec_model():
     assert committed == render(), "regenerate: python -m yrpd.config_reference > docs/configuration-reference.md"
 
 
-def doc_commands():
-    """Every `yrpd ...` line inside a fenced block of README.md and docs/*.md."""
-    found = []
-    for path in [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]:
-        in_block = False
-        for line in path.read_text().splitlines():
-            if line.startswith("```"):
-                in_block = not in_block
-                continue
-            text = line.split("#", 1)[0].strip()
-            text = re.sub(r"^(\.venv/bin/|url=\$\()", "", text)
-            if in_block and text.startswith("yrpd "):
-                found.append((path.name, text.rstrip(")")))
-    return found
+@pytest.mark.parametrize("where,command", documented_commands())
+def test_every_documented_command_is_run_by_some_test(where, command):
+    runners = [r.__name__ for r in RUNNERS if r(command)]
+    assert runners, f"{where}: no test runs {command!r}: extend a predicate in tests/doc_commands.py and its test"
 
 
-@pytest.mark.parametrize("where,command", doc_commands())
+@pytest.mark.parametrize("where,command", documented_commands())
 def test_documented_command_is_accepted_by_the_cli(where, command):
-    """Each documented command line parses: its subcommand and every option exist (nothing is run). Paths
-    that exist only on the reader's machine are the one thing allowed to fail."""
+    """Each documented command line parses: its subcommand and every option exist. Paths that exist only on the
+    reader's machine are the one thing allowed to fail."""
     import click
 
     from yrpd.cli import cli
 
-    words = shlex.split(command)[1:]
-    ctx = cli.make_context("yrpd", list(words), resilient_parsing=True)
-    sub, rest = cli.get_command(ctx, words[0]), words[1:]
+    argv = words(command)
+    ctx = cli.make_context("yrpd", list(argv), resilient_parsing=True)
+    sub, rest = cli.get_command(ctx, argv[0]), argv[1:]
     assert sub is not None, f"{where}: unknown subcommand in {command!r}"
     if isinstance(sub, click.Group):
         sub, rest = sub.get_command(ctx, rest[0]), rest[1:]
@@ -51,3 +50,44 @@ def test_documented_command_is_accepted_by_the_cli(where, command):
         sub.make_context(sub.name, rest, parent=ctx).close()
     except click.BadParameter as exc:
         assert "does not exist" in exc.format_message(), f"{where}: {command!r}: {exc.format_message()}"
+
+
+@pytest.mark.parametrize("command", commands(needs_no_host))
+def test_documented_placement_runs_and_touches_nothing(command, tmp_path):
+    """`yrpd plan ...` as documented, and `yrpd deploy ...` as documented plus --dry-run: the plan table and the
+    per-host commands, no session written."""
+    argv = words(command) + (["--dry-run"] if argv_is_deploy(command) else [])
+    home = tmp_path / "home"
+    proc = subprocess.run([sys.executable, "-m", "yrpd", *argv], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env={**os.environ, "YRPD_HOME": str(home)}, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Placement: 1 prefill") and "prefill-0" in proc.stdout and "decode-0" in proc.stdout
+    assert "Commands per host, in order" in proc.stdout
+    assert not (home / "sessions").exists() or not any((home / "sessions").iterdir())
+
+
+def argv_is_deploy(command: str) -> bool:
+    return words(command)[0] == "deploy"
+
+
+def test_documented_commands_exist_for_every_runner():
+    """A predicate that selects nothing means its test silently runs nothing."""
+    for runner in RUNNERS:
+        assert commands(runner), f"{runner.__name__} selects no documented command"
+
+
+@pytest.mark.parametrize("command", commands(is_the_published_benchmark))
+def test_published_benchmark_results_are_what_the_documented_command_produces(command):
+    """docs/bench/ holds the results of `yrpd bench run` as benchmarks.md shows it (plain `yrpd bench run` means
+    the defaults): the dataset and answer length recorded in the results are the command's options."""
+    from yrpd.cli.bench import run as bench_run
+
+    params = bench_run.make_context("run", words(command)[2:]).params
+    results = json.loads(PUBLISHED_RESULTS.read_text())
+    dataset = results["dataset"]
+    for option in ("groups", "prompts_per_group", "prefix_len", "suffix_len", "seed"):
+        assert dataset[option] == params[option], (option, command)
+    assert dataset["prompts"] == params["groups"] * params["prompts_per_group"]
+    for name, target in results["targets"].items():
+        assert target["metrics"]["completed"] == dataset["prompts"], name
+        assert target["metrics"]["total_output_tokens"] == dataset["prompts"] * params["output_len"], name
