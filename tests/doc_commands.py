@@ -37,7 +37,13 @@ def words(command: str) -> list[str]:
 
 
 def _verb(command: str) -> str:
-    return " ".join(words(command)[:2]) if words(command)[0] in ("bench", "patch") else words(command)[0]
+    argv = words(command)
+    return " ".join(argv[:2]) if argv[0] in ("bench", "patch") else argv[0]
+
+
+def as_run_without_changes(command: str) -> list[str]:
+    """The argv of a documented plan/deploy, deploy with --dry-run added: what a test may run on any host."""
+    return words(command) + (["--dry-run"] if words(command)[0] == "deploy" else [])
 
 
 def needs_no_host(command: str) -> bool:

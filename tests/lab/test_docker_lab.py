@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_yrpd
-from tests.doc_commands import commands, detects_npus_on_h1_h2, words
+from tests.doc_commands import as_run_without_changes, commands, detects_npus_on_h1_h2, words
 
 from .dockerlab import (DockerHosts, _under_ci, docker_unavailable, prepare_tree, standin_rootfs,
                         vllm_ascend_sdist)
@@ -106,8 +106,7 @@ def test_docker_runtime_container_patch_derived_image_and_teardown(docker_hosts,
     documented = commands(detects_npus_on_h1_h2)
     assert {words(c)[0] for c in documented} == {"plan", "deploy"}, documented
     for command in documented:
-        argv = words(command) + (["--dry-run"] if words(command)[0] == "deploy" else [])
-        planned = cli(*argv, check=0).stdout
+        planned = cli(*as_run_without_changes(command), check=0).stdout
         table = [line.split("│")[1:5] for line in planned.splitlines() if line.count("│") > 5 and "-0 " in line]
         assert [[c.strip() for c in row] for row in table] == [
             ["h1", "prefill-0", "prefill", "0-3"], ["h2", "decode-0", "decode", "0-3"]], planned[:3000]

@@ -103,7 +103,7 @@ def test_deploy_localhost_alone_serves_reuses_and_tears_down(netns, tmp_path):
         assert reply["choices"][0]["text"] and reply["usage"]["completion_tokens"] == 32, answer.stdout[:500]
         documented = commands(acts_on_a_deployment)
         ran = set()
-        for command in [c for c in documented if words(c)[0] != "down"] + [c for c in documented if words(c)[0] == "down"]:
+        for command in sorted(documented, key=lambda c: words(c)[0] == "down"):  # down last, the rest in doc order
             argv = [*yrpd, *words(command)]
             if "-f" in argv:
                 lines = follow_in_ns(netns, argv, env, wanted=3)

@@ -7,15 +7,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.doc_commands import (RUNNERS, commands, documented_commands, is_the_published_benchmark,
-                                needs_no_host, words)
+from tests.doc_commands import (REPO, RUNNERS, as_run_without_changes, commands, documented_commands,
+                                is_the_published_benchmark, needs_no_host, words)
 from yrpd.config_reference import render
 
-REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 PUBLISHED_RESULTS = DOCS / "bench" / "cpu-bench-qwen2-results.json"
 
@@ -56,7 +54,7 @@ def test_documented_command_is_accepted_by_the_cli(where, command):
 def test_documented_placement_runs_and_touches_nothing(command, tmp_path):
     """`yrpd plan ...` as documented, and `yrpd deploy ...` as documented plus --dry-run: the plan table and the
     per-host commands, no session written."""
-    argv = words(command) + (["--dry-run"] if argv_is_deploy(command) else [])
+    argv = as_run_without_changes(command)
     home = tmp_path / "home"
     proc = subprocess.run([sys.executable, "-m", "yrpd", *argv], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path, env={**os.environ, "YRPD_HOME": str(home)}, stdin=subprocess.DEVNULL)
@@ -64,10 +62,6 @@ def test_documented_placement_runs_and_touches_nothing(command, tmp_path):
     assert proc.stdout.startswith("Placement: 1 prefill") and "prefill-0" in proc.stdout and "decode-0" in proc.stdout
     assert "Commands per host, in order" in proc.stdout
     assert not (home / "sessions").exists() or not any((home / "sessions").iterdir())
-
-
-def argv_is_deploy(command: str) -> bool:
-    return words(command)[0] == "deploy"
 
 
 def test_documented_commands_exist_for_every_runner():
