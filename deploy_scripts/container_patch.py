@@ -7,9 +7,6 @@ imports is the patched tree; the deploy step's check looks for it.
 """
 import importlib.util
 import json
-import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,13 +28,10 @@ except YrpdError as exc:
 print(outcome.message)
 series, version = outcome.state.series, outcome.state.version.version
 if outcome.changed and ARGS.get("reinstall"):
-    env = dict(os.environ, YRPD_PATCH_ACTION="apply", YRPD_PATCH_SERIES=series.id, YRPD_PATCH_VERSION=version)
-    # a reinstall of the now dirty git checkout would get a setuptools-scm dev version otherwise
-    env.setdefault("SETUPTOOLS_SCM_PRETEND_VERSION_FOR_" + re.sub(r"[^A-Za-z0-9]+", "_", series.target).upper(), version)
     print(f"reinstalling: {ARGS['reinstall']}", flush=True)
-    proc = subprocess.run(ARGS["reinstall"], shell=True, cwd=tree, env=env)
-    if proc.returncode != 0:
-        print(f"reinstall command exited {proc.returncode}; the tree is patched, the installed package may be stale",
+    returncode = P.run_reinstall(ARGS["reinstall"], tree, outcome)
+    if returncode != 0:
+        print(f"reinstall command exited {returncode}; the tree is patched, the installed package may be stale",
               file=sys.stderr)
         sys.exit(1)
 # the patch only matters if the package python3 imports is this tree (an editable install)

@@ -378,10 +378,6 @@ def detect_version(tree: Path, import_package: str) -> TreeVersion:
                      f"git tag or setup.py version found")
 
 
-def is_tree_of(tree: Path, series: Series) -> bool:
-    return (Path(tree) / series.import_package).is_dir()
-
-
 def select_series(tree: Path, candidates: Iterable[Series]) -> tuple[Series, TreeVersion]:
     """The one series for this tree's target and version; PatchError (exit 2) naming the version found and
     the supported ranges otherwise."""
@@ -624,7 +620,7 @@ def apply(tree: Path, series_root: Path | None = None) -> Outcome:
         return Outcome("apply", state, False, state.summary() + "; nothing changed", after=APPLIED)
     if state.state != APPLICABLE:
         raise _conflict_error(state, "apply")
-    before = _current_hashes(tree, series.files)
+    before = {f.path: f.sha256 for f in state.files}  # hashed by inspect() just now
     ok, out = _git_apply(tree, [p.path for p in series.patches], check=False)
     if not ok:  # git apply is atomic: the tree is as it was
         raise PatchStateError(f"git apply failed in {tree}, nothing changed: {out}")
@@ -654,6 +650,18 @@ def apply(tree: Path, series_root: Path | None = None) -> Outcome:
     msg = (f"{series.target} {version.version} in {tree}: applied series {series.id} "
            f"({n} patch{'es' if n != 1 else ''}, {len(series.files)} file{'s' if len(series.files) != 1 else ''})")
     return Outcome("apply", state, True, msg, after=APPLIED, extra={"series_sha256": record["series_sha256"]})
+
+
+def run_reinstall(command: str, tree: Path, outcome: Outcome) -> int:
+    """Run the user's reinstall command in the tree after apply/revert changed it; its exit status. The command
+    sees YRPD_PATCH_ACTION, YRPD_PATCH_SERIES and YRPD_PATCH_VERSION."""
+    state = outcome.state
+    env = dict(os.environ, YRPD_PATCH_ACTION=outcome.action, YRPD_PATCH_SERIES=state.series.id,
+               YRPD_PATCH_VERSION=state.version.version)
+    # keep the version the tree had: setuptools-scm would derive a dev version from the now dirty git checkout
+    pretend = "SETUPTOOLS_SCM_PRETEND_VERSION_FOR_" + re.sub(r"[^A-Za-z0-9]+", "_", state.series.target).upper()
+    env.setdefault(pretend, state.version.version)
+    return subprocess.run(command, shell=True, cwd=tree, env=env).returncode
 
 
 def revert(tree: Path, series_root: Path | None = None) -> Outcome:

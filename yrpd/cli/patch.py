@@ -102,21 +102,12 @@ def _emit(outcome, as_json: bool, extra_lines: bool = True) -> None:
 def _reinstall(cmd: str | None, target: Path, outcome) -> int:
     if not cmd or not outcome.changed:
         return 0
-    import subprocess
+    from yrpd import patches as P
 
-    import os
-    import re
-
-    state = outcome.state
-    env = dict(os.environ, YRPD_PATCH_ACTION=outcome.action, YRPD_PATCH_SERIES=state.series.id,
-               YRPD_PATCH_VERSION=state.version.version)
-    # keep the version the tree had: setuptools-scm would derive a new one from the now dirty git checkout
-    pretend = "SETUPTOOLS_SCM_PRETEND_VERSION_FOR_" + re.sub(r"[^A-Za-z0-9]+", "_", state.series.target).upper()
-    env.setdefault(pretend, state.version.version)
     click.echo(f"reinstalling: {cmd}", err=True)
-    proc = subprocess.run(cmd, shell=True, cwd=target, env=env)
-    if proc.returncode != 0:
-        click.echo(f"error: reinstall command exited {proc.returncode}; the tree is "
+    returncode = P.run_reinstall(cmd, target, outcome)
+    if returncode != 0:
+        click.echo(f"error: reinstall command exited {returncode}; the tree is "
                    f"{'patched' if outcome.action == 'apply' else 'reverted'}, the installed package may be stale",
                    err=True)
         return 1
