@@ -82,9 +82,11 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(results: dict, meta: dict, out_dir: Path) -> dict:
+def write_report(results: dict, meta: dict, out_dir: Path) -> str:
+    """results.json, report.md and the plot in out_dir; the report's text."""
     doc = {"dataset": meta, "targets": results, "ratios": ratios(results)}
     (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (out_dir / "report.md").write_text(markdown(results, meta))
+    report = markdown(results, meta)
+    (out_dir / "report.md").write_text(report)
     plot(results, out_dir / "ttft_throughput.png")
-    return doc
+    return report

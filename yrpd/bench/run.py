@@ -116,7 +116,7 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str],
     from yrpd.serving import endpoint_url
     from yrpd.steps import spec_fingerprint
 
-    current = session.id if session.phase == "deployed" else None
+    current: str | None = session.id  # deployed (the CLI checked); None while no target is up
     original = spec
     results: dict[str, dict] = {}
     try:

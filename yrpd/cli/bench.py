@@ -25,22 +25,28 @@ def _need_bench_extra() -> None:
         raise SpecError("bench", f"{', '.join(missing)} not installed", "pip install 'yrpd[bench]'")
 
 
-def _tokenizer_dir(given: Path | None, session_id: str | None) -> Path:
-    """The tokenizer: given, or the deployed model's directory when it is on this machine."""
-    if given is not None:
-        return given
-    from yrpd.deployment import Deployment
+def _deployed_tokenizer(deployment) -> Path:
+    """The deployed model's directory, when it is on this machine (it holds tokenizer.json)."""
     from yrpd.errors import SpecError
     from yrpd.serving import model_path
-    from yrpd.session import SessionStore, default_root
     from yrpd.steps.vllm_env import paths
 
-    deployment = Deployment.load(SessionStore(default_root()).get(session_id))
     local = Path(model_path(deployment.spec, paths(deployment.context())))
     if not (local / "tokenizer.json").is_file():
         raise SpecError("--tokenizer", f"the deployed model {local} is not on this machine",
                         "pass --tokenizer DIR with a local copy of its tokenizer.json")
     return local
+
+
+def _write_dataset(params: dict, tokenizer: Path, out: Path) -> dict:
+    """Generate the dataset the options describe and write it to out; its metadata."""
+    from yrpd.bench.dataset import DatasetSpec, generate, load_tokenizer, write
+
+    spec = DatasetSpec(params["groups"], params["prompts_per_group"], params["prefix_len"], params["suffix_len"],
+                       params["seed"])
+    prompts, meta = generate(spec, load_tokenizer(tokenizer))
+    write(prompts, meta, out)
+    return meta
 
 
 def _dataset_options(func):
@@ -67,13 +73,15 @@ def _dataset_options(func):
 def dataset(**params) -> int:
     """Write the prefix-shared dataset as JSONL for `vllm bench serve --dataset-name custom`."""
     _need_bench_extra()
-    from yrpd.bench.dataset import DatasetSpec, generate, load_tokenizer, write
     from yrpd.console import err
 
-    spec = DatasetSpec(params["groups"], params["prompts_per_group"], params["prefix_len"], params["suffix_len"],
-                       params["seed"])
-    prompts, meta = generate(spec, load_tokenizer(_tokenizer_dir(params["tokenizer"], params["session_id"])))
-    write(prompts, meta, params["out"])
+    tokenizer = params["tokenizer"]
+    if tokenizer is None:
+        from yrpd.deployment import Deployment
+        from yrpd.session import SessionStore, default_root
+
+        tokenizer = _deployed_tokenizer(Deployment.load(SessionStore(default_root()).get(params["session_id"])))
+    meta = _write_dataset(params, tokenizer, params["out"])
     err().print(f"wrote {meta['prompts']} prompts of {meta['prompt_tokens_min']}-{meta['prompt_tokens_max']} "
                 f"tokens to {params['out']}")
     return 0
@@ -99,8 +107,7 @@ def run(**params) -> int:
 
     _need_bench_extra()
 
-    from yrpd.bench.dataset import DatasetSpec, generate, load_tokenizer, write
-    from yrpd.bench.report import markdown, write_report
+    from yrpd.bench.report import write_report
     from yrpd.bench.run import TARGETS, run_targets
     from yrpd.console import err, out
     from yrpd.deployment import Deployment
@@ -119,7 +126,7 @@ def run(**params) -> int:
     if not deployment.spec.disaggregated:
         raise SpecError("bench", f"session {session.id} is not a PD deployment", "bench a PD deployment")
     kind = deployment.plan.hosts[0].kind
-    tokenizer = _tokenizer_dir(params["tokenizer"], session.id)
+    tokenizer = params["tokenizer"] or _deployed_tokenizer(deployment)
     vllm_venv = params["vllm_venv"] or Path(deployment.spec.env_root) / "vllm"
     if not (vllm_venv / "bin" / "vllm").exists():
         raise SpecError("--vllm-venv", f"{vllm_venv}/bin/vllm not found", "pass a local venv with vLLM installed")
@@ -131,16 +138,13 @@ def run(**params) -> int:
         meta = __import__("json").loads(meta_file.read_text()) if meta_file.exists() else {}
         meta.setdefault("prompts", sum(1 for _ in dataset_file.open()))
     else:
-        spec = DatasetSpec(params["groups"], params["prompts_per_group"], params["prefix_len"],
-                           params["suffix_len"], params["seed"])
-        prompts, meta = generate(spec, load_tokenizer(tokenizer))
         dataset_file = out_dir / "dataset.jsonl"
-        write(prompts, meta, dataset_file)
+        meta = _write_dataset(params, tokenizer, dataset_file)
     console = err()
     results = run_targets(session, deployment.spec, kind, targets, dataset_file, out_dir, vllm_venv, tokenizer,
                           params["num_prompts"] or meta["prompts"], params["output_len"], params["max_concurrency"],
                           params["seed"], restore=not params["no_restore"], log=console.print)
-    write_report(results, meta, out_dir)
-    out().print(markdown(results, meta), markup=False, highlight=False)
+    report = write_report(results, meta, out_dir)
+    out().print(report, markup=False, highlight=False)
     console.print(f"results: {out_dir}/results.json, report.md, ttft_throughput.png")
     return 0
