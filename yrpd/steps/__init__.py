@@ -86,3 +86,17 @@ def host_python(script_name: str, args: dict, timeout: float = 120) -> Command:
 
 def shell_command(script: str, timeout: float = 120, display: str | None = None) -> Command:
     return Command(script=script, display=display, timeout=timeout)
+
+
+def recording_pass(ctx: StepContext, check: Command, marker: str) -> Command:
+    """The host check, then (only if it passed) this spec's hash written to the session file `marker`; on the
+    host itself, also under the docker runtime."""
+    path = shlex.quote(f"{ctx.host_session_dir}/{marker}")
+    record = f"mkdir -p {shlex.quote(ctx.host_session_dir)} && echo {shlex.quote(ctx.spec_hash)} > {path}"
+    return Command(script=f"{check.script}\n{record}", display=check.display, timeout=check.timeout, on_host=True)
+
+
+def passed_before_with_this_spec(ctx: StepContext, marker: str) -> Command:
+    """Exit 0 when the session file `marker` holds this spec's hash: the check passed earlier for the same spec."""
+    path = shlex.quote(f"{ctx.host_session_dir}/{marker}")
+    return Command(script=f"grep -qx {shlex.quote(ctx.spec_hash)} {path} 2>/dev/null", timeout=120, on_host=True)

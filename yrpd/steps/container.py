@@ -18,7 +18,7 @@ from yrpd.containers import ContainerRun, Mount, Profile, container_name, contai
 from yrpd.hostgroup import Command, on_host
 from yrpd.placement import HostPlan
 from yrpd.spec import DeviceKind, Runtime
-from yrpd.steps import StepContext, host_python, shell_command
+from yrpd.steps import StepContext, host_python, passed_before_with_this_spec, recording_pass, shell_command
 
 PULL_POLICIES = ("never", "missing", "always")
 #: the Ascend driver's files the preflight reads (the profile mounts the same paths)
@@ -118,17 +118,14 @@ def preflight(ctx: StepContext, host: HostPlan) -> Command | None:
                "mounts": [[m.source, m.purpose] for m in required]}
     if npu is None and box is None:
         return None
-    check = host_python("ascend_preflight.py", {"npu": npu, "container": box}, timeout=90)
-    marker = shlex.quote(f"{ctx.host_session_dir}/ascend_preflight.ok")
-    record = f"mkdir -p {shlex.quote(ctx.host_session_dir)} && echo {shlex.quote(ctx.spec_hash)} > {marker}"
-    return on_host(Command(f"{check.script}\n{record}", display=check.display, timeout=check.timeout))
+    return recording_pass(ctx, host_python("ascend_preflight.py", {"npu": npu, "container": box}, timeout=90),
+                          "ascend_preflight.ok")
 
 
 def preflight_passed(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
     if host.kind is not DeviceKind.npu and not docker(ctx):
         return None  # nothing to check on this host
-    marker = shlex.quote(f"{ctx.host_session_dir}/ascend_preflight.ok")
-    return on_host(shell_command(f"grep -qx {shlex.quote(ctx.spec_hash)} {marker} 2>/dev/null"))
+    return passed_before_with_this_spec(ctx, "ascend_preflight.ok")
 
 
 # -- the container ---------------------------------------------------------------------------------

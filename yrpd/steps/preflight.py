@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import shlex
 
-from yrpd.hostgroup import Command, on_host
+from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan, ports_on_host
-from yrpd.steps import StepContext, host_python, shell_command
+from yrpd.steps import StepContext, host_python, passed_before_with_this_spec, recording_pass
 
 
 def check_hosts(ctx: StepContext, host: HostPlan) -> Command:
@@ -19,15 +18,11 @@ def check_hosts(ctx: StepContext, host: HostPlan) -> Command:
         "devices": list(host.used),
         "model": model if model and not model.startswith("builtin:") else None,
     }
-    check = host_python("preflight.py", args, timeout=60)
-    marker = shlex.quote(f"{ctx.host_session_dir}/preflight.ok")
-    record = f"mkdir -p {shlex.quote(ctx.host_session_dir)} && echo {shlex.quote(ctx.spec_hash)} > {marker}"
     # on the host itself, also under the docker runtime: its ports, disk, devices and model path are the host's
-    return Command(script=f"{check.script}\n{record}", display=check.display, timeout=check.timeout, on_host=True)
+    return recording_pass(ctx, host_python("preflight.py", args, timeout=60), "preflight.ok")
 
 
 def passed_before(ctx: StepContext, host: HostPlan, **_: object) -> Command:
     """Skip preflight on re-runs of the same session: its ports are then held by our own services."""
-    marker = f"{ctx.host_session_dir}/preflight.ok"
-    return on_host(shell_command(f"grep -qx {shlex.quote(ctx.spec_hash)} {shlex.quote(marker)} 2>/dev/null"))
+    return passed_before_with_this_spec(ctx, "preflight.ok")
 
