@@ -287,6 +287,12 @@ class SshRunner:
                 self._conn = None
 
 
+def as_run_in(command: Command, container: str, engine: str = "docker", absent_ok: bool = False) -> Command:
+    """What runs on the host for a step's command under the docker runtime: the command itself when it is
+    marked on_host, otherwise the command inside the container."""
+    return command if command.on_host else container_exec(command, container, engine, absent_ok)
+
+
 class ContainerRunner:
     """Runs a host's commands inside its container through the host's own runner (SSH or local), except those
     marked `on_host`."""
@@ -299,10 +305,8 @@ class ContainerRunner:
         self.absent_ok = absent_ok
 
     def run(self, command: Command, on_line: Callable[[str, str], None] | None = None) -> HostResult:
-        if command.on_host:
-            return self.inner.run(command, on_line)
-        result = self.inner.run(container_exec(command, self.container, self.engine, self.absent_ok), on_line)
-        result.command = str(command)
+        result = self.inner.run(as_run_in(command, self.container, self.engine, self.absent_ok), on_line)
+        result.command = str(command)  # the report names the step's command, not its docker exec wrapper
         return result
 
     def close(self) -> None:

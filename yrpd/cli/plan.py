@@ -62,8 +62,7 @@ def in_containers(spec, ctx, steps):
     if spec.runtime is not Runtime.docker:
         return steps
     from yrpd.containers import container_name
-    from yrpd.hostgroup import container_exec
+    from yrpd.hostgroup import as_run_in
 
     name, engine = container_name(ctx.session_id), spec.container_engine.value
-    return [(step, {host: cmd if cmd.on_host else container_exec(cmd, name, engine) for host, cmd in commands.items()})
-            for step, commands in steps]
+    return [(step, {host: as_run_in(cmd, name, engine) for host, cmd in commands.items()}) for step, commands in steps]
