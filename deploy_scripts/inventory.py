@@ -15,6 +15,21 @@ def ids(pattern, regex):
     return sorted(found)
 
 
+def cpu_features():
+    """(bf16 in hardware, model name) from /proc/cpuinfo: AVX512-BF16 or AMX-BF16 make bf16 math native."""
+    flags, model = set(), ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if key.strip() == "flags" and not flags:
+                flags = set(value.split())
+            elif key.strip() == "model name" and not model:
+                model = value.strip()
+    except OSError:
+        return None, ""
+    return bool(flags & {"avx512_bf16", "amx_bf16"}), model
+
+
 npus = ids("/dev/davinci*", r"davinci(\d+)")
 gpus = ids("/dev/nvidia*", r"nvidia(\d+)")
 cores = sorted(os.sched_getaffinity(0))
@@ -30,6 +45,8 @@ print(json.dumps({
     "npus": npus,
     "gpus": gpus,
     "cores": cores,
+    "cpu_bf16": cpu_features()[0],
+    "cpu_model": cpu_features()[1],
     "npu_smi": shutil.which("npu-smi"),
     "hostname": os.uname().nodename,
 }))

@@ -12,7 +12,7 @@ from yrpd.errors import SessionError
 from yrpd.hostgroup import Host, HostGroup, SshSettings
 from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.session import Session
-from yrpd.spec import DeploySpec, DeviceKind, HostSpec, Runtime
+from yrpd.spec import DeploySpec, DeviceKind, Dtype, HostSpec, Runtime
 from yrpd.steps import StepContext, host_python
 
 
@@ -42,10 +42,13 @@ def runtime_group(group: HostGroup, spec: DeploySpec, session_id: str, absent_ok
 
 
 def needs_probe(spec: DeploySpec) -> list[str]:
-    """Hosts whose devices are not given in the spec and must be detected on the host."""
+    """Hosts whose devices are not given in the spec, or whose CPU decides the dtype (auto on a CPU host), and
+    must be detected on the host."""
     missing = []
     for h in spec.hosts:
-        if (h.devices if h.devices is not None else spec.devices) is None:
+        kind = h.device_kind or spec.device_kind
+        cpu_decides = spec.dtype is Dtype.auto and kind in (DeviceKind.auto, DeviceKind.cpu)
+        if (h.devices if h.devices is not None else spec.devices) is None or cpu_decides:
             missing.append(h.name)
     return missing
 
@@ -69,13 +72,14 @@ def resolve_inventory(spec: DeploySpec, group: HostGroup | None = None) -> dict[
     for h in spec.hosts:
         kind = h.device_kind or spec.device_kind
         devices = h.devices if h.devices is not None else spec.devices
-        if h.name in detected:
-            found = detected[h.name]
+        found = detected.get(h.name, {})
+        if found:
             if kind is DeviceKind.auto:
                 kind = DeviceKind(found["kind"])
             if devices is None:
                 devices = {"npu": found["npus"], "gpu": found["gpus"], "cpu": found["cores"]}[kind.value]
-        inventory[h.name] = HostInventory(kind=kind, devices=tuple(devices or ()), ip=host_ip(spec, h))
+        inventory[h.name] = HostInventory(kind=kind, devices=tuple(devices or ()), ip=host_ip(spec, h),
+                                          cpu_bf16=found.get("cpu_bf16"))
     return inventory
 
 
@@ -105,11 +109,13 @@ def host_ip(spec: DeploySpec, host: HostSpec) -> str | None:
 
 
 def inventory_to_json(inventory: dict[str, HostInventory]) -> dict:
-    return {name: {"kind": inv.kind.value, "devices": list(inv.devices), "ip": inv.ip} for name, inv in inventory.items()}
+    return {name: {"kind": inv.kind.value, "devices": list(inv.devices), "ip": inv.ip, "cpu_bf16": inv.cpu_bf16}
+            for name, inv in inventory.items()}
 
 
 def inventory_from_json(data: dict) -> dict[str, HostInventory]:
-    return {name: HostInventory(DeviceKind(v["kind"]), tuple(v["devices"]), v.get("ip")) for name, v in data.items()}
+    return {name: HostInventory(DeviceKind(v["kind"]), tuple(v["devices"]), v.get("ip"), v.get("cpu_bf16"))
+            for name, v in data.items()}
 
 
 @dataclass

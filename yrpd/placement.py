@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from yrpd.errors import SpecError
+from yrpd.precision import DtypeChoice, choose
 from yrpd.spec import DeploySpec, DeviceKind, format_device_list
 
 HCCL_BLOCK = 16
@@ -31,6 +32,7 @@ class HostInventory:
     kind: DeviceKind
     devices: tuple[int, ...]
     ip: str | None = None  # address other hosts reach it at; None until resolved
+    cpu_bf16: bool | None = None  # its CPU has bf16 instructions; None until detected
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class Plan:
     instances: tuple[InstancePlan, ...]
     proxy_host: str
     proxy_port: int
+    dtype: DtypeChoice = DtypeChoice(None, "not chosen")
 
     def to_dict(self) -> dict:
         return {
@@ -118,6 +121,7 @@ class Plan:
                 for i in self.instances
             ],
             "proxy": {"host": self.proxy_host, "port": self.proxy_port},
+            "dtype": {"dtype": self.dtype.dtype, "reason": self.dtype.reason},
         }
 
     def instance(self, name: str) -> InstancePlan:
@@ -247,7 +251,9 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
                 ip=inventory[h.name].ip,
             )
         )
-    return Plan(hosts=tuple(hosts), instances=tuple(instances), proxy_host=master, proxy_port=ports.proxy)
+    serving = {r.host for i in instances for r in i.ranks}
+    dtype = choose(spec.dtype, kind, {n: inventory[n].cpu_bf16 for n in host_names if n in serving})
+    return Plan(hosts=tuple(hosts), instances=tuple(instances), proxy_host=master, proxy_port=ports.proxy, dtype=dtype)
 
 
 def ports_on_host(plan: Plan, host: str) -> list[tuple[int, str]]:

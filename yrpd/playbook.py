@@ -10,7 +10,7 @@ are skipped by their checks.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -21,7 +21,7 @@ from yrpd.errors import SpecError
 from yrpd.hostgroup import Command, GroupFailure, GroupResult, HostGroup, HostResult
 from yrpd.placement import HostPlan
 from yrpd.session import Session
-from yrpd.steps import StepContext, resolve
+from yrpd.steps import NotNeeded, StepContext, resolve
 
 
 class StepSpec(BaseModel):
@@ -79,19 +79,23 @@ def step_enabled(step: StepSpec, ctx: StepContext) -> bool:
     return step.when is None or bool(ctx.options.get(step.when))
 
 
-def step_commands(step: StepSpec, ctx: StepContext) -> dict[str, Command]:
+def step_actions(step: StepSpec, ctx: StepContext) -> dict[str, Command | NotNeeded]:
+    """Per host of the step: the command it runs there, or why it has nothing to do there."""
     func = resolve(step.run)
-    commands = {}
+    actions: dict[str, Command | NotNeeded] = {}
     for host in step_hosts(step, ctx):
-        cmd = func(ctx, host, **step.args)
-        if cmd is not None:
-            commands[host.name] = cmd
-    return commands
+        action = func(ctx, host, **step.args)
+        actions[host.name] = NotNeeded("nothing to do") if action is None else action
+    return actions
 
 
-def describe(playbook: Playbook, ctx: StepContext) -> list[tuple[StepSpec, dict[str, Command]]]:
-    """The commands each step would run, per host, for `yrpd plan` and `deploy --dry-run`."""
-    return [(step, step_commands(step, ctx)) for step in playbook.steps if step_enabled(step, ctx)]
+def step_commands(step: StepSpec, ctx: StepContext) -> dict[str, Command]:
+    return {n: a for n, a in step_actions(step, ctx).items() if isinstance(a, Command)}
+
+
+def describe(playbook: Playbook, ctx: StepContext) -> list[tuple[StepSpec, dict[str, Command | NotNeeded]]]:
+    """The commands each step would run per host (or why not), for `yrpd plan` and `deploy --dry-run`."""
+    return [(step, step_actions(step, ctx)) for step in playbook.steps if step_enabled(step, ctx)]
 
 
 class PlaybookFailed(GroupFailure):
@@ -108,9 +112,10 @@ class StepFailed(PlaybookFailed):
 class StepOutcome:
     step: StepSpec
     ran: list[str]
-    skipped: list[str]
+    skipped: list[str]  # the check found it done
     results: GroupResult
     seconds: float
+    not_needed: dict[str, str] = field(default_factory=dict)  # host -> why the step has nothing to do there
 
 
 Reporter = Callable[[str, StepSpec, dict], None]
@@ -155,33 +160,40 @@ class PlaybookRunner:
         results = GroupResult()
         todo = {h.name for h in hosts}
         skipped: list[str] = []
+        not_needed: dict[str, str] = {}
         if step.check:
             check = resolve(step.check)
             by_name = {h.name: h for h in hosts}
             wanted = {n: check(self.ctx, by_name[n], **step.args) for n in todo}
-            skipped += [n for n, cmd in wanted.items() if cmd is None]  # nothing to check: the step has nothing to do
-            checks = group.run({n: cmd for n, cmd in wanted.items() if cmd is not None})
+            for name, cmd in wanted.items():
+                if not isinstance(cmd, Command):  # nothing to check there: the step has nothing to do there
+                    not_needed[name] = cmd.reason if isinstance(cmd, NotNeeded) else "nothing to do"
+            checks = group.run({n: cmd for n, cmd in wanted.items() if isinstance(cmd, Command)})
             for name, result in checks.items():
                 if result.ok:
                     skipped.append(name)
                 elif not result.reachable:
                     results[name] = result  # unreachable: fail now, don't try the step
-            todo -= set(skipped) | set(results)
-        commands = {n: c for n, c in step_commands(step, self.ctx).items() if n in todo}
+            todo -= set(skipped) | set(results) | set(not_needed)
+        actions = {n: a for n, a in step_actions(step, self.ctx).items() if n in todo}
+        not_needed.update({n: a.reason for n, a in actions.items() if isinstance(a, NotNeeded)})
+        commands = {n: a for n, a in actions.items() if isinstance(a, Command)}
         results.update(group.subset(commands).run(commands))
         seconds = time.monotonic() - started
         for name in sorted(skipped):
             self._journal(step, name, "skipped", None)
+        for name, reason in sorted(not_needed.items()):
+            self._journal(step, name, "skipped", None, reason=reason)
         for name, result in sorted(results.items()):
             self._journal(step, name, "done" if result.ok else ("unreachable" if not result.reachable else "failed"), result)
-        outcome = StepOutcome(step, sorted(commands), sorted(skipped), results, seconds)
+        outcome = StepOutcome(step, sorted(commands), sorted(skipped), results, seconds, not_needed)
         self.report("end", step, {"outcome": outcome})
         return outcome
 
-    def _journal(self, step: StepSpec, host: str, outcome: str, result: HostResult | None) -> None:
+    def _journal(self, step: StepSpec, host: str, outcome: str, result: HostResult | None, **extra: Any) -> None:
         if self.session is None:
             return
-        entry: dict[str, Any] = {"step": step.name, "run": step.run, "host": host, "outcome": outcome}
+        entry: dict[str, Any] = {"step": step.name, "run": step.run, "host": host, "outcome": outcome, **extra}
         if result is not None:
             entry.update(exit_code=result.exit_code, seconds=round(result.duration, 3))
             if not result.ok:

@@ -9,7 +9,8 @@ from rich.table import Table
 from rich.text import Text
 
 from yrpd.placement import Plan, describe_devices, unit_name
-from yrpd.spec import DeploySpec
+from yrpd.spec import DeploySpec, Dtype
+from yrpd.steps import NotNeeded
 
 
 def plan_table(spec: DeploySpec, plan: Plan) -> list:
@@ -39,7 +40,9 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
         hosts.add_row(h.name, h.address, "master" if h.is_master else "worker", h.kind.value,
                       describe_devices(h.devices), describe_devices(h.used),
                       ", ".join(f"{k} {v}" for k, v in h.ports.items()))
-    return [summary, table, Text("Hosts", style="bold"), hosts]
+    how = f"{plan.dtype.reason}; --dtype overrides" if spec.dtype is Dtype.auto else "set with --dtype"
+    dtype = Text(f"dtype: {plan.dtype.shown} - {how}")
+    return [summary, dtype, table, Text("Hosts", style="bold"), hosts]
 
 
 def plan_commands(steps) -> Iterable:
@@ -50,6 +53,9 @@ def plan_commands(steps) -> Iterable:
         if not commands:
             yield Text("    (nothing to do on any host)")
         for host, command in commands.items():
+            if isinstance(command, NotNeeded):
+                yield Text(f"  {host}: {command}")
+                continue
             yield Text(f"  {host}:")
             for line in str(command).splitlines():
                 yield Text(f"    $ {line}" if line else "")

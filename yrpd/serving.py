@@ -167,6 +167,8 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
         kv = kv_transfer_config(spec, plan, inst, paths)
         common += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
     common += KIND_ENGINE_ARGS.get(kind, [])
+    if plan.dtype.dtype:
+        common += ["--dtype", plan.dtype.dtype]
     env = {**BASE_ENV, **(NPU_ENV if kind is DeviceKind.npu else {}),
            "PYTHONPATH": paths.bundle_dir, "VLLM_CACHE_ROOT": paths.vllm_cache,
            "TMPDIR": f"{paths.session_dir}/tmp", "VLLM_HOST_IP": host_ip(head)}

@@ -17,10 +17,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from yrpd.demo import BUILTIN_MODELS, DEFAULT_BUILTIN
 from yrpd.errors import SpecError
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-BUILTIN_MODEL = "builtin:tiny-qwen2"
+BUILTIN_MODEL = f"builtin:{DEFAULT_BUILTIN}"
 DEFAULT_CONFIG_NAME = "yrpd.yaml"
 
 _HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
@@ -44,6 +45,15 @@ class ClusterMode(str, Enum):
 class Runtime(str, Enum):
     docker = "docker"
     host = "host"
+
+
+class Dtype(str, Enum):
+    """The dtype vLLM computes in (and stores KV in): `--dtype`."""
+
+    auto = "auto"  # CPU hosts: what the CPU computes fastest; NPU/GPU: the model's own (vLLM's auto)
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
 class ContainerEngine(str, Enum):
@@ -273,8 +283,12 @@ class DeploySpec(BaseModel):
     pdp: int = Field(1, ge=1, le=64)
     #: data parallel ranks of each decode instance (`--ddp`)
     ddp: int = Field(1, ge=1, le=64)
-    #: absolute model directory on the hosts, or builtin:tiny-qwen2 / builtin:bench-qwen2 (`--model`)
+    #: absolute model directory on the hosts, or builtin:smollm2 (the embedded default's) / builtin:tiny-qwen2 /
+    #: builtin:bench-qwen2 (`--model`)
     model: str | None = None
+    #: what the instances compute and keep KV in; auto = on CPU hosts the fastest dtype of their CPUs (float32
+    #: without AVX512-BF16/AMX, else bfloat16), elsewhere the model's own (`--dtype`)
+    dtype: Dtype = Dtype.auto
     #: model name clients use; default the model directory's name (`--served-model-name`)
     served_model_name: str | None = None
     #: container image for runtime docker (`--image`)
@@ -393,6 +407,10 @@ class DeploySpec(BaseModel):
         if self.master is not None and not any(self.master in (h.name, h.address) for h in self.hosts):
             names = ",".join(h.name for h in self.hosts)
             raise SpecError("master", f"{self.master!r} is not one of the hosts ({names})", "pick one of the hosts")
+        named = {h.name: h.device_kind or self.device_kind for h in self.hosts}
+        if len({k for k in named.values() if k is not DeviceKind.auto}) > 1:
+            described = ", ".join(f"{n}={k.value}" for n, k in named.items())
+            raise SpecError("device_kind", f"hosts mix device kinds ({described})", "deploy one kind of device per run")
         if self.runtime is Runtime.docker and not self.image:
             raise SpecError("image", "runtime docker needs an image", "pass --image NAME:TAG or use --runtime host")
         self._check_container()
@@ -401,11 +419,9 @@ class DeploySpec(BaseModel):
                 "model", "no model path given", "pass --model /path/on/hosts or set model: in yrpd.yaml"
             )
         if self.model is not None and self.model.startswith("builtin:"):
-            from yrpd.demo.tiny_model import RECIPES
-
-            if self.model.removeprefix("builtin:") not in RECIPES:
+            if self.model.removeprefix("builtin:") not in BUILTIN_MODELS:
                 raise SpecError("model", f"{self.model!r} is not a built-in model",
-                                "use " + " or ".join(f"builtin:{n}" for n in RECIPES) + ", or an absolute path")
+                                "use " + " or ".join(f"builtin:{n}" for n in BUILTIN_MODELS) + ", or an absolute path")
         if self.model is not None and not self.model.startswith("builtin:") and not self.model.startswith("/"):
             raise SpecError("model", f"{self.model!r} is not an absolute path", "give the model directory's absolute path on the hosts")
         if self.served_model_name is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$", self.served_model_name):
@@ -455,12 +471,13 @@ class DeploySpec(BaseModel):
 
     def _check_serving(self) -> None:
         owned = ("--port", "--host", "--served-model-name", "--kv-transfer-config", "--tensor-parallel-size",
-                 "--data-parallel-size", "--headless")
+                 "--data-parallel-size", "--headless", "--dtype")
         for arg in self.engine_args:
             flag = arg.split("=", 1)[0]
             if flag in owned:
                 raise SpecError("engine_args", f"{flag} is set by yrpd from the plan",
-                                "use the spec field instead (ports, served_model_name, ptp/dtp, pdp/ddp, connector)")
+                                "use the spec field instead (ports, served_model_name, ptp/dtp, pdp/ddp, connector, "
+                                "dtype)")
         if self.proxy_host is not None:
             try:
                 ipaddress.ip_address(self.proxy_host)
@@ -572,6 +589,7 @@ def _fix_for(loc: str) -> str:
         "runtime": "use docker or host",
         "container_engine": "use docker or podman",
         "cluster_mode": "use auto, full or ds_only",
+        "dtype": "use auto, float32, bfloat16 or float16",
     }
     if loc in hints:
         return hints[loc]

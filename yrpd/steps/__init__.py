@@ -1,7 +1,10 @@
 """Deploy and teardown steps. Each step is a pair of pure functions of (context, host):
 
-- `run(ctx, host, **args) -> Command | None` builds the shell script that does the work on that host;
-- an optional check `(ctx, host, **args) -> Command` whose exit status 0 means "already done, skip".
+- `run(ctx, host, **args) -> Command | NotNeeded` builds the shell script that does the work on that host;
+- an optional check `(ctx, host, **args) -> Command | NotNeeded` whose exit status 0 means "already done, skip".
+
+`NotNeeded(reason)` says the step has nothing to do on that host (a container step under the host runtime);
+the host is skipped without a round trip and deploy's progress and `yrpd plan` show the reason.
 
 Playbooks (playbooks/*.yaml) name them as `module.function` relative to this package. Nothing here
 touches a host: yrpd.playbook runs the commands through yrpd.hostgroup, and `yrpd plan` prints them.
@@ -49,7 +52,17 @@ def spec_fingerprint(spec: DeploySpec) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-StepFunction = Callable[..., "Command | None"]
+@dataclass(frozen=True)
+class NotNeeded:
+    """A step or check's answer for a host where the step has nothing to do, and why."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return f"not needed: {self.reason}"
+
+
+StepFunction = Callable[..., "Command | NotNeeded"]
 
 
 def resolve(ref: str) -> StepFunction:

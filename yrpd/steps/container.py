@@ -18,7 +18,7 @@ from yrpd.containers import ContainerRun, Mount, Profile, container_name, contai
 from yrpd.hostgroup import Command, on_host
 from yrpd.placement import HostPlan
 from yrpd.spec import DeviceKind, Runtime
-from yrpd.steps import StepContext, host_python, passed_before_with_this_spec, recording_pass, shell_command
+from yrpd.steps import NotNeeded, StepContext, host_python, passed_before_with_this_spec, recording_pass, shell_command
 
 PULL_POLICIES = ("never", "missing", "always")
 #: the Ascend driver's files the preflight reads (the profile mounts the same paths)
@@ -102,7 +102,7 @@ def _runtime_args(ctx: StepContext, action: str, **extra) -> dict:
 
 # -- preflight -----------------------------------------------------------------------------------
 
-def preflight(ctx: StepContext, host: HostPlan) -> Command | None:
+def preflight(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     """NPU hosts: device nodes, `npu-smi info`, driver version, hccn.conf across hosts. Docker runtime: the
     engine answers, the image is here (or --pull), every mount source the profile needs exists."""
     npu = None
@@ -117,24 +117,24 @@ def preflight(ctx: StepContext, host: HostPlan) -> Command | None:
         box = {"engine": engine(ctx), "image": ctx.spec.image, "derived": derived(ctx), "pull": pull_policy(ctx),
                "mounts": [[m.source, m.purpose] for m in required]}
     if npu is None and box is None:
-        return None
+        return NotNeeded("runtime host, no NPUs")
     return recording_pass(ctx, host_python("ascend_preflight.py", {"npu": npu, "container": box}, timeout=90),
                           "ascend_preflight.ok")
 
 
-def preflight_passed(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
+def preflight_passed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
     if host.kind is not DeviceKind.npu and not docker(ctx):
-        return None  # nothing to check on this host
+        return NotNeeded("runtime host, no NPUs")
     return passed_before_with_this_spec(ctx, "ascend_preflight.ok")
 
 
 # -- the container ---------------------------------------------------------------------------------
 
-def ensure(ctx: StepContext, host: HostPlan) -> Command | None:
+def ensure(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     """Create the host's container, or reuse it when its spec label matches; a different spec is refused
     (naming the difference) unless --recreate. Starts from the derived image when it is there."""
     if not docker(ctx):
-        return None
+        return NotNeeded("runtime host")
     run = run_spec(ctx, host)
     p = profile(ctx)
     mounts = [[m.source, m.create, m.purpose] for m in [*p.mounts_for(multi_host(ctx)), *deployment_mounts(ctx)]]
@@ -147,19 +147,19 @@ def ensure(ctx: StepContext, host: HostPlan) -> Command | None:
                                                f"{derived(ctx)} where present): {shown}", timeout=cmd.timeout))
 
 
-def ensured(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
+def ensured(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
     if not docker(ctx):
-        return None
+        return NotNeeded("runtime host")
     want = f"true {run_spec(ctx, host).spec_hash}"
     fmt = "{{.State.Running}} {{index .Config.Labels \"yrpd.spec\"}}"
     return on_host(shell_command(
         f"[ \"$({engine(ctx)} inspect -f {shlex.quote(fmt)} {shlex.quote(name(ctx))} 2>/dev/null)\" = {shlex.quote(want)} ]"))
 
 
-def remove(ctx: StepContext, host: HostPlan) -> Command | None:
+def remove(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     """Remove the host's container of the session (its processes were stopped by the steps before)."""
     if not docker(ctx):
-        return None
+        return NotNeeded("runtime host")
     return on_host(host_python("container_runtime.py", {"action": "remove", "engine": engine(ctx), "name": name(ctx)},
                                timeout=180))
 
@@ -187,11 +187,13 @@ def _patch_paths(ctx: StepContext) -> tuple[str, str]:
     return f"{ctx.spec.env_root}/lib/yrpd-patch-{digest}", f"{ctx.spec.env_root}/state/patched-{digest}.json"
 
 
-def patch(ctx: StepContext, host: HostPlan) -> Command | None:
+def patch(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     """In the container: apply the series for its vllm-ascend tree (already applied: nothing changes),
     reinstall only when it changed, and check python3 imports the patched tree."""
-    if not docker(ctx) or profile(ctx).source_tree is None:
-        return None
+    if not docker(ctx):
+        return NotNeeded("runtime host")
+    if profile(ctx).source_tree is None:
+        return NotNeeded("the container profile names no vllm-ascend tree")
     from yrpd.steps.vllm_env import unpack_script
 
     bundle_dir, marker = _patch_paths(ctx)
@@ -203,24 +205,26 @@ def patch(ctx: StepContext, host: HostPlan) -> Command | None:
                                                      f"{run.display}", timeout=run.timeout)
 
 
-def patched(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
-    if not docker(ctx) or profile(ctx).source_tree is None:
-        return None
+def patched(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
+    if not docker(ctx):
+        return NotNeeded("runtime host")
+    if profile(ctx).source_tree is None:
+        return NotNeeded("the container profile names no vllm-ascend tree")
     return shell_command(f"[ -f {shlex.quote(_patch_paths(ctx)[1])} ]")
 
 
-def commit(ctx: StepContext, host: HostPlan) -> Command | None:
+def commit(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     """Commit the patched container (with yrpd's packages installed) as the derived image; later deploys with
     the same inputs start from it and skip the patch and install steps."""
     if not docker(ctx):
-        return None
+        return NotNeeded("runtime host")
     return on_host(host_python("container_runtime.py", _runtime_args(ctx, "commit"), timeout=1860))
 
 
-def committed(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
+def committed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
     """Done when the container runs the derived image, or the derived image was made from the container's image."""
     if not docker(ctx):
-        return None
+        return NotNeeded("runtime host")
     e, c, d = engine(ctx), shlex.quote(name(ctx)), shlex.quote(derived(ctx))
     fmt = shlex.quote("{{.Id}} {{index .Config.Labels \"yrpd.base-id\"}}")
     return on_host(shell_command(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
 from yrpd.serving import launches_on_host
-from yrpd.steps import StepContext, host_python, shell_command
+from yrpd.steps import NotNeeded, StepContext, host_python, shell_command
 from yrpd.steps.processes import _alive_test, start_script
 from yrpd.steps.processes import stop as stop_processes
 from yrpd.steps.vllm_env import paths
@@ -15,29 +15,29 @@ def _launches(ctx: StepContext, host: HostPlan):
     return launches_on_host(ctx.spec, ctx.plan, host.name, paths(ctx))
 
 
-def start(ctx: StepContext, host: HostPlan) -> Command | None:
+def start(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     launches = _launches(ctx, host)
     if not launches:
-        return None
+        return NotNeeded("no instance on this host")
     script = "\n".join(start_script(ctx, launch.name, launch.exec_command, launch.env, settle=1.0) for launch in launches)
     display = "\n".join(f"start {launch.name} detached: {' '.join(f'{k}={v}' for k, v in launch.env.items())} "
                         f"{launch.command}  (log {ctx.host_session_dir}/logs/{launch.name}.log)" for launch in launches)
     return Command(script, display=display, timeout=60)
 
 
-def running(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
+def running(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
     tests = [_alive_test(ctx, launch.name) for launch in _launches(ctx, host)]
-    return shell_command(" && ".join(f"( {t} )" for t in tests)) if tests else None
+    return shell_command(" && ".join(f"( {t} )" for t in tests)) if tests else NotNeeded("no instance on this host")
 
 
-def wait_healthy(ctx: StepContext, host: HostPlan) -> Command | None:
+def wait_healthy(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     targets = [{"name": launch.name, "url": launch.health_url} for launch in _launches(ctx, host) if launch.health_url]
     if not targets:
-        return None
+        return NotNeeded("no instance on this host")
     timeout = ctx.spec.startup_timeout_s
     return host_python("wait_ready.py", {"dir": ctx.host_session_dir, "timeout": timeout, "targets": targets},
                        timeout=timeout + 30)
 
 
-def stop(ctx: StepContext, host: HostPlan) -> Command | None:
+def stop(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     return stop_processes(ctx, host, [launch.name for launch in _launches(ctx, host)], grace=20)

