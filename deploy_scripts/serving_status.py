@@ -29,14 +29,17 @@ def fetch(url):
 
 
 def metric_sums(text, names):
+    """Sum of each named metric over its label sets; `name{source}` keys split a metric by its source label."""
     sums = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in names:
+        source = line.split('source="', 1)[1].split('"', 1)[0] if 'source="' in line else None
+        key = f"{name}{{{source}}}" if source and f"{name}{{{source}}}" in names else name
+        if key in names:
             try:
-                sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+                sums[key] = sums.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
             except ValueError:
                 pass
     return sums
@@ -48,6 +51,10 @@ METRICS = {
     "vllm:prompt_tokens_total": "prompt_tokens",
     "vllm:external_prefix_cache_hits_total": "external_cache_hit_tokens",
     "vllm:external_prefix_cache_queries_total": "external_cache_query_tokens",
+    # where each prompt token's KV came from (vLLM >= 0.11): computed, this instance's prefix cache, a connector
+    "vllm:prompt_tokens_by_source_total{local_compute}": "prompt_tokens_computed",
+    "vllm:prompt_tokens_by_source_total{local_cache_hit}": "prompt_tokens_local_cache",
+    "vllm:prompt_tokens_by_source_total{external_kv_transfer}": "prompt_tokens_loaded",
 }
 
 

@@ -4,9 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(openssh-server openssh-client iproute2 procps util-linux coreutils git
-              # the docker lab test: a dockerd inside each fake host, and the stand-in image's root file system
-              docker.io debootstrap)
+#   bootstrap.sh [--no-lab]   --no-lab: only what a deployment needs (the demo), not the lab tests' packages
+APT_PACKAGES=(openssh-server openssh-client iproute2 procps util-linux coreutils git curl)
+if [ "${1:-}" != "--no-lab" ]; then
+    # the docker lab test: a dockerd inside each fake host, and the stand-in image's root file system
+    APT_PACKAGES+=(docker.io debootstrap)
+fi
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

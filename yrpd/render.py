@@ -45,6 +45,23 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
     return [summary, dtype, table, Text("Hosts", style="bold"), hosts]
 
 
+def outcome_line(outcome) -> str:
+    """One step's progress line, after it ran: where it was done, already done, not needed (and why), failed."""
+    parts = []
+    ok = [h for h in outcome.ran if outcome.results[h].ok]
+    if ok:
+        parts.append(f"done on {', '.join(ok)}")
+    if outcome.skipped:
+        parts.append(f"already done on {', '.join(outcome.skipped)}")
+    for reason in sorted(set(outcome.not_needed.values())):
+        hosts = sorted(h for h, r in outcome.not_needed.items() if r == reason)
+        parts.append(f"not needed on {', '.join(hosts)}: {reason}")
+    failed = sorted(outcome.results.failed)
+    if failed:
+        parts.append(f"[red]failed on {', '.join(failed)}[/red]")
+    return f"{'; '.join(parts) or 'nothing to do'} ({outcome.seconds:.1f}s)"
+
+
 def plan_commands(steps) -> Iterable:
     yield Text("Commands per host, in order (deploy runs each step on its hosts in parallel; "
                "SESSION_ID is assigned at deploy):", style="bold")

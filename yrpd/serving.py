@@ -224,7 +224,8 @@ def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | Non
 
 
 def sample_request(spec: DeploySpec, plan: Plan) -> str:
-    body = json.dumps({"model": spec.model_name, "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
+    body = json.dumps({"model": spec.model_name, "prompt": "The capital of France is", "max_tokens": 16,
+                       "temperature": 0})
     auth = f" -H \"Authorization: Bearer ${spec.api_key_env}\"" if spec.api_key_env else ""
     return (f"curl -s {endpoint_url(spec, plan)}/v1/completions -H 'Content-Type: application/json'{auth} "
             f"-d '{body}'")

@@ -114,10 +114,14 @@ def _instance_row(deployment: Deployment, inst, proc: dict | None, probe: dict |
     }
     if probe:
         for key in ("requests_running", "requests_waiting", "prompt_tokens", "external_cache_hit_tokens",
-                    "external_cache_query_tokens"):
+                    "external_cache_query_tokens", "prompt_tokens_computed", "prompt_tokens_local_cache",
+                    "prompt_tokens_loaded"):
             row[key] = probe.get(key)
         counters = probe["connector"]["counters"]
         row["connector"] = {"ds_healthy": probe["connector"]["ds_healthy"], **counters}
+        if counters.get("handoff_refused"):
+            problems.append(f"{inst.name} refused {int(counters['handoff_refused'])} KV hand-over(s) computed with "
+                            f"another dtype or model (`yrpd logs {inst.name}` says which)")
         if probe.get("error"):
             row["error"] = probe["error"]
     if phase == "deployed" and state == "running" and not answered:

