@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/serving.py deploy-split [--session-dir DIR]
     .venv/bin/python benchmarks/serving.py proxy-overhead [--requests 20] [--prompt-words 600]
+    .venv/bin/python benchmarks/serving.py dtype [--dtypes auto,bfloat16,float32] [--prompt-tokens 2500]
+        [--requests 3] [--output-tokens 65] [--env KEY=VALUE ...]
 
 deploy-split: reads a session's journal and splits the deploy's wall time into installs, model build,
 openYuanrong start, vLLM instance start (process start to /health) and the rest (yrpd's orchestration: SSH
@@ -11,6 +13,12 @@ proxy-overhead: time to first token of streamed completions (a) through the prox
 driven by this client straight against prefill and decode (what the proxy does, minus the proxy), and
 (c) decode alone (no disaggregation). (a) - (b) is the proxy's own cost. Prompts are unique per request
 (distinct prefixes) so neither the local prefix cache nor the data system short-cuts later requests.
+
+dtype: for each dtype in turn, `yrpd deploy --hosts localhost --dtype D --new-session` (the embedded default,
+builtin:smollm2), then streamed completions of unique, uncached prompts of about --prompt-tokens tokens through
+the proxy: time to first token (prefill on one core, the KV hand-over, decode's first token) and time per output
+token after it; then `yrpd down`. One table, medians, ratios against bfloat16. `--env` goes to every deploy
+(e.g. ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI keeps oneDNN off a CPU's bf16 instructions).
 """
 
 from __future__ import annotations
@@ -91,7 +99,7 @@ def proxy_overhead(n: int, words: int) -> None:
     url = {i["role"]: f"http://{ip[i['host']]}:{i['port']}" for i in plan["instances"]}
     proxy = f"http://{ip[plan['proxy']['host']]}:{plan['proxy']['port']}"
     text = Path(os.__file__).read_text().split()
-    model = spec.get("served_model_name") or "tiny-qwen2"
+    model = spec.get("served_model_name") or (spec.get("model") or "builtin:smollm2").rstrip("/").split("/")[-1].removeprefix("builtin:")
     results: dict[str, list[float]] = {"proxy": [], "client-driven PD legs": [], "decode alone": []}
     for i in range(n):
         for name in results:
@@ -112,6 +120,69 @@ def proxy_overhead(n: int, words: int) -> None:
     print(f"  proxy's own cost (median difference): {overhead * 1000:.1f} ms")
 
 
+def streamed(url: str, body: dict) -> tuple[float, float, int, int]:
+    """(time to first token, mean time per later token, prompt tokens, output tokens) of one streamed request."""
+    data = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
+    first = last = None
+    usage = {}
+    with urllib.request.urlopen(req, timeout=1200) as resp:
+        for raw in resp:
+            if not raw.startswith(b"data: ") or raw.strip() == b"data: [DONE]":
+                continue
+            chunk = json.loads(raw[6:])
+            usage = chunk.get("usage") or usage
+            if any(c.get("text") for c in chunk.get("choices") or ()):
+                last = time.perf_counter()
+                first = first or last
+    out = usage.get("completion_tokens", 0)
+    return first - started, (last - first) / max(1, out - 1), usage.get("prompt_tokens", 0), out
+
+
+def dtype_bench(dtypes: list[str], prompt_tokens: int, n: int, output_tokens: int, env: list[str]) -> None:
+    import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(repo))
+    from yrpd.session import SessionStore, default_root
+
+    yrpd = [sys.executable, "-m", "yrpd"]
+    words = Path(os.__file__).read_text().split() + Path(json.__file__).read_text().split()
+    rows = {}
+    for d in dtypes:
+        extra = [a for kv in env for a in ("--env", kv)]
+        deploy = subprocess.run([*yrpd, "deploy", "--hosts", "localhost", "--dtype", d, "--new-session", *extra],
+                                capture_output=True, text=True, cwd=repo, stdin=subprocess.DEVNULL)
+        if deploy.returncode != 0:
+            print(deploy.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"deploy with --dtype {d} failed")
+        session = SessionStore(default_root()).get(None)
+        chosen = json.loads((session.path / "plan.json").read_text())["dtype"]["dtype"]
+        url = deploy.stdout.strip().splitlines()[-1] + "/v1/completions"
+        try:
+            results = []
+            for i in range(n):
+                # ~1.3 tokens per word here; a distinct head per dtype and request: nothing is cached
+                prompt = f"{d} {i} " + " ".join(words[i * 11:i * 11 + int(prompt_tokens / 1.3)])
+                body = {"model": "smollm2", "prompt": prompt, "max_tokens": output_tokens, "temperature": 0,
+                        "ignore_eos": True}
+                results.append(streamed(url, body))
+        finally:
+            subprocess.run([*yrpd, "down"], capture_output=True, cwd=repo, stdin=subprocess.DEVNULL)
+        rows[d] = {"dtype": chosen, "ttft": statistics.median(r[0] for r in results),
+                   "tpot": statistics.median(r[1] for r in results),
+                   "prompt": statistics.median(r[2] for r in results), "out": results[0][3]}
+    flags = open("/proc/cpuinfo").read()
+    print(f"dtype through `yrpd deploy --hosts localhost` (SmolLM2, {n} uncached prompts each, medians; CPU bf16 "
+          f"instructions: {'yes' if 'avx512_bf16' in flags or 'amx_bf16' in flags else 'no'}; env {env or '-'}):")
+    base = rows.get("bfloat16")
+    for d, r in rows.items():
+        ratio = f"  TTFT {r['ttft'] / base['ttft']:.2f}x, TPOT {r['tpot'] / base['tpot']:.2f}x of bfloat16" if base else ""
+        print(f"  --dtype {d:9s} -> {r['dtype']:9s} prompt {r['prompt']:.0f} tok: TTFT {r['ttft']:6.2f} s, "
+              f"TPOT {r['tpot'] * 1000:6.1f} ms over {r['out']} tokens{ratio}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -120,8 +191,16 @@ def main() -> int:
     over = sub.add_parser("proxy-overhead")
     over.add_argument("--requests", type=int, default=20)
     over.add_argument("--prompt-words", type=int, default=600)
+    dt = sub.add_parser("dtype")
+    dt.add_argument("--dtypes", default="auto,bfloat16,float32")
+    dt.add_argument("--prompt-tokens", type=int, default=2500)
+    dt.add_argument("--requests", type=int, default=3)
+    dt.add_argument("--output-tokens", type=int, default=65)
+    dt.add_argument("--env", action="append", default=[])
     args = ap.parse_args()
-    if args.what == "deploy-split":
+    if args.what == "dtype":
+        dtype_bench(args.dtypes.split(","), args.prompt_tokens, args.requests, args.output_tokens, args.env)
+    elif args.what == "deploy-split":
         if args.session_dir is None:
             sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
             from yrpd.session import SessionStore, default_root

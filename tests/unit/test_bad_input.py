@@ -83,6 +83,9 @@ CASES = [
     ("proxy-host-not-ip", GOOD, "proxy_host: everywhere\n", "proxy_host: 'everywhere' is not an IP address"),
     ("api-key-env-unset", GOOD, "api_key_env: YRPD_TEST_SURELY_UNSET_KEY\n", "api_key_env: $YRPD_TEST_SURELY_UNSET_KEY is not set"),
     ("startup-timeout-too-small", GOOD, "startup_timeout_s: 1\n", "startup_timeout_s"),
+    ("unknown-dtype", GOOD + ["--dtype", "fp8"], None, "--dtype"),
+    ("engine-args-owns-dtype", GOOD, "engine_args: ['--dtype', 'float16']\n", "engine_args: --dtype is set by yrpd"),
+    ("unknown-builtin-model", GOOD[:-2] + ["--model", "builtin:gpt5"], None, "builtin:smollm2"),
     ("mixed-kinds", ["--hosts", "h1,h2", "--devices", "0-3", "--model", "/m"],
      "hosts:\n  - {address: h1, device_kind: npu}\n  - {address: h2, device_kind: cpu}\n", "hosts mix device kinds"),
 ]

@@ -61,6 +61,7 @@ def test_documented_placement_runs_and_touches_nothing(command, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Placement: 1 prefill") and "prefill-0" in proc.stdout and "decode-0" in proc.stdout
     assert "Commands per host, in order" in proc.stdout
+    assert "\ndtype: " in proc.stdout  # the dtype the instances will compute in, and why
     assert not (home / "sessions").exists() or not any((home / "sessions").iterdir())
 
 
