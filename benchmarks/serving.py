@@ -163,8 +163,9 @@ def dtype_bench(dtypes: list[str], prompt_tokens: int, n: int, output_tokens: in
         try:
             results = []
             for i in range(n):
-                # ~1.3 tokens per word here; a distinct head per dtype and request: nothing is cached
-                prompt = f"{d} {i} " + " ".join(words[i * 11:i * 11 + int(prompt_tokens / 1.3)])
+                # about 2 SmolLM2 tokens per word of this text; a distinct head per dtype and request: nothing
+                # is cached
+                prompt = f"{d} {i} " + " ".join(words[i * 11:i * 11 + int(prompt_tokens / 2.0)])
                 body = {"model": "smollm2", "prompt": prompt, "max_tokens": output_tokens, "temperature": 0,
                         "ignore_eos": True}
                 results.append(streamed(url, body))

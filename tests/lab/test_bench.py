@@ -1,4 +1,4 @@
-"""`yrpd bench` end to end on the embedded default (the tiny test model), inside a private netns: the dataset and run
+"""`yrpd bench` end to end on the embedded default (SmolLM2), inside a private netns: the dataset and run
 commands exactly as docs/benchmarks.md shows them (16 prompts of about 1792 tokens, 32 tokens each answer)."""
 
 import json
