@@ -168,11 +168,8 @@ def convert(gguf_file: Path, tools: Path, out: Path) -> None:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def build(out_dir: Path, package: str, gguf: str, sha256: str, tools: list[str], cache: Path,
