@@ -20,8 +20,17 @@ if not tree.is_dir():
     print(f"the vllm-ascend source tree {tree} is not in this container: the container profile's source_tree "
           f"must name it (or be null when the image has none)", file=sys.stderr)
     sys.exit(1)
+marker = Path(ARGS["marker"])
 try:
     outcome = P.apply(tree, Path(ARGS["bundle"]) / "patches")
+except P.UnsupportedVersion as exc:
+    # vLLM loads yrpd's connector through kv_connector_module_path without any registration: the series only
+    # adds the name to vllm-ascend's registry. A newer release without a series still serves; say so, patch nothing.
+    print(f"warning: no yrpd patch series for {exc.target} {exc.version}: left unpatched; the instances load "
+          f"yrpd's connector through kv_connector_module_path, which needs no registration", file=sys.stderr)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"series": None, "version": exc.version, "changed": False}) + "\n")
+    sys.exit(0)
 except YrpdError as exc:
     print(f"patch series: {exc}", file=sys.stderr)
     sys.exit(exc.exit_code)
@@ -42,7 +51,6 @@ if origin is None or tree.resolve() not in origin.parents:
           f"patched tree {tree}: set the container profile's reinstall command (e.g. pip install -e .)",
           file=sys.stderr)
     sys.exit(1)
-marker = Path(ARGS["marker"])
 marker.parent.mkdir(parents=True, exist_ok=True)
 # (applied outside yrpd, e.g. with the guide's `git am`, the tree has no record of ours)
 marker.write_text(json.dumps({"series": series.id, "series_sha256": series.digest(), "version": version,

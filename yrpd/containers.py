@@ -58,7 +58,8 @@ class Mount(BaseModel):
     source: str
     target: str | None = None
     read_only: bool = False
-    #: multi_host: only when the deployment spans more than one host (HCCL between hosts)
+    #: multi_host: only when an instance's ranks span more than one host (HCCL between hosts; a PD deployment
+    #: whose instances each fit one host hands KV over through the data system and needs no HCCL networking)
     when: Literal["always", "multi_host"] = "always"
     #: the source may be missing and is then created as an empty directory; otherwise preflight requires it
     #: (docker would silently create a directory in place of a missing file: a container that starts and

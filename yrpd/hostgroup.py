@@ -164,6 +164,14 @@ def container_exec(command: Command, container: str, engine: str = "docker", abs
                    timeout=command.timeout + CONTAINER_EXEC_GRACE, on_host=True)
 
 
+#: the environment of yrpd's own Python, which must not reach what runs on a local host (an SSH login has none of it)
+_CONTROLLER_ONLY = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+
+
+def local_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _CONTROLLER_ONLY}
+
+
 class LocalRunner:
     def __init__(self, host: Host):
         self.host = host
@@ -175,13 +183,14 @@ class LocalRunner:
         try:
             if on_line is None:
                 proc = subprocess.run(
-                    ["bash", "-c", wrapped], stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace"
+                    ["bash", "-c", wrapped], stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
+                    env=local_env(),
                 )
                 return HostResult(self.host.name, str(command), proc.returncode, proc.stdout, proc.stderr,
                                   duration=time.monotonic() - started)
             proc = subprocess.Popen(
                 ["bash", "-c", wrapped], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                text=True, errors="replace", start_new_session=True,
+                text=True, errors="replace", start_new_session=True, env=local_env(),
             )
             self._streams.add(proc)
             try:

@@ -63,6 +63,14 @@ class PatchError(YrpdError):
     exit_code = 2
 
 
+class UnsupportedVersion(PatchError):
+    """The tree is a known target at a version no series covers."""
+
+    def __init__(self, message: str, target: str, version: str):
+        super().__init__(message)
+        self.target, self.version = target, version
+
+
 class PatchStateError(YrpdError):
     """The tree is partially patched or conflicts with the series. Nothing was changed."""
 
@@ -411,8 +419,8 @@ def select_series(tree: Path, candidates: Iterable[Series]) -> tuple[Series, Tre
             if by_record:
                 return by_record[0], TreeVersion(version.name, recorded,
                                                  f"{RECORD_FILE}; {version.source} now says {version.version}")
-        raise PatchError(f"{target} {version.version} (from {version.source}) in {tree} is not supported by any "
-                         f"patch series; supported versions: {ranges}")
+        raise UnsupportedVersion(f"{target} {version.version} (from {version.source}) in {tree} is not supported by "
+                                 f"any patch series; supported versions: {ranges}", target, version.version)
     if len(matching) > 1:
         raise PatchError(f"{target} {version.version} matches several series ({', '.join(s.id for s in matching)}); "
                          f"their version ranges overlap")

@@ -62,6 +62,12 @@ def outcome_line(outcome) -> str:
     return f"{'; '.join(parts) or 'nothing to do'} ({outcome.seconds:.1f}s)"
 
 
+def warning_lines(outcome) -> list[str]:
+    """What a step that succeeded still wants the user to know: its hosts' `warning: ...` lines on stderr."""
+    return [f"{host}: {line.strip()}" for host in outcome.ran if outcome.results[host].ok
+            for line in (outcome.results[host].stderr or "").splitlines() if line.strip().startswith("warning: ")]
+
+
 def plan_commands(steps) -> Iterable:
     yield Text("Commands per host, in order (deploy runs each step on its hosts in parallel; "
                "SESSION_ID is assigned at deploy):", style="bold")

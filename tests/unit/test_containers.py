@@ -236,14 +236,14 @@ def test_host_group_in_containers_reports_a_missing_container_per_host():
 
 # -- steps under both runtimes -----------------------------------------------------------------------
 
-def _ctx(runtime: str, hosts="h1,h2", kind="npu"):
+def _ctx(runtime: str, hosts="h1,h2", kind="npu", **over):
     from yrpd.deployment import inventory_from_json
     from yrpd.placement import make_plan
     from yrpd.spec import build_spec
     from yrpd.steps import StepContext
 
     overrides = {"hosts": hosts, "devices": "0-7", "device_kind": kind, "model": "/data/models/m", "ptp": 4, "dtp": 4,
-                 "runtime": runtime, "image": GUIDE_IMAGE if runtime == "docker" else None}
+                 "runtime": runtime, "image": GUIDE_IMAGE if runtime == "docker" else None, **over}
     spec = build_spec({}, overrides)
     inventory = inventory_from_json({h: {"kind": kind, "devices": list(range(8)), "ip": f"10.0.0.{i + 1}"}
                                      for i, h in enumerate(hosts.split(","))})
@@ -280,12 +280,28 @@ def test_container_steps_under_runtime_docker():
     assert container.commit(ctx, h1).on_host and container.remove(ctx, h1).on_host
     assert not container.patch(ctx, h1).on_host  # runs inside the container
     pre = json.loads(shlex.split(container.preflight(ctx, h2).display)[-1])
-    assert pre["npu"]["hccn_conf"] == "/etc/hccn.conf" and pre["container"]["pull"] == "never"
-    assert "/usr/bin/hccn_tool" in [m[0] for m in pre["container"]["mounts"]]
+    assert pre["container"]["pull"] == "never"
+    # prefill on h1, decode on h2, each on one host: KV goes through the data system, HCCL never crosses hosts,
+    # so neither /etc/hccn.conf nor hccn_tool is demanded or mounted
+    assert pre["npu"]["hccn_conf"] is None and "hccn" not in ensure.display
+    assert "/usr/bin/hccn_tool" not in [m[0] for m in pre["container"]["mounts"]]
     assert "/root/.cache" not in [m[0] for m in pre["container"]["mounts"]]  # created when missing
     ctx.options["pull"] = "missing"
     assert json.loads(shlex.split(container.preflight(ctx, h2).display)[-1])["container"]["pull"] == "missing"
     assert container.derived(ctx).startswith(GUIDE_IMAGE + "-yrpd-")
+
+
+def test_hccn_is_demanded_only_where_an_instance_spans_hosts():
+    from yrpd.steps import container
+
+    # prefill-0's two DP ranks of 8 NPUs each sit on h1 and h2: its collectives cross hosts
+    ctx = _ctx("docker", hosts="h1,h2,h3", ptp=8, pdp=2, dtp=8)
+    assert [i.hosts for i in ctx.plan.instances] == [("h1", "h2"), ("h3",)]
+    for host in ctx.plan.hosts:
+        pre = json.loads(shlex.split(container.preflight(ctx, host).display)[-1])
+        assert pre["npu"]["hccn_conf"] == "/etc/hccn.conf", host.name
+        assert "/usr/bin/hccn_tool" in [m[0] for m in pre["container"]["mounts"]]
+        assert "-v /etc/hccn.conf:/etc/hccn.conf" in container.ensure(ctx, host).display
 
 
 def test_playbooks_name_the_container_steps():
@@ -358,3 +374,42 @@ def test_ascend_preflight_names_each_missing_piece(tmp_path):
     assert len(problems) == 5
     facts = json.loads(proc.stdout)["facts"]
     assert facts["npu_smi"]["0"] == {"name": "910B3", "health": "OK"}
+
+
+def test_a_vllm_ascend_release_without_a_series_is_left_unpatched_with_a_warning(tmp_path):
+    """vllm-ascend 0.24.0rc1 .. 0.30.0rc2 have no series, and need none: kv_connector_module_path loads the connector.
+    The in-container patch step warns, records the tree as unpatched (so the step counts as done) and exits 0."""
+    import base64
+    import io
+    import subprocess
+    import sys
+    import tarfile
+
+    from yrpd.steps import container
+
+    bundle = tmp_path / "bundle"
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(container.patch_bundle()[1]))) as tar:
+        tar.extractall(bundle)
+    tree = tmp_path / "vllm-ascend"
+    (tree / "vllm_ascend").mkdir(parents=True)
+    (tree / "vllm_ascend" / "__init__.py").write_text("")
+    (tree / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: vllm_ascend\nVersion: 0.24.0rc1\n")
+    marker = tmp_path / "state" / "patched.json"
+    args = {"bundle": str(bundle), "tree": str(tree), "reinstall": None, "marker": str(marker)}
+    proc = subprocess.run([sys.executable, str(REPO / "deploy_scripts" / "container_patch.py"), json.dumps(args)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("warning: no yrpd patch series for vllm-ascend 0.24.0rc1") and "kv_connector_module_path" in line
+    assert json.loads(marker.read_text()) == {"series": None, "version": "0.24.0rc1", "changed": False}
+    assert (tree / "vllm_ascend" / "__init__.py").read_text() == ""  # nothing touched
+
+
+def test_wheels_and_prepared_environments_are_mounted_where_the_installs_run():
+    from yrpd.steps import container
+
+    ctx = _ctx("docker", wheels="/srv/wheels", env_path="/opt/prepared")
+    ensure = container.ensure(ctx, ctx.plan.hosts[0]).display
+    assert "-v /srv/wheels:/srv/wheels:ro" in ensure and "-v /opt/prepared:/opt/prepared " in ensure
+    # without them, nothing of the kind is mounted
+    assert "/srv/wheels" not in container.ensure(_ctx("docker"), ctx.plan.hosts[0]).display

@@ -50,7 +50,9 @@ def run_deploy(spec, playbook_file: str | None, new_session: bool, options: dict
     from yrpd.deployment import host_group, resolve_inventory, runtime_group, save_deployment
     from yrpd.placement import make_plan
     from yrpd.playbook import PlaybookRunner, StepFailed, load_playbook
-    from yrpd.render import outcome_line
+    from rich.markup import escape
+
+    from yrpd.render import outcome_line, warning_lines
     from yrpd.session import SessionStore, resolve_root
     from yrpd.steps import StepContext
 
@@ -79,6 +81,8 @@ def run_deploy(spec, playbook_file: str | None, new_session: bool, options: dict
                 console.print(f"[{number}/{total}] {step.name} ...")
             else:
                 console.print(f"      {outcome_line(info['outcome'])}")
+                for line in warning_lines(info["outcome"]):
+                    console.print(f"      [yellow]{escape(line)}[/yellow]")
 
         try:
             PlaybookRunner(runtime_group(group, spec, session.id), ctx, session, report).run(playbook)

@@ -21,7 +21,9 @@ def down(**params) -> int:
     from yrpd.console import err
     from yrpd.deployment import Deployment
     from yrpd.playbook import PlaybookFailed, PlaybookRunner, load_playbook
-    from yrpd.render import outcome_line
+    from rich.markup import escape
+
+    from yrpd.render import outcome_line, warning_lines
     from yrpd.session import SessionStore, default_root
 
     console = err()
@@ -39,6 +41,8 @@ def down(**params) -> int:
             console.print(f"{step.name} ...")
         else:
             console.print(f"      {outcome_line(info['outcome'])}")
+            for line in warning_lines(info["outcome"]):
+                console.print(f"      [yellow]{escape(line)}[/yellow]")
 
     # docker runtime: a container that is gone or stopped has nothing of the session running in it
     with deployment.group(absent_ok=True) as group:

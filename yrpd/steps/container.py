@@ -43,8 +43,11 @@ def name(ctx: StepContext) -> str:
     return container_name(ctx.session_id)
 
 
-def multi_host(ctx: StepContext) -> bool:
-    return len(ctx.plan.hosts) > 1
+def hccl_across_hosts(ctx: StepContext) -> bool:
+    """Whether collective communication (HCCL) crosses hosts: only when an instance's ranks span hosts. A PD
+    deployment whose instances each fit one host moves KV through the data system, not HCCL, so it needs neither
+    hccn_tool nor /etc/hccn.conf."""
+    return any(len(inst.hosts) > 1 for inst in ctx.plan.instances)
 
 
 def pull_policy(ctx: StepContext) -> str:
@@ -59,13 +62,19 @@ def deployment_mounts(ctx: StepContext) -> list[Mount]:
     model = ctx.spec.model
     if model and model.startswith("/"):
         mounts.append(Mount(source=model.rstrip("/"), read_only=True, purpose="the model"))
+    # the installs run inside the container: what the spec points them at on the host must be there too
+    if ctx.spec.wheels:
+        mounts.append(Mount(source=ctx.spec.wheels.rstrip("/"), read_only=True, purpose="wheels (the spec's wheels)"))
+    if ctx.spec.env_path:
+        mounts.append(Mount(source=ctx.spec.env_path.rstrip("/"),
+                            purpose="prepared environments (the spec's env_path; models and caches are written there)"))
     return mounts
 
 
 def run_spec(ctx: StepContext, host: HostPlan) -> ContainerRun:
     npus = host.used if host.kind is DeviceKind.npu else ()
     return container_run(profile(ctx), name=name(ctx), image=ctx.spec.image, npus=npus,
-                         mounts=deployment_mounts(ctx), multi_host=multi_host(ctx), session_id=ctx.session_id,
+                         mounts=deployment_mounts(ctx), multi_host=hccl_across_hosts(ctx), session_id=ctx.session_id,
                          engine=engine(ctx))
 
 
@@ -110,10 +119,10 @@ def preflight(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
         extra = profile(ctx).devices if docker(ctx) else ["/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"]
         npu = {"devices": list(host.used), "npu_device": profile(ctx).npu_device if docker(ctx) else "/dev/davinci{id}",
                "nodes": list(extra), "npu_smi": NPU_SMI, "version_file": DRIVER_VERSION_FILE,
-               "hccn_conf": HCCN_CONF if multi_host(ctx) and host.used else None}
+               "hccn_conf": HCCN_CONF if hccl_across_hosts(ctx) and host.used else None}
     box = None
     if docker(ctx):
-        required = [m for m in profile(ctx).mounts_for(multi_host(ctx)) if not m.create]
+        required = [m for m in profile(ctx).mounts_for(hccl_across_hosts(ctx)) if not m.create]
         box = {"engine": engine(ctx), "image": ctx.spec.image, "derived": derived(ctx), "pull": pull_policy(ctx),
                "mounts": [[m.source, m.purpose] for m in required]}
     if npu is None and box is None:
@@ -137,7 +146,7 @@ def ensure(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
         return NotNeeded("runtime host")
     run = run_spec(ctx, host)
     p = profile(ctx)
-    mounts = [[m.source, m.create, m.purpose] for m in [*p.mounts_for(multi_host(ctx)), *deployment_mounts(ctx)]]
+    mounts = [[m.source, m.create, m.purpose] for m in [*p.mounts_for(hccl_across_hosts(ctx)), *deployment_mounts(ctx)]]
     args = _runtime_args(ctx, "ensure", argv=run.argv[1:], image_index=run.image_index - 1, spec=run.spec,
                          spec_hash=run.spec_hash, recreate=bool(ctx.options.get("recreate")),
                          pull=pull_policy(ctx), mounts=mounts)

@@ -14,6 +14,8 @@ from yrpd.placement import HostPlan
 from yrpd.steps import NotNeeded, StepContext, host_python, shell_command
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+#: variables whose value yrpd puts in front of what the environment already holds
+PREPENDED = ("PYTHONPATH",)
 
 
 def _alive_test(ctx: StepContext, name: str) -> str:
@@ -32,7 +34,8 @@ def start_script(ctx: StepContext, name: str, command: str, env: dict | None = N
     d = ctx.host_session_dir
     q = shlex.quote
     exports = {**ctx.spec.env, **(env or {}), "YRPD_SESSION": ctx.session_id, "YRPD_PROCESS": name}
-    env_words = " ".join(f"{k}={q(v)}" for k, v in exports.items())
+    # search paths are extended, not replaced: a container image's own (CANN's PYTHONPATH) must stay in force
+    env_words = " ".join(f"{k}={q(v)}" + (f'"${{{k}:+:${k}}}"' if k in PREPENDED else "") for k, v in exports.items())
     log = q(f"{d}/logs/{name}.log")
     return "\n".join([
         f"mkdir -p {q(d + '/logs')} {q(d + '/run')} {q(d + '/tmp')}",
