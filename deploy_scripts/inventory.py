@@ -45,6 +45,7 @@ print(json.dumps({
     "npus": npus,
     "gpus": gpus,
     "cores": cores,
+    "arch": os.uname().machine,
     "cpu_bf16": cpu_features()[0],
     "cpu_model": cpu_features()[1],
     "npu_smi": shutil.which("npu-smi"),

@@ -73,6 +73,7 @@ site="$root$PREFIX/lib/python3.11/site-packages"
 tar -C "$VLLM_VENV/lib/python3.11/site-packages" --exclude='__pycache__' --exclude='yr' \
     --exclude='openyuanrong_datasystem-*' -cf - . | tar -C "$site" -xf -
 for script in "$VLLM_VENV"/bin/*; do
+    [ -f "$script" ] || continue
     name="$(basename "$script")"
     case "$name" in python*|activate*|dscli|pip*) continue ;; esac
     if head -c 2 "$script" | grep -q '#!'; then

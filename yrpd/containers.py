@@ -105,8 +105,20 @@ class Profile(BaseModel):
     devices: list[str] = []
     mounts: list[Mount] = []
     env: dict[str, str] = {}
+    #: scripts the image's entrypoint or login shell sources (CANN's set_env.sh): `docker exec` runs neither, so
+    #: yrpd sources them, in order, before every command it runs in the container
+    env_scripts: list[str] = []
     #: what keeps the container alive; services are started in it with `docker exec`
     command: list[str] = ["sleep", "infinity"]
+    #: the image's Python that has vLLM: the instances, the proxy and yrpd's connector run with it (not a venv:
+    #: the images install vLLM into a system Python of their own)
+    python: str = "python3"
+    #: its version, X.Y: which data-system client wheel yrpd brings into the image for the connector
+    python_version: str = "3.11"
+    #: the Python the openYuanrong venvs (the yr CLI, the data system) are made from in the container; default
+    #: `python`. The pinned openyuanrong wheels exist for Python 3.10 and 3.11 only
+    cluster_python: str | None = None
+    cluster_python_version: str | None = None
 
     @field_validator("name")
     @classmethod
@@ -152,6 +164,28 @@ class Profile(BaseModel):
                     raise ValueError(f"{key!r} is not an environment variable name")
             return {str(k): "" if v is None else str(v) for k, v in value.items()}
         return value
+
+    @field_validator("python_version", "cluster_python_version")
+    @classmethod
+    def _py_version(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^3\.[0-9]{1,2}$", str(value)):
+            raise ValueError(f"{value!r} is not a Python version like 3.11")
+        return value
+
+    @field_validator("env_scripts")
+    @classmethod
+    def _scripts(cls, value: list[str]) -> list[str]:
+        for path in value:
+            if not path.startswith("/"):
+                raise ValueError(f"{path!r} must be an absolute path in the image")
+        return value
+
+    @property
+    def cluster_interpreter(self) -> tuple[str, str]:
+        """(path, X.Y) of the Python the openYuanrong venvs are made from."""
+        if self.cluster_python:
+            return self.cluster_python, self.cluster_python_version or self.python_version
+        return self.python, self.python_version
 
     @field_validator("command")
     @classmethod

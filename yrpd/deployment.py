@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from yrpd.errors import SessionError
-from yrpd.hostgroup import Host, HostGroup, SshSettings
+from yrpd.hostgroup import GroupResult, Host, HostGroup, SshSettings
 from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.session import Session
 from yrpd.spec import DeploySpec, DeviceKind, Dtype, HostSpec, Runtime
@@ -48,7 +48,9 @@ def needs_probe(spec: DeploySpec) -> list[str]:
     for h in spec.hosts:
         kind = h.device_kind or spec.device_kind
         cpu_decides = spec.dtype is Dtype.auto and kind in (DeviceKind.auto, DeviceKind.cpu)
-        if (h.devices if h.devices is not None else spec.devices) is None or cpu_decides:
+        # runtime docker: which wheels yrpd brings into the container depends on the host's architecture
+        arch_matters = spec.runtime is Runtime.docker
+        if (h.devices if h.devices is not None else spec.devices) is None or cpu_decides or arch_matters:
             missing.append(h.name)
     return missing
 
@@ -66,9 +68,13 @@ def resolve_inventory(spec: DeploySpec, group: HostGroup | None = None) -> dict[
         finally:
             if own:
                 group.close()
-        results.raise_on_failure("detecting devices")
+        # without its devices a host cannot be planned; its CPU flags and architecture are only refinements (an
+        # unreachable host is then reported per host by the deploy's own first step, and the deploy resumes)
+        unknown = {h.name for h in spec.hosts if (h.devices if h.devices is not None else spec.devices) is None}
+        GroupResult({n: r for n, r in results.items() if n in unknown}).raise_on_failure("detecting devices")
         for name, result in results.items():
-            detected[name] = json.loads(result.stdout.strip().splitlines()[-1])
+            if result.ok:
+                detected[name] = json.loads(result.stdout.strip().splitlines()[-1])
     for h in spec.hosts:
         kind = h.device_kind or spec.device_kind
         devices = h.devices if h.devices is not None else spec.devices
@@ -79,7 +85,7 @@ def resolve_inventory(spec: DeploySpec, group: HostGroup | None = None) -> dict[
             if devices is None:
                 devices = {"npu": found["npus"], "gpu": found["gpus"], "cpu": found["cores"]}[kind.value]
         inventory[h.name] = HostInventory(kind=kind, devices=tuple(devices or ()), ip=host_ip(spec, h),
-                                          cpu_bf16=found.get("cpu_bf16"))
+                                          cpu_bf16=found.get("cpu_bf16"), arch=found.get("arch"))
     return inventory
 
 
@@ -109,13 +115,13 @@ def host_ip(spec: DeploySpec, host: HostSpec) -> str | None:
 
 
 def inventory_to_json(inventory: dict[str, HostInventory]) -> dict:
-    return {name: {"kind": inv.kind.value, "devices": list(inv.devices), "ip": inv.ip, "cpu_bf16": inv.cpu_bf16}
-            for name, inv in inventory.items()}
+    return {name: {"kind": inv.kind.value, "devices": list(inv.devices), "ip": inv.ip, "cpu_bf16": inv.cpu_bf16,
+                   "arch": inv.arch} for name, inv in inventory.items()}
 
 
 def inventory_from_json(data: dict) -> dict[str, HostInventory]:
-    return {name: HostInventory(DeviceKind(v["kind"]), tuple(v["devices"]), v.get("ip"), v.get("cpu_bf16"))
-            for name, v in data.items()}
+    return {name: HostInventory(DeviceKind(v["kind"]), tuple(v["devices"]), v.get("ip"), v.get("cpu_bf16"),
+                                v.get("arch")) for name, v in data.items()}
 
 
 @dataclass

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import threading
 import time
@@ -55,6 +56,9 @@ class Command:
     timeout: float = 120
     #: run on the host even where the host's commands go into its container (docker runtime)
     on_host: bool = False
+    #: (file or directory here, path on the host) copied before the script runs; a file the host already has at
+    #: that size is not copied again
+    uploads: tuple[tuple[str, str], ...] = ()
 
     def __str__(self) -> str:
         return self.display or self.script
@@ -136,6 +140,14 @@ CONTAINER_EXEC_GRACE = 20
 CONTAINER_DOWN = 125
 
 
+def upload_pairs(local: str, remote: str) -> list[tuple[Path, str]]:
+    """(file here, path there) for a file, or for each file of a directory (not recursive)."""
+    path = Path(local)
+    if path.is_dir():
+        return [(f, f"{remote.rstrip('/')}/{f.name}") for f in sorted(path.iterdir()) if f.is_file()]
+    return [(path, remote)]
+
+
 def on_host(command: Command) -> Command:
     """The same command, marked to run on the host itself under the docker runtime."""
     return replace(command, on_host=True)
@@ -160,8 +172,9 @@ def container_exec(command: Command, container: str, engine: str = "docker", abs
         f"if [ \"$({engine} inspect -f '{{{{.State.Running}}}}' {name} 2>/dev/null)\" != true ]; then {down}; fi",
         f"exec {engine} exec {name} {wrap_timeout(command.script, command.timeout)}",
     ])
+    # uploads land on the host: the paths yrpd uploads to (the session root) are mounted into the container
     return Command(script, display=f"in container {container}: {command}",
-                   timeout=command.timeout + CONTAINER_EXEC_GRACE, on_host=True)
+                   timeout=command.timeout + CONTAINER_EXEC_GRACE, on_host=True, uploads=command.uploads)
 
 
 #: the environment of yrpd's own Python, which must not reach what runs on a local host (an SSH login has none of it)
@@ -177,10 +190,22 @@ class LocalRunner:
         self.host = host
         self._streams: set[subprocess.Popen] = set()
 
+    def upload(self, local: str, remote: str) -> None:
+        for source, dest in upload_pairs(local, remote):
+            target = Path(dest)
+            if target.is_file() and target.stat().st_size == source.stat().st_size:
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            part = target.with_name(target.name + ".part")
+            shutil.copyfile(source, part)
+            part.rename(target)
+
     def run(self, command: Command, on_line: Callable[[str, str], None] | None = None) -> HostResult:
         started = time.monotonic()
         wrapped = wrap_timeout(command.script, command.timeout)
         try:
+            for local, remote in command.uploads:
+                self.upload(local, remote)
             if on_line is None:
                 proc = subprocess.run(
                     ["bash", "-c", wrapped], stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
@@ -272,11 +297,31 @@ class SshRunner:
             self._conn = conn
         return self._conn
 
+    def upload(self, local: str, remote: str) -> None:
+        """Copy a file over SFTP unless the host has it at that size; written beside, then renamed into place."""
+        conn = self._connection()
+        sftp = conn.sftp()
+        made: set[str] = set()
+        for source, dest in upload_pairs(local, remote):
+            try:
+                if sftp.stat(dest).st_size == source.stat().st_size:
+                    continue
+            except OSError:
+                pass
+            parent = str(Path(dest).parent)
+            if parent not in made:
+                conn.run(f"mkdir -p {shlex.quote(parent)}", hide=True, in_stream=False)
+                made.add(parent)
+            sftp.put(str(source), dest + ".part")
+            sftp.posix_rename(dest + ".part", dest)
+
     def run(self, command: Command, on_line: Callable[[str, str], None] | None = None) -> HostResult:
         started = time.monotonic()
         wrapped = wrap_timeout(command.script, command.timeout)
         try:
             conn = self._connection()
+            for local, remote in command.uploads:
+                self.upload(local, remote)
             kwargs: dict = {"hide": True, "warn": True, "in_stream": False, "pty": False}
             if on_line is not None:
                 sink = _LineWriter(self.host.name, on_line)

@@ -33,6 +33,7 @@ class HostInventory:
     devices: tuple[int, ...]
     ip: str | None = None  # address other hosts reach it at; None until resolved
     cpu_bf16: bool | None = None  # its CPU has bf16 instructions; None until detected
+    arch: str | None = None  # `uname -m` (x86_64, aarch64); None until detected
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class HostPlan:
     used: tuple[int, ...]
     ports: dict[str, int] = field(default_factory=dict)
     ip: str | None = None
+    arch: str | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ class Plan:
                     "used_devices": list(h.used),
                     "ports": dict(h.ports),
                     "ip": h.ip,
+                    "arch": h.arch,
                 }
                 for h in self.hosts
             ],
@@ -249,6 +252,7 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
                 used=tuple(used_devices),
                 ports=host_ports,
                 ip=inventory[h.name].ip,
+                arch=inventory[h.name].arch,
             )
         )
     serving = {r.host for i in instances for r in i.ranks}

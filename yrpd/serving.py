@@ -42,6 +42,8 @@ class HostPaths:
     env_root: str
     session_dir: str
     bundle_dir: str
+    #: the Python that has vLLM when it is not yrpd's venv: a container image's own (its profile's `python`)
+    image_python: str | None = None
 
     @property
     def vllm_venv(self) -> str:
@@ -49,11 +51,17 @@ class HostPaths:
 
     @property
     def python(self) -> str:
-        return f"{self.vllm_venv}/bin/python"
+        return self.image_python or f"{self.vllm_venv}/bin/python"
 
     @property
     def vllm(self) -> str:
-        return f"{self.vllm_venv}/bin/vllm"
+        """The `vllm` command installed beside that Python."""
+        return f"{self.python.rsplit('/', 1)[0]}/vllm" if "/" in self.python else "vllm"
+
+    @property
+    def wheels_dir(self) -> str:
+        """Where wheels yrpd brings from the controller land (under the session: a container mounts it)."""
+        return f"{self.session_dir}/wheels"
 
     @property
     def models_dir(self) -> str:

@@ -22,9 +22,14 @@ from yrpd.errors import SessionError
 SESSION_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
 
 
-def default_root() -> Path:
+def yrpd_home() -> Path:
+    """yrpd's own directory where it runs: $YRPD_HOME, else ~/.yrpd (sessions, the wheel cache)."""
     home = os.environ.get("YRPD_HOME")
-    return (Path(home) if home else Path("~/.yrpd").expanduser()) / "sessions"
+    return Path(home) if home else Path("~/.yrpd").expanduser()
+
+
+def default_root() -> Path:
+    return yrpd_home() / "sessions"
 
 
 def resolve_root(session_root: str | None) -> Path:

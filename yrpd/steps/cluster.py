@@ -25,7 +25,7 @@ from yrpd.cluster.yrconfig import (
 )
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
-from yrpd.spec import ClusterMode
+from yrpd.spec import ClusterMode, Runtime
 from yrpd.steps import StepContext, host_python, shell_command
 from yrpd.versions import OPENYUANRONG, OPENYUANRONG_DATASYSTEM, PYTHON_TAG
 
@@ -56,12 +56,21 @@ def yr_ports(ctx: StepContext) -> YrPorts:
     return YrPorts(etcd_client=p.etcd, etcd_peer=p.etcd + 1, ds_master=p.ds_master, ds_worker=p.datasystem)
 
 
+def python_tag(ctx: StepContext) -> str:
+    """`pythonX.Y` of the venvs' lib directory: the image's cluster Python under runtime docker."""
+    if ctx.spec.runtime is Runtime.docker:
+        from yrpd.containers import container_profile
+
+        return f"python{container_profile(ctx.spec).cluster_interpreter[1]}"
+    return PYTHON_TAG
+
+
 def node(ctx: StepContext, host: HostPlan, mode: str) -> YrNode:
     yr_venv, ds_venv = venvs(ctx)
     return YrNode(
         host_ip=_address(host), is_master=host.is_master, master_ip=_address(master(ctx)),
         deploy_path=deploy_path(ctx), mode=mode, ports=yr_ports(ctx), yr_venv=yr_venv, ds_venv=ds_venv,
-        python_tag=PYTHON_TAG, shared_memory_mb=ctx.spec.datasystem_memory_mb,
+        python_tag=python_tag(ctx), shared_memory_mb=ctx.spec.datasystem_memory_mb,
     )
 
 
@@ -86,13 +95,24 @@ def install(ctx: StepContext, host: HostPlan) -> Command:
             f"openyuanrong-datasystem=={OPENYUANRONG_DATASYSTEM} in {ds_venv}: "
             f"run deploy_scripts/install_openyuanrong.sh there or drop --env-path' >&2; exit 1",
             display=f"verify the prepared environment {ctx.spec.env_path}")
+    from yrpd.steps.brought import CLUSTER, brought
+
     body = deploy_script("install_openyuanrong.sh")
-    wheels = f"--wheels {shlex.quote(ctx.spec.wheels)} " if ctx.spec.wheels else ""
+    source, uploads = brought(ctx, host, CLUSTER)
+    source = source or ctx.spec.wheels
+    wheels = f"--wheels {shlex.quote(source)} " if source else ""
+    python = ""
+    if ctx.spec.runtime is Runtime.docker:  # made from the image's Python inside the container
+        from yrpd.containers import container_profile
+
+        python = f"--python {shlex.quote(container_profile(ctx.spec).cluster_interpreter[0])} "
     script = (
         f"export YR_VERSION={OPENYUANRONG} DS_VERSION={OPENYUANRONG_DATASYSTEM}\n"
-        f"bash -s -- {wheels}{shlex.quote(yr_venv)} {shlex.quote(ds_venv)} <<'YRPD_SCRIPT_END'\n{body}\nYRPD_SCRIPT_END\n"
+        f"bash -s -- {wheels}{python}{shlex.quote(yr_venv)} {shlex.quote(ds_venv)} <<'YRPD_SCRIPT_END'\n{body}\n"
+        "YRPD_SCRIPT_END\n"
     )
-    return Command(script, display=f"deploy_scripts/install_openyuanrong.sh {wheels}{yr_venv} {ds_venv}", timeout=900)
+    return Command(script, display=f"deploy_scripts/install_openyuanrong.sh {wheels}{python}{yr_venv} {ds_venv}",
+                   timeout=900, uploads=uploads)
 
 
 def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command:
@@ -115,7 +135,7 @@ def configure(ctx: StepContext, host: HostPlan) -> Command:
         lines.append(f"cat > {q(d + '/config.' + mode + '.toml')} <<'YRPD_CONFIG_END'\n{text}YRPD_CONFIG_END")
     if ctx.spec.cluster_mode is ClusterMode.auto:
         yr_venv, _ = venvs(ctx)
-        function_master = f"{yr_venv}/lib/{PYTHON_TAG}/site-packages/yr/functionsystem/bin/function_master"
+        function_master = f"{yr_venv}/lib/{python_tag(ctx)}/site-packages/yr/functionsystem/bin/function_master"
         lines.append(f"if [ -x {q(function_master)} ]; then mode=full; else mode=ds_only; fi")
     else:
         lines.append(f"mode={ctx.spec.cluster_mode.value}")

@@ -49,12 +49,16 @@ def build(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     skip = _not_needed(ctx, host)
     if skip:
         return skip
+    from yrpd.steps.brought import MODEL, brought
+
     p = paths(ctx)
     name, out = builtin_model(ctx.spec), model_path(ctx.spec, p)
-    argv = [p.python, *builder_args(name, out, p, ctx.spec.wheels)]
+    source, uploads = brought(ctx, host, MODEL)
+    argv = [p.python, *builder_args(name, out, p, source or ctx.spec.wheels)]
     script = (f"PYTHONPATH={shlex.quote(p.bundle_dir)} HF_HUB_OFFLINE=1 "
               + " ".join(shlex.quote(a) for a in argv))
-    return Command(script, display=f"make the built-in model {name} into {out}: {script}", timeout=900)
+    return Command(script, display=f"make the built-in model {name} into {out}: {script}", timeout=900,
+                   uploads=uploads)
 
 
 def built(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:

