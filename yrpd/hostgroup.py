@@ -153,7 +153,13 @@ def on_host(command: Command) -> Command:
     return replace(command, on_host=True)
 
 
-def container_exec(command: Command, container: str, engine: str = "docker", absent_ok: bool = False) -> Command:
+def env_preamble(scripts: Iterable[str]) -> str:
+    """Shell lines sourcing what the image's entrypoint would have (CANN's set_env.sh): `docker exec` skips it."""
+    return "".join(f"[ -f {shlex.quote(f)} ] && . {shlex.quote(f)} >/dev/null\n" for f in scripts)
+
+
+def container_exec(command: Command, container: str, engine: str = "docker", absent_ok: bool = False,
+                   preamble: str = "") -> Command:
     """`command` run inside `container` on its host: `ENGINE exec CONTAINER timeout ... bash -c SCRIPT`.
 
     The command's timeout is applied inside the container (killing the `docker exec` client would leave the
@@ -170,7 +176,7 @@ def container_exec(command: Command, container: str, engine: str = "docker", abs
                 f"run the same yrpd deploy again)\" >&2; exit {CONTAINER_DOWN}")
     script = "\n".join([
         f"if [ \"$({engine} inspect -f '{{{{.State.Running}}}}' {name} 2>/dev/null)\" != true ]; then {down}; fi",
-        f"exec {engine} exec {name} {wrap_timeout(command.script, command.timeout)}",
+        f"exec {engine} exec {name} {wrap_timeout(preamble + command.script, command.timeout)}",
     ])
     # uploads land on the host: the paths yrpd uploads to (the session root) are mounted into the container
     return Command(script, display=f"in container {container}: {command}",
@@ -341,10 +347,11 @@ class SshRunner:
                 self._conn = None
 
 
-def as_run_in(command: Command, container: str, engine: str = "docker", absent_ok: bool = False) -> Command:
+def as_run_in(command: Command, container: str, engine: str = "docker", absent_ok: bool = False,
+              preamble: str = "") -> Command:
     """What runs on the host for a step's command under the docker runtime: the command itself when it is
-    marked on_host, otherwise the command inside the container."""
-    return command if command.on_host else container_exec(command, container, engine, absent_ok)
+    marked on_host, otherwise the command inside the container (after `preamble`)."""
+    return command if command.on_host else container_exec(command, container, engine, absent_ok, preamble)
 
 
 class ContainerRunner:
@@ -352,14 +359,16 @@ class ContainerRunner:
     marked `on_host`."""
 
     def __init__(self, inner: "LocalRunner | SshRunner", container: str, engine: str = "docker",
-                 absent_ok: bool = False):
+                 absent_ok: bool = False, preamble: str = ""):
         self.inner = inner
         self.container = container
         self.engine = engine
         self.absent_ok = absent_ok
+        self.preamble = preamble
 
     def run(self, command: Command, on_line: Callable[[str, str], None] | None = None) -> HostResult:
-        result = self.inner.run(as_run_in(command, self.container, self.engine, self.absent_ok), on_line)
+        result = self.inner.run(as_run_in(command, self.container, self.engine, self.absent_ok, self.preamble),
+                                on_line)
         result.command = str(command)  # the report names the step's command, not its docker exec wrapper
         return result
 
@@ -431,6 +440,8 @@ class HostGroup:
     engine: str = "docker"
     #: teardown: a container that is not running means nothing runs in it (exit 0 instead of 125)
     absent_ok: bool = False
+    #: shell lines run in the container before each command (env_preamble of the profile's env_scripts)
+    preamble: str = ""
 
     def __post_init__(self) -> None:
         self._runners: dict[str, LocalRunner | SshRunner] = {}
@@ -448,15 +459,17 @@ class HostGroup:
 
     def subset(self, names: Iterable[str]) -> "HostGroup":
         wanted = set(names)
-        return self._view([h for h in self.hosts if h.name in wanted], self.containers, self.engine, self.absent_ok)
+        return self._view([h for h in self.hosts if h.name in wanted], self.containers, self.engine, self.absent_ok,
+                          self.preamble)
 
     def in_containers(self, containers: Mapping[str, str], engine: str = "docker",
-                      absent_ok: bool = False) -> "HostGroup":
+                      absent_ok: bool = False, preamble: str = "") -> "HostGroup":
         """A view of the same hosts (and connections) whose commands run in the named containers."""
-        return self._view(list(self.hosts), dict(containers), engine, absent_ok)
+        return self._view(list(self.hosts), dict(containers), engine, absent_ok, preamble)
 
-    def _view(self, hosts: list[Host], containers: Mapping[str, str], engine: str, absent_ok: bool) -> "HostGroup":
-        group = HostGroup(hosts, self.ssh, self.max_parallel, dict(containers), engine, absent_ok)
+    def _view(self, hosts: list[Host], containers: Mapping[str, str], engine: str, absent_ok: bool,
+              preamble: str = "") -> "HostGroup":
+        group = HostGroup(hosts, self.ssh, self.max_parallel, dict(containers), engine, absent_ok, preamble)
         group._runners = self._runners  # share open connections
         group._lock = self._lock
         return group
@@ -467,7 +480,7 @@ class HostGroup:
                 self._runners[host.name] = LocalRunner(host) if host.local else SshRunner(host, self.ssh)
             runner = self._runners[host.name]
         if host.name in self.containers:
-            return ContainerRunner(runner, self.containers[host.name], self.engine, self.absent_ok)
+            return ContainerRunner(runner, self.containers[host.name], self.engine, self.absent_ok, self.preamble)
         return runner
 
     def run(self, commands: Command | Mapping[str, Command] | Callable[[Host], Command | None],

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from yrpd.placement import Plan, describe_devices, unit_name
-from yrpd.spec import DeploySpec, Dtype
+from yrpd.spec import DeploySpec, Dtype, Runtime
 from yrpd.steps import NotNeeded
 
 
@@ -41,8 +41,16 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
                       describe_devices(h.devices), describe_devices(h.used),
                       ", ".join(f"{k} {v}" for k, v in h.ports.items()))
     how = f"{plan.dtype.reason}; --dtype overrides" if spec.dtype is Dtype.auto else "set with --dtype"
-    dtype = Text(f"dtype: {plan.dtype.shown} - {how}")
-    return [summary, dtype, table, Text("Hosts", style="bold"), hosts]
+    lines = [summary, Text(f"dtype: {plan.dtype.shown} - {how}")]
+    if spec.runtime is Runtime.docker:
+        from yrpd.containers import container_profile
+
+        profile = container_profile(spec)
+        cluster_py, cluster_version = profile.cluster_interpreter
+        lines.append(Text(f"containers ({profile.name}): instances and proxy run the image's {profile.python} "
+                          f"(Python {profile.python_version}); openYuanrong venvs {spec.env_root}/{{yr,ds}} inside "
+                          f"the container, made from {cluster_py} (Python {cluster_version})"))
+    return [*lines, table, Text("Hosts", style="bold"), hosts]
 
 
 def outcome_line(outcome) -> str:

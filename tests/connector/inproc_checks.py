@@ -208,6 +208,26 @@ def consumer_waits_for_announced_blocks_then_gives_up(env: Env):
 
 
 @check
+def producer_reads_vllm_0_10_scheduler_output(env: Env):
+    """vLLM 0.10 (the vllm-ascend v0.10 image) names multimodal inputs `mm_hashes` on NewRequestData, not
+    `mm_features`: a stand-in with exactly 0.10's multimodal field names (not the real 0.10 class, which needs
+    vLLM 0.10 installed) must be read, and its hashes must change the keys."""
+    c = env.connector("kv_producer", "scheduler")
+    toks = tokens(300, 11)
+
+    def req_010(req_id, mm_hashes):
+        return SimpleNamespace(req_id=req_id, prompt_token_ids=toks, block_ids=([1, 2, 3],), num_computed_tokens=0,
+                               lora_request=None, mm_inputs=[], mm_hashes=mm_hashes, mm_positions=[],
+                               sampling_params=None, pooling_params=None)
+
+    plain = c.build_connector_meta(sched_output(new=[req_010("p", [])], num_sched={"p": 300}))
+    image = c.build_connector_meta(sched_output(new=[req_010("i", ["img-abc"])], num_sched={"i": 300}))
+    assert len(plain.saves[0].digests) == 2 and plain.saves[0].digests != image.saves[0].digests
+    assert plain.saves[0].digests == K.prefix_digests(toks, BS, 2)
+    c.shutdown()
+
+
+@check
 def consumer_refuses_kv_of_another_dtype_with_one_line(env: Env):
     import logging
 

@@ -240,7 +240,8 @@ class DockerHosts:
         for host in self.lab.hosts:
             self.started.append(host)
             start_dockerd(host)
-            install_fake_ascend_driver(host, npus)
+            if npus:
+                install_fake_ascend_driver(host, npus)
         return self
 
     def load_image(self, image: str, rootfs: Path, staged: Path) -> None:
@@ -249,6 +250,24 @@ class DockerHosts:
         def one(host: FakeHost) -> None:
             try:
                 load_standin_image(host, rootfs, staged, image)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(h,)) for h in self.lab.hosts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def load_archive(self, archive: str) -> None:
+        """`docker load` an image archive on every host at once (they see this machine's files)."""
+        errors: list[BaseException] = []
+
+        def one(host: FakeHost) -> None:
+            try:
+                host.exec(f"docker load -q -i {shlex.quote(archive)}", timeout=900)
             except BaseException as exc:  # reported below
                 errors.append(exc)
 

@@ -98,7 +98,9 @@ def test_docker_runtime_container_patch_derived_image_and_teardown(docker_hosts,
     for host in lab.hosts:
         host.exec(f"mkdir -p {MODEL} && echo '{{}}' > {MODEL}/config.json")
     profile = tmp_path / "profile.yaml"
-    profile.write_text(PROFILE.read_text())  # a copy the test edits later (a changed container spec)
+    # a copy the test edits later (a changed container spec); this test's stand-in image has only Debian's python3
+    # (no vLLM: this test serves nothing), where the real image's Python is /usr/local/python3.11.13
+    profile.write_text(PROFILE.read_text().replace("python: /usr/local/python3.11.13/bin/python3", "python: python3"))
     home = tmp_path / "home"
     cli = Cli(lab, home, profile)
 
@@ -177,7 +179,7 @@ def test_docker_runtime_container_patch_derived_image_and_teardown(docker_hosts,
 
     # 4. a changed container spec is refused, naming the difference; --recreate replaces the container,
     #    which now starts from the derived image: patch, install and commit are skipped
-    profile.write_text(PROFILE.read_text().replace("shm_size: 64g", "shm_size: 32g"))
+    profile.write_text(profile.read_text().replace("shm_size: 64g", "shm_size: 32g"))
     refused = cli.deploy()
     assert refused.returncode == 1
     assert f"container {name} exists with another spec" in refused.stderr

@@ -65,6 +65,10 @@ def run_deploy(spec, playbook_file: str | None, new_session: bool, options: dict
     with host_group(spec) as group:
         inventory = resolve_inventory(spec, group)
         placement = make_plan(spec, inventory)
+        # runtime docker: the wheels the containers get from here, downloaded before any host is changed
+        from yrpd.steps.brought import prepare
+
+        prepare(StepContext(spec=spec, plan=placement))
         if session is None:
             session = store.create()
             console.print(f"session {session.id} ({session.path})")

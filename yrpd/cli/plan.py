@@ -61,11 +61,11 @@ def in_containers(spec, ctx, steps):
 
     if spec.runtime is not Runtime.docker:
         return steps
-    from yrpd.containers import container_name
-    from yrpd.hostgroup import as_run_in
-
+    from yrpd.containers import container_name, container_profile
+    from yrpd.hostgroup import as_run_in, env_preamble
     from yrpd.steps import NotNeeded
 
     name, engine = container_name(ctx.session_id), spec.container_engine.value
-    return [(step, {host: cmd if isinstance(cmd, NotNeeded) else as_run_in(cmd, name, engine)
+    preamble = env_preamble(container_profile(spec).env_scripts)
+    return [(step, {host: cmd if isinstance(cmd, NotNeeded) else as_run_in(cmd, name, engine, preamble=preamble)
                     for host, cmd in commands.items()}) for step, commands in steps]

@@ -373,23 +373,30 @@ class YuanrongConnector(KVConnectorBase_V1):
         return [self.namespace(t, p).digest for p in range(self.pp_size) for t in range(self.tp_size)]
 
     @staticmethod
-    def _request_extra(lora_request: Any, cache_salt: Any, mm_features: Any) -> tuple:
+    def _request_extra(lora_request: Any, cache_salt: Any, mm_ids: list) -> tuple:
         extra: list = []
         if lora_request is not None:
             extra.append(("lora", getattr(lora_request, "lora_name", None) or str(lora_request)))
         if cache_salt:
             extra.append(("salt", str(cache_salt)))
-        for f in mm_features or ():
-            ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
-            extra.append(("mm", str(ident)))
+        extra.extend(("mm", str(ident)) for ident in mm_ids)
         return tuple(extra)
+
+    @staticmethod
+    def _mm_ids(obj: Any) -> list:
+        """Identities of a request's multimodal inputs: `mm_features` (vLLM >= 0.11) or `mm_hashes` (vLLM 0.10,
+        the vllm-ascend v0.10 image), on a Request and on the scheduler's NewRequestData alike."""
+        features = getattr(obj, "mm_features", None)
+        if features:
+            return [getattr(f, "identifier", None) or getattr(f, "mm_hash", None) for f in features]
+        return list(getattr(obj, "mm_hashes", None) or ())
 
     def _eligible(self, request: "Request") -> tuple[list, tuple] | None:
         tokens = getattr(request, "prompt_token_ids", None)
         if not tokens or getattr(request, "prompt_embeds", None) is not None:
             return None
         extra = self._request_extra(getattr(request, "lora_request", None), getattr(request, "cache_salt", None),
-                                    getattr(request, "mm_features", None))
+                                    self._mm_ids(request))
         return tokens, extra
 
     def _start_reporter(self, rank: int, namespace: str, engine: str = "") -> None:
@@ -583,7 +590,7 @@ class YuanrongConnector(KVConnectorBase_V1):
                 continue
             st = _ReqState(new_req.req_id, tokens,
                            self._request_extra(new_req.lora_request, getattr(new_req, "cache_salt", None),
-                                               new_req.mm_features))
+                                               self._mm_ids(new_req)))
             st.block_ids = list(new_req.block_ids[0]) if new_req.block_ids else []
             st.saved_upto = self._loaded_upto.pop(new_req.req_id, 0)
             prev = self._states.get(new_req.req_id)

@@ -80,21 +80,23 @@ def resolve(ref: str) -> StepFunction:
     return func
 
 
-def host_python(script_name: str, args: dict, timeout: float = 120) -> Command:
-    """Run one of deploy_scripts/*.py with the host's python3, the script inlined as a here-document.
+def host_python(script_name: str, args: dict, timeout: float = 120, python: str = "python3") -> Command:
+    """Run one of deploy_scripts/*.py with the host's python3 (or `python`), the script inlined as a here-document.
 
     The script travels inside the command (no stdin, no copy step), so it works the same over SSH and locally.
     """
     body = deploy_script(script_name)
     assert "YRPD_SCRIPT_END" not in body
     arg = shlex.quote(json.dumps(args, sort_keys=True))
+    py = shlex.quote(python)
     script = (
-        'command -v python3 >/dev/null 2>&1 || { echo "python3 not found on PATH ($PATH); install python3 (3.8+)" >&2; exit 127; }\n'
-        f"python3 - {arg} <<'YRPD_SCRIPT_END'\n{body}\nYRPD_SCRIPT_END\n"
+        f'command -v {py} >/dev/null 2>&1 || {{ echo "{python} not found (PATH $PATH); install python3 (3.8+)" >&2; '
+        "exit 127; }\n"
+        f"{py} - {arg} <<'YRPD_SCRIPT_END'\n{body}\nYRPD_SCRIPT_END\n"
         # keep the script's status even when a caller appends commands after it
         "status=$?; [ $status -eq 0 ] || exit $status\n"
     )
-    return Command(script=script, display=f"python3 deploy_scripts/{script_name} {arg}", timeout=timeout)
+    return Command(script=script, display=f"{python} deploy_scripts/{script_name} {arg}", timeout=timeout)
 
 
 def shell_command(script: str, timeout: float = 120, display: str | None = None) -> Command:

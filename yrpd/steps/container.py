@@ -207,8 +207,9 @@ def patch(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
 
     bundle_dir, marker = _patch_paths(ctx)
     p = profile(ctx)
+    # the image's own Python: the one whose import of vllm-ascend must come from the patched tree
     run = host_python("container_patch.py", {"bundle": bundle_dir, "tree": p.source_tree, "reinstall": p.reinstall,
-                                             "marker": marker}, timeout=1800)
+                                             "marker": marker}, timeout=1800, python=p.python)
     unpack = f"if [ ! -f {shlex.quote(bundle_dir)}/.complete ]; then\n{unpack_script(bundle_dir, patch_bundle()[1])}\nfi"
     return Command(f"{unpack}\n{run.script}", display=f"unpack yrpd's patch manager and series into {bundle_dir}; "
                                                      f"{run.display}", timeout=run.timeout)

@@ -1,0 +1,122 @@
+"""PD serving inside containers on two fake hosts, each with its own dockerd, from a STAND-IN vllm-ascend image.
+
+The stand-in (scripts/build_standin_image.sh) has vLLM's CPU build in the image's own Python under /usr/local, the
+vllm-ascend 0.10.0rc1 tree, an image ENV PYTHONPATH and an entrypoint-only variable, and no network inside. yrpd
+brings the data-system client and the openYuanrong wheels from here, runs the cluster, the instances and the proxy
+inside the containers; the answers must be those of one plain vLLM instance. What is FAKE: no NPU, no CANN.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_yrpd
+from tests.lab import real_model as rm
+
+from .dockerlab import DockerHosts, _under_ci, docker_unavailable
+
+pytestmark = [pytest.mark.lab, pytest.mark.e2e]
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILE = REPO / "containers" / "standin-cpu.yaml"
+
+
+def _unavailable(reason: str):
+    if _under_ci():
+        pytest.fail(f"{reason} (CI=true: a missing prerequisite is a failure, not a skip)")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def standin(fake_lab):
+    reason = docker_unavailable()
+    if reason:
+        _unavailable(reason)
+    if not (rm.VLLM / "bin" / "vllm").exists():
+        _unavailable(f"{rm.VLLM} missing: run scripts/test.sh (it installs it)")
+    proc = subprocess.run([str(REPO / "scripts" / "build_standin_image.sh")], capture_output=True, text=True,
+                          timeout=1800, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        _unavailable(f"building the stand-in image failed:\n{proc.stderr[-3000:]}")
+    tag, archive = proc.stdout.strip().splitlines()[-2:]
+    lab = fake_lab(2, docker=True)
+    hosts = DockerHosts(lab)
+    try:
+        hosts.start(0)
+        started = time.monotonic()
+        hosts.load_archive(archive)
+        print(f"measured: stand-in image loaded on 2 hosts in {time.monotonic() - started:.1f}s")
+        yield lab, tag
+    finally:
+        hosts.close()
+
+
+def test_pd_in_containers_answers_like_one_instance_and_leaves_nothing(standin, tmp_path):
+    lab, image = standin
+    home = tmp_path / "home"
+    config = tmp_path / "yrpd.yaml"
+    config.write_text("hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n"
+                      "device_kind: cpu\nmodel: builtin:smollm2\ndatasystem_memory_mb: 256\ncluster_mode: ds_only\n")
+    ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+    spec = ["--hosts", "h1,h2", "--config", str(config), "--runtime", "docker", "--image", image,
+            "--container-profile", str(PROFILE)]
+    env = {"YRPD_HOME": str(home)}
+
+    def cli(*args, check=None, timeout=900):
+        return run_yrpd(*args, *ssh, env=env, check=check, timeout=timeout)
+
+    plan = cli("plan", *spec, check=0).stdout
+    assert "/usr/local/python3.11.7/bin/python3" in plan  # the image's Python runs the instances
+    dtype = json.loads(cli("plan", *spec, "--json", check=0).stdout)["dtype"]["dtype"]
+    reference = rm.Reference(dtype)
+    try:
+        started = time.monotonic()
+        deploy = cli("deploy", *spec, check=0, timeout=1800)
+        print(f"measured: deploy in containers (cold) {time.monotonic() - started:.1f}s\n{deploy.stderr}")
+        proxy = deploy.stdout.strip().splitlines()[-1]
+
+        reference.wait()
+        got = rm.answers(proxy)
+        rm.assert_known_answers(got)
+        assert got == rm.answers(reference.url)
+
+        report = json.loads(cli("status", "--json", check=0).stdout)
+        assert report["healthy"], report["problems"]
+        decode = next(i for i in report["instances"] if i["role"] == "decode")
+        assert decode["host"] == "h2" and decode["prompt_tokens_loaded"] >= 11 * 128  # across hosts, from the cache
+        session = report["session"]
+        for host in lab.hosts:
+            box = json.loads(host.exec(f"docker inspect yrpd-{session}").stdout)[0]
+            assert box["State"]["Running"]
+            # the instance runs the image's Python, sees the image's PYTHONPATH and the entrypoint's environment
+            name = "prefill-0" if host.name == "h1" else "decode-0"
+            pid = host.exec(f"docker exec yrpd-{session} cat /tmp/yrpd_sessions/{session}/run/{name}.pid").stdout.strip()
+            environ = host.exec(f"docker exec yrpd-{session} cat /proc/{pid}/environ").stdout.split("\0")
+            assert "YRPD_STANDIN_CANN_ENV=sourced" in environ
+            path = next(e for e in environ if e.startswith("PYTHONPATH="))
+            assert path.endswith(":/usr/local/Ascend/ascend-toolkit/latest/python/site-packages"), path
+        logs = cli("logs", "-n", "20", check=0).stdout
+        assert "h1 prefill-0 |" in logs and "h2 decode-0 |" in logs
+
+        down = cli("down", check=0)
+        assert "is down" in down.stderr
+        for host in lab.hosts:
+            assert host.exec("docker ps -aq").stdout.strip() == "", host.name
+            assert host.exec("ss -ltnH").stdout.strip() == "", host.name
+
+        # a second deployment starts from the derived image: nothing to install, patch or convert again
+        started = time.monotonic()
+        again = cli("deploy", *spec, "--new-session", check=0, timeout=1800)
+        print(f"measured: deploy in containers (derived image) {time.monotonic() - started:.1f}s\n{again.stderr}")
+        for step in ("install openYuanrong", "install vLLM", "make the built-in model"):
+            assert "already done on h1, h2" in again.stderr.split(step, 1)[1].splitlines()[1], step
+        assert rm.completion(again.stdout.strip().splitlines()[-1], rm.COMPLETIONS[0]) == got["completion 0"]
+        cli("down", check=0)
+    finally:
+        reference.close()
+        run_yrpd("down", *ssh, env=env, timeout=300)
