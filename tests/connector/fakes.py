@@ -20,6 +20,7 @@ class FakeKVClient:
         self.store: dict = {}
         self.pending: dict = {}
         self.ttl: dict = {}
+        self.write_modes: list = []  # the write_mode of each mcreate call
         self.down = False  # True: every call fails like a dead worker
         self.calls: list = []
 
@@ -43,8 +44,9 @@ class FakeKVClient:
         self._check("exist")
         return [k in self.store for k in keys]
 
-    def mcreate(self, keys, sizes, ttl_second=0):
+    def mcreate(self, keys, sizes, ttl_second=0, write_mode=None):
         self._check("mcreate")
+        self.write_modes.append(write_mode)
         bufs = []
         for k, s in zip(keys, sizes):
             b = self.Buf(s)

@@ -228,6 +228,26 @@ def producer_reads_vllm_0_10_scheduler_output(env: Env):
 
 
 @check
+def consumer_loads_nothing_where_vllm_cannot_recompute(env: Env):
+    """vLLM < 0.11 (the vllm-ascend v0.10 image) has no way to be told a loaded block failed: the consumer role
+    must then never promise external tokens (a failed load would be used as KV). Simulated by hiding the 0.11 API."""
+    env.ds.store.clear()
+    toks = tokens(900, 12)
+    probe = env.connector("kv_consumer", "scheduler")
+    for key in K.block_keys(probe._rank_ns[0], toks, BS):
+        env.ds.store[key] = FakeKVClient.Buf(8)
+    assert probe.get_num_new_matched_tokens(request("r", toks), 0) == (7 * BS, False)
+    probe.shutdown()
+    env.impl._CAN_RECOMPUTE = False
+    try:
+        old = env.connector("kv_consumer", "scheduler")
+        assert old.get_num_new_matched_tokens(request("r2", toks), 0) == (0, False)
+        old.shutdown()
+    finally:
+        env.impl._CAN_RECOMPUTE = True
+
+
+@check
 def consumer_refuses_kv_of_another_dtype_with_one_line(env: Env):
     import logging
 

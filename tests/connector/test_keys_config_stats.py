@@ -119,7 +119,8 @@ def test_model_identity():
 def test_config_defaults_and_roles():
     c = parse_config("kv_producer", {"ds_address": "127.0.0.1:31501"}, env={})
     assert (c.ds_host, c.ds_port, c.ttl_seconds, c.delete_after_load) == ("127.0.0.1", 31501, 600, False)
-    assert c.is_producer and not c.is_consumer
+    assert c.is_producer and not c.is_consumer and c.evictable  # a full cache evicts, never refuses saves
+    assert not parse_config("kv_producer", {"ds_address": "h:1", "evictable": "false"}, env={}).evictable
     c = parse_config("kv_both", {"ds_host": "10.0.0.2", "ds_port": "31501", "delete_after_load": "true",
                                  "ttl_seconds": 30, "stats_file": "/tmp/s-{side}-{rank}.json"}, env={})
     assert c.is_producer and c.is_consumer and c.delete_after_load and c.ttl_seconds == 30

@@ -99,6 +99,8 @@ def test_device_blob_lists_one_list_per_key_in_value_order():
 def test_set_param_carries_ttl():
     sp = set_param_for(90, SetParam)
     assert sp.ttl_second == 90 and sp.write_mode == "NONE_L2_CACHE"
+    # evictable writes: a full data system drops old blocks instead of refusing new saves
+    assert set_param_for(90, SetParam, "NONE_L2_CACHE_EVICT").write_mode == "NONE_L2_CACHE_EVICT"
 
 
 class FakeHeteroClient:
@@ -239,7 +241,7 @@ def test_host_round_trip_is_bit_exact_for_the_cpu_layout():
     client = FakeKVClient()
     conn = DsConnection(lambda: client, "t")
     conn.connect()
-    t = HostTransport(conn, max_batch_keys=2)  # forces batching
+    t = HostTransport(conn, max_batch_keys=2, write_mode="EVICT")  # forces batching
     blocks = [1, 4, 6]
     idx = torch.tensor(blocks)
     staging = torch.empty((3, layout.block_nbytes), dtype=torch.uint8)
@@ -247,7 +249,7 @@ def test_host_round_trip_is_bit_exact_for_the_cpu_layout():
         staging[:, off:off + size].copy_(p.index_select(0, idx).reshape(3, -1).view(torch.uint8))
     keys = ["a", "b", "c"]
     assert t.save(keys, staging, ttl_seconds=60) == 3 * layout.block_nbytes
-    assert client.ttl == {"a": 60, "b": 60, "c": 60}
+    assert client.ttl == {"a": 60, "b": 60, "c": 60} and client.write_modes == ["EVICT", "EVICT"]
     ok = t.load(keys + ["zz"], dst, layout, [0, 2, 7, 5])  # different destination blocks, one missing
     assert ok == [True, True, True, False]
     for p_src, p_dst in zip(src, dst):

@@ -7,6 +7,8 @@ Keys (all optional except the data system address):
   model_id              explicit model identity for the key namespace (recommended in deployments)
   namespace             extra user partition mixed into the namespace (e.g. a deployment id)
   ttl_seconds           expiry of stored blocks in the data system (0 = never; default 600)
+  evictable             write blocks the data system may evict when its memory is full (default true), so
+                        a full cache drops its oldest blocks instead of refusing new saves
   delete_after_load     consumer deletes the blocks it loaded (default false)
   save_sync             producer waits for its saves at the end of each step (default false)
   ready_wait_ms         consumer: how long a request announced by prefill may wait for its blocks
@@ -86,6 +88,7 @@ class ConnectorConfig:
     model_id: str | None = None
     namespace: str = ""
     ttl_seconds: int = 600
+    evictable: bool = True
     delete_after_load: bool = False
     save_sync: bool = False
     ready_wait_ms: int = 3000
@@ -116,7 +119,7 @@ class ConnectorConfig:
 
 
 _KNOWN = {
-    "ds_address", "ds_host", "ds_port", "model_id", "namespace", "ttl_seconds", "delete_after_load", "save_sync",
+    "ds_address", "ds_host", "ds_port", "model_id", "namespace", "ttl_seconds", "evictable", "delete_after_load", "save_sync",
     "ready_wait_ms", "connect_timeout_ms", "request_timeout_ms", "retry_backoff_s", "exclusive_connection",
     "stats_interval_s", "stats_file", "max_batch_keys", "staging_mb", "transport", "device_id",
 }
@@ -150,6 +153,7 @@ def parse_config(role: str | None, extra: Mapping[str, Any] | None, env: Mapping
         model_id=(str(extra["model_id"]) if extra.get("model_id") else None),
         namespace=str(extra.get("namespace", "")),
         ttl_seconds=_num(extra.get("ttl_seconds", 600), "ttl_seconds", int, 0),
+        evictable=_bool(extra.get("evictable", True), "evictable"),
         delete_after_load=_bool(extra.get("delete_after_load", False), "delete_after_load"),
         save_sync=_bool(extra.get("save_sync", False), "save_sync"),
         ready_wait_ms=_num(extra.get("ready_wait_ms", 3000), "ready_wait_ms", int, 0),

@@ -110,8 +110,23 @@ def _scheduler_may_wait() -> bool:
 
 _NEW_CTOR = _base_takes_kv_cache_config()
 _CAN_WAIT = _scheduler_may_wait()
+# vLLM >= 0.11 asks the connector which loaded blocks failed and recomputes them; before that (the vllm-ascend
+# v0.10 image) a block that fails to load after its existence was confirmed would be used uninitialised
+_CAN_RECOMPUTE = hasattr(KVConnectorBase_V1, "get_block_ids_with_load_errors")
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 _POLL_S = 0.01  # consumer: at most one existence query per waiting request per 10 ms
+
+
+def _write_mode(cfg: ConnectorConfig) -> Any:
+    """The data system's write mode for saved blocks: evictable unless the config says otherwise (a full worker
+    then drops old blocks instead of failing new saves; vllm-ascend's own yuanrong backend writes the same way)."""
+    if not cfg.evictable:
+        return None
+    try:
+        from yr.datasystem.kv_client import WriteMode
+    except ImportError:  # pragma: no cover - a client without write modes: its default
+        return None
+    return getattr(WriteMode, "NONE_L2_CACHE_EVICT", None)
 
 
 def _layer_sort_key(name: str):
@@ -186,7 +201,7 @@ class _Saver:
                  max_pending_bytes: int, pool: StagingPool | None = None) -> None:
         self.pool = pool
         self.conn = conn
-        self.transport = HostTransport(conn, cfg.max_batch_keys)
+        self.transport = HostTransport(conn, cfg.max_batch_keys, write_mode=_write_mode(cfg))
         self.cfg = cfg
         self.stats = stats
         self.max_pending_bytes = max_pending_bytes
@@ -453,7 +468,13 @@ class YuanrongConnector(KVConnectorBase_V1):
             except Exception as e:  # noqa: BLE001
                 logger.warning("yrpd connector: cannot set kv_load_failure_policy=recompute (%s); pass it in "
                                "--kv-transfer-config", e)
-        if self._active and self.cfg.is_consumer:
+        self._loads = self._active and self.cfg.is_consumer
+        if self._loads and not _CAN_RECOMPUTE:
+            self._loads = False
+            logger.warning("yrpd connector: this vLLM cannot recompute KV blocks that fail to load (it has no "
+                           "get_block_ids_with_load_errors; vLLM >= 0.11 has): the %s role loads nothing here and "
+                           "every prompt is computed, so a failed load can never be used as KV", self.cfg.role)
+        if self._loads:
             self._conn = self._make_conn("scheduler")
             self._conn.connect()
         engine = str(getattr(self._ktc, "engine_id", "") or "")
@@ -502,7 +523,7 @@ class YuanrongConnector(KVConnectorBase_V1):
             return 0
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
-        if not (self._active and self.cfg.is_consumer) or self._conn is None:
+        if not self._loads or self._conn is None:
             return 0, False
         elig = self._eligible(request)
         if elig is None:
@@ -761,7 +782,8 @@ class YuanrongConnector(KVConnectorBase_V1):
                             f"npu{self.tp_rank}", c.retry_backoff_s, self._on_ds_event)
         conn.connect()
         self._conn = conn
-        self._load_transport = NpuTransport(conn, device_id, Blob, DeviceBlobList, SetParam)
+        self._load_transport = NpuTransport(conn, device_id, Blob, DeviceBlobList, SetParam,
+                                            write_mode=_write_mode(c))
         self._npu = True
 
     def _key(self, digest: str) -> str:

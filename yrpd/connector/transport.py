@@ -382,10 +382,12 @@ def values_from_staged(staged: Sequence[Any], which: Sequence[int]) -> list:
 class HostTransport(Transport):
     """KVClient shared-memory path (CPU tensors)."""
 
-    def __init__(self, conn: DsConnection, max_batch_keys: int = 512, get_timeout_ms: int = 0) -> None:
+    def __init__(self, conn: DsConnection, max_batch_keys: int = 512, get_timeout_ms: int = 0,
+                 write_mode: Any = None) -> None:
         self.conn = conn
         self.max_batch_keys = max_batch_keys
         self.get_timeout_ms = get_timeout_ms
+        self.write_mode = write_mode  # the data system's WriteMode for new blocks; None: the client's default
 
     def _batches(self, n: int):
         step = self.max_batch_keys
@@ -412,7 +414,8 @@ class HostTransport(Transport):
         for lo, hi in self._batches(len(keys)):
             batch = list(keys[lo:hi])
             sizes = [sum(int(x.numel()) for x in pieces(values[i])) for i in range(lo, hi)]
-            bufs = self.conn.call("mcreate", lambda c: c.mcreate(batch, sizes, ttl_second=int(ttl_seconds)))
+            mode = {} if self.write_mode is None else {"write_mode": self.write_mode}
+            bufs = self.conn.call("mcreate", lambda c: c.mcreate(batch, sizes, ttl_second=int(ttl_seconds), **mode))
             for j, buf in enumerate(bufs):
                 dst = torch.frombuffer(memoryview(buf.MutableData()), dtype=torch.uint8)
                 if dst.numel() != sizes[j]:
@@ -485,13 +488,14 @@ class NpuTransport(Transport):
     """
 
     def __init__(self, conn: DsConnection, device_id: int, blob_cls: Callable, dbl_cls: Callable,
-                 set_param_cls: Callable, get_timeout_ms: int = 0) -> None:
+                 set_param_cls: Callable, get_timeout_ms: int = 0, write_mode: Any = None) -> None:
         self.conn = conn
         self.device_id = device_id
         self.blob_cls = blob_cls
         self.dbl_cls = dbl_cls
         self.set_param_cls = set_param_cls
         self.get_timeout_ms = get_timeout_ms
+        self.write_mode = write_mode
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         batch = list(keys)
@@ -500,7 +504,7 @@ class NpuTransport(Transport):
     def save_blocks(self, keys: Sequence[str], parts: Sequence[Any], block_ids: Sequence[int],
                     ttl_seconds: int) -> int:
         dbls = device_blob_lists(parts, block_ids, self.device_id, self.blob_cls, self.dbl_cls)
-        sp = set_param_for(ttl_seconds, self.set_param_cls)
+        sp = set_param_for(ttl_seconds, self.set_param_cls, self.write_mode)
         batch = list(keys)
         self.conn.call("mset_d2h", lambda c: c.mset_d2h(batch, dbls, sp))
         return sum(size for d in dbls for size in (b.size for b in d.blob_list))
