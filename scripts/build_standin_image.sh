@@ -67,6 +67,10 @@ cp -a "$SRC_PREFIX"/lib/libpython3.11.so* "$root$PREFIX/lib/"
 tar -C "$SRC_PREFIX/lib" --exclude='python3.11/test' --exclude='python3.11/site-packages/*' \
     --exclude='__pycache__' -cf - python3.11 | tar -C "$root$PREFIX/lib" -xf -
 echo "$PREFIX/lib" > "$root/etc/ld.so.conf.d/python3.11.conf"
+# vLLM's CPU build links libnuma; Debian's package, unpacked into the image
+(cd "$tmp" && apt-get download -q libnuma1 >/dev/null 2>&1) \
+    || { echo "build_standin_image: apt-get download libnuma1 failed (run apt-get update?)" >&2; exit 1; }
+dpkg-deb -x "$tmp"/libnuma1_*.deb "$root"
 ldconfig -r "$root"
 
 echo "build_standin_image: vLLM CPU build into its site-packages (without the data-system client)" >&2

@@ -43,24 +43,25 @@ def runtime_group(group: HostGroup, spec: DeploySpec, session_id: str, absent_ok
                                env_preamble(container_profile(spec).env_scripts))
 
 
-def needs_probe(spec: DeploySpec) -> list[str]:
+def needs_probe(spec: DeploySpec, deploying: bool = False) -> list[str]:
     """Hosts whose devices are not given in the spec, or whose CPU decides the dtype (auto on a CPU host), and
-    must be detected on the host."""
+    must be detected on the host; when deploying under runtime docker, every host (its architecture picks the
+    wheels yrpd brings into the container; `yrpd plan` assumes x86_64 there rather than touch the host)."""
     missing = []
     for h in spec.hosts:
         kind = h.device_kind or spec.device_kind
         cpu_decides = spec.dtype is Dtype.auto and kind in (DeviceKind.auto, DeviceKind.cpu)
-        # runtime docker: which wheels yrpd brings into the container depends on the host's architecture
-        arch_matters = spec.runtime is Runtime.docker
+        arch_matters = deploying and spec.runtime is Runtime.docker
         if (h.devices if h.devices is not None else spec.devices) is None or cpu_decides or arch_matters:
             missing.append(h.name)
     return missing
 
 
-def resolve_inventory(spec: DeploySpec, group: HostGroup | None = None) -> dict[str, HostInventory]:
+def resolve_inventory(spec: DeploySpec, group: HostGroup | None = None,
+                      deploying: bool = False) -> dict[str, HostInventory]:
     """Devices per host: from the spec where given, detected on the host (deploy_scripts/inventory.py) otherwise."""
     inventory: dict[str, HostInventory] = {}
-    probe = needs_probe(spec)
+    probe = needs_probe(spec, deploying)
     detected: dict[str, dict] = {}
     if probe:
         own = group is None

@@ -63,7 +63,7 @@ def run_deploy(spec, playbook_file: str | None, new_session: bool, options: dict
     session = None if new_session else reusable_session(store, spec)
 
     with host_group(spec) as group:
-        inventory = resolve_inventory(spec, group)
+        inventory = resolve_inventory(spec, group, deploying=True)
         placement = make_plan(spec, inventory)
         # runtime docker: the wheels the containers get from here, downloaded before any host is changed
         from yrpd.steps.brought import prepare
