@@ -244,12 +244,13 @@ class DockerHosts:
                 install_fake_ascend_driver(host, npus)
         return self
 
-    def load_image(self, image: str, rootfs: Path, staged: Path) -> None:
+    def _on_every_host(self, action) -> None:
+        """Run action(host) on every host at once; the first failure is raised after all have finished."""
         errors: list[BaseException] = []
 
         def one(host: FakeHost) -> None:
             try:
-                load_standin_image(host, rootfs, staged, image)
+                action(host)
             except BaseException as exc:  # reported below
                 errors.append(exc)
 
@@ -260,24 +261,13 @@ class DockerHosts:
             t.join()
         if errors:
             raise errors[0]
+
+    def load_image(self, image: str, rootfs: Path, staged: Path) -> None:
+        self._on_every_host(lambda host: load_standin_image(host, rootfs, staged, image))
 
     def load_archive(self, archive: str) -> None:
         """`docker load` an image archive on every host at once (they see this machine's files)."""
-        errors: list[BaseException] = []
-
-        def one(host: FakeHost) -> None:
-            try:
-                host.exec(f"docker load -q -i {shlex.quote(archive)}", timeout=900)
-            except BaseException as exc:  # reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=one, args=(h,)) for h in self.lab.hosts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        self._on_every_host(lambda host: host.exec(f"docker load -q -i {shlex.quote(archive)}", timeout=900))
 
     def close(self) -> None:
         errors = []
