@@ -10,6 +10,7 @@ import json
 import sys
 
 from yr.datasystem import KVClient
+from yr.datasystem.kv_client import WriteMode
 
 
 def main() -> int:
@@ -37,7 +38,9 @@ def main() -> int:
             data = bytearray(client.get_read_only_buffers([k])[0].immutable_data())
             for i in range(1, len(data), 2):
                 data[i] ^= 0x80
-            bufs = client.mcreate([k], [len(data)])
+            # the data system refuses to overwrite a key with another write mode (and drops it): write as the
+            # connector does (evictable, its default)
+            bufs = client.mcreate([k], [len(data)], write_mode=WriteMode.NONE_L2_CACHE_EVICT)
             memoryview(bufs[0].MutableData())[:] = data
             client.mset_buffer(bufs)
             done.append(k)
