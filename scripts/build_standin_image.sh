@@ -68,8 +68,9 @@ tar -C "$SRC_PREFIX/lib" --exclude='python3.11/test' --exclude='python3.11/site-
     --exclude='__pycache__' -cf - python3.11 | tar -C "$root$PREFIX/lib" -xf -
 echo "$PREFIX/lib" > "$root/etc/ld.so.conf.d/python3.11.conf"
 # vLLM's CPU build links libnuma; Debian's package, unpacked into the image
-(cd "$tmp" && apt-get download -q libnuma1 >/dev/null 2>&1) \
-    || { echo "build_standin_image: apt-get download libnuma1 failed (run apt-get update?)" >&2; exit 1; }
+(cd "$tmp" && { apt-get download -q libnuma1 >/dev/null 2>&1 \
+                || { apt-get update -qq >/dev/null && apt-get download -q libnuma1 >/dev/null; }; }) \
+    || { echo "build_standin_image: apt-get download libnuma1 failed" >&2; exit 1; }
 dpkg-deb -x "$tmp"/libnuma1_*.deb "$root"
 ldconfig -r "$root"
 
