@@ -43,6 +43,11 @@ def runtime_group(group: HostGroup, spec: DeploySpec, session_id: str, absent_ok
                                env_preamble(container_profile(spec).env_scripts))
 
 
+def devices_given(spec: DeploySpec, host: HostSpec) -> bool:
+    """Whether the spec names the host's devices (its own list, else the top-level one)."""
+    return (host.devices if host.devices is not None else spec.devices) is not None
+
+
 def needs_probe(spec: DeploySpec, deploying: bool = False) -> list[str]:
     """Hosts whose devices are not given in the spec, or whose CPU decides the dtype (auto on a CPU host), and
     must be detected on the host; when deploying under runtime docker, every host (its architecture picks the
@@ -52,7 +57,7 @@ def needs_probe(spec: DeploySpec, deploying: bool = False) -> list[str]:
         kind = h.device_kind or spec.device_kind
         cpu_decides = spec.dtype is Dtype.auto and kind in (DeviceKind.auto, DeviceKind.cpu)
         arch_matters = deploying and spec.runtime is Runtime.docker
-        if (h.devices if h.devices is not None else spec.devices) is None or cpu_decides or arch_matters:
+        if not devices_given(spec, h) or cpu_decides or arch_matters:
             missing.append(h.name)
     return missing
 
@@ -73,7 +78,7 @@ def resolve_inventory(spec: DeploySpec, group: HostGroup | None = None,
                 group.close()
         # without its devices a host cannot be planned; its CPU flags and architecture are only refinements (an
         # unreachable host is then reported per host by the deploy's own first step, and the deploy resumes)
-        unknown = {h.name for h in spec.hosts if (h.devices if h.devices is not None else spec.devices) is None}
+        unknown = {h.name for h in spec.hosts if not devices_given(spec, h)}
         GroupResult({n: r for n, r in results.items() if n in unknown}).raise_on_failure("detecting devices")
         for name, result in results.items():
             if result.ok:

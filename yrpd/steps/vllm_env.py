@@ -102,7 +102,7 @@ def _image_install(ctx: StepContext, host: HostPlan) -> Command:
                                    f"{p.python}" + (f" from {source}" if source else ""), timeout=600, uploads=uploads)
 
 
-def _serves(ctx: StepContext, host: HostPlan) -> bool:
+def serves(ctx: StepContext, host: HostPlan) -> bool:
     """Whether the host runs an instance or the proxy (both need the vLLM venv)."""
     return host.name == ctx.plan.proxy_host or any(h == host.name for i in ctx.plan.instances for h in i.hosts)
 
@@ -112,7 +112,7 @@ def _serves(ctx: StepContext, host: HostPlan) -> bool:
 def install(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     """CPU hosts: the vLLM CPU build + data-system client at the pinned versions. NPU/GPU hosts bring their
     own vLLM (the vllm-ascend image or env_path); reaching this step there means it is missing."""
-    if not _serves(ctx, host):
+    if not serves(ctx, host):
         return NotNeeded("no instance or proxy on this host")
     if ctx.spec.runtime is Runtime.docker and not ctx.spec.env_path:
         return _image_install(ctx, host)
@@ -133,7 +133,7 @@ def install(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
 
 
 def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
-    if not _serves(ctx, host):
+    if not serves(ctx, host):
         return NotNeeded("no instance or proxy on this host")
     p = paths(ctx)
     # metadata and find_spec only: importing vllm takes 10+ s, and the install script's self check did it
@@ -151,7 +151,7 @@ def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNee
 # -- yrpd's host-side code -----------------------------------------------------------------------
 
 def ship_code(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
-    if not _serves(ctx, host):
+    if not serves(ctx, host):
         return NotNeeded("no instance or proxy on this host")
     digest, encoded = bundle()
     script = unpack_script(paths(ctx).bundle_dir, encoded)
@@ -160,6 +160,6 @@ def ship_code(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
 
 
 def code_shipped(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
-    if not _serves(ctx, host):
+    if not serves(ctx, host):
         return NotNeeded("no instance or proxy on this host")
     return shell_command(f"[ -f {shlex.quote(paths(ctx).bundle_dir)}/.complete ]")
