@@ -22,8 +22,12 @@ HEALTH_LINE = re.compile(r"^\s+(\S+)\s+([A-Z]+)\s+\(PID: (\d+)\)(?:\s+\(Restart 
 
 
 def env(extra=None):
+    # the yr CLI gets its own library path; the host's (CANN's on NPU hosts) is handed on to the data
+    # system processes by the start shim (yrpd/cluster/yrconfig.py)
     e = dict(os.environ)
-    e.pop("LD_LIBRARY_PATH", None)
+    inherited = e.pop("LD_LIBRARY_PATH", "")
+    if inherited:
+        e["YRPD_INHERITED_LD_LIBRARY_PATH"] = inherited
     e.update(args.get("env", {}))
     e.update(extra or {})
     return e
@@ -183,23 +187,24 @@ def stop():
     return report
 
 
-action = args["action"]
-if action == "status":
-    print(json.dumps(snapshot()))
-elif action == "wait":
-    snap, problems = wait()
-    print(json.dumps(snap))
-    for name, problem in problems:
-        print(f"{name}: {problem}", file=sys.stderr)
-    if problems:
-        for line in diagnose(sorted({n for n, _ in problems})):
+if __name__ == "__main__":
+    action = args["action"]
+    if action == "status":
+        print(json.dumps(snapshot()))
+    elif action == "wait":
+        snap, problems = wait()
+        print(json.dumps(snap))
+        for name, problem in problems:
+            print(f"{name}: {problem}", file=sys.stderr)
+        if problems:
+            for line in diagnose(sorted({n for n, _ in problems})):
+                print(line, file=sys.stderr)
+        sys.exit(1 if problems else 0)
+    elif action == "start":
+        snap, report = start()
+        print(json.dumps(snap))
+        for line in report:
             print(line, file=sys.stderr)
-    sys.exit(1 if problems else 0)
-elif action == "start":
-    snap, report = start()
-    print(json.dumps(snap))
-    for line in report:
-        print(line, file=sys.stderr)
-    sys.exit(1 if report else 0)
-elif action == "stop":
-    print(json.dumps(stop()))
+        sys.exit(1 if report else 0)
+    elif action == "stop":
+        print(json.dumps(stop()))

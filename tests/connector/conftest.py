@@ -31,6 +31,23 @@ def vllm_venv():
     return venv
 
 
+# vLLM 0.10.0, as the vllm-ascend v0.10.0rc1 image runs it: its sdist's classes are what the connector's
+# compatibility checks are built from (the sdist cannot be installed here: its build needs a CUDA torch)
+VLLM_010 = ("vllm", "0.10.0", "a44e9013db26082a82c3931ed8772ac884d6d60566d36ecdb0e8dc01c65b241a")
+
+
+@pytest.fixture(scope="session")
+def vllm_010_src() -> Path:
+    import subprocess
+    import sys
+
+    dest = os.environ.get("YRPD_VLLM_SRC", "/var/cache/yrpd/vllm-src")
+    proc = subprocess.run([sys.executable, str(Path(__file__).parents[2] / "scripts" / "fetch_sdist.py"),
+                           *VLLM_010, dest], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"cannot fetch vLLM 0.10.0's sdist: {proc.stderr.strip()[-2000:]}"
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="session")
 def tiny_model(vllm_venv, tmp_path_factory):
     return build_tiny_model(vllm_venv, tmp_path_factory.mktemp("tiny-model") / "tiny")

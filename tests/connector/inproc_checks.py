@@ -207,30 +207,73 @@ def consumer_waits_for_announced_blocks_then_gives_up(env: Env):
     c.shutdown()
 
 
+def vllm_0_10(relpath: str):
+    """A module of vLLM 0.10.0's own source (the vllm-ascend v0.10 images run it), loaded from its sdist under
+    a private name; its imports resolve to the installed vLLM, which has what these modules need."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    src = os.environ.get("YRPD_VLLM_010_SRC")
+    assert src, "YRPD_VLLM_010_SRC (vLLM 0.10.0's unpacked sdist) is not set"
+    name = "vllm010_" + relpath.replace("/", "_").removesuffix(".py")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(src) / "vllm" / relpath)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the class is made
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 @check
 def producer_reads_vllm_0_10_scheduler_output(env: Env):
-    """vLLM 0.10 (the vllm-ascend v0.10 image) names multimodal inputs `mm_hashes` on NewRequestData, not
-    `mm_features`: a stand-in with exactly 0.10's multimodal field names (not the real 0.10 class, which needs
-    vLLM 0.10 installed) must be read, and its hashes must change the keys."""
+    """vLLM 0.10 (the vllm-ascend v0.10 image) hands the scheduler its own classes: NewRequestData names
+    multimodal inputs `mm_hashes` (no `mm_features`), CachedRequestData marks preemption per index
+    (`resumed_from_preemption`). Built from 0.10.0's real classes: they are read, image hashes change the keys,
+    a chunked prompt is saved once per block across steps, and a resumed request restarts from its new blocks."""
+    out = vllm_0_10("v1/core/sched/output.py")
     c = env.connector("kv_producer", "scheduler")
     toks = tokens(300, 11)
 
-    def req_010(req_id, mm_hashes):
-        return SimpleNamespace(req_id=req_id, prompt_token_ids=toks, block_ids=([1, 2, 3],), num_computed_tokens=0,
-                               lora_request=None, mm_inputs=[], mm_hashes=mm_hashes, mm_positions=[],
-                               sampling_params=None, pooling_params=None)
+    def req_010(req_id, mm_hashes, block_ids=(1, 2, 3)):
+        return out.NewRequestData(req_id=req_id, prompt_token_ids=toks, mm_inputs=[], mm_hashes=mm_hashes,
+                                  mm_positions=[], sampling_params=None, pooling_params=None,
+                                  block_ids=(list(block_ids),), num_computed_tokens=0, lora_request=None)
 
-    plain = c.build_connector_meta(sched_output(new=[req_010("p", [])], num_sched={"p": 300}))
-    image = c.build_connector_meta(sched_output(new=[req_010("i", ["img-abc"])], num_sched={"i": 300}))
+    def step(new=(), cached=None, num_sched=None):
+        num_sched = dict(num_sched or {})
+        return out.SchedulerOutput(
+            scheduled_new_reqs=list(new), scheduled_cached_reqs=cached or out.CachedRequestData.make_empty(),
+            num_scheduled_tokens=num_sched, total_num_scheduled_tokens=sum(num_sched.values()),
+            scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, num_common_prefix_blocks=[0],
+            finished_req_ids=set(), free_encoder_input_ids=[], structured_output_request_ids={},
+            grammar_bitmask=None)
+
+    plain = c.build_connector_meta(step(new=[req_010("p", [])], num_sched={"p": 300}))
+    image = c.build_connector_meta(step(new=[req_010("i", ["img-abc"])], num_sched={"i": 300}))
     assert len(plain.saves[0].digests) == 2 and plain.saves[0].digests != image.saves[0].digests
     assert plain.saves[0].digests == K.prefix_digests(toks, BS, 2)
+    # chunked: 200 tokens, then the other 100 as a cached request; then preempted and resumed on new blocks
+    first = c.build_connector_meta(step(new=[req_010("c", [], (4, 5, 6))], num_sched={"c": 200}))
+    assert [op.block_ids for op in first.saves] == [[4]]
+    cont = out.CachedRequestData(req_ids=["c"], resumed_from_preemption=[False], new_token_ids=[[]],
+                                 new_block_ids=[([],)], num_computed_tokens=[200])
+    second = c.build_connector_meta(step(cached=cont, num_sched={"c": 100}))
+    assert [op.block_ids for op in second.saves] == [[5]]
+    assert first.saves[0].digests + second.saves[0].digests == plain.saves[0].digests
+    resumed = out.CachedRequestData(req_ids=["c"], resumed_from_preemption=[True], new_token_ids=[[]],
+                                    new_block_ids=[([7, 8, 9],)], num_computed_tokens=[300])
+    assert c.build_connector_meta(step(cached=resumed, num_sched={"c": 1})).saves == []  # all saved already
     c.shutdown()
 
 
 @check
 def consumer_loads_nothing_where_vllm_cannot_recompute(env: Env):
     """vLLM < 0.11 (the vllm-ascend v0.10 image) has no way to be told a loaded block failed: the consumer role
-    must then never promise external tokens (a failed load would be used as KV). Simulated by hiding the 0.11 API."""
+    must then never promise external tokens (a failed load would be used as KV). The rule is evaluated on
+    vLLM 0.10.0's real connector base class."""
+    base_010 = vllm_0_10("distributed/kv_transfer/kv_connector/v1/base.py").KVConnectorBase_V1
+    assert env.impl.can_recompute(env.impl.KVConnectorBase_V1) and not env.impl.can_recompute(base_010)
     env.ds.store.clear()
     toks = tokens(900, 12)
     probe = env.connector("kv_consumer", "scheduler")
@@ -238,7 +281,7 @@ def consumer_loads_nothing_where_vllm_cannot_recompute(env: Env):
         env.ds.store[key] = FakeKVClient.Buf(8)
     assert probe.get_num_new_matched_tokens(request("r", toks), 0) == (7 * BS, False)
     probe.shutdown()
-    env.impl._CAN_RECOMPUTE = False
+    env.impl._CAN_RECOMPUTE = env.impl.can_recompute(base_010)
     try:
         old = env.connector("kv_consumer", "scheduler")
         assert old.get_num_new_matched_tokens(request("r2", toks), 0) == (0, False)

@@ -1,5 +1,6 @@
-"""Runs tests/connector/inproc_checks.py in the vLLM venv: the connector against the real vLLM API
-with a fake data system (no server processes; about 30 s, mostly importing vLLM)."""
+"""Runs tests/connector/inproc_checks.py in the vLLM venv: the connector against the real vLLM API (and the
+classes of vLLM 0.10.0's sdist, which the v0.10 images run) with a fake data system (no server processes; about
+30 s, mostly importing vLLM)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from tests.connector.harness import REPO
 pytestmark = pytest.mark.e2e
 
 
-def test_connector_in_process_checks(vllm_venv, tiny_model):
+def test_connector_in_process_checks(vllm_venv, tiny_model, vllm_010_src):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env.update({"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    env.update({"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "YRPD_VLLM_010_SRC": str(vllm_010_src)})
     proc = subprocess.run([str(vllm_venv / "bin/python"), str(Path(__file__).with_name("inproc_checks.py")),
                            str(tiny_model)], capture_output=True, text=True, timeout=900, env=env, cwd=str(REPO),
                           stdin=subprocess.DEVNULL)

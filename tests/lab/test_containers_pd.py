@@ -101,6 +101,12 @@ def test_pd_in_containers_answers_like_one_instance_and_leaves_nothing(standin, 
             assert "YRPD_STANDIN_CANN_ENV=sourced" in environ
             path = next(e for e in environ if e.startswith("PYTHONPATH="))
             assert path.endswith(":/usr/local/Ascend/ascend-toolkit/latest/python/site-packages"), path
+            # the data system worker gets its own libraries first, then CANN's (libacl_plugin.so needs them)
+            worker = host.exec(f"docker exec yrpd-{session} pgrep -o -f datasystem_worker").stdout.strip()
+            environ = host.exec(f"docker exec yrpd-{session} cat /proc/{worker}/environ").stdout.split("\0")
+            libs = next(e for e in environ if e.startswith("LD_LIBRARY_PATH=")).split("=", 1)[1].split(":")
+            assert libs[0].endswith("/yr/datasystem/lib"), libs
+            assert "/usr/local/Ascend/ascend-toolkit/latest/lib64" in libs, libs
         logs = cli("logs", "-n", "20", check=0).stdout
         assert "h1 prefill-0 |" in logs and "h2 decode-0 |" in logs
 

@@ -115,7 +115,7 @@ def test_start_commands():
     for n in (m, a):
         cmd = start_command(n)
         assert cmd.env == {"LD_LIBRARY_PATH": "/opt/yrpd/venvs/yr/lib/python3.11/site-packages/yr",
-                           "YRPD_HOST_IP": n.host_ip}
+                           "YRPD_CHILD_LD_LIBRARY_PATH": n.ds_lib_dir, "YRPD_HOST_IP": n.host_ip}
         assert cmd.argv[:3] == ("/opt/yrpd/venvs/yr/bin/python", "-c", YR_CLI_SHIM)
         assert cmd.argv[3:6] == ("-c", f"{DEPLOY}/config.toml", "start")
         assert "--master_address" not in cmd.argv  # agents join through their config
@@ -127,8 +127,7 @@ def test_start_commands():
     assert health_command(a).argv[1:] == ("health", "-f", f"{DEPLOY}/session.json")
 
 
-def test_shim_hides_ld_library_path_from_children(tmp_path):
-    """The start shim runs yr's main() with LD_LIBRARY_PATH gone from os.environ (children inherit os.environ)."""
+def _fake_yr_cli(tmp_path):
     pkg = tmp_path / "yr" / "cli"
     pkg.mkdir(parents=True)
     (tmp_path / "yr" / "__init__.py").write_text("")
@@ -142,13 +141,44 @@ def test_shim_hides_ld_library_path_from_children(tmp_path):
         "                           capture_output=True, text=True).stdout.strip()\n"
         "    print(sys.argv[0], sys.argv[1:], child, config.get_ip())\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "LD_LIBRARY_PATH": "/somewhere", "YRPD_HOST_IP": "10.9.8.7"}
-    out = subprocess.run(
+
+
+def _run_shim(tmp_path, **env):
+    _fake_yr_cli(tmp_path)
+    env = {**{k: v for k, v in os.environ.items() if "LD_LIBRARY_PATH" not in k},
+           "PYTHONPATH": str(tmp_path), "YRPD_HOST_IP": "10.9.8.7", **env}
+    return subprocess.run(
         [sys.executable, "-c", YR_CLI_SHIM, "-c", "cfg.toml", "start", "--master"],
         env=env, capture_output=True, text=True, check=True,
     ).stdout.strip()
-    # no LD_LIBRARY_PATH for children; yr's outward address probe answered with our host_ip (no default route needed)
+
+
+def test_shim_hides_the_yr_library_path_from_children(tmp_path):
+    """The start shim runs yr's main() with the yr package's LD_LIBRARY_PATH gone from os.environ (children
+    inherit os.environ), and answers yr's outward address probe with our host_ip (no default route needed)."""
+    out = _run_shim(tmp_path, LD_LIBRARY_PATH="/yr/pkg")
     assert out == "yr ['-c', 'cfg.toml', 'start', '--master'] None 10.9.8.7"
+
+
+def test_data_system_processes_get_their_libraries_then_the_hosts(tmp_path):
+    """Audit item 9: on NPU hosts CANN's set_env.sh puts libascendcl & co. on LD_LIBRARY_PATH and the data
+    system worker's libacl_plugin.so needs them: the children see the data system's lib dir, then the host's
+    path (yr_cluster.py moves it aside), never the yr package's."""
+    n = node("ds_only", True)
+    out = _run_shim(tmp_path, **{**start_command(n).env, "YRPD_HOST_IP": "10.9.8.7",
+                                 "YRPD_INHERITED_LD_LIBRARY_PATH": "/usr/local/Ascend/ascend-toolkit/latest/lib64"})
+    assert out.split()[-2] == f"{n.ds_lib_dir}:/usr/local/Ascend/ascend-toolkit/latest/lib64"
+    assert n.yr_pkg_dir + ":" not in out
+
+
+def test_cluster_driver_moves_the_host_library_path_aside(tmp_path):
+    script = Path(__file__).parents[2] / "deploy_scripts" / "yr_cluster.py"
+    probe = ("import json, runpy, sys; sys.argv[1:] = [json.dumps({'deploy': '/d', 'logs': '/l', "
+             "'env': {'LD_LIBRARY_PATH': '/yr/pkg'}})]; e = runpy.run_path(%r, run_name='probe')['env'](); "
+             "print(e['LD_LIBRARY_PATH'], e['YRPD_INHERITED_LD_LIBRARY_PATH'])")
+    out = subprocess.run([sys.executable, "-c", probe % str(script)], capture_output=True, text=True,
+                         env={**os.environ, "LD_LIBRARY_PATH": "/cann/lib64"}, check=True).stdout.split()
+    assert out == ["/yr/pkg", "/cann/lib64"]
 
 
 def test_listen_ports_and_components():

@@ -21,8 +21,12 @@ needs libprotoc.so.25.5.0 and has no RUNPATH), but the components ``yr start`` s
 the CLI's environment with the config's LD_LIBRARY_PATH *appended*, so the 0.8.1
 ``datasystem_worker`` would load the ``yr`` package's libraries first and die (exit 127,
 undefined symbol). :func:`start_command` therefore runs the CLI through a one-line Python shim
-that drops LD_LIBRARY_PATH from ``os.environ`` before anything is imported: the dynamic loader
-of the CLI process keeps the value it read at exec time, its children do not get it.
+that replaces LD_LIBRARY_PATH in ``os.environ`` before anything is imported: the dynamic loader
+of the CLI process keeps the value it read at exec time, its children get the data system's
+library directory first, then the host's own library path (``YRPD_INHERITED_LD_LIBRARY_PATH``,
+moved aside by deploy_scripts/yr_cluster.py). On NPU hosts that host path is CANN's (its
+``set_env.sh``): the worker's ``libacl_plugin.so`` needs libascendcl, libhccl and libruntime from
+it for device-to-device and remote host-to-device copies.
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ _OFF_COMPONENTS = ("frontend", "dashboard", "collector", "meta_service", "functi
 # `yr start` also probes its address with a UDP "connect" to a public address, even when values.host_ip
 # is set, and dies with ENETUNREACH on hosts without a default route: answer that probe with our host_ip.
 YR_CLI_SHIM = (
-    'import os, sys; os.environ.pop("LD_LIBRARY_PATH", None); sys.argv[0] = "yr"; '
+    'import os, sys; libs = ":".join(p for p in (os.environ.pop("YRPD_CHILD_LD_LIBRARY_PATH", ""), '
+    'os.environ.pop("YRPD_INHERITED_LD_LIBRARY_PATH", "")) if p); os.environ.pop("LD_LIBRARY_PATH", None); '
+    'os.environ.update({"LD_LIBRARY_PATH": libs} if libs else {}); sys.argv[0] = "yr"; '
     'import yr.cli.config as c; ip = os.environ.get("YRPD_HOST_IP"); '
     "c.get_ip = (lambda dst=None: ip) if ip else c.get_ip; "
     "from yr.cli.main import main; main()"
@@ -262,7 +268,8 @@ def start_command(node: YrNode, config_file: str | None = None) -> YrCommand:
     argv = [f"{node.yr_venv}/bin/python", "-c", YR_CLI_SHIM, "-c", config_file or node.config_file, "start"]
     if node.is_master:
         argv.append("--master")
-    return YrCommand(tuple(argv), {**_yr_env(node), "YRPD_HOST_IP": node.host_ip})
+    children = {"YRPD_CHILD_LD_LIBRARY_PATH": node.ds_lib_dir} if node.mode == "ds_only" else {}
+    return YrCommand(tuple(argv), {**_yr_env(node), **children, "YRPD_HOST_IP": node.host_ip})
 
 
 def stop_command(node: YrNode, force: bool = False) -> YrCommand:

@@ -112,7 +112,11 @@ _NEW_CTOR = _base_takes_kv_cache_config()
 _CAN_WAIT = _scheduler_may_wait()
 # vLLM >= 0.11 asks the connector which loaded blocks failed and recomputes them; before that (the vllm-ascend
 # v0.10 image) a block that fails to load after its existence was confirmed would be used uninitialised
-_CAN_RECOMPUTE = hasattr(KVConnectorBase_V1, "get_block_ids_with_load_errors")
+def can_recompute(base: type) -> bool:
+    return hasattr(base, "get_block_ids_with_load_errors")
+
+
+_CAN_RECOMPUTE = can_recompute(KVConnectorBase_V1)
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 _POLL_S = 0.01  # consumer: at most one existence query per waiting request per 10 ms
 
