@@ -9,6 +9,7 @@ inside the containers; the answers must be those of one plain vLLM instance. Wha
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -102,8 +103,9 @@ def test_pd_in_containers_answers_like_one_instance_and_leaves_nothing(standin, 
             path = next(e for e in environ if e.startswith("PYTHONPATH="))
             assert path.endswith(":/usr/local/Ascend/ascend-toolkit/latest/python/site-packages"), path
             # the data system worker gets its own libraries first, then CANN's (libacl_plugin.so needs them)
-            worker = host.exec(f"docker exec yrpd-{session} pgrep -o -f datasystem_worker").stdout.strip()
-            environ = host.exec(f"docker exec yrpd-{session} cat /proc/{worker}/environ").stdout.split("\0")
+            first_worker_env = ("for p in /proc/[0-9]*; do case $(readlink $p/exe) in */datasystem_worker) "
+                                "tr '\\0' '\\n' < $p/environ; break;; esac; done")
+            environ = host.exec(f"docker exec yrpd-{session} bash -c {shlex.quote(first_worker_env)}").stdout.split()
             libs = next(e for e in environ if e.startswith("LD_LIBRARY_PATH=")).split("=", 1)[1].split(":")
             assert libs[0].endswith("/yr/datasystem/lib"), libs
             assert "/usr/local/Ascend/ascend-toolkit/latest/lib64" in libs, libs

@@ -1,0 +1,49 @@
+"""A real data-system worker smaller than what is saved into it (audit item 10): the connector's writes are
+evictable, so a full worker drops old blocks and keeps accepting new saves; non-evictable writes with a TTL (what
+the connector did before) start failing once the worker is full. Runs the connector's own transport in the vLLM
+venv (tests/connector/ds_fill.py) against a worker started with dscli; about 20 s."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.connector.harness import REPO, Stack
+
+pytestmark = pytest.mark.e2e
+
+SHM_MB = 64
+BLOCKS, BLOCK_BYTES = 200, 1 << 20  # about three times the worker's memory
+
+
+def fill(stack: Stack, address: str, evictable: bool, stop_after_failures: int = BLOCKS) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run([str(stack.venv / "bin/python"), str(Path(__file__).with_name("ds_fill.py")), address,
+                           str(evictable).lower(), str(BLOCKS), str(BLOCK_BYTES), str(stop_after_failures)],
+                          capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_full_worker_keeps_accepting_evictable_saves(vllm_venv, session_stack, e2e_root):
+    stack = Stack(e2e_root / "capacity", venv=vllm_venv, ports=session_stack.ports)
+    try:
+        ds = stack.start_ds(shm_mb=SHM_MB)
+        got = fill(stack, ds.address, evictable=True)
+        assert got["failed"] == 0 and got["ok"] == BLOCKS, got
+        assert got["last_exist"] == got["tenth"], got  # the newest blocks are there to be loaded
+        assert got["first_exist"] < got["tenth"], got  # room was made by evicting the oldest
+        stack.stop_ds(ds)
+
+        ds = stack.start_ds(shm_mb=SHM_MB)
+        pinned = fill(stack, ds.address, evictable=False, stop_after_failures=3)
+        print(f"measured: {BLOCKS} x {BLOCK_BYTES >> 20} MiB into a {SHM_MB} MiB worker: evictable {got}, "
+              f"non-evictable {pinned}")
+        assert pinned["failed"] == 3 and pinned["ok"] < BLOCKS // 2, pinned  # the trap the default avoids
+    finally:
+        stack.close()
