@@ -88,7 +88,8 @@ def fetch(ws: WheelSet, root: Path | None = None) -> list[Path]:
         raise SpecError("wheels", f"no wheels of {' '.join(ws.requirements)} for Python {ws.python_version} on "
                                   f"{ws.arch}, for {ws.purpose} ({reason})",
                         "point the container profile at a Python those packages are built for (python, "
-                        "cluster_python), or put the wheels into a directory on the hosts and set wheels:")
+                        "cluster_python; docs/quickstart-ascend.md, 'Images with Python 3.12'), or put the wheels "
+                        "into a directory on the hosts and set wheels:")
     (tmp / ".complete").touch()
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)

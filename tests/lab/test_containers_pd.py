@@ -60,6 +60,12 @@ def standin(fake_lab):
 
 def test_pd_in_containers_answers_like_one_instance_and_leaves_nothing(standin, tmp_path):
     lab, image = standin
+    # h2's image carries a vllm-ascend release without a patch series (0.24.0rc1 .. 0.30.0rc2 exist): it is left
+    # unpatched with a warning, and serves anyway (the instances load the connector by kv_connector_module_path)
+    h2 = next(h for h in lab.hosts if h.name == "h2")
+    relabel = ("sed -i 's/^Version: .*/Version: 0.24.0rc1/' /vllm-workspace/vllm-ascend/PKG-INFO")
+    h2.exec(f"docker run --name relabel --entrypoint bash {image} -c {shlex.quote(relabel)} && "
+            f"docker commit -q relabel {image} >/dev/null && docker rm relabel >/dev/null")
     home = tmp_path / "home"
     config = tmp_path / "yrpd.yaml"
     config.write_text("hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n"
@@ -80,6 +86,8 @@ def test_pd_in_containers_answers_like_one_instance_and_leaves_nothing(standin, 
         started = time.monotonic()
         deploy = cli("deploy", *spec, check=0, timeout=1800)
         print(f"measured: deploy in containers (cold) {time.monotonic() - started:.1f}s\n{deploy.stderr}")
+        warned = [ln for ln in deploy.stderr.splitlines() if "no yrpd patch series for vllm-ascend 0.24.0rc1" in ln]
+        assert len(warned) == 1 and "h2" in warned[0] and "kv_connector_module_path" in warned[0], deploy.stderr
         proxy = deploy.stdout.strip().splitlines()[-1]
 
         reference.wait()
