@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 
 args = json.loads(sys.argv[1])
-session_dir = args["dir"]
+kv_stats = args["kv_stats"]  # yrpd.layout's template: {name} is the instance
 TIMEOUT = 2.0
 
 
@@ -59,7 +59,7 @@ METRICS = {
 
 
 def connector_counters(name):
-    totals, files = {}, sorted(glob.glob(os.path.join(session_dir, "run", f"kv-{name}-*-rank*.json")))
+    totals, files = {}, sorted(glob.glob(kv_stats.format(name=name)))
     healthy = None
     for path in files:
         try:

@@ -1,10 +1,12 @@
 """List or stop the processes a yrpd session started on this host.
 
-Args: one JSON object {"dir": host session dir, "id": session id, "action": "status"|"stop", "grace": seconds,
+Args: one JSON object {"dir": host session dir, "pidfile": its pid files as a template with {name} (yrpd.layout),
+"id": session id, "action": "status"|"stop", "grace": seconds,
 "names": [only these processes and what they forked], "ports": [[port, what], ...] that must not listen after}.
 A process belongs to the session when its environment holds YRPD_SESSION=<id>: this also finds children
 that left their process group, so teardown can prove nothing is left.
 """
+import glob
 import json
 import os
 import signal
@@ -13,6 +15,7 @@ import time
 
 args = json.loads(sys.argv[1])
 session_dir, session_id = args["dir"], args["id"]
+pid_prefix, pid_suffix = args["pidfile"].split("{name}")
 marker = f"YRPD_SESSION={session_id}".encode()
 # children inherit YRPD_PROCESS=<name> from the process yrpd started: it selects a process with its whole tree
 only = {f"YRPD_PROCESS={n}".encode() for n in args.get("names") or []}
@@ -67,15 +70,14 @@ def rss_mb(pid):
 
 def managed():
     """name -> pid from the session's pid files."""
-    run = os.path.join(session_dir, "run")
     found = {}
-    if os.path.isdir(run):
-        for entry in sorted(os.listdir(run)):
-            if entry.endswith(".pid") and (not only or f"YRPD_PROCESS={entry[:-4]}".encode() in only):
-                try:
-                    found[entry[:-4]] = int(open(os.path.join(run, entry)).read().strip())
-                except (OSError, ValueError):
-                    found[entry[:-4]] = None
+    for path in sorted(glob.glob(glob.escape(pid_prefix) + "*" + glob.escape(pid_suffix))):
+        name = path[len(pid_prefix):len(path) - len(pid_suffix)]
+        if not only or f"YRPD_PROCESS={name}".encode() in only:
+            try:
+                found[name] = int(open(path).read().strip())
+            except (OSError, ValueError):
+                found[name] = None
     return found
 
 
@@ -152,10 +154,9 @@ def stop(grace):
     remaining = [{"pid": pid, "command": cmdline(pid) or "(exiting)"} for pid in sorted(still)]
     listening = listening_ports()
     ports = [{"port": port, "what": what} for port, what in args.get("ports", []) if port in listening]
-    run = os.path.join(session_dir, "run")
-    if not remaining and os.path.isdir(run):
+    if not remaining:
         for name in managed():
-            os.unlink(os.path.join(run, name + ".pid"))
+            os.unlink(args["pidfile"].format(name=name))
     return {"stopped": stopped, "killed_after_grace": killed, "remaining": remaining, "ports_listening": ports}
 
 

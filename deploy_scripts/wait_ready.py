@@ -1,6 +1,7 @@
 """Wait until processes a yrpd session started answer HTTP, or say precisely why not (run by yrpd, stdlib only).
 
-Args: one JSON object {"dir": host session dir, "timeout": seconds, "targets": [{"name", "url"}]}.
+Args: one JSON object {"pidfile": .., "log": .. (yrpd.layout's templates with {name}), "timeout": seconds,
+"targets": [{"name", "url"}]}.
 A target whose process has exited fails at once with the last lines of its log; one still silent at the
 timeout fails with its log tail. Prints one JSON line {name: seconds to ready}.
 """
@@ -12,14 +13,14 @@ import urllib.error
 import urllib.request
 
 args = json.loads(sys.argv[1])
-session_dir = args["dir"]
+pidfile, logfile = args["pidfile"], args["log"]
 started = time.monotonic()
 deadline = started + float(args["timeout"])
 
 
 def alive(name):
     try:
-        pid = int(open(os.path.join(session_dir, "run", name + ".pid")).read().strip())
+        pid = int(open(pidfile.format(name=name)).read().strip())
         os.kill(pid, 0)
         return True
     except (OSError, ValueError):
@@ -36,7 +37,7 @@ def answers(url):
 
 def log_tail(name, lines=15):
     try:
-        with open(os.path.join(session_dir, "logs", name + ".log"), "rb") as fh:
+        with open(logfile.format(name=name), "rb") as fh:
             fh.seek(0, 2)
             fh.seek(max(0, fh.tell() - 16384))
             text = fh.read().decode(errors="replace").splitlines()[-lines:]
@@ -55,14 +56,14 @@ while pending:
             del pending[name]
         elif not alive(name):
             failed.append(f"{name} exited before answering {url}; last log lines "
-                          f"({session_dir}/logs/{name}.log):\n{log_tail(name)}")
+                          f"({logfile.format(name=name)}):\n{log_tail(name)}")
             del pending[name]
     if not pending:
         break
     if time.monotonic() > deadline:
         for name, url in pending.items():
             failed.append(f"{name} did not answer {url} within {args['timeout']}s; last log lines "
-                          f"({session_dir}/logs/{name}.log):\n{log_tail(name)}")
+                          f"({logfile.format(name=name)}):\n{log_tail(name)}")
         break
     time.sleep(1)
 

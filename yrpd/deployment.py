@@ -9,17 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from yrpd.errors import SessionError
-from yrpd.hostgroup import GroupResult, Host, HostGroup, SshSettings
+from yrpd.hostgroup import GroupResult, Host, HostGroup
 from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.session import Session
 from yrpd.spec import DeploySpec, DeviceKind, Dtype, HostSpec, Runtime
 from yrpd.steps import StepContext, host_python
-
-
-def ssh_settings(spec: DeploySpec) -> SshSettings:
-    s = spec.ssh
-    return SshSettings(config_file=s.config_file, identity=s.identity, known_hosts=s.known_hosts,
-                       accept_new_host_keys=s.accept_new_host_keys, connect_timeout=s.connect_timeout)
 
 
 def host_group(spec: DeploySpec) -> HostGroup:
@@ -27,7 +21,7 @@ def host_group(spec: DeploySpec) -> HostGroup:
         Host(name=h.name, hostname=h.hostname, user=h.user, port=h.port, identity=h.identity, local=h.is_local)
         for h in spec.hosts
     ]
-    return HostGroup(hosts, ssh_settings(spec))
+    return HostGroup(hosts, spec.ssh)
 
 
 def runtime_group(group: HostGroup, spec: DeploySpec, session_id: str, absent_ok: bool = False) -> HostGroup:
@@ -92,12 +86,12 @@ def resolve_inventory(spec: DeploySpec, group: HostGroup | None = None,
                 kind = DeviceKind(found["kind"])
             if devices is None:
                 devices = {"npu": found["npus"], "gpu": found["gpus"], "cpu": found["cores"]}[kind.value]
-        inventory[h.name] = HostInventory(kind=kind, devices=tuple(devices or ()), ip=host_ip(spec, h),
+        inventory[h.name] = HostInventory(kind=kind, devices=tuple(devices or ()), ip=resolve_host_ip(spec, h),
                                           cpu_bf16=found.get("cpu_bf16"), arch=found.get("arch"))
     return inventory
 
 
-def host_ip(spec: DeploySpec, host: HostSpec) -> str | None:
+def resolve_host_ip(spec: DeploySpec, host: HostSpec) -> str | None:
     """The address the other hosts use to reach `host`: spec `ip`, else the SSH target resolved here.
 
     None when it cannot be resolved from here (`yrpd plan` still works; `deploy` asks for `ip:`).

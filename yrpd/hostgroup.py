@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from yrpd.errors import RemoteError
+from yrpd.spec import SshOptions  # the spec's `ssh:` is what connections are made with
 
 STDERR_TAIL_LINES = 20
 
@@ -269,7 +270,7 @@ class _LineWriter:
 
 
 class SshRunner:
-    def __init__(self, host: Host, options: "SshSettings"):
+    def __init__(self, host: Host, options: SshOptions):
         self.host = host
         self.options = options
         self._conn = None
@@ -394,7 +395,7 @@ class AppendNewHostKey:
                 fh.write(HostKeyEntry([hostname], key).to_line())
 
 
-def describe_ssh_error(host: Host, options: "SshSettings", exc: Exception) -> str:
+def describe_ssh_error(host: Host, options: SshOptions, exc: Exception) -> str:
     import socket
 
     import paramiko
@@ -418,21 +419,12 @@ def describe_ssh_error(host: Host, options: "SshSettings", exc: Exception) -> st
     return f"ssh to {target} failed: {type(exc).__name__}: {exc}"
 
 
-@dataclass(frozen=True)
-class SshSettings:
-    config_file: str = "~/.ssh/config"
-    identity: str | None = None
-    known_hosts: str = "~/.ssh/known_hosts"
-    accept_new_host_keys: bool = False
-    connect_timeout: float = 10.0
-
-
 @dataclass
 class HostGroup:
     """Hosts addressed together. Connections are opened lazily and reused until close()."""
 
     hosts: list[Host]
-    ssh: SshSettings = field(default_factory=SshSettings)
+    ssh: SshOptions = field(default_factory=SshOptions)
     max_parallel: int = 32
 
     #: docker runtime: host name -> its container; commands not marked on_host run in it

@@ -79,8 +79,16 @@ class HostPlan:
     devices: tuple[int, ...]
     used: tuple[int, ...]
     ports: dict[str, int] = field(default_factory=dict)
-    ip: str | None = None
+    ip: str | None = None  # None only in a plan made where the host's name does not resolve (deploy needs `ip:`)
     arch: str | None = None
+
+    #: shown in place of an address that could not be resolved (TEST-NET-1: routes nowhere)
+    UNRESOLVED = "192.0.2.1"
+
+    @property
+    def reach_ip(self) -> str:
+        """The address other hosts, and the processes yrpd starts, use to reach this host."""
+        return self.ip or self.UNRESOLVED
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,11 @@ class StepSpec(BaseModel):
     def id(self) -> str:
         return self.run
 
+    @property
+    def function(self):
+        """The step function this step runs: steps are told apart by it, not by how the YAML spells `run`."""
+        return resolve(self.run)
+
 
 class Playbook(BaseModel):
     model_config = ConfigDict(extra="forbid")

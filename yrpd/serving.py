@@ -10,6 +10,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 
+from yrpd.layout import HostSessionLayout
 from yrpd.placement import HostPlan, InstancePlan, Plan
 from yrpd.spec import BUILTIN_MODEL, DeploySpec, DeviceKind
 
@@ -40,7 +41,7 @@ class HostPaths:
     """Where things live on a host (the same layout on every host)."""
 
     env_root: str
-    session_dir: str
+    session: HostSessionLayout | None  # None: paths that belong to no session (the model builder)
     bundle_dir: str
     #: the Python that has vLLM when it is not yrpd's venv: a container image's own (its profile's `python`)
     image_python: str | None = None
@@ -68,10 +69,7 @@ class HostPaths:
         return f"{self.env_root}/cache/vllm"
 
     def stats_file(self, instance: str) -> str:
-        return f"{self.session_dir}/run/kv-{instance}-{{side}}-rank{{rank}}.json"
-
-    def log(self, name: str) -> str:
-        return f"{self.session_dir}/logs/{name}.log"
+        return self.session.kv_stats(instance)
 
 
 @dataclass(frozen=True)
@@ -111,12 +109,8 @@ def host_of(plan: Plan, name: str) -> HostPlan:
     return next(h for h in plan.hosts if h.name == name)
 
 
-def host_ip(host: HostPlan) -> str:
-    return host.ip or "127.0.0.1"
-
-
 def instance_url(plan: Plan, inst: InstancePlan) -> str:
-    return f"http://{host_ip(host_of(plan, inst.host))}:{inst.port}"
+    return f"http://{host_of(plan, inst.host).reach_ip}:{inst.port}"
 
 
 def endpoint_url(spec: DeploySpec, plan: Plan) -> str:
@@ -125,15 +119,15 @@ def endpoint_url(spec: DeploySpec, plan: Plan) -> str:
 
 
 def proxy_url(spec: DeploySpec, plan: Plan) -> str:
-    bind = spec.proxy_host or host_ip(host_of(plan, plan.proxy_host))
-    shown = host_ip(host_of(plan, plan.proxy_host)) if bind == "0.0.0.0" else bind
+    bind = spec.proxy_host or host_of(plan, plan.proxy_host).reach_ip
+    shown = host_of(plan, plan.proxy_host).reach_ip if bind == "0.0.0.0" else bind
     return f"http://{shown}:{plan.proxy_port}"
 
 
 def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: HostPaths) -> dict:
     host = host_of(plan, inst.host)
     extra = {
-        "ds_address": f"{host_ip(host)}:{spec.ports.datasystem}",
+        "ds_address": f"{host.reach_ip}:{spec.ports.datasystem}",
         "stats_file": paths.stats_file(inst.name),
         "stats_interval_s": STATS_INTERVAL_S,
     }
@@ -174,7 +168,7 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
         common += ["--dtype", plan.dtype.dtype]
     env = {**BASE_ENV, **(NPU_ENV if kind is DeviceKind.npu else {}),
            "PYTHONPATH": paths.bundle_dir, "VLLM_CACHE_ROOT": paths.vllm_cache,
-           "TMPDIR": f"{paths.session_dir}/tmp", "VLLM_HOST_IP": host_ip(head)}
+           "TMPDIR": paths.session.tmp_dir, "VLLM_HOST_IP": head.reach_ip}
     if kind is DeviceKind.npu:
         env["HCCL_IF_BASE_PORT"] = str(inst.hccl_port)
     by_host: dict[str, list] = {}
@@ -186,17 +180,17 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
         for h, ranks in by_host.items():
             dp_args[h] = ["--data-parallel-size", str(inst.dp), "--data-parallel-size-local", str(len(ranks))]
             if len(by_host) > 1:
-                dp_args[h] += ["--data-parallel-address", host_ip(head), "--data-parallel-rpc-port", str(inst.kv_port)]
+                dp_args[h] += ["--data-parallel-address", head.reach_ip, "--data-parallel-rpc-port", str(inst.kv_port)]
                 if h != inst.host:
                     dp_args[h] += ["--headless", "--data-parallel-start-rank", str(start)]
             start += len(ranks)
     launches = []
     for h, ranks in by_host.items():
         devices = tuple(d for r in ranks for d in r.devices)
-        host_env = {**env, **device_env(host_of(plan, h).kind, devices, inst.tp), "VLLM_HOST_IP": host_ip(host_of(plan, h))}
+        host_env = {**env, **device_env(host_of(plan, h).kind, devices, inst.tp), "VLLM_HOST_IP": host_of(plan, h).reach_ip}
         host_env.update(spec.env)
         if h == inst.host:
-            argv = [*common, "--host", host_ip(head), "--port", str(inst.port), *dp_args[h], *spec.engine_args]
+            argv = [*common, "--host", head.reach_ip, "--port", str(inst.port), *dp_args[h], *spec.engine_args]
             launches.append(Launch(inst.name, h, argv, host_env, f"{instance_url(plan, inst)}/health"))
         else:
             argv = [*common, *dp_args[h], *spec.engine_args]
@@ -215,7 +209,7 @@ PROXY_NAME = "proxy"
 def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | None:
     if not spec.disaggregated:
         return None
-    bind = spec.proxy_host or host_ip(host_of(plan, plan.proxy_host))
+    bind = spec.proxy_host or host_of(plan, plan.proxy_host).reach_ip
     argv = [paths.python, "-m", "yrpd.proxy", "--host", bind, "--port", str(plan.proxy_port),
             "--served-model-name", spec.model_name]
     for inst in plan.instances:

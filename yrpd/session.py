@@ -3,7 +3,7 @@
 Layout: `<root>/<YYYYmmdd-HHMMSS>-<6 hex>/{spec.json, plan.json, state.json, journal.jsonl}` and
 `<root>/latest` -> the newest session. The root is `$YRPD_HOME/sessions` (default `~/.yrpd/sessions`)
 unless the spec's `session_root` says otherwise. On each host the session lives under
-`<remote_session_root>/<id>/` with `logs/` and `run/` (pid files), and `<remote_session_root>/latest`.
+`<remote_session_root>/<id>/`, laid out as yrpd.layout says.
 """
 
 from __future__ import annotations
@@ -14,12 +14,36 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from yrpd.errors import SessionError
 
 SESSION_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
+
+
+class SessionPhase(str, Enum):
+    """Where a session's deployment stands, as recorded in its state.json (the values are what is written)."""
+
+    new = "new"  # created, nothing run yet
+    deploying = "deploying"
+    deployed = "deployed"
+    failed = "failed"  # a deploy step failed: `yrpd deploy` resumes it
+    down = "down"
+    down_failed = "down-failed"  # teardown could not prove everything gone: `yrpd down` again
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def resumable(self) -> bool:
+        return self in (SessionPhase.failed, SessionPhase.deploying)
+
+    @property
+    def up(self) -> bool:
+        """Something of the session may run on the hosts."""
+        return self not in (SessionPhase.new, SessionPhase.down)
 
 
 def yrpd_home() -> Path:
@@ -82,16 +106,18 @@ class Session:
 
     @property
     def state(self) -> dict:
-        return self._read_json("state.json", {"phase": "new"})
+        return self._read_json("state.json", {"phase": SessionPhase.new.value})
 
-    def set_state(self, **fields: Any) -> None:
+    def set_state(self, phase: SessionPhase | None = None, **fields: Any) -> None:
         state = self.state
+        if phase is not None:
+            fields["phase"] = SessionPhase(phase).value
         state.update(fields, updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
         self._write_json("state.json", state)
 
     @property
-    def phase(self) -> str:
-        return self.state.get("phase", "new")
+    def phase(self) -> SessionPhase:
+        return SessionPhase(self.state.get("phase", SessionPhase.new.value))
 
     def journal(self, **entry: Any) -> None:
         entry.setdefault("time", time.strftime("%Y-%m-%dT%H:%M:%S"))

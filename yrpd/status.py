@@ -13,7 +13,7 @@ from yrpd.steps import cluster, host_python, processes
 def _serving_probe(ctx, host) -> Command:
     instances = [{"name": i.name, "url": instance_url(ctx.plan, i)} for i in ctx.plan.instances if i.host == host.name]
     proxy = {"url": proxy_url(ctx.spec, ctx.plan)} if host.name == ctx.plan.proxy_host and ctx.spec.disaggregated else None
-    return host_python("serving_status.py", {"dir": ctx.host_session_dir, "instances": instances, "proxy": proxy},
+    return host_python("serving_status.py", {**ctx.layout.for_scripts(), "instances": instances, "proxy": proxy},
                        timeout=20)
 
 

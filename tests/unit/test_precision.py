@@ -5,13 +5,14 @@ import json
 
 import pytest
 
+from yrpd.layout import HostSessionLayout
 from yrpd.errors import SpecError
 from yrpd.placement import HostInventory, make_plan
 from yrpd.precision import choose
 from yrpd.serving import HostPaths, instance_launches
 from yrpd.spec import DeviceKind, Dtype, build_spec
 
-PATHS = HostPaths(env_root="/opt/yrpd/venvs", session_dir="/tmp/yrpd_sessions/S", bundle_dir="/b")
+PATHS = HostPaths(env_root="/opt/yrpd/venvs", session=HostSessionLayout("/tmp/yrpd_sessions", "S"), bundle_dir="/b")
 
 
 def plan_for(bf16: dict, kind=DeviceKind.cpu, **over):

@@ -3,12 +3,13 @@
 import json
 import shlex
 
+from yrpd.layout import HostSessionLayout
 from yrpd.placement import HostInventory, make_plan
 from yrpd.serving import HostPaths, instance_launches, launches_on_host, proxy_launch, sample_request
 from yrpd.spec import DeviceKind, build_spec
 from yrpd.steps.vllm_env import MAX_BUNDLE_B64, bundle
 
-PATHS = HostPaths(env_root="/opt/yrpd/venvs", session_dir="/tmp/yrpd_sessions/S", bundle_dir="/opt/yrpd/venvs/lib/yrpd-x")
+PATHS = HostPaths(env_root="/opt/yrpd/venvs", session=HostSessionLayout("/tmp/yrpd_sessions", "S"), bundle_dir="/opt/yrpd/venvs/lib/yrpd-x")
 
 
 def deployment(kind=DeviceKind.npu, devices=8, hosts=("h1", "h2"), **over):

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from yrpd.assets import deploy_script
 from yrpd.hostgroup import Command
+from yrpd.layout import HostSessionLayout
 from yrpd.placement import HostPlan, Plan
 from yrpd.spec import DeploySpec
 
@@ -35,8 +36,12 @@ class StepContext:
     options: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def layout(self) -> HostSessionLayout:
+        return HostSessionLayout(self.spec.remote_session_root, self.session_id)
+
+    @property
     def host_session_dir(self) -> str:
-        return f"{self.spec.remote_session_root.rstrip('/')}/{self.session_id}"
+        return self.layout.dir
 
     @property
     def spec_hash(self) -> str:

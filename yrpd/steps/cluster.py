@@ -46,11 +46,6 @@ def master(ctx: StepContext) -> HostPlan:
     return next(h for h in ctx.plan.hosts if h.is_master)
 
 
-def _address(host: HostPlan) -> str:
-    # plan-time only: a host whose address cannot be resolved here renders with a placeholder
-    return host.ip or "192.0.2.1"
-
-
 def yr_ports(ctx: StepContext) -> YrPorts:
     p = ctx.spec.ports
     return YrPorts(etcd_client=p.etcd, etcd_peer=p.etcd + 1, ds_master=p.ds_master, ds_worker=p.datasystem)
@@ -68,7 +63,7 @@ def python_tag(ctx: StepContext) -> str:
 def node(ctx: StepContext, host: HostPlan, mode: str) -> YrNode:
     yr_venv, ds_venv = venvs(ctx)
     return YrNode(
-        host_ip=_address(host), is_master=host.is_master, master_ip=_address(master(ctx)),
+        host_ip=host.reach_ip, is_master=host.is_master, master_ip=master(ctx).reach_ip,
         deploy_path=deploy_path(ctx), mode=mode, ports=yr_ports(ctx), yr_venv=yr_venv, ds_venv=ds_venv,
         python_tag=python_tag(ctx), shared_memory_mb=ctx.spec.datasystem_memory_mb,
     )
@@ -162,7 +157,7 @@ def _driver_args(ctx: StepContext, host: HostPlan, action: str, mode: str, timeo
     wanted = [c for c, on in components(n).items() if on]
     owner = {"etcd_client": "etcd", "etcd_peer": "etcd", "ds_master": "ds_master", "ds_worker": "ds_worker"}
     return {
-        "action": action, "deploy": n.deploy_path, "logs": f"{ctx.host_session_dir}/logs", "session": ctx.session_id,
+        "action": action, "deploy": n.deploy_path, "logs": ctx.layout.logs_dir, "session": ctx.session_id,
         "start": list(start.argv), "stop": list(stop.argv), "force_stop": list(force.argv), "health": list(health.argv),
         "env": dict(start.env), "host_ip": n.host_ip, "timeout": timeout, "expect": wanted,
         "ports": {name: [owner.get(name, name), port] for name, port in listen_ports(n).items()},
@@ -216,8 +211,8 @@ def check_kv(ctx: StepContext, host: HostPlan) -> Command:
     _, ds_venv = venvs(ctx)
     port = ctx.spec.ports.datasystem
     body = deploy_script("ds_kv_check.py")
-    own, other = f"{_address(host)}:{port}", f"{_address(peer)}:{port}"
-    logs = shlex.quote(f"{ctx.host_session_dir}/logs/ds-client")
+    own, other = f"{host.reach_ip}:{port}", f"{peer.reach_ip}:{port}"
+    logs = shlex.quote(ctx.layout.client_logs)
     script = (
         f"mkdir -p {logs}\n"
         f"env -u LD_LIBRARY_PATH DATASYSTEM_CLIENT_LOG_DIR={logs} {shlex.quote(ds_venv)}/bin/python - "

@@ -21,7 +21,7 @@ def start(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
         return NotNeeded("no instance on this host")
     script = "\n".join(start_script(ctx, launch.name, launch.exec_command, launch.env, settle=1.0) for launch in launches)
     display = "\n".join(f"start {launch.name} detached: {' '.join(f'{k}={v}' for k, v in launch.env.items())} "
-                        f"{launch.command}  (log {ctx.host_session_dir}/logs/{launch.name}.log)" for launch in launches)
+                        f"{launch.command}  (log {ctx.layout.log(launch.name)})" for launch in launches)
     return Command(script, display=display, timeout=60)
 
 
@@ -35,7 +35,7 @@ def wait_healthy(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     if not targets:
         return NotNeeded("no instance on this host")
     timeout = ctx.spec.startup_timeout_s
-    return host_python("wait_ready.py", {"dir": ctx.host_session_dir, "timeout": timeout, "targets": targets},
+    return host_python("wait_ready.py", {**ctx.layout.for_scripts(), "timeout": timeout, "targets": targets},
                        timeout=timeout + 30)
 
 

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     name, env_root = (argv if argv is not None else sys.argv[1:])[:2]
-    p = HostPaths(env_root=env_root, session_dir="", bundle_dir="")
+    p = HostPaths(env_root=env_root, session=None, bundle_dir="")
     print(" ".join(shlex.quote(a) for a in builder_args(name, f"{env_root}/models/{name}", p, None)))
     return 0
 

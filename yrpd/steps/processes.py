@@ -1,6 +1,6 @@
 """Detached processes owned by a session: started with a pid file, found again by their environment.
 
-Each process runs in its own session/process group (setsid), logs to `<host session>/logs/<name>.log`,
+Each process runs in its own session/process group (setsid), logs to its log file (yrpd.layout),
 and carries YRPD_SESSION=<id> in its environment so status and teardown find it and everything it forks.
 """
 
@@ -19,7 +19,7 @@ PREPENDED = ("PYTHONPATH",)
 
 
 def _alive_test(ctx: StepContext, name: str) -> str:
-    pidfile = shlex.quote(f"{ctx.host_session_dir}/run/{name}.pid")
+    pidfile = shlex.quote(ctx.layout.pidfile(name))
     marker = shlex.quote(f"YRPD_SESSION={ctx.session_id}")
     return (
         f'pid=$(cat {pidfile} 2>/dev/null) && [ -n "$pid" ] && '
@@ -31,20 +31,21 @@ def start_script(ctx: StepContext, name: str, command: str, env: dict | None = N
     """Shell lines that start `command` detached as `name` unless it is already running."""
     if not _NAME_RE.match(name):
         raise ValueError(f"process name {name!r} must be letters, digits, . _ -")
-    d = ctx.host_session_dir
+    layout = ctx.layout
+    d = layout.dir
     q = shlex.quote
     exports = {**ctx.spec.env, **(env or {}), "YRPD_SESSION": ctx.session_id, "YRPD_PROCESS": name}
     # search paths are extended, not replaced: a container image's own (CANN's PYTHONPATH) must stay in force
     env_words = " ".join(f"{k}={q(v)}" + (f'"${{{k}:+:${k}}}"' if k in PREPENDED else "") for k, v in exports.items())
-    log = q(f"{d}/logs/{name}.log")
+    log, pidfile = q(layout.log(name)), q(layout.pidfile(name))
     return "\n".join([
-        f"mkdir -p {q(d + '/logs')} {q(d + '/run')} {q(d + '/tmp')}",
+        f"mkdir -p {' '.join(q(x) for x in layout.dirs)}",
         f"if {_alive_test(ctx, name)}; then echo '{name} already running (pid '$pid')'; else",
         # only the command itself goes to the background: $! is its pid, and nothing else holds our stdout
         f"  (cd {q(d)} || exit 1",
         f"   env {env_words} setsid nohup bash -c {q(command)} >> {log} 2>&1 < /dev/null &",
-        f"   echo $! > {q(d + '/run/' + name + '.pid')})",
-        f"  sleep {settle}; pid=$(cat {q(d + '/run/' + name + '.pid')})",
+        f"   echo $! > {pidfile})",
+        f"  sleep {settle}; pid=$(cat {pidfile})",
         f"  if ! kill -0 $pid 2>/dev/null; then echo '{name} exited right after start; last log lines:' >&2; "
         f"tail -n 20 {log} >&2; exit 1; fi",
         f"  echo '{name} started (pid '$pid')'",
@@ -56,7 +57,7 @@ def start(ctx: StepContext, host: HostPlan, name: str, command: str, env: dict |
           settle: float = 0.5) -> Command:
     """Start `command` detached on the host unless it is already running."""
     script = start_script(ctx, name, command, env, settle)
-    return shell_command(script, display=f"start {name} detached: {command}  (log {ctx.host_session_dir}/logs/{name}.log)")
+    return shell_command(script, display=f"start {name} detached: {command}  (log {ctx.layout.log(name)})")
 
 
 def running(ctx: StepContext, host: HostPlan, name: str, **_: object) -> Command:
@@ -67,7 +68,7 @@ def stop(ctx: StepContext, host: HostPlan, names: list[str], grace: float = 10) 
     """Stop the named processes of the session (and everything they forked); no-op for names not started."""
     if not names:
         return NotNeeded("nothing of this kind on this host")
-    args = {"dir": ctx.host_session_dir, "id": ctx.session_id, "action": "stop", "grace": grace, "names": names}
+    args = {**ctx.layout.for_scripts(), "id": ctx.session_id, "action": "stop", "grace": grace, "names": names}
     return host_python("session_processes.py", args, timeout=grace + 30)
 
 
@@ -75,11 +76,11 @@ def stop_all(ctx: StepContext, host: HostPlan, grace: float = 10) -> Command:
     """Stop every process of the session on the host (TERM, then KILL after `grace` s) and prove none is left."""
     from yrpd.placement import ports_on_host
 
-    args = {"dir": ctx.host_session_dir, "id": ctx.session_id, "action": "stop", "grace": grace,
+    args = {**ctx.layout.for_scripts(), "id": ctx.session_id, "action": "stop", "grace": grace,
             "ports": [[port, what] for port, what in ports_on_host(ctx.plan, host.name)]}
     return host_python("session_processes.py", args, timeout=grace + 30)
 
 
 def status(ctx: StepContext, host: HostPlan) -> Command:
-    args = {"dir": ctx.host_session_dir, "id": ctx.session_id, "action": "status"}
+    args = {**ctx.layout.for_scripts(), "id": ctx.session_id, "action": "status"}
     return host_python("session_processes.py", args, timeout=30)

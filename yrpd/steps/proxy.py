@@ -27,7 +27,7 @@ def start(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
         env["YRPD_API_KEY"] = os.environ.get(ctx.spec.api_key_env, "")
         shown["YRPD_API_KEY"] = f"${ctx.spec.api_key_env}"
     display = (f"start {PROXY_NAME} detached: {' '.join(f'{k}={v}' for k, v in shown.items())} {launch.command}  "
-               f"(log {ctx.host_session_dir}/logs/{PROXY_NAME}.log)")
+               f"(log {ctx.layout.log(PROXY_NAME)})")
     return Command(start_script(ctx, PROXY_NAME, launch.exec_command, env), display=display, timeout=60)
 
 
@@ -41,7 +41,7 @@ def wait_ready(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     launch = proxy_launch(ctx.spec, ctx.plan, paths(ctx))
     if launch is None:
         return NotNeeded("not disaggregated: no proxy")
-    return host_python("wait_ready.py", {"dir": ctx.host_session_dir, "timeout": READY_TIMEOUT,
+    return host_python("wait_ready.py", {**ctx.layout.for_scripts(), "timeout": READY_TIMEOUT,
                                          "targets": [{"name": PROXY_NAME, "url": launch.health_url}]},
                        timeout=READY_TIMEOUT + 30)
 

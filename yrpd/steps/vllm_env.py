@@ -78,7 +78,7 @@ def paths(ctx: StepContext) -> HostPaths:
         from yrpd.containers import container_profile
 
         image_python = container_profile(ctx.spec).python
-    return HostPaths(env_root=ctx.spec.env_root, session_dir=ctx.host_session_dir,
+    return HostPaths(env_root=ctx.spec.env_root, session=ctx.layout,
                      bundle_dir=f"{ctx.spec.env_root}/lib/yrpd-{bundle()[0]}", image_python=image_python)
 
 

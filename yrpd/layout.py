@@ -1,0 +1,66 @@
+"""Where a session's files live on each host, named in this one place.
+
+`<remote_session_root>/<session id>/` holds `logs/<process>.log`, `run/<process>.pid`, the connector's stats files
+`run/kv-<instance>-<side>-rank<N>.json`, and `tmp/`; `<remote_session_root>/latest` links the newest session.
+Steps, status and the CLI build their paths here. The host scripts (deploy_scripts/) get the paths they need in
+their JSON arguments, as `{name}` templates from `for_scripts()`, so they spell none of it themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HostSessionLayout:
+    root: str  # the spec's remote_session_root
+    session_id: str
+
+    @property
+    def base(self) -> str:
+        return self.root.rstrip("/") or "/"
+
+    @property
+    def dir(self) -> str:
+        return f"{self.base.rstrip('/')}/{self.session_id}"
+
+    @property
+    def latest(self) -> str:
+        return f"{self.base.rstrip('/')}/latest"
+
+    @property
+    def logs_dir(self) -> str:
+        return f"{self.dir}/logs"
+
+    @property
+    def run_dir(self) -> str:
+        return f"{self.dir}/run"
+
+    @property
+    def tmp_dir(self) -> str:
+        return f"{self.dir}/tmp"
+
+    @property
+    def dirs(self) -> tuple[str, ...]:
+        """What a started process needs to exist."""
+        return self.logs_dir, self.run_dir, self.tmp_dir
+
+    def log(self, name: str) -> str:
+        return f"{self.logs_dir}/{name}.log"
+
+    def pidfile(self, name: str) -> str:
+        return f"{self.run_dir}/{name}.pid"
+
+    def kv_stats(self, instance: str) -> str:
+        """The connector's stats file per side and rank; `{side}` and `{rank}` are filled in by the connector."""
+        return f"{self.run_dir}/kv-{instance}-{{side}}-rank{{rank}}.json"
+
+    @property
+    def client_logs(self) -> str:
+        """Logs of the data-system clients yrpd's own checks start."""
+        return f"{self.logs_dir}/ds-client"
+
+    def for_scripts(self) -> dict[str, str]:
+        """The templates the host scripts format with a process or instance `name`."""
+        return {"dir": self.dir, "log": self.log("{name}"), "pidfile": self.pidfile("{name}"),
+                "kv_stats": self.kv_stats("{name}").replace("{side}", "*").replace("{rank}", "*")}
