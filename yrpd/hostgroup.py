@@ -435,7 +435,14 @@ class HostGroup:
     #: shell lines run in the container before each command (env_preamble of the profile's env_scripts)
     preamble: str = ""
 
+    #: tests: makes the runner of a host instead of a local or SSH one (yrpd.testing scripts the answers)
+    runner_factory: Callable[[Host], "LocalRunner | SshRunner"] | None = None
+    #: the factory every new group gets (yrpd.testing.ScriptedHosts sets it, like fabric.testing's MockRemote)
+    default_runner_factory = None
+
     def __post_init__(self) -> None:
+        if self.runner_factory is None:
+            self.runner_factory = HostGroup.default_runner_factory
         self._runners: dict[str, LocalRunner | SshRunner] = {}
         self._lock = threading.Lock()
 
@@ -461,7 +468,8 @@ class HostGroup:
 
     def _view(self, hosts: list[Host], containers: Mapping[str, str], engine: str, absent_ok: bool,
               preamble: str = "") -> "HostGroup":
-        group = HostGroup(hosts, self.ssh, self.max_parallel, dict(containers), engine, absent_ok, preamble)
+        group = HostGroup(hosts, self.ssh, self.max_parallel, dict(containers), engine, absent_ok, preamble,
+                          self.runner_factory)
         group._runners = self._runners  # share open connections
         group._lock = self._lock
         return group
@@ -469,7 +477,10 @@ class HostGroup:
     def _runner(self, host: Host) -> LocalRunner | SshRunner | ContainerRunner:
         with self._lock:
             if host.name not in self._runners:
-                self._runners[host.name] = LocalRunner(host) if host.local else SshRunner(host, self.ssh)
+                if self.runner_factory is not None:
+                    self._runners[host.name] = self.runner_factory(host)
+                else:
+                    self._runners[host.name] = LocalRunner(host) if host.local else SshRunner(host, self.ssh)
             runner = self._runners[host.name]
         if host.name in self.containers:
             return ContainerRunner(runner, self.containers[host.name], self.engine, self.absent_ok, self.preamble)

@@ -10,6 +10,7 @@ from rich.text import Text
 
 from yrpd.placement import Plan, describe_devices, unit_name
 from yrpd.spec import DeploySpec, Dtype, Runtime
+from yrpd.status import StatusReport
 from yrpd.steps import NotNeeded
 
 
@@ -98,72 +99,75 @@ def yes_no(value: bool | None, good: str = "yes", bad: str = "no") -> str:
     return f"[green]{good}[/green]" if value else f"[red]{bad}[/red]"
 
 
-def status_tables(report: dict) -> list[Table]:
-    hosts = Table(title=f"Hosts (session {report['session']}, {report['phase']})", title_justify="left")
+def status_tables(report: StatusReport) -> list[Table]:
+    hosts = Table(title=f"Hosts (session {report.session}, {report.phase})", title_justify="left")
     for column in ("host", "role", "reachable", "load", "mem avail GB", "session dir", "processes"):
         hosts.add_column(column)
-    for h in report["hosts"]:
-        facts = h.get("facts", {})
-        procs = [p for p in report["processes"] if p["host"] == h["name"]]
-        alive = sum(1 for p in procs if p["alive"])
+    for h in report.hosts:
+        facts = h.facts or {}
+        procs = [p for p in report.processes if p.host == h.name]
+        alive = sum(1 for p in procs if p.alive)
         hosts.add_row(
-            h["name"], h["role"],
-            yes_no(h["reachable"]) if h["reachable"] else f"[red]no[/red]: {escape(h.get('error') or '')}",
+            h.name, h.role,
+            yes_no(h.reachable) if h.reachable else f"[red]no[/red]: {escape(h.error or '')}",
             " ".join(f"{x:.2f}" for x in facts.get("load", [])) or "-",
             str(facts.get("mem_available_gb", "-")),
-            yes_no(facts.get("session_dir_exists"), "present", "missing") if h["reachable"] else "-",
+            yes_no(facts.get("session_dir_exists"), "present", "missing") if h.reachable else "-",
             f"{alive}/{len(procs)} running" if procs else "-",
         )
     tables = [hosts]
-    if report["processes"]:
+    if report.processes:
         procs = Table(title="Processes", title_justify="left")
         for column in ("host", "name", "pid", "state", "rss MB"):
             procs.add_column(column)
-        for p in report["processes"]:
-            procs.add_row(p["host"], p["name"], str(p["pid"] or "-"), yes_no(p["alive"], "running", "dead"),
-                          str(p.get("rss_mb") or "-"))
+        for p in report.processes:
+            procs.add_row(p.host, p.name, str(p.pid or "-"), yes_no(p.alive, "running", "dead"), str(p.rss_mb or "-"))
         tables.append(procs)
-    cluster = report.get("cluster")
+    cluster = report.cluster
     if cluster:
-        table = Table(title=f"openYuanrong cluster ({cluster['mode']} mode, master {cluster['master']}, "
-                            f"etcd {cluster['etcd']})", title_justify="left")
+        table = Table(title=f"openYuanrong cluster ({cluster.mode} mode, master {cluster.master}, "
+                            f"etcd {cluster.etcd})", title_justify="left")
         for column in ("host", "component", "pid", "state", "restarts", "ports"):
             table.add_column(column)
-        for row in cluster["components"]:
-            state = yes_no(row["healthy"], row["state"].lower(), row["state"].lower() if row.get("alive", True) else "exited")
-            ports = ", ".join(f"{p} {'up' if up else '[red]down[/red]'}" for p, up in row["ports"].items()) or "-"
-            table.add_row(row["host"], row["component"], str(row["pid"] or "-"), state,
-                          str(row["restarts"]) if row["restarts"] is not None else "-", ports)
+        for row in cluster.components:
+            gone = row.state != "absent" and not row.alive
+            state = yes_no(row.healthy, row.state.lower(), "exited" if gone else row.state.lower())
+            ports = ", ".join(f"{p} {'up' if up else '[red]down[/red]'}" for p, up in row.ports.items()) or "-"
+            table.add_row(row.host, row.component, str(row.pid or "-"), state,
+                          str(row.restarts) if row.restarts is not None else "-", ports)
         tables.append(table)
-    if report["instances"]:
+    if report.instances:
         inst = Table(title="Instances", title_justify="left")
         for column in ("instance", "role", "host", "devices", "port", "pid", "health", "running/waiting",
                        "KV blocks loaded", "KV blocks saved", "external hit tokens"):
             inst.add_column(column)
-        for i in report["instances"]:
-            state = i["state"]
-            if state == "running":
-                health = yes_no(i["healthy"], "healthy", "no answer")
+        for i in report.instances:
+            if i.state == "running":
+                health = yes_no(i.healthy, "healthy", "no answer")
             else:
-                health = "[red]dead[/red]" if state == "dead" else f"[dim]{state}[/dim]"
-            conn = i.get("connector") or {}
-            running = i.get("requests_running")
-            load = f"{_num(running)}/{_num(i.get('requests_waiting'))}" if running is not None else "-"
-            inst.add_row(i["name"], i["role"], i["host"], describe_devices(i["devices"]), str(i["port"]),
-                         str(i.get("pid") or "-"), health, load, _num(conn.get("loaded_blocks")),
-                         _num(conn.get("saved_blocks")), _num(i.get("external_cache_hit_tokens")))
+                health = "[red]dead[/red]" if i.state == "dead" else f"[dim]{i.state}[/dim]"
+            conn = i.connector or {}
+            running = i.probe.get("requests_running")
+            load = f"{_num(running)}/{_num(i.probe.get('requests_waiting'))}" if running is not None else "-"
+            inst.add_row(i.name, i.role, i.host, describe_devices(i.devices), str(i.port), str(i.pid or "-"), health,
+                         load, _num(conn.get("loaded_blocks")), _num(conn.get("saved_blocks")),
+                         _num(i.probe.get("external_cache_hit_tokens")))
         tables.append(inst)
-    proxy = report.get("proxy")
+    proxy = report.proxy
     if proxy:
         table = Table(title="Proxy", title_justify="left")
         for column in ("url", "host", "pid", "health", "in flight", "instances up"):
             table.add_column(column)
-        up = proxy.get("instances_up") or {}
-        table.add_row(proxy["url"], proxy["host"], str(proxy.get("pid") or "-"),
-                      yes_no(proxy["healthy"], "healthy", proxy["state"] if proxy["state"] != "running" else "unhealthy"),
-                      _num(proxy.get("in_flight")), f"{sum(up.values())}/{len(up)}" if up else "-")
+        up = proxy.instances_up or {}
+        table.add_row(proxy.url, proxy.host, str(proxy.pid or "-"),
+                      yes_no(proxy.healthy, "healthy", proxy.state if proxy.state != "running" else "unhealthy"),
+                      _num(proxy.in_flight), f"{sum(up.values())}/{len(up)}" if up else "-")
         tables.append(table)
     return tables
+
+
+def status_verdict(report: StatusReport) -> str:
+    return "[green]healthy[/green]" if report.healthy else "[red]unhealthy[/red]: " + "; ".join(report.problems)
 
 
 def _num(value) -> str:

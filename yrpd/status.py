@@ -1,172 +1,312 @@
-"""Collect a deployment's status from every host in parallel into one JSON-able report."""
+"""A deployment's status, collected from every host in parallel into one `StatusReport`.
+
+The report is what `yrpd status` renders (yrpd.render.status_tables) and what `yrpd status --json` prints
+(`StatusReport.to_json()`); the JSON schema is documented in docs/architecture.md. Each host answers one JSON
+object (its processes, its openYuanrong components when a cluster was started, what its instances and proxy
+answer); the judging is done here, in pure functions of those answers (`judge`), unit-tested without hosts.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass, field
+from typing import Any
 
 from yrpd.deployment import Deployment
-from yrpd.hostgroup import Command
+from yrpd.hostgroup import Command, HostResult
+from yrpd.placement import HostPlan, InstancePlan
 from yrpd.serving import PROXY_NAME, instance_url, proxy_url
-from yrpd.steps import cluster, host_python, processes
+from yrpd.session import SessionPhase
+from yrpd.steps import StepContext, cluster, host_python, processes
+
+#: what an instance's probe reports, copied as is (vLLM's metrics, summed over its ranks)
+PROBE_FIELDS = ("requests_running", "requests_waiting", "prompt_tokens", "external_cache_hit_tokens",
+                "external_cache_query_tokens", "prompt_tokens_computed", "prompt_tokens_local_cache",
+                "prompt_tokens_loaded")
 
 
-def _serving_probe(ctx, host) -> Command:
+@dataclass
+class HostStatus:
+    name: str
+    address: str
+    role: str  # master | worker
+    reachable: bool
+    healthy: bool = False
+    error: str | None = None
+    facts: dict[str, Any] | None = None  # hostname, load, memory, whether the session directory exists
+    session_pids: int | None = None  # processes carrying the session's marker
+
+
+@dataclass
+class ProcessStatus:
+    host: str
+    name: str
+    pid: int | None
+    alive: bool
+    rss_mb: float | None = None
+    command: str | None = None
+
+
+@dataclass
+class ComponentStatus:
+    """One openYuanrong component on one host; healthy only if running, alive, never restarted, ports listening
+    (`yr health` alone says RUNNING through crash loops)."""
+
+    host: str
+    component: str
+    state: str
+    pid: int | None
+    restarts: int | None
+    ports: dict[str, bool]
+    mode: str | None
+    healthy: bool
+    alive: bool = False
+
+
+@dataclass
+class ClusterStatus:
+    mode: str | None
+    master: str
+    etcd: str
+    healthy: bool
+    components: list[ComponentStatus]
+
+
+@dataclass
+class InstanceStatus:
+    name: str
+    role: str
+    host: str
+    devices: list[int]
+    tp: int
+    dp: int
+    port: int
+    url: str
+    pid: int | None
+    state: str  # running | dead | not deployed
+    healthy: bool
+    probe: dict[str, float | None] = field(default_factory=dict)  # PROBE_FIELDS, when the instance was probed
+    connector: dict[str, Any] | None = None  # ds_healthy and the connector's counters
+    error: str | None = None
+
+
+@dataclass
+class ProxyStatus:
+    url: str
+    host: str
+    pid: int | None
+    state: str
+    healthy: bool
+    instances_up: dict[str, bool] | None = None
+    in_flight: int | None = None
+
+
+@dataclass
+class StatusReport:
+    session: str
+    phase: SessionPhase
+    healthy: bool
+    problems: list[str]
+    hosts: list[HostStatus]
+    processes: list[ProcessStatus]
+    instances: list[InstanceStatus]
+    proxy: ProxyStatus | None
+    cluster: ClusterStatus | None
+
+    def to_json(self) -> dict:
+        """`yrpd status --json`: the report's fields; an instance's probe fields sit on the instance itself and
+        optional fields that have no value are left out."""
+        def clean(obj: Any) -> Any:
+            if isinstance(obj, InstanceStatus):
+                data = {k: clean(v) for k, v in dataclasses.asdict(obj).items() if k != "probe"}
+                data.update(obj.probe)
+                return {k: v for k, v in data.items() if v is not None or k in ("pid",)}
+            if dataclasses.is_dataclass(obj):
+                data = {f.name: clean(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+                optional = {"error", "facts", "session_pids", "instances_up", "in_flight", "rss_mb", "command"}
+                return {k: v for k, v in data.items() if v is not None or k not in optional}
+            if isinstance(obj, list):
+                return [clean(v) for v in obj]
+            if isinstance(obj, SessionPhase):
+                return obj.value
+            return obj
+
+        return clean(self)
+
+
+# -- collecting --------------------------------------------------------------------------------------
+
+def _serving_probe(ctx: StepContext, host: HostPlan) -> Command:
     instances = [{"name": i.name, "url": instance_url(ctx.plan, i)} for i in ctx.plan.instances if i.host == host.name]
     proxy = {"url": proxy_url(ctx.spec, ctx.plan)} if host.name == ctx.plan.proxy_host and ctx.spec.disaggregated else None
     return host_python("serving_status.py", {**ctx.layout.for_scripts(), "instances": instances, "proxy": proxy},
                        timeout=20)
 
 
-def _query(ctx, host, with_cluster: bool) -> Command:
-    """One round trip per host: its processes, the cluster's health when the deploy started one, and what its
-    instances and proxy answer."""
-    parts = [processes.status(ctx, host)]
+def query(ctx: StepContext, host: HostPlan, with_cluster: bool) -> Command:
+    """One round trip per host, answering one JSON object: {"processes": .., "cluster": .. or null, "serving": ..}.
+    Each part is a host script printing one JSON line; its stderr passes through."""
+    parts = {"processes": processes.status(ctx, host), "serving": _serving_probe(ctx, host)}
     if with_cluster:
-        parts.append(cluster.status(ctx, host))
-    parts.append(_serving_probe(ctx, host))
-    return Command("\n".join(p.script for p in parts), timeout=sum(p.timeout for p in parts))
+        parts["cluster"] = cluster.status(ctx, host)
+    # each part's last JSON line; a part that fails (pipefail) names itself
+    lines = [f"yrpd_{key}=$(set -o pipefail; {{\n{cmd.script}\n}} | grep '^{{' | tail -n 1) || yrpd_failed={key}"
+             for key, cmd in parts.items()]
+    fields = ", ".join(f'"{key}": %s' for key in ("processes", "cluster", "serving"))
+    values = " ".join(f'"${{yrpd_{key}:-null}}"' for key in ("processes", "cluster", "serving"))
+    lines.append(f"printf '{{{fields}}}\\n' {values}")
+    lines.append('if [ -n "${yrpd_failed:-}" ]; then echo "status query: the $yrpd_failed part failed" >&2; exit 1; fi')
+    return Command("\n".join(lines), timeout=sum(p.timeout for p in parts.values()))
+
+
+def parse_answer(stdout: str) -> dict:
+    """The host's JSON object (the last line that is one)."""
+    line = next(line for line in reversed(stdout.strip().splitlines()) if line.startswith("{"))
+    return json.loads(line)
 
 
 def cluster_started(deployment: Deployment) -> bool:
-    return any(e.get("run") in ("cluster.start_master", "cluster.start_agent") and e.get("outcome") in ("done", "skipped")
+    starts = (cluster.start_master, cluster.start_agent)
+    return any(_runs(e.get("run"), starts) and e.get("outcome") in ("done", "skipped")
                for e in deployment.session.journal_entries())
 
 
-def collect_status(deployment: Deployment) -> dict:
+def _runs(ref: str | None, functions: tuple) -> bool:
+    from yrpd.steps import resolve
+
+    try:
+        return ref is not None and resolve(ref) in functions
+    except (ValueError, ImportError):
+        return False
+
+
+def collect_status(deployment: Deployment) -> StatusReport:
     ctx = deployment.context()
     by_name = {h.name: h for h in deployment.plan.hosts}
     with_cluster = cluster_started(deployment)
     with deployment.group() as group:
-        results = group.run(lambda host: _query(ctx, by_name[host.name], with_cluster))
+        results = group.run(lambda host: query(ctx, by_name[host.name], with_cluster))
+    return judge(deployment, dict(results), with_cluster)
+
+
+# -- judging (pure) ------------------------------------------------------------------------------------
+
+def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: bool) -> StatusReport:
+    """The report from each host's answer: what is healthy, and every problem in one line."""
     phase = deployment.session.phase
-    cluster_rows: list[dict] = []
+    deployed = phase is SessionPhase.deployed
     problems: list[str] = []
-    if phase != "deployed":
-        problems.append(f"session is {phase}" + (" (run yrpd deploy to resume)" if phase in ("failed", "deploying") else ""))
-    hosts, procs = [], []
+    if not deployed:
+        problems.append(f"session is {phase}" + (" (run yrpd deploy to resume)" if phase.resumable else ""))
+    hosts: list[HostStatus] = []
+    procs: list[ProcessStatus] = []
+    components: list[ComponentStatus] = []
     serving: dict[str, dict] = {}
     proxy_probe: dict | None = None
     for plan_host in deployment.plan.hosts:
         result = results[plan_host.name]
-        entry = {"name": plan_host.name, "address": plan_host.address, "role": "master" if plan_host.is_master else "worker",
-                 "reachable": result.reachable, "healthy": False}
-        if not result.reachable:
-            entry["error"] = result.error
-            problems.append(f"{plan_host.name} unreachable")
-        elif not result.ok:
-            entry["error"] = result.tail()
-            problems.append(f"{plan_host.name}: status query failed")
-        else:
-            lines = [line for line in result.stdout.strip().splitlines() if line.startswith("{")]
-            data = json.loads(lines[0])
-            if with_cluster:
-                cluster_rows.extend(_cluster_rows(plan_host, json.loads(lines[1]), phase, problems))
-            probes = json.loads(lines[-1])
-            serving.update({p["name"]: p for p in probes["instances"]})
-            if probes["proxy"] is not None:
-                proxy_probe = probes["proxy"]
-            entry["facts"] = data["host"]
-            entry["session_pids"] = len(data["session_pids"])
-            for proc in data["processes"]:
-                procs.append({"host": plan_host.name, **proc})
-                if not proc["alive"] and phase != "down":
-                    problems.append(f"{proc['name']} on {plan_host.name} is not running")
-            if phase == "deployed" and not data["host"]["session_dir_exists"]:
-                problems.append(f"{plan_host.name}: session directory missing")
-            entry["healthy"] = all(p["alive"] for p in data["processes"])
+        entry = HostStatus(plan_host.name, plan_host.address, "master" if plan_host.is_master else "worker",
+                           result.reachable)
         hosts.append(entry)
-    live = {(p["host"], p["name"]): p for p in procs}
-    instances = [_instance_row(deployment, inst, live.get((inst.host, inst.name)), serving.get(inst.name), phase, problems)
-                 for inst in deployment.plan.instances]
-    proxy = _proxy_row(deployment, live.get((deployment.plan.proxy_host, PROXY_NAME)), proxy_probe, phase, problems)
-    master = next(h for h in deployment.plan.hosts if h.is_master)
+        if not result.reachable:
+            entry.error = result.error
+            problems.append(f"{plan_host.name} unreachable")
+            continue
+        if not result.ok:
+            entry.error = result.tail()
+            problems.append(f"{plan_host.name}: status query failed")
+            continue
+        answer = parse_answer(result.stdout)
+        own = answer["processes"]
+        if with_cluster:
+            components.extend(_components(plan_host, answer["cluster"], deployed, problems))
+        serving.update({p["name"]: p for p in answer["serving"]["instances"]})
+        if answer["serving"]["proxy"] is not None:
+            proxy_probe = answer["serving"]["proxy"]
+        entry.facts = own["host"]
+        entry.session_pids = len(own["session_pids"])
+        for proc in own["processes"]:
+            procs.append(ProcessStatus(host=plan_host.name, **proc))
+            if not proc["alive"] and phase is not SessionPhase.down:
+                problems.append(f"{proc['name']} on {plan_host.name} is not running")
+        if deployed and not own["host"]["session_dir_exists"]:
+            problems.append(f"{plan_host.name}: session directory missing")
+        entry.healthy = all(p["alive"] for p in own["processes"])
+    live = {(p.host, p.name): p for p in procs}
+    instances = [_instance(deployment, inst, live.get((inst.host, inst.name)), serving.get(inst.name), deployed,
+                           problems) for inst in deployment.plan.instances]
+    proxy = _proxy(deployment, live.get((deployment.plan.proxy_host, PROXY_NAME)), proxy_probe, deployed, problems)
     cluster_report = None
     if with_cluster:
-        modes = sorted({r["mode"] for r in cluster_rows if r.get("mode")})
-        cluster_report = {
-            "mode": modes[0] if len(modes) == 1 else ",".join(modes) or None,
-            "master": f"{master.name} ({master.ip})",
-            "etcd": f"{master.ip}:{deployment.spec.ports.etcd}",
-            "healthy": all(r["healthy"] for r in cluster_rows) and bool(cluster_rows),
-            "components": cluster_rows,
-        }
-    return {
-        "session": deployment.session.id,
-        "phase": phase,
-        "healthy": not problems,
-        "problems": problems,
-        "hosts": hosts,
-        "processes": procs,
-        "instances": instances,
-        "proxy": proxy,
-        "cluster": cluster_report,
-    }
+        master = next(h for h in deployment.plan.hosts if h.is_master)
+        modes = sorted({c.mode for c in components if c.mode})
+        cluster_report = ClusterStatus(
+            mode=modes[0] if len(modes) == 1 else ",".join(modes) or None,
+            master=f"{master.name} ({master.ip})", etcd=f"{master.ip}:{deployment.spec.ports.etcd}",
+            healthy=bool(components) and all(c.healthy for c in components), components=components)
+    return StatusReport(session=deployment.session.id, phase=phase, healthy=not problems, problems=problems,
+                        hosts=hosts, processes=procs, instances=instances, proxy=proxy, cluster=cluster_report)
 
 
-def _instance_row(deployment: Deployment, inst, proc: dict | None, probe: dict | None, phase: str,
-                  problems: list[str]) -> dict:
-    state = "not deployed" if proc is None else ("running" if proc["alive"] else "dead")
+def _instance(deployment: Deployment, inst: InstancePlan, proc: ProcessStatus | None, probe: dict | None,
+              deployed: bool, problems: list[str]) -> InstanceStatus:
+    state = "not deployed" if proc is None else ("running" if proc.alive else "dead")
     answered = bool(probe and probe.get("healthy"))
-    row = {
-        "name": inst.name, "role": inst.role, "host": inst.host, "devices": list(inst.devices), "tp": inst.tp,
-        "dp": inst.dp, "port": inst.port, "url": instance_url(deployment.plan, inst),
-        "pid": proc["pid"] if proc else None, "state": state, "healthy": state == "running" and answered,
-    }
+    row = InstanceStatus(name=inst.name, role=inst.role, host=inst.host, devices=list(inst.devices), tp=inst.tp,
+                         dp=inst.dp, port=inst.port, url=instance_url(deployment.plan, inst),
+                         pid=proc.pid if proc else None, state=state, healthy=state == "running" and answered)
     if probe:
-        for key in ("requests_running", "requests_waiting", "prompt_tokens", "external_cache_hit_tokens",
-                    "external_cache_query_tokens", "prompt_tokens_computed", "prompt_tokens_local_cache",
-                    "prompt_tokens_loaded"):
-            row[key] = probe.get(key)
+        row.probe = {key: probe.get(key) for key in PROBE_FIELDS}
         counters = probe["connector"]["counters"]
-        row["connector"] = {"ds_healthy": probe["connector"]["ds_healthy"], **counters}
+        row.connector = {"ds_healthy": probe["connector"]["ds_healthy"], **counters}
         if counters.get("handoff_refused"):
             problems.append(f"{inst.name} refused {int(counters['handoff_refused'])} KV hand-over(s) computed with "
                             f"another dtype or model (`yrpd logs {inst.name}` says which)")
-        if probe.get("error"):
-            row["error"] = probe["error"]
-    if phase == "deployed" and state == "running" and not answered:
+        row.error = probe.get("error")
+    if deployed and state == "running" and not answered:
         problems.append(f"{inst.name} on {inst.host} does not answer /health"
                         + (f" ({probe['error']})" if probe and probe.get("error") else ""))
     return row
 
 
-def _proxy_row(deployment: Deployment, proc: dict | None, probe: dict | None, phase: str, problems: list[str]) -> dict | None:
+def _proxy(deployment: Deployment, proc: ProcessStatus | None, probe: dict | None, deployed: bool,
+           problems: list[str]) -> ProxyStatus | None:
     if proc is None and probe is None:
         return None
-    state = "not deployed" if proc is None else ("running" if proc["alive"] else "dead")
-    row = {"url": proxy_url(deployment.spec, deployment.plan), "host": deployment.plan.proxy_host,
-           "pid": proc["pid"] if proc else None, "state": state,
-           "healthy": state == "running" and bool(probe and probe.get("healthy"))}
+    state = "not deployed" if proc is None else ("running" if proc.alive else "dead")
+    row = ProxyStatus(url=proxy_url(deployment.spec, deployment.plan), host=deployment.plan.proxy_host,
+                      pid=proc.pid if proc else None, state=state,
+                      healthy=state == "running" and bool(probe and probe.get("healthy")))
     detail = (probe or {}).get("status") or {}
     if detail:
-        row["instances_up"] = {i["url"]: i["up"] for i in detail.get("instances", [])}
-        row["in_flight"] = sum(i.get("in_flight", 0) for i in detail.get("instances", []))
-    if phase == "deployed" and state == "running" and not row["healthy"]:
-        problems.append(f"proxy at {row['url']} is not healthy" + (f" ({probe['error']})" if probe and probe.get("error") else ""))
+        row.instances_up = {i["url"]: i["up"] for i in detail.get("instances", [])}
+        row.in_flight = sum(i.get("in_flight", 0) for i in detail.get("instances", []))
+    if deployed and state == "running" and not row.healthy:
+        problems.append(f"proxy at {row.url} is not healthy" + (f" ({probe['error']})" if probe and probe.get("error") else ""))
     return row
 
 
-def _cluster_rows(host, snap: dict, phase: str, problems: list[str]) -> list[dict]:
-    """One row per openYuanrong component on the host, judged healthy only if running, alive, never
-    restarted and its ports listen (yr health alone says RUNNING through crash loops)."""
-    rows = []
-    port_state = {name: up for name, up in snap.get("ports", {}).items()}
+def _components(host: HostPlan, snap: dict, deployed: bool, problems: list[str]) -> list[ComponentStatus]:
+    """One row per openYuanrong component on the host."""
+    port_state = dict(snap.get("ports", {}))
     if not snap.get("present"):
-        if phase == "deployed":
+        if deployed:
             problems.append(f"openYuanrong is not running on {host.name}")
-        return [{"host": host.name, "component": "-", "state": "absent", "pid": None, "restarts": None,
-                 "ports": {}, "mode": snap.get("mode"), "healthy": False}]
+        return [ComponentStatus(host=host.name, component="-", state="absent", pid=None, restarts=None, ports={},
+                                mode=snap.get("mode"), healthy=False)]
+    rows = []
     for name, comp in snap["components"].items():
         ports = {p: up for p, up in port_state.items() if p.startswith(name) or (name == "etcd" and p.startswith("etcd"))}
         healthy = comp["state"] == "RUNNING" and comp["alive"] and comp["restarts"] == 0 and all(ports.values())
-        if not healthy and phase == "deployed":
+        if not healthy and deployed:
             why = ("restarted %d time(s)" % comp["restarts"]) if comp["restarts"] else comp["state"].lower()
             if not comp["alive"]:
                 why = "exited"
             elif not all(ports.values()):
                 why = "port not listening: " + ", ".join(p for p, up in ports.items() if not up)
             problems.append(f"{name} on {host.name} {why}")
-        rows.append({"host": host.name, "component": name, "state": comp["state"], "pid": comp["pid"],
-                     "restarts": comp["restarts"], "alive": comp["alive"], "ports": ports,
-                     "mode": snap.get("mode"), "healthy": healthy})
+        rows.append(ComponentStatus(host=host.name, component=name, state=comp["state"], pid=comp["pid"],
+                                    restarts=comp["restarts"], ports=ports, mode=snap.get("mode"), healthy=healthy,
+                                    alive=comp["alive"]))
     return rows

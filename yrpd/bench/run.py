@@ -9,7 +9,8 @@ Targets, each a deployment of the same model on the same hosts and devices:
 
 A target that is not what is deployed now is deployed for the run (`yrpd down` of the current session, then
 `yrpd deploy --new-session` with the variant spec) and torn down after; the original spec is deployed again at
-the end. Everything goes through the same CLI a user runs, so the numbers measure what users get.
+the end. Everything goes through the same library calls (yrpd.api) the CLI makes, so the numbers measure what
+users get.
 """
 
 from __future__ import annotations
@@ -17,11 +18,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
-
-import yaml
 
 from yrpd.spec import DeploySpec, DeviceKind
 
@@ -51,41 +49,33 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind) -> DeploySpec:
     return DeploySpec.model_validate(data).check()
 
 
-def yrpd(*args: str, capture: bool = False) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "yrpd", *args], stdin=subprocess.DEVNULL, text=True,
-                          capture_output=capture, env=os.environ.copy())
-    return proc
-
-
-def deploy(spec: DeploySpec, workdir: Path, name: str) -> str:
+def deploy(spec: DeploySpec, name: str, progress=None) -> str:
     """Deploy `spec` as a new session; returns its id."""
-    config = workdir / f"spec-{name}.yaml"
-    config.write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
-    proc = yrpd("deploy", "--config", str(config), "--new-session", capture=True)
-    sys.stderr.write(proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"deploying the {name} target failed (exit {proc.returncode}); see above")
-    from yrpd.session import SessionStore, default_root
+    from yrpd import api
 
-    return SessionStore(default_root()).latest().id
+    try:
+        return api.deploy(spec, new_session=True, progress=progress).session.id
+    except Exception as e:
+        raise RuntimeError(f"deploying the {name} target failed: {e}") from e
 
 
 def down(session_id: str) -> None:
-    proc = yrpd("down", "--session", session_id)
-    if proc.returncode != 0:
-        raise RuntimeError(f"`yrpd down --session {session_id}` failed (exit {proc.returncode})")
+    from yrpd import api
+
+    api.down(api.open_deployment(session_id))
 
 
 def counters(session_id: str) -> dict:
-    """Connector and cache counters summed over the instances (from `yrpd status --json`)."""
-    proc = yrpd("status", "--json", "--session", session_id, capture=True)
-    report = json.loads(proc.stdout)
+    """Connector and cache counters summed over the instances (what `yrpd status` reports)."""
+    from yrpd import api
+
+    report = api.status(api.open_deployment(session_id))
     total = {"external_cache_hit_tokens": 0.0, "prompt_tokens": 0.0, "loaded_blocks": 0, "saved_blocks": 0}
-    for inst in report["instances"]:
+    for inst in report.instances:
         for key in ("external_cache_hit_tokens", "prompt_tokens"):
-            total[key] += inst.get(key) or 0
+            total[key] += inst.probe.get(key) or 0
         for key in ("loaded_blocks", "saved_blocks"):
-            total[key] += (inst.get("connector") or {}).get(key) or 0
+            total[key] += (inst.connector or {}).get(key) or 0
     return total
 
 
@@ -112,7 +102,7 @@ def bench_serve(vllm_venv: Path, url: str, model: str, tokenizer: Path, dataset:
 
 def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str], dataset: Path, out_dir: Path,
                 vllm_venv: Path, tokenizer: Path, num_prompts: int, output_len: int, concurrency: int, seed: int,
-                restore: bool, log=print) -> dict:
+                restore: bool, log=print, progress=None) -> dict:
     from yrpd.serving import endpoint_url
     from yrpd.steps import spec_fingerprint
 
@@ -129,12 +119,11 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str],
                     down(current)
                     current = None
                 log(f"bench: deploying the {target} target ({TARGETS[target]})")
-                current = deploy(want, out_dir, target)
+                current = deploy(want, target, progress)
                 spec = want
-            from yrpd.deployment import Deployment
-            from yrpd.session import SessionStore, default_root
+            from yrpd import api
 
-            deployed = Deployment.load(SessionStore(default_root()).get(current))
+            deployed = api.open_deployment(current)
             url = endpoint_url(deployed.spec, deployed.plan)
             before = counters(current)
             log(f"bench: {target}: vllm bench serve against {url} ({num_prompts} prompts)")
@@ -154,5 +143,5 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str],
             if current is not None:
                 down(current)
             log("bench: deploying the original spec again")
-            deploy(original, out_dir, "restore")
+            deploy(original, "restore", progress)
     return results

@@ -77,10 +77,9 @@ def dataset(**params) -> int:
 
     tokenizer = params["tokenizer"]
     if tokenizer is None:
-        from yrpd.deployment import Deployment
-        from yrpd.session import SessionStore, default_root
+        from yrpd import api
 
-        tokenizer = _deployed_tokenizer(Deployment.load(SessionStore(default_root()).get(params["session_id"])))
+        tokenizer = _deployed_tokenizer(api.open_deployment(params["session_id"]))
     meta = _write_dataset(params, tokenizer, params["out"])
     err().print(f"wrote {meta['prompts']} prompts of {meta['prompt_tokens_min']}-{meta['prompt_tokens_max']} "
                 f"tokens to {params['out']}")
@@ -109,19 +108,20 @@ def run(**params) -> int:
 
     from yrpd.bench.report import write_report
     from yrpd.bench.run import TARGETS, run_targets
+    from yrpd import api
+    from yrpd.cli.progress import ConsoleProgress
     from yrpd.console import err, out
-    from yrpd.deployment import Deployment
     from yrpd.errors import SpecError
-    from yrpd.session import SessionStore, default_root
+    from yrpd.session import SessionPhase
 
     targets = [t.strip() for t in params["targets"].split(",") if t.strip()]
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
         raise SpecError("--targets", f"unknown target(s) {', '.join(unknown) or '(none)'}",
                         f"use a comma-separated subset of {', '.join(TARGETS)}")
-    session = SessionStore(default_root()).get(params["session_id"])
-    deployment = Deployment.load(session)
-    if session.phase != "deployed":
+    deployment = api.open_deployment(params["session_id"])
+    session = deployment.session
+    if session.phase is not SessionPhase.deployed:
         raise SpecError("bench", f"session {session.id} is {session.phase}", "deploy first: yrpd deploy ...")
     if not deployment.spec.disaggregated:
         raise SpecError("bench", f"session {session.id} is not a PD deployment", "bench a PD deployment")
@@ -143,7 +143,8 @@ def run(**params) -> int:
     console = err()
     results = run_targets(session, deployment.spec, kind, targets, dataset_file, out_dir, vllm_venv, tokenizer,
                           params["num_prompts"] or meta["prompts"], params["output_len"], params["max_concurrency"],
-                          params["seed"], restore=not params["no_restore"], log=console.print)
+                          params["seed"], restore=not params["no_restore"], log=console.print,
+                          progress=ConsoleProgress())
     report = write_report(results, meta, out_dir)
     out().print(report, markup=False, highlight=False)
     console.print(f"results: {out_dir}/results.json, report.md, ttft_throughput.png")

@@ -14,45 +14,16 @@ from yrpd.cli.options import session_option, ssh_options, version
 @version
 def down(**params) -> int:
     """Tear a deployment down (latest session by default) and verify nothing is left."""
-    import time
+    from yrpd import api
+    from yrpd.cli.options import ssh_overrides
+    from yrpd.cli.progress import ConsoleProgress
+    from yrpd.session import SessionPhase
 
-    from yrpd.assets import playbook_path
-    from yrpd.cli.options import apply_ssh_overrides
-    from yrpd.console import err
-    from yrpd.deployment import Deployment
-    from yrpd.playbook import PlaybookFailed, PlaybookRunner, load_playbook
-    from rich.markup import escape
-
-    from yrpd.render import outcome_line, warning_lines
-    from yrpd.session import SessionStore, default_root
-
-    console = err()
-    started = time.monotonic()
-    session = SessionStore(default_root()).get(params["session_id"])
-    deployment = Deployment.load(session)
-    deployment.spec = apply_ssh_overrides(deployment.spec, params)
-    if session.phase == "down":
-        console.print(f"session {session.id} was already torn down; checking again")
-    playbook = load_playbook(playbook_path("teardown"))
-    ctx = deployment.context(purge=params["purge"])
-
-    def report(event, step, info):
-        if event == "start":
-            console.print(f"{step.name} ...")
-        else:
-            console.print(f"      {outcome_line(info['outcome'])}")
-            for line in warning_lines(info["outcome"]):
-                console.print(f"      [yellow]{escape(line)}[/yellow]")
-
-    # docker runtime: a container that is gone or stopped has nothing of the session running in it
-    with deployment.group(absent_ok=True) as group:
-        try:
-            PlaybookRunner(group, ctx, session, report).run(playbook, keep_going=True)
-        except PlaybookFailed as failure:
-            session.set_state(phase="down-failed")
-            failure.args = (f"{failure}\nfix the cause (or bring the host back) and run `yrpd down` again",)
-            raise
-    session.set_state(phase="down", purged=params["purge"])
-    hosts = ", ".join(h.name for h in deployment.plan.hosts)
-    console.print(f"session {session.id} is down: no process of it is left on {hosts} ({time.monotonic() - started:.1f}s)")
+    deployment = api.open_deployment(params["session_id"], ssh_overrides(params))
+    progress = ConsoleProgress(numbered=False)
+    if deployment.session.phase is SessionPhase.down:
+        progress.message(f"session {deployment.session.id} was already torn down; checking again")
+    done = api.down(deployment, purge=params["purge"], progress=progress)
+    progress.message(f"session {done.session.id} is down: no process of it is left on {', '.join(done.hosts)} "
+                     f"({done.seconds:.1f}s)")
     return 0

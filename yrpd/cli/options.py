@@ -107,14 +107,6 @@ def ssh_overrides(params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def apply_ssh_overrides(spec, params: dict[str, Any]):
-    """status/logs/down reuse the session's spec, but the user may reach hosts differently now."""
-    changes = {k: v for k, v in ssh_overrides(params).items() if v is not None}
-    if not changes:
-        return spec
-    return spec.model_copy(update={"ssh": spec.ssh.model_copy(update=changes)})
-
-
 def session_option(func: Callable) -> Callable:
     return click.option("--session", "session_id", metavar="ID", help="session to act on [latest]")(func)
 

@@ -16,23 +16,18 @@ from yrpd.cli.options import session_option, ssh_options, version
 @version
 def status(**params) -> int:
     """Show hosts, processes and instances of a deployment. Exit status 1 when anything is unhealthy."""
-    from yrpd.cli.options import apply_ssh_overrides
-    from yrpd.console import out
-    from yrpd.deployment import Deployment
-    from yrpd.render import status_tables
-    from yrpd.session import SessionStore, default_root
-    from yrpd.status import collect_status
+    from yrpd import api
+    from yrpd.cli.options import ssh_overrides
 
-    session = SessionStore(default_root()).get(params["session_id"])
-    deployment = Deployment.load(session)
-    deployment.spec = apply_ssh_overrides(deployment.spec, params)
-    report = collect_status(deployment)
+    report = api.status(api.open_deployment(params["session_id"], ssh_overrides(params)))
     if params["as_json"]:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps(report.to_json(), indent=2))
     else:
+        from yrpd.console import out
+        from yrpd.render import status_tables, status_verdict
+
         console = out()
         for table in status_tables(report):
             console.print(table)
-        verdict = "[green]healthy[/green]" if report["healthy"] else "[red]unhealthy[/red]: " + "; ".join(report["problems"])
-        console.print(verdict)
-    return 0 if report["healthy"] else 1
+        console.print(status_verdict(report))
+    return 0 if report.healthy else 1

@@ -17,6 +17,10 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from yrpd.status import StatusReport
 
 CONTEXT = (
     "You are a helpful assistant. Answer in one short sentence. Some background you may use. Paris is the capital "
@@ -66,13 +70,13 @@ def stream_chat(url: str, model: str, question: str, api_key: str | None, max_to
     return "".join(answer), prompt_tokens
 
 
-def by_role(report: dict) -> dict[str, dict[str, float]]:
+def by_role(report: StatusReport) -> dict[str, dict[str, float]]:
     """Prompt tokens per source, summed over the instances of each role."""
     out: dict[str, dict[str, float]] = {}
-    for inst in report["instances"]:
-        role = out.setdefault(inst["role"], {k: 0.0 for k in SOURCES})
+    for inst in report.instances:
+        role = out.setdefault(inst.role, {k: 0.0 for k in SOURCES})
         for key in SOURCES:
-            role[key] += inst.get(key) or 0
+            role[key] += inst.probe.get(key) or 0
     return out
 
 
@@ -94,15 +98,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import os
 
-    from yrpd.deployment import Deployment
+    from yrpd import api
     from yrpd.serving import endpoint_url
-    from yrpd.session import SessionStore, default_root
-    from yrpd.status import collect_status
 
-    deployment = Deployment.load(SessionStore(default_root()).get(args.session))
+    deployment = api.open_deployment(args.session)
     url, model = endpoint_url(deployment.spec, deployment.plan), deployment.spec.model_name
     key = os.environ.get(deployment.spec.api_key_env) if deployment.spec.api_key_env else None
-    counters = by_role(collect_status(deployment))
+    counters = by_role(api.status(deployment))
     for shown, question in QUESTIONS:
         print(f"Q: {shown}")
         print("A: ", end="", flush=True)
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, urllib.error.URLError, RuntimeError, ValueError) as exc:
             print(f"\nerror: the request to {url} failed: {exc}", file=sys.stderr)
             return 1
-        now = by_role(collect_status(deployment))
+        now = by_role(api.status(deployment))
         print(kv_line(counters, now, prompt_tokens))
         counters = now
     return 0

@@ -95,6 +95,7 @@ def host_python(script_name: str, args: dict, timeout: float = 120, python: str 
     arg = shlex.quote(json.dumps(args, sort_keys=True))
     py = shlex.quote(python)
     script = (
+        f"# deploy_scripts/{script_name}\n"  # names the script in a composed command (and for yrpd.testing)
         f'command -v {py} >/dev/null 2>&1 || {{ echo "{python} not found (PATH $PATH); install python3 (3.8+)" >&2; '
         "exit 127; }\n"
         f"{py} - {arg} <<'YRPD_SCRIPT_END'\n{body}\nYRPD_SCRIPT_END\n"

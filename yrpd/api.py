@@ -1,0 +1,285 @@
+"""The deployment library: what `yrpd plan|deploy|status|logs|down` do, as functions.
+
+The CLI parses flags, calls these and renders what they return; the bench deploys its targets through them; tests
+call them directly. Nothing here prints: progress goes to a `Progress` (the CLI's writes to the terminal), results
+come back as named types. (Ray's launcher keeps `create_or_update_cluster`/`teardown_cluster` in one library module
+that both its CLI and its SDK call; this is that module.)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+from yrpd.assets import playbook_path
+from yrpd.deployment import Deployment, host_group, resolve_inventory, runtime_group, save_deployment
+from yrpd.errors import SpecError
+from yrpd.hostgroup import Command, GroupResult
+from yrpd.placement import HostInventory, Plan, make_plan
+from yrpd.playbook import Playbook, PlaybookFailed, PlaybookRunner, StepFailed, StepOutcome, StepSpec, describe, \
+    load_playbook
+from yrpd.session import Session, SessionPhase, SessionStore, default_root, resolve_root
+from yrpd.spec import DeploySpec, Runtime, SshOptions
+from yrpd.status import StatusReport, collect_status
+from yrpd.steps import NotNeeded, StepContext, spec_fingerprint
+
+
+class Progress(Protocol):
+    """What a long operation tells its caller while it runs."""
+
+    def message(self, text: str) -> None: ...
+
+    def step_started(self, number: int, total: int, step: StepSpec) -> None: ...
+
+    def step_finished(self, step: StepSpec, outcome: StepOutcome) -> None: ...
+
+
+class Quiet:
+    """A Progress that keeps everything to itself."""
+
+    def message(self, text: str) -> None:
+        pass
+
+    def step_started(self, number: int, total: int, step: StepSpec) -> None:
+        pass
+
+    def step_finished(self, step: StepSpec, outcome: StepOutcome) -> None:
+        pass
+
+
+# -- plan ------------------------------------------------------------------------------------------
+
+StepActions = list[tuple[StepSpec, dict[str, Command | NotNeeded]]]
+
+
+@dataclass
+class PlanView:
+    """What a deploy of the spec would do: placement, and per step the command on each host (or why none)."""
+
+    spec: DeploySpec
+    inventory: dict[str, HostInventory]
+    plan: Plan
+    steps: StepActions
+
+    def to_dict(self) -> dict:
+        data = self.plan.to_dict()
+        data["steps"] = [{"name": step.name, "hosts": {host: str(cmd) for host, cmd in commands.items()}}
+                         for step, commands in self.steps]
+        return data
+
+
+def _playbook(playbook_file: str | Path | None, default: str = "deploy") -> Playbook:
+    return load_playbook(Path(playbook_file) if playbook_file else playbook_path(default))
+
+
+def plan(spec: DeploySpec, playbook_file: str | Path | None = None) -> PlanView:
+    """Touches no host unless devices, the dtype's CPU or (deploying) the architecture must be detected."""
+    playbook = _playbook(playbook_file)
+    inventory = resolve_inventory(spec)
+    placement = make_plan(spec, inventory)
+    ctx = StepContext(spec=spec, plan=placement)
+    return PlanView(spec, inventory, placement, _as_run(spec, ctx, describe(playbook, ctx)))
+
+
+def _as_run(spec: DeploySpec, ctx: StepContext, steps: StepActions) -> StepActions:
+    """Runtime docker: the commands as deploy runs them, inside the container (`docker exec`)."""
+    if spec.runtime is not Runtime.docker:
+        return steps
+    from yrpd.containers import container_name, container_profile
+    from yrpd.hostgroup import as_run_in, env_preamble
+
+    name, engine = container_name(ctx.session_id), spec.container_engine.value
+    preamble = env_preamble(container_profile(spec).env_scripts)
+    return [(step, {host: cmd if isinstance(cmd, NotNeeded) else as_run_in(cmd, name, engine, preamble=preamble)
+                    for host, cmd in commands.items()}) for step, commands in steps]
+
+
+# -- deploy ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ContainerActions:
+    """What this deploy may do to containers (runtime docker); not part of the deployment's identity."""
+
+    recreate: bool = False  # replace a container of this session whose spec differs (else refuse)
+    pull: str = "never"  # never | missing | always
+
+
+@dataclass
+class Deployed:
+    session: Session
+    deployment: Deployment
+    endpoint: str | None  # the OpenAI-compatible base URL, when the playbook started the proxy
+    resumed: bool
+    seconds: float
+    outcomes: list[StepOutcome] = field(default_factory=list)
+
+
+def check_container_actions(spec: DeploySpec, actions: ContainerActions | None) -> ContainerActions:
+    actions = actions or ContainerActions()
+    if spec.runtime is not Runtime.docker:
+        for flag, given in (("recreate", actions.recreate), ("pull", actions.pull != "never")):
+            if given:
+                raise SpecError(f"--{flag}", "only applies to runtime docker", "drop it, or pass --runtime docker")
+    return actions
+
+
+def deploy(spec: DeploySpec, *, playbook_file: str | Path | None = None, new_session: bool = False,
+           actions: ContainerActions | None = None, progress: Progress | None = None) -> Deployed:
+    """Deploy the spec, or resume the latest session if it has the same spec. Raises StepFailed with the step and
+    every host's result (the session is then `failed`: the same call resumes it)."""
+    progress = progress or Quiet()
+    actions = check_container_actions(spec, actions)
+    started = time.monotonic()
+    playbook = _playbook(playbook_file)
+    store = SessionStore(resolve_root(spec.session_root))
+    session = None if new_session else reusable_session(store, spec)
+    resumed = session is not None
+    with host_group(spec) as group:
+        inventory = resolve_inventory(spec, group, deploying=True)
+        placement = make_plan(spec, inventory)
+        # runtime docker: the wheels the containers get from here, downloaded before any host is changed
+        from yrpd.steps.brought import prepare
+
+        prepare(StepContext(spec=spec, plan=placement))
+        if session is None:
+            session = store.create()
+            progress.message(f"session {session.id} ({session.path})")
+        else:
+            progress.message(f"resuming session {session.id}: finished steps are skipped")
+        save_deployment(session, spec, inventory, placement)
+        session.set_state(SessionPhase.deploying, playbook=str(playbook_file or "deploy"))
+        ctx = StepContext(spec=spec, plan=placement, session_id=session.id,
+                          options={"recreate": actions.recreate, "pull": actions.pull})
+        try:
+            outcomes = _run(playbook, runtime_group(group, spec, session.id), ctx, session, progress)
+        except StepFailed as failure:
+            session.set_state(SessionPhase.failed, failed_step=failure.step.name)
+            failure.args = (f"{failure}\nfix the cause and run the same `yrpd deploy` again to resume session "
+                            f"{session.id} (finished steps are skipped), or `yrpd down` to remove what was started",)
+            raise
+    session.set_state(SessionPhase.deployed, failed_step=None)
+    endpoint = None
+    from yrpd.serving import endpoint_url
+    from yrpd.steps import proxy
+
+    if any(step.function is proxy.start for step in playbook.steps):
+        endpoint = endpoint_url(spec, placement) + "/v1"
+    return Deployed(session, Deployment(session, spec, inventory, placement), endpoint, resumed,
+                    time.monotonic() - started, outcomes)
+
+
+def _run(playbook: Playbook, group, ctx: StepContext, session: Session, progress: Progress,
+         keep_going: bool = False) -> list[StepOutcome]:
+    steps = playbook.steps
+
+    def report(event: str, step: StepSpec, info: dict) -> None:
+        if event == "start":
+            progress.step_started(steps.index(step) + 1, len(steps), step)
+        else:
+            progress.step_finished(step, info["outcome"])
+
+    return PlaybookRunner(group, ctx, session, report).run(playbook, keep_going=keep_going)
+
+
+def reusable_session(store: SessionStore, spec: DeploySpec) -> Session | None:
+    """The latest session if it is still up with the same deployment spec; None if a new one is needed.
+
+    A different spec while the latest session is still up is refused: two deployments would fight over
+    the same ports and devices.
+    """
+    latest = store.latest()
+    if latest is None or not latest.phase.up:
+        return None
+    try:
+        previous = DeploySpec.model_validate(latest.spec_data)
+    except Exception:
+        return None
+    if spec_fingerprint(previous) == spec_fingerprint(spec):
+        return latest
+    old, new = previous.model_dump(mode="json", exclude={"ssh"}), spec.model_dump(mode="json", exclude={"ssh"})
+    changed = sorted(k for k in new if old.get(k) != new.get(k))
+    raise SpecError(
+        "deploy",
+        f"session {latest.id} is still {latest.phase} with a different spec (changed: {', '.join(changed)})",
+        "run `yrpd down` first, or pass --new-session to deploy alongside it",
+    )
+
+
+# -- a session's deployment: status, logs, down ------------------------------------------------------
+
+def open_deployment(session_id: str | None = None, ssh: SshOptions | dict | None = None) -> Deployment:
+    """The deployment of a session (the latest by default), reached with `ssh` where given: the user may reach
+    the hosts differently now than when deploying."""
+    deployment = Deployment.load(SessionStore(default_root()).get(session_id))
+    changes = ssh.model_dump(exclude_unset=True) if isinstance(ssh, SshOptions) else \
+        {k: v for k, v in (ssh or {}).items() if v is not None}
+    if changes:
+        spec = deployment.spec
+        deployment.spec = spec.model_copy(update={"ssh": spec.ssh.model_copy(update=changes)})
+    return deployment
+
+
+def status(deployment: Deployment) -> StatusReport:
+    return collect_status(deployment)
+
+
+@dataclass
+class Down:
+    session: Session
+    hosts: list[str]
+    seconds: float
+    was_down: bool  # it had been torn down before: this was a check again
+
+
+def down(deployment: Deployment, *, purge: bool = False, progress: Progress | None = None) -> Down:
+    """Run the teardown on every host and prove nothing of the session is left; raises PlaybookFailed naming
+    every host that still holds something (the session is then `down-failed`: the same call retries)."""
+    progress = progress or Quiet()
+    started = time.monotonic()
+    session = deployment.session
+    was_down = session.phase is SessionPhase.down
+    playbook = _playbook(None, "teardown")
+    # docker runtime: a container that is gone or stopped has nothing of the session running in it
+    with deployment.group(absent_ok=True) as group:
+        try:
+            _run(playbook, group, deployment.context(purge=purge), session, progress, keep_going=True)
+        except PlaybookFailed as failure:
+            session.set_state(SessionPhase.down_failed)
+            failure.args = (f"{failure}\nfix the cause (or bring the host back) and run `yrpd down` again",)
+            raise
+    session.set_state(SessionPhase.down, purged=purge)
+    return Down(session, [h.name for h in deployment.plan.hosts], time.monotonic() - started, was_down)
+
+
+def logs(deployment: Deployment, emit: Callable[[str, str, str], None], *, name: str | None = None,
+         lines: int = 20, follow: bool = False, hosts: list[str] | None = None) -> GroupResult:
+    """Tail the session's log files on the hosts; `emit(host, log name, line)` per line as it arrives, one call
+    at a time. Returns each host's result (tail's exit status; 130/143 when interrupted)."""
+    import threading
+
+    from yrpd.logtail import TailSplitter, tail_script
+
+    known = [h.name for h in deployment.plan.hosts]
+    for host in hosts or []:
+        if host not in known:
+            raise SpecError("--host", f"{host!r} is not a host of session {deployment.session.id} "
+                                      f"({', '.join(known)})", "pick one of them")
+    # on the host itself: under the docker runtime the session directory is mounted from there, so logs stay
+    # readable after the container is gone
+    command = Command(tail_script(deployment.context().layout, name, lines, follow),
+                      timeout=7 * 24 * 3600 if follow else 60, on_host=True)
+    splitters: dict[str, TailSplitter] = {}
+    lock = threading.Lock()
+
+    def on_line(host: str, line: str) -> None:
+        for log, text in splitters.setdefault(host, TailSplitter()).feed(line):
+            with lock:
+                emit(host, log, text)
+
+    group = deployment.group().subset(hosts or known)
+    try:
+        return group.run(command, on_line=on_line)
+    finally:
+        group.close()
