@@ -13,7 +13,7 @@ import sys
 import torch
 
 from yrpd.connector.config import parse_config
-from yrpd.connector.connector import _write_mode
+from yrpd.connector.common import write_mode
 from yrpd.connector.transport import DsConnection, HostTransport, kvclient_factory
 
 
@@ -23,7 +23,7 @@ def main() -> int:
     cfg = parse_config("kv_producer", {"ds_address": address, "evictable": evictable}, env={})
     conn = DsConnection(kvclient_factory(cfg.ds_host, cfg.ds_port, 5000, 5000, False), "fill")
     assert conn.connect(), conn.last_error
-    transport = HostTransport(conn, cfg.max_batch_keys, write_mode=_write_mode(cfg))
+    transport = HostTransport(conn, cfg.max_batch_keys, write_mode=write_mode(cfg))
     keys = [f"yrpd-fill-{evictable}-{i:05d}" for i in range(blocks)]
     ok, failed, first_error = 0, 0, ""
     for i, key in enumerate(keys):

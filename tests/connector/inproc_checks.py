@@ -36,10 +36,12 @@ class Env:
     def __init__(self, model_dir: str) -> None:
         self.model_dir = model_dir
         self.ds = FakeKVClient()
+        import yrpd.connector.common as common
         import yrpd.connector.connector as impl
 
         self.impl = impl
-        impl.kvclient_factory = lambda *a, **k: (lambda: self.ds)
+        # both halves open their data-system connections through common's factory
+        common.kvclient_factory = lambda *a, **k: (lambda: self.ds)
 
     def config(self, role: str, dtype: str = "bfloat16", **extra):
         from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
@@ -131,7 +133,7 @@ def producer_saves_local_prefix_hits_too(env: Env):
 def consumer_promises_only_leading_present_blocks(env: Env):
     env.ds.store.clear()
     c = env.connector("kv_consumer", "scheduler")
-    ns = c._rank_ns[0]
+    ns = c.connector_scheduler._rank_ns[0]
     toks = tokens(1153, 3)  # 1153 = 9 * 128 + 1: all 9 full blocks are loadable
     keys = K.block_keys(ns, toks, BS)
     for k in keys[:9]:
@@ -160,7 +162,7 @@ def consumer_load_plan_matches_allocation(env: Env):
     env.ds.store.clear()
     c = env.connector("kv_consumer", "scheduler")
     toks = tokens(700, 4)
-    keys = K.block_keys(c._rank_ns[0], toks, BS)
+    keys = K.block_keys(c.connector_scheduler._rank_ns[0], toks, BS)
     for k in keys:
         env.ds.store[k] = FakeKVClient.Buf(8)
     req = request("g", toks)
@@ -183,10 +185,10 @@ def consumer_waits_for_announced_blocks_then_gives_up(env: Env):
     env.ds.store.clear()
     c = env.connector("kv_consumer", "scheduler", ready_wait_ms=300)
     toks = tokens(900, 5)
-    keys = K.block_keys(c._rank_ns[0], toks, BS)
+    keys = K.block_keys(c.connector_scheduler._rank_ns[0], toks, BS)
     for k in keys[:3]:
         env.ds.store[k] = FakeKVClient.Buf(8)
-    params = {"yrpd": {"num_blocks": 7, "ns": ",".join(c._rank_ns)}}
+    params = {"yrpd": {"num_blocks": 7, "ns": ",".join(c.connector_scheduler._rank_ns)}}
     req = request("w", toks, params)
     assert c.get_num_new_matched_tokens(req, 0) == (None, False)  # prefill's saves still in flight
     for k in keys[3:7]:
@@ -277,7 +279,7 @@ def consumer_loads_nothing_where_vllm_cannot_recompute(env: Env):
     env.ds.store.clear()
     toks = tokens(900, 12)
     probe = env.connector("kv_consumer", "scheduler")
-    for key in K.block_keys(probe._rank_ns[0], toks, BS):
+    for key in K.block_keys(probe.connector_scheduler._rank_ns[0], toks, BS):
         env.ds.store[key] = FakeKVClient.Buf(8)
     assert probe.get_num_new_matched_tokens(request("r", toks), 0) == (7 * BS, False)
     probe.shutdown()
@@ -297,7 +299,7 @@ def consumer_refuses_kv_of_another_dtype_with_one_line(env: Env):
     env.ds.store.clear()
     toks = tokens(900, 9)
     producer = env.connector("kv_producer", "scheduler", dtype="float32")
-    for key in K.block_keys(producer._rank_ns[0], toks, BS):
+    for key in K.block_keys(producer.connector_scheduler._rank_ns[0], toks, BS):
         env.ds.store[key] = FakeKVClient.Buf(8)
     producer.build_connector_meta(sched_output(new=[new_req("m", toks, range(8), 0)], num_sched={"m": 900}))
     _, params = producer.request_finished(request("m", toks), list(range(8)))
@@ -330,7 +332,7 @@ def consumer_survives_a_dead_data_system(env: Env):
     env.ds.store.clear()
     c = env.connector("kv_consumer", "scheduler", retry_backoff_s=0.2)
     toks = tokens(900, 8)
-    for k in K.block_keys(c._rank_ns[0], toks, BS):
+    for k in K.block_keys(c.connector_scheduler._rank_ns[0], toks, BS):
         env.ds.store[k] = FakeKVClient.Buf(8)
     env.ds.down = True
     try:
@@ -341,7 +343,7 @@ def consumer_survives_a_dead_data_system(env: Env):
     finally:
         env.ds.down = False
     deadline = time.monotonic() + 5
-    while not c._conn.healthy and time.monotonic() < deadline:
+    while not c.connector_scheduler._conn.healthy and time.monotonic() < deadline:
         time.sleep(0.05)
     assert c.get_num_new_matched_tokens(request("z", toks), 0) == (7 * BS, False)
     assert c.stats.get("ds_reconnects") == 1
@@ -366,14 +368,14 @@ def cpu_caches(num_blocks=16, fill=True):
 
 
 def bind(conn, loads=(), saves=()):
-    from yrpd.connector.connector import YuanrongConnectorMetadata
+    from yrpd.connector.common import YuanrongConnectorMetadata
 
     conn.bind_connector_metadata(YuanrongConnectorMetadata(loads=list(loads), saves=list(saves)))
 
 
 @check
 def worker_save_then_load_is_bit_exact(env: Env):
-    from yrpd.connector.connector import BlockOp
+    from yrpd.connector.common import BlockOp
 
     env.ds.store.clear()
     prod = env.connector("kv_producer", "worker", ttl_seconds=42)
@@ -387,8 +389,8 @@ def worker_save_then_load_is_bit_exact(env: Env):
     # the source blocks may be reused right after wait_for_save: the save works on a snapshot
     for t in src.values():
         t[[3, 9, 1, 15, 0]] = 0
-    assert prod._saver.flush(10)
-    keys = [K.key_for(prod._ns_digest, d) for d in dig[:5]]
+    assert prod.connector_worker._saver.flush(10)
+    keys = [K.key_for(prod.connector_worker._ns_digest, d) for d in dig[:5]]
     assert all(k in env.ds.store for k in keys) and all(env.ds.ttl[k] == 42 for k in keys)
     assert prod.stats.get("saved_blocks") == 5
 
@@ -404,7 +406,7 @@ def worker_save_then_load_is_bit_exact(env: Env):
     for name in dst:
         for s, d in zip([3, 9, 1, 15, 0], [4, 5, 6, 7, 8]):
             assert torch.equal(ref[name][s].view(torch.int16), dst[name][d].view(torch.int16)), (name, s, d)
-    assert cons._saver.flush(10)
+    assert cons.connector_worker._saver.flush(10)
     assert not any(k in env.ds.store for k in keys)  # delete_after_load
     prod.shutdown()
     cons.shutdown()
@@ -412,7 +414,7 @@ def worker_save_then_load_is_bit_exact(env: Env):
 
 @check
 def worker_reports_unloadable_blocks_and_never_publishes_from_them(env: Env):
-    from yrpd.connector.connector import BlockOp
+    from yrpd.connector.common import BlockOp
 
     env.ds.store.clear()
     w = env.connector("kv_both", "worker")
@@ -420,10 +422,10 @@ def worker_reports_unloadable_blocks_and_never_publishes_from_them(env: Env):
     w.register_kv_caches(caches)
     toks = tokens(700, 10)
     dig = K.prefix_digests(toks, BS)
-    good = K.key_for(w._ns_digest, dig[0])
-    buf = FakeKVClient.Buf(w._layout.block_nbytes)
+    good = K.key_for(w.connector_worker._ns_digest, dig[0])
+    buf = FakeKVClient.Buf(w.connector_worker._layout.block_nbytes)
     env.ds.store[good] = buf
-    env.ds.store[K.key_for(w._ns_digest, dig[2])] = FakeKVClient.Buf(10)  # wrong size
+    env.ds.store[K.key_for(w.connector_worker._ns_digest, dig[2])] = FakeKVClient.Buf(10)  # wrong size
     bind(w, loads=[BlockOp("q", dig[:3], [2, 3, 4]), BlockOp("u", [], [6, 7])],
          saves=[BlockOp("q", dig[3:5], [5, 6])])
     w.start_load_kv(None)
@@ -431,15 +433,15 @@ def worker_reports_unloadable_blocks_and_never_publishes_from_them(env: Env):
     w.clear_connector_metadata()
     assert w.get_block_ids_with_load_errors() == {3, 4, 6, 7}
     assert w.get_block_ids_with_load_errors() == set()  # reported once
-    assert w._saver.flush(10)
-    assert K.key_for(w._ns_digest, dig[3]) not in env.ds.store  # request q had a failed load
+    assert w.connector_worker._saver.flush(10)
+    assert K.key_for(w.connector_worker._ns_digest, dig[3]) not in env.ds.store  # request q had a failed load
     assert w.stats.get("save_dropped_blocks") == 2
     w.get_finished({"q"})
-    assert "q" not in w._bad_reqs
+    assert "q" not in w.connector_worker._bad_reqs
     # data system down: loads fail fast and are reported, the engine carries on
     env.ds.down = True
     try:
-        w._conn._mark_down(RuntimeError("rpc unavailable"))
+        w.connector_worker._conn._mark_down(RuntimeError("rpc unavailable"))
         bind(w, loads=[BlockOp("v", dig[:1], [9])])
         w.start_load_kv(None)
         w.clear_connector_metadata()
@@ -488,7 +490,7 @@ def both_constructor_signatures(env: Env):
     impl._NEW_CTOR = False
     try:
         c = impl.YuanrongConnector(cfg, KVConnectorRole.SCHEDULER)
-        assert c.role == KVConnectorRole.SCHEDULER and c.block_size == BS
+        assert c.role == KVConnectorRole.SCHEDULER and c.connector_scheduler.block_size == BS
         c.shutdown()
     finally:
         KVConnectorBase_V1.__init__ = orig_init

@@ -1,0 +1,302 @@
+"""The scheduler half of YuanrongConnector (runs in vLLM's engine-core process, one per engine).
+
+* Producer: every step, for every scheduled request, the prompt blocks that became complete in this step
+  (whatever the chunking) go into the step's metadata as (prefix digest, block id) pairs for the workers to
+  save; `request_finished` announces how many there were.
+* Consumer: `get_num_new_matched_tokens` asks the data system which of the request's loadable blocks exist
+  for all TP/PP ranks and promises only the leading run of present ones, waiting (answering None) up to
+  ready_wait_ms for blocks prefill announced but has not finished writing; `update_state_after_alloc` turns
+  the promise into the load plan of the next step's metadata.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from yrpd.connector import keys as K
+from yrpd.connector.common import BlockOp, ConnectorContext, ConnectorHalf, YuanrongConnectorMetadata, logger
+from yrpd.connector.transport import TransportError
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+_POLL_S = 0.01  # consumer: at most one existence query per waiting request per 10 ms
+
+
+@dataclass
+class _ReqState:
+    """Producer-side tracking of one request."""
+
+    req_id: str
+    token_ids: list
+    extra: tuple
+    block_ids: list = field(default_factory=list)
+    saved_upto: int = 0
+    digests: list = field(default_factory=list)
+
+    def digests_upto(self, n: int, block_size: int) -> list:
+        if len(self.digests) < n:
+            self.digests = K.prefix_digests(self.token_ids, block_size, n, self.extra)
+        return self.digests[:n]
+
+
+@dataclass
+class _Lookup:
+    start: int  # first block index not computed locally
+    hits: int  # leading present blocks from start
+    digests: list  # digests of blocks [0, start + hits)
+    checked_at: float = 0.0
+    first_at: float = 0.0
+
+
+def _request_extra(lora_request: Any, cache_salt: Any, mm_ids: list) -> tuple:
+    extra: list = []
+    if lora_request is not None:
+        extra.append(("lora", getattr(lora_request, "lora_name", None) or str(lora_request)))
+    if cache_salt:
+        extra.append(("salt", str(cache_salt)))
+    extra.extend(("mm", str(ident)) for ident in mm_ids)
+    return tuple(extra)
+
+
+def _mm_ids(obj: Any) -> list:
+    """Identities of a request's multimodal inputs: `mm_features` (vLLM >= 0.11) or `mm_hashes` (vLLM 0.10,
+    the vllm-ascend v0.10 image), on a Request and on the scheduler's NewRequestData alike."""
+    features = getattr(obj, "mm_features", None)
+    if features:
+        return [getattr(f, "identifier", None) or getattr(f, "mm_hash", None) for f in features]
+    return list(getattr(obj, "mm_hashes", None) or ())
+
+
+def _eligible(request: "Request") -> tuple[list, tuple] | None:
+    tokens = getattr(request, "prompt_token_ids", None)
+    if not tokens or getattr(request, "prompt_embeds", None) is not None:
+        return None
+    extra = _request_extra(getattr(request, "lora_request", None), getattr(request, "cache_salt", None),
+                           _mm_ids(request))
+    return tokens, extra
+
+
+class ConnectorScheduler(ConnectorHalf):
+    """Save plans (producer) and existence lookups plus load plans (consumer)."""
+
+    side = "scheduler"
+
+    def __init__(self, ctx: ConnectorContext, *, can_wait: bool, can_recompute: bool) -> None:
+        """`can_wait` / `can_recompute`: what the running vLLM supports (decided by the vLLM-facing class)."""
+        super().__init__(ctx)
+        self._can_wait = can_wait
+        self._states: dict[str, _ReqState] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._loaded_upto: dict[str, int] = {}
+        self._pending_loads: list[BlockOp] = []
+        self._refused_logged: dict[str, float] = {}
+        self._rank_ns = [ctx.namespace(t, p).digest for p in range(ctx.pp_size) for t in range(ctx.tp_size)]
+        ktc = ctx.ktc
+        policy = getattr(ktc, "kv_load_failure_policy", None)
+        if policy is not None and policy != "recompute":
+            try:
+                ktc.kv_load_failure_policy = "recompute"
+                logger.warning("yrpd connector: kv_load_failure_policy=%s changed to 'recompute' (a block that "
+                               "cannot be loaded is recomputed instead of failing the request)", policy)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("yrpd connector: cannot set kv_load_failure_policy=recompute (%s); pass it in "
+                               "--kv-transfer-config", e)
+        self._loads = self._active and self.cfg.is_consumer
+        if self._loads and not can_recompute:
+            self._loads = False
+            logger.warning("yrpd connector: this vLLM cannot recompute KV blocks that fail to load (it has no "
+                           "get_block_ids_with_load_errors; vLLM >= 0.11 has): the %s role loads nothing here and "
+                           "every prompt is computed, so a failed load can never be used as KV", self.cfg.role)
+        if self._loads:
+            self._conn = self._make_conn("scheduler")
+            self._conn.connect()
+        self._start_reporter(0, ",".join(self._rank_ns))
+        logger.info("yrpd connector (scheduler, %s): ds=%s:%d block_size=%d model=%s ns=%s ttl=%ds "
+                    "delete_after_load=%s", self.cfg.role, self.cfg.ds_host, self.cfg.ds_port, self.block_size,
+                    ctx.model_identity, ",".join(self._rank_ns), self.cfg.ttl_seconds, self.cfg.delete_after_load)
+
+    # -- consumer: lookups ---------------------------------------------------------------------------
+    def _exists_all_ranks(self, digests: list[str]) -> list[bool]:
+        assert self._conn is not None
+        all_keys = [K.key_for(ns, d) for ns in self._rank_ns for d in digests]
+        res = self._conn.call("exist", lambda c: c.exist(all_keys))
+        n = len(digests)
+        return [all(bool(res[r * n + i]) for r in range(len(self._rank_ns))) for i in range(n)]
+
+    def _handoff_mismatch(self, info: dict) -> str | None:
+        """What makes KV a producer announced unusable here, in words; None when it matches this instance."""
+        theirs = {"dtype": info.get("kv_dtype"), "block size": info.get("block_size"), "model": info.get("model")}
+        ours = {"dtype": self.ctx.kv_dtype, "block size": self.block_size, "model": self.ctx.model_identity}
+        differ = [f"{what} {theirs[what]} there, {ours[what]} here" for what in theirs
+                  if theirs[what] is not None and theirs[what] != ours[what]]
+        return "; ".join(differ) or None
+
+    def _refuse_handoff(self, req_id: str, mismatch: str) -> None:
+        self.stats.inc("handoff_refused")
+        now = time.monotonic()
+        if now - self._refused_logged.get(mismatch, -1e9) >= 60.0:  # one line a minute per kind of mismatch
+            self._refused_logged[mismatch] = now
+            logger.error("yrpd connector: refusing the KV prefill computed for %s (%s): recomputing the prompt; "
+                         "deploy prefill and decode with the same model and --dtype", req_id, mismatch)
+
+    def _announced_blocks(self, request: "Request") -> int:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        info = params.get("yrpd") if isinstance(params, dict) else None
+        if not isinstance(info, dict):
+            return 0
+        mismatch = self._handoff_mismatch(info)
+        if mismatch:
+            self._refuse_handoff(request.request_id, mismatch)
+            return 0
+        if info.get("ns") and info.get("ns") != ",".join(self._rank_ns):
+            return 0  # produced under another namespace: those keys will never show up here
+        try:
+            return max(0, int(info.get("num_blocks", 0)))
+        except (TypeError, ValueError):
+            return 0
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
+        if not self._loads or self._conn is None:
+            return 0, False
+        elig = _eligible(request)
+        if elig is None:
+            return 0, False
+        tokens, extra = elig
+        bs = self.block_size
+        n_max = K.loadable_blocks(len(tokens), bs)
+        start = num_computed_tokens // bs
+        if n_max <= start:
+            return 0, False
+        req_id = request.request_id
+        now = time.monotonic()
+        lk = self._lookups.get(req_id)
+        if lk is not None and lk.start != start:
+            lk = None
+        announced = min(self._announced_blocks(request), n_max)
+
+        def may_wait(since: float) -> bool:
+            return self._can_wait and (now - since) * 1000.0 < self.cfg.ready_wait_ms
+
+        if lk is not None and start + lk.hits < announced and may_wait(lk.first_at) \
+                and now - lk.checked_at < _POLL_S:
+            return None, False  # still waiting; do not hammer the data system
+        if not self._conn.healthy:
+            self._lookups.pop(req_id, None)
+            return 0, False
+        t0 = time.perf_counter()
+        digests = lk.digests if (lk is not None and len(lk.digests) >= n_max) else \
+            K.prefix_digests(tokens, bs, n_max, extra)
+        try:
+            present = self._exists_all_ranks(digests[start:n_max])
+        except (TransportError, KeyError) as e:
+            self.stats.inc("lookup_errors")
+            logger.debug("yrpd connector: lookup for %s failed: %s", req_id, e)
+            self._lookups.pop(req_id, None)
+            return 0, False
+        self.stats.observe("lookup", (time.perf_counter() - t0) * 1000.0)
+        hits = K.leading_hits(present)
+        first_at = lk.first_at if lk is not None else now
+        self._lookups[req_id] = _Lookup(start, hits, digests, now, first_at)
+        if start + hits < announced and may_wait(first_at):
+            if lk is None:
+                self.stats.inc("lookup_waits")
+            return None, False  # prefill announced more blocks than are visible yet: ask again soon
+        return hits * bs, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        req_id = request.request_id
+        lk = self._lookups.pop(req_id, None)
+        if num_external_tokens <= 0:
+            if lk is not None:
+                self._count_lookup(lk, 0)
+            return
+        bs = self.block_size
+        n = num_external_tokens // bs
+        block_ids = list(blocks.get_block_ids()[0])
+        if lk is None or lk.hits < n or num_external_tokens % bs:
+            # We never promised this: make the worker report the blocks as failed (recompute).
+            start = (lk.start if lk is not None else 0)
+            logger.warning("yrpd connector: unexpected external load of %d tokens for %s; reporting as failed",
+                           num_external_tokens, req_id)
+            self._pending_loads.append(BlockOp(req_id, [], block_ids[start:start + max(1, n)]))
+            return
+        self._count_lookup(lk, n)
+        self._pending_loads.append(BlockOp(req_id, lk.digests[lk.start:lk.start + n],
+                                           block_ids[lk.start:lk.start + n]))
+        self._loaded_upto[req_id] = lk.start + n
+
+    def _count_lookup(self, lk: _Lookup, used: int) -> None:
+        asked = len(lk.digests) - lk.start
+        self.stats.inc("lookup_requests")
+        self.stats.inc("lookup_blocks", asked)
+        self.stats.inc("lookup_hit_blocks", used)
+        self.stats.inc("lookup_miss_blocks", asked - used)
+
+    # -- both roles: the step's metadata ---------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> YuanrongConnectorMetadata:
+        meta = YuanrongConnectorMetadata(loads=self._pending_loads, saves=[])
+        self._pending_loads = []
+        if not (self._active and self.cfg.is_producer):
+            return meta
+        num_sched = scheduler_output.num_scheduled_tokens
+        for new_req in scheduler_output.scheduled_new_reqs:
+            tokens = new_req.prompt_token_ids
+            if not tokens or getattr(new_req, "prompt_embeds", None) is not None:
+                continue
+            st = _ReqState(new_req.req_id, tokens,
+                           _request_extra(new_req.lora_request, getattr(new_req, "cache_salt", None),
+                                          _mm_ids(new_req)))
+            st.block_ids = list(new_req.block_ids[0]) if new_req.block_ids else []
+            st.saved_upto = self._loaded_upto.pop(new_req.req_id, 0)
+            prev = self._states.get(new_req.req_id)
+            if prev is not None:
+                st.saved_upto = max(st.saved_upto, prev.saved_upto)
+            self._states[new_req.req_id] = st
+            self._emit_saves(st, new_req.num_computed_tokens + num_sched.get(new_req.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._states.get(req_id)
+            if st is None:
+                continue
+            nb = cached.new_block_ids[i]
+            resumed = req_id in getattr(cached, "resumed_req_ids", ()) or \
+                (hasattr(cached, "resumed_from_preemption") and cached.resumed_from_preemption[i])
+            if resumed:
+                st.block_ids = list(nb[0]) if nb else []
+                st.saved_upto = max(st.saved_upto, self._loaded_upto.pop(req_id, 0))
+            elif nb:
+                st.block_ids.extend(nb[0])
+            self._emit_saves(st, cached.num_computed_tokens[i] + num_sched.get(req_id, 0), meta)
+        return meta
+
+    # -- producer: saves -------------------------------------------------------------------------------
+    def _emit_saves(self, st: _ReqState, computed_after: int, meta: YuanrongConnectorMetadata) -> None:
+        bs = self.block_size
+        rng = K.saveable_range(len(st.token_ids), st.saved_upto * bs, computed_after, bs)
+        if not rng:
+            return
+        hi = min(rng.stop, len(st.block_ids))
+        if hi <= st.saved_upto:
+            return
+        digests = st.digests_upto(hi, bs)
+        meta.saves.append(BlockOp(st.req_id, digests[st.saved_upto:hi], st.block_ids[st.saved_upto:hi]))
+        st.saved_upto = hi
+
+    def request_finished(self, request: "Request", block_ids: list[int]):
+        req_id = request.request_id
+        st = self._states.pop(req_id, None)
+        self._lookups.pop(req_id, None)
+        self._loaded_upto.pop(req_id, None)
+        if not (self._active and self.cfg.is_producer):
+            return False, None
+        if self.cfg.role == "kv_both" and getattr(request, "kv_transfer_params", None) is None:
+            return False, None
+        n = st.saved_upto if st is not None else 0
+        # what the consumer checks before trusting the hand-over (namespaces alone cannot say what differs)
+        return False, {"yrpd": {"num_blocks": n, "block_size": self.block_size, "ns": ",".join(self._rank_ns),
+                                "kv_dtype": self.ctx.kv_dtype, "model": self.ctx.model_identity}}
