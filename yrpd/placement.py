@@ -146,6 +146,36 @@ def unit_name(kind: DeviceKind) -> str:
     return {DeviceKind.npu: "NPUs", DeviceKind.gpu: "GPUs", DeviceKind.cpu: "CPU cores"}.get(kind, "devices")
 
 
+@dataclass(frozen=True)
+class RoleRequest:
+    """What the spec asks of one role: `count` instances of `dp` ranks of `tp` devices each."""
+
+    role: str  # prefill | decode | single
+    count: int
+    tp: int
+    dp: int
+    tp_field: str  # the spec field that sets tp, for error messages
+
+
+@dataclass(frozen=True)
+class PlacedInstance:
+    """An instance whose ranks have devices, before ports are assigned."""
+
+    name: str
+    role: str
+    index: int
+    tp: int
+    dp: int
+    ranks: tuple[RankPlacement, ...]
+
+
+def role_requests(spec: DeploySpec) -> list[RoleRequest]:
+    if spec.disaggregated:
+        return [RoleRequest("prefill", spec.prefill, spec.ptp, spec.pdp, "ptp"),
+                RoleRequest("decode", spec.decode, spec.dtp, spec.ddp, "dtp")]
+    return [RoleRequest("single", spec.prefill, spec.ptp, spec.pdp, "ptp")]
+
+
 def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
     """Place every instance; raise SpecError naming the numbers when the request cannot fit."""
     host_names = [h.name for h in spec.hosts]
@@ -156,29 +186,26 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
     kind = kinds.pop() if kinds else DeviceKind.auto
     units = unit_name(kind)
 
-    if spec.disaggregated:
-        roles = [("prefill", spec.prefill, spec.ptp, spec.pdp, "ptp"), ("decode", spec.decode, spec.dtp, spec.ddp, "dtp")]
-    else:
-        roles = [("single", spec.prefill, spec.ptp, spec.pdp, "ptp")]
+    roles = role_requests(spec)
     # devices a TP rank takes: one per rank on accelerators; on CPU a rank may bind several cores
     per_rank = spec.cores_per_rank if kind is DeviceKind.cpu else 1
 
-    for role, _count, tp, _dp, field_name in roles:
+    for req in roles:
         if kind is not DeviceKind.cpu:
             for name in host_names:
                 n = len(inventory[name].devices)
-                if n and n % tp:
+                if n and n % req.tp:
                     divisors = [d for d in range(1, n + 1) if n % d == 0]
                     raise SpecError(
-                        field_name,
-                        f"{tp} does not divide the {n} {units} of {name}",
+                        req.tp_field,
+                        f"{req.tp} does not divide the {n} {units} of {name}",
                         f"use one of {', '.join(map(str, divisors))} (a TP group never spans hosts)",
                     )
 
-    needed = sum(count * tp * per_rank * dp for _, count, tp, dp, _ in roles)
+    needed = sum(r.count * r.tp * per_rank * r.dp for r in roles)
     offered = [len(inventory[n].devices) for n in host_names]
     if needed > sum(offered):
-        need_text = " and ".join(f"{role} {count * dp} x {tp * per_rank} {units}" for role, count, tp, dp, _ in roles)
+        need_text = " and ".join(f"{r.role} {r.count * r.dp} x {r.tp * per_rank} {units}" for r in roles)
         need_text = need_text.replace(" ", " needs ", 1)
         raise SpecError(
             "devices",
@@ -188,12 +215,12 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
 
     free = {n: list(inventory[n].devices) for n in host_names}
     order = {n: i for i, n in enumerate(host_names)}
-    placed: list[tuple[str, str, int, int, int, tuple[RankPlacement, ...]]] = []
-    for role, count, tp, dp, _ in roles:
-        for index in range(count):
+    placed: list[PlacedInstance] = []
+    for req in roles:
+        for index in range(req.count):
             ranks: list[RankPlacement] = []
-            width = tp * per_rank
-            for dp_rank in range(dp):
+            width = req.tp * per_rank
+            for dp_rank in range(req.dp):
                 previous = ranks[-1].host if ranks else None
                 if previous is not None and len(free[previous]) >= width:
                     host = previous
@@ -203,36 +230,36 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
                         largest = max(host_names, key=lambda n: (len(free[n]), -order[n]))
                         raise SpecError(
                             "devices",
-                            f"{role}-{index} rank {dp_rank} needs {width} {units} on one host but the most left on any host "
-                            f"is {len(free[largest])} (on {largest})",
+                            f"{req.role}-{index} rank {dp_rank} needs {width} {units} on one host but the most left on "
+                            f"any host is {len(free[largest])} (on {largest})",
                             "a TP group never spans hosts: use TP sizes that fit each host's devices",
                         )
                     host = min(fitting, key=lambda n: (-len(free[n]), order[n]))
                 taken = tuple(free[host][:width])
                 del free[host][:width]
                 ranks.append(RankPlacement(host=host, dp_rank=dp_rank, devices=taken))
-            placed.append((f"{role}-{index}", role, index, tp, dp, tuple(ranks)))
+            placed.append(PlacedInstance(f"{req.role}-{index}", req.role, index, req.tp, req.dp, tuple(ranks)))
 
     ports = spec.ports
     slots: dict[str, int] = {n: 0 for n in host_names}
     instances: list[InstancePlan] = []
-    for name, role, index, tp, dp, ranks in placed:
-        head = ranks[0].host
+    for p in placed:
+        head = p.ranks[0].host
         slot_per_host: dict[str, int] = {}
-        for r in ranks:
+        for r in p.ranks:
             if r.host not in slot_per_host:
                 slot_per_host[r.host] = slots[r.host]
                 slots[r.host] += 1
         slot = slot_per_host[head]
         instances.append(
             InstancePlan(
-                name=name,
-                role=role,
-                index=index,
-                tp=tp,
-                dp=dp,
+                name=p.name,
+                role=p.role,
+                index=p.index,
+                tp=p.tp,
+                dp=p.dp,
                 host=head,
-                ranks=ranks,
+                ranks=p.ranks,
                 port=ports.instance_base + slot,
                 kv_port=ports.kv_base + slot,
                 hccl_port=ports.hccl_base + HCCL_BLOCK * slot,
