@@ -18,8 +18,8 @@ from yrpd.deployment import Deployment, host_group, resolve_inventory, runtime_g
 from yrpd.errors import SpecError
 from yrpd.hostgroup import Command, GroupResult
 from yrpd.placement import HostInventory, Plan, make_plan
-from yrpd.playbook import Playbook, PlaybookFailed, PlaybookRunner, StepFailed, StepOutcome, StepSpec, describe, \
-    load_playbook
+from yrpd.playbook import Playbook, PlaybookFailed, PlaybookRunner, PlannedStep, StepFailed, StepOutcome, StepSpec, \
+    describe, load_playbook
 from yrpd.session import Session, SessionPhase, SessionStore, default_root, resolve_root
 from yrpd.spec import DeploySpec, Runtime, SshOptions
 from yrpd.status import StatusReport, collect_status
@@ -51,9 +51,6 @@ class Quiet:
 
 # -- plan ------------------------------------------------------------------------------------------
 
-StepActions = list[tuple[StepSpec, dict[str, Command | NotNeeded]]]
-
-
 @dataclass
 class PlanView:
     """What a deploy of the spec would do: placement, and per step the command on each host (or why none)."""
@@ -61,12 +58,12 @@ class PlanView:
     spec: DeploySpec
     inventory: dict[str, HostInventory]
     plan: Plan
-    steps: StepActions
+    steps: list[PlannedStep]
 
     def to_dict(self) -> dict:
         data = self.plan.to_dict()
-        data["steps"] = [{"name": step.name, "hosts": {host: str(cmd) for host, cmd in commands.items()}}
-                         for step, commands in self.steps]
+        data["steps"] = [{"name": s.step.name, "hosts": {host: str(cmd) for host, cmd in s.actions.items()}}
+                         for s in self.steps]
         return data
 
 
@@ -83,7 +80,7 @@ def plan(spec: DeploySpec, playbook_file: str | Path | None = None) -> PlanView:
     return PlanView(spec, inventory, placement, _as_run(spec, ctx, describe(playbook, ctx)))
 
 
-def _as_run(spec: DeploySpec, ctx: StepContext, steps: StepActions) -> StepActions:
+def _as_run(spec: DeploySpec, ctx: StepContext, steps: list[PlannedStep]) -> list[PlannedStep]:
     """Runtime docker: the commands as deploy runs them, inside the container (`docker exec`)."""
     if spec.runtime is not Runtime.docker:
         return steps
@@ -92,8 +89,9 @@ def _as_run(spec: DeploySpec, ctx: StepContext, steps: StepActions) -> StepActio
 
     name, engine = container_name(ctx.session_id), spec.container_engine.value
     preamble = env_preamble(container_profile(spec).env_scripts)
-    return [(step, {host: cmd if isinstance(cmd, NotNeeded) else as_run_in(cmd, name, engine, preamble=preamble)
-                    for host, cmd in commands.items()}) for step, commands in steps]
+    return [PlannedStep(s.step, {host: cmd if isinstance(cmd, NotNeeded) else as_run_in(cmd, name, engine,
+                                                                                         preamble=preamble)
+                                 for host, cmd in s.actions.items()}) for s in steps]
 
 
 # -- deploy ----------------------------------------------------------------------------------------

@@ -98,9 +98,17 @@ def step_commands(step: StepSpec, ctx: StepContext) -> dict[str, Command]:
     return {n: a for n, a in step_actions(step, ctx).items() if isinstance(a, Command)}
 
 
-def describe(playbook: Playbook, ctx: StepContext) -> list[tuple[StepSpec, dict[str, Command | NotNeeded]]]:
+@dataclass(frozen=True)
+class PlannedStep:
+    """A step as a deploy would run it: per host, its command or why it has nothing to do there."""
+
+    step: StepSpec
+    actions: dict[str, Command | NotNeeded]
+
+
+def describe(playbook: Playbook, ctx: StepContext) -> list[PlannedStep]:
     """The commands each step would run per host (or why not), for `yrpd plan` and `deploy --dry-run`."""
-    return [(step, step_actions(step, ctx)) for step in playbook.steps if step_enabled(step, ctx)]
+    return [PlannedStep(step, step_actions(step, ctx)) for step in playbook.steps if step_enabled(step, ctx)]
 
 
 class PlaybookFailed(GroupFailure):

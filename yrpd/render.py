@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from yrpd.placement import Plan, describe_devices, unit_name
+from yrpd.playbook import PlannedStep
 from yrpd.spec import DeploySpec, Dtype, Runtime
 from yrpd.status import StatusReport
 from yrpd.steps import NotNeeded
@@ -77,11 +78,12 @@ def warning_lines(outcome) -> list[str]:
             for line in (outcome.results[host].stderr or "").splitlines() if line.strip().startswith("warning: ")]
 
 
-def plan_commands(steps) -> Iterable:
+def plan_commands(steps: list[PlannedStep]) -> Iterable:
     yield Text("Commands per host, in order (deploy runs each step on its hosts in parallel; "
                "SESSION_ID is assigned at deploy):", style="bold")
-    for number, (step, commands) in enumerate(steps, 1):
-        yield Text(f"\n[{number}] {step.name}", style="bold")
+    for number, planned in enumerate(steps, 1):
+        commands = planned.actions
+        yield Text(f"\n[{number}] {planned.step.name}", style="bold")
         if not commands:
             yield Text("    (nothing to do on any host)")
         for host, command in commands.items():
