@@ -117,7 +117,12 @@ class Session:
 
     @property
     def phase(self) -> SessionPhase:
-        return SessionPhase(self.state.get("phase", SessionPhase.new.value))
+        value = self.state.get("phase", SessionPhase.new.value)
+        try:
+            return SessionPhase(value)
+        except ValueError:
+            raise SessionError(f"session {self.id}: state.json says phase {value!r}, which is none of "
+                               f"{', '.join(p.value for p in SessionPhase)}; fix {self.path / 'state.json'}") from None
 
     def journal(self, **entry: Any) -> None:
         entry.setdefault("time", time.strftime("%Y-%m-%dT%H:%M:%S"))

@@ -366,11 +366,15 @@ def build_tiny_model(venv: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+#: helper scripts the tests run in the vLLM venv (another interpreter than pytest's), kept apart from the test modules
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
 def ds_tool(venv: Path, ds: DsWorker, action: str, keys: list[str], timeout: float = 60) -> dict:
-    """Run tests/connector/ds_tool.py in the vLLM venv (it has yr.datasystem) against a worker."""
+    """Run tests/connector/scripts/ds_tool.py in the vLLM venv (it has yr.datasystem) against a worker."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run([str(venv / "bin/python"), str(Path(__file__).with_name("ds_tool.py")), ds.address, action],
+    proc = subprocess.run([str(venv / "bin/python"), str(SCRIPTS / "ds_tool.py"), ds.address, action],
                           input=json.dumps(keys), capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"ds_tool {action} failed: {proc.stderr[-2000:]}")

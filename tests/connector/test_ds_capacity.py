@@ -1,18 +1,17 @@
 """A real data-system worker smaller than what is saved into it (audit item 10): the connector's writes are
 evictable, so a full worker drops old blocks and keeps accepting new saves; non-evictable writes with a TTL (what
 the connector did before) start failing once the worker is full. Runs the connector's own transport in the vLLM
-venv (tests/connector/ds_fill.py) against a worker started with dscli; about 20 s."""
+venv (tests/connector/scripts/ds_fill.py) against a worker started with dscli; about 20 s."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from tests.connector.harness import REPO, Stack
+from tests.connector.harness import REPO, SCRIPTS, Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -23,7 +22,7 @@ BLOCKS, BLOCK_BYTES = 200, 1 << 20  # about three times the worker's memory
 def fill(stack: Stack, address: str, evictable: bool, stop_after_failures: int = BLOCKS) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run([str(stack.venv / "bin/python"), str(Path(__file__).with_name("ds_fill.py")), address,
+    proc = subprocess.run([str(stack.venv / "bin/python"), str(SCRIPTS / "ds_fill.py"), address,
                            str(evictable).lower(), str(BLOCKS), str(BLOCK_BYTES), str(stop_after_failures)],
                           capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Runs tests/connector/inproc_checks.py in the vLLM venv: the connector against the real vLLM API (and the
+"""Runs tests/connector/scripts/inproc_checks.py in the vLLM venv: the connector against the real vLLM API (and the
 classes of vLLM 0.10.0's sdist, which the v0.10 images run) with a fake data system (no server processes; about
 30 s, mostly importing vLLM)."""
 
@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from tests.connector.harness import REPO
+from tests.connector.harness import REPO, SCRIPTS
 
 pytestmark = pytest.mark.e2e
 
@@ -20,7 +19,7 @@ def test_connector_in_process_checks(vllm_venv, tiny_model, vllm_010_src):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update({"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "YRPD_VLLM_010_SRC": str(vllm_010_src)})
-    proc = subprocess.run([str(vllm_venv / "bin/python"), str(Path(__file__).with_name("inproc_checks.py")),
+    proc = subprocess.run([str(vllm_venv / "bin/python"), str(SCRIPTS / "inproc_checks.py"),
                            str(tiny_model)], capture_output=True, text=True, timeout=900, env=env, cwd=str(REPO),
                           stdin=subprocess.DEVNULL)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

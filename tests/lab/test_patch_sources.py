@@ -5,7 +5,7 @@ The sdists come from scripts/fetch_vllm_ascend_sources.sh (cached in $YRPD_VLLM_
 Without the sources (no index reachable) the tests skip - under CI they fail.
 
 The connector-name check runs vllm-ascend's registration code in the vLLM CPU venv ($YRPD_VLLM_VENV, default
-/opt/yrpd/venvs/vllm; see tests/lab/patch_registration_check.py for what runs and what cannot run without
+/opt/yrpd/venvs/vllm; see tests/lab/scripts/patch_registration_check.py for what runs and what cannot run without
 torch_npu / Ascend CANN).
 """
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.e2e
 SERIES_ROOT = REPO / "patches" / "vllm-ascend"
 GUIDE_TREE = "/vllm-workspace/vllm-ascend"  # where the guide's image has the source tree
 CACHE = Path(os.environ.get("YRPD_VLLM_ASCEND_SRC", "/var/cache/yrpd/vllm-ascend-src"))
-CHECK_SCRIPT = Path(__file__).with_name("patch_registration_check.py")
+CHECK_SCRIPT = Path(__file__).parent / "scripts" / "patch_registration_check.py"  # runs in the vLLM venv
 
 # how each source version registers KV connectors (see docs/dev/patches.md):
 #   package      - at import of vllm_ascend.distributed (0.10.x)

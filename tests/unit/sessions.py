@@ -1,14 +1,17 @@
 """A recorded deployment for unit tests: a session directory with its spec and plan, two CPU hosts h1 and h2, prefill
-on h1 and decode on h2, and host answers in the shape the host scripts print."""
+on h1 and decode on h2, and host answers in the shape the host scripts print (`scripted()` plays both hosts
+answering `yrpd status`'s query)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from yrpd.deployment import Deployment, inventory_from_json, save_deployment
 from yrpd.placement import make_plan
 from yrpd.session import SessionPhase, SessionStore
 from yrpd.spec import build_spec
+from yrpd.testing import ScriptedHosts
 
 IPS = {"h1": "10.0.0.1", "h2": "10.0.0.2"}
 
@@ -27,12 +30,23 @@ def recorded(tmp_path: Path, phase: SessionPhase = SessionPhase.deployed, cluste
     return Deployment(session, spec, inventory, plan)
 
 
-def processes_answer(host: str, names: list[str], dead: tuple[str, ...] = ()) -> dict:
+def processes_answer(host: str, names: list[str], dead: tuple[str, ...] = (), restarting: tuple[str, ...] = (),
+                     failed: tuple[str, ...] = (), restarts: int = 0) -> dict:
+    """What deploy_scripts/session_processes.py answers: each process as its supervisor sees it."""
+    def entry(i: int, n: str) -> dict:
+        up = n not in dead + restarting + failed
+        state = "running" if up else "backoff" if n in restarting else "failed" if n in failed else "dead"
+        reason = {"backoff": "killed by signal 9", "failed": "exited with status 1 after 3 restarts in 600 s; "
+                  "not restarting it again (`yrpd deploy` starts it anew once the cause is fixed)"}.get(state)
+        return {"name": n, "pid": 100 + i if up else None, "alive": up, "rss_mb": 512.0 if up else None,
+                "command": f"vllm serve ({n})" if up else None,
+                "supervisor": 90 + i if state in ("running", "backoff") else None, "state": state,
+                "restarts": restarts + (1 if n in restarting else 0) + (3 if n in failed else 0), "reason": reason}
+
     return {"host": {"hostname": host, "session_dir_exists": True, "load": [0.5, 0.4, 0.3],
                      "mem_available_gb": 12.0},
-            "processes": [{"name": n, "pid": 100 + i, "alive": n not in dead, "rss_mb": 512.0 if n not in dead else None,
-                           "command": f"vllm serve ({n})" if n not in dead else None} for i, n in enumerate(names)],
-            "session_pids": [100 + i for i, n in enumerate(names) if n not in dead], "other_pids": []}
+            "processes": [entry(i, n) for i, n in enumerate(names)],
+            "session_pids": [100 + i for i, n in enumerate(names) if n not in dead + failed], "other_pids": []}
 
 
 def cluster_answer(master: bool, restarts: int = 0) -> dict:
@@ -50,3 +64,29 @@ def instance_probe(name: str, healthy: bool = True, loaded: int = 0) -> dict:
             "prompt_tokens_loaded": float(loaded),
             "connector": {"ds_healthy": True, "counters": {"loaded_blocks": loaded // 128, "saved_blocks": 2}},
             **({} if healthy else {"error": "connection refused"})}
+
+
+def answer(host: str, dead=(), restarts=0, unhealthy=(), proxy_ok=True, cluster=True, restarting=(), failed=(),
+           process_restarts=0) -> str:
+    """What `recorded()`'s host answers to the status query (yrpd.status.query), with the faults asked for:
+    `dead` processes, ds_worker `restarts`, instances whose /health does not answer, a proxy that sees decode down,
+    processes their supervisor is `restarting` or has given up on (`failed`), earlier `process_restarts`."""
+    names = {"h1": ["prefill-0", "proxy"], "h2": ["decode-0"]}[host]
+    instance = {"h1": "prefill-0", "h2": "decode-0"}[host]
+    serving = {"instances": [instance_probe(instance, healthy=instance not in unhealthy,
+                                            loaded=256 if instance == "decode-0" else 0)],
+               "proxy": None}
+    if host == "h1":
+        serving["proxy"] = {"healthy": proxy_ok, "status": {"instances": [
+            {"url": "http://10.0.0.1:8100", "up": True, "in_flight": 1},
+            {"url": "http://10.0.0.2:8200", "up": proxy_ok, "in_flight": 0}]}}
+    return json.dumps({"processes": processes_answer(host, names, dead, restarting, failed, process_restarts),
+                       "cluster": cluster_answer(host == "h1", restarts) if cluster else None, "serving": serving})
+
+
+def scripted(**faults) -> ScriptedHosts:
+    """Hosts h1 and h2 answering the status query; `faults` per host name are `answer()`'s keyword arguments."""
+    hosts = ScriptedHosts()
+    for host in ("h1", "h2"):
+        hosts.on("serving_status", stdout=answer(host, **faults.get(host, {})), host=host)
+    return hosts

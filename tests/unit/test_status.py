@@ -9,30 +9,8 @@ from yrpd import api
 from yrpd.hostgroup import Command
 from yrpd.session import SessionPhase
 from yrpd.status import query
-from yrpd.testing import ScriptedHosts
 
-from tests.unit.sessions import cluster_answer, instance_probe, processes_answer, recorded
-
-
-def answer(host: str, dead=(), restarts=0, unhealthy=(), proxy_ok=True, cluster=True) -> str:
-    names = {"h1": ["prefill-0", "proxy"], "h2": ["decode-0"]}[host]
-    instance = {"h1": "prefill-0", "h2": "decode-0"}[host]
-    serving = {"instances": [instance_probe(instance, healthy=instance not in unhealthy,
-                                            loaded=256 if instance == "decode-0" else 0)],
-               "proxy": None}
-    if host == "h1":
-        serving["proxy"] = {"healthy": proxy_ok, "status": {"instances": [
-            {"url": "http://10.0.0.1:8100", "up": True, "in_flight": 1},
-            {"url": "http://10.0.0.2:8200", "up": proxy_ok, "in_flight": 0}]}}
-    return json.dumps({"processes": processes_answer(host, names, dead),
-                       "cluster": cluster_answer(host == "h1", restarts) if cluster else None, "serving": serving})
-
-
-def scripted(**faults) -> ScriptedHosts:
-    hosts = ScriptedHosts()
-    for host in ("h1", "h2"):
-        hosts.on("serving_status", stdout=answer(host, **faults.get(host, {})), host=host)
-    return hosts
+from tests.unit.sessions import recorded, scripted
 
 
 def test_a_healthy_deployment_reports_every_part(tmp_path):
@@ -79,11 +57,30 @@ def test_a_dead_instance_an_unanswering_one_and_an_unreachable_host_are_each_one
     assert report.hosts[1].error and not report.hosts[1].reachable
 
 
-def test_a_restarting_cluster_component_is_unhealthy_though_yr_says_running(tmp_path):
+def test_a_cluster_component_that_was_restarted_and_is_back_is_healthy_with_its_restarts_shown(tmp_path):
+    """openYuanrong's daemon restarts what dies: a restart count is information, not illness."""
     with scripted(h2={"restarts": 3}):
         report = api.status(recorded(tmp_path))
-    assert "ds_worker on h2 restarted 3 time(s)" in report.problems
-    assert not report.cluster.healthy
+    assert report.healthy and report.cluster.healthy
+    assert next(c for c in report.cluster.components if c.host == "h2").restarts == 3
+
+
+def test_a_supervised_instance_being_restarted_and_one_given_up_are_reported_as_such(tmp_path):
+    with scripted(h1={"restarting": ("prefill-0",)}, h2={"failed": ("decode-0",)}):
+        report = api.status(recorded(tmp_path))
+    states = {i.name: (i.state, i.restarts, i.healthy) for i in report.instances}
+    assert states == {"prefill-0": ("restarting", 1, False), "decode-0": ("failed", 3, False)}
+    assert "prefill-0 on h1 is restarting (restart 1; killed by signal 9)" in report.problems
+    failed = next(p for p in report.problems if p.startswith("decode-0"))
+    assert "failed: exited with status 1 after 3 restarts" in failed and "`yrpd logs decode-0`" in failed
+
+
+def test_restarts_of_a_running_instance_are_shown_not_counted_as_a_problem(tmp_path):
+    with scripted(h1={"process_restarts": 2}):
+        report = api.status(recorded(tmp_path))
+    assert report.healthy
+    assert next(i for i in report.instances if i.name == "prefill-0").restarts == 2
+    assert report.proxy.restarts == 2
 
 
 def test_an_instance_that_does_not_answer(tmp_path):

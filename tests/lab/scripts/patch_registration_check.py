@@ -1,7 +1,7 @@
 """Runs inside the vLLM CPU venv (not pytest): executes vllm-ascend's connector registration code from a source
 tree and asks vLLM's KVConnectorFactory what the name "YuanrongConnector" resolves to. Prints one JSON object.
 
-    VLLM_TARGET_DEVICE=cpu PYTHONPATH=TREE:REPO python patch_registration_check.py --path PATH [--preregister]
+    VLLM_TARGET_DEVICE=cpu PYTHONPATH=TREE:REPO python tests/lab/scripts/patch_registration_check.py --path PATH [--preregister]
 
 --path entry-point   vllm-ascend >= 0.11 style: vLLM's own general-plugin loader runs the entry point
                      `ascend_kv_connector = vllm_ascend:register_connector`, found in the sdist's

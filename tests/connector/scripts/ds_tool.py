@@ -1,6 +1,6 @@
 """Test helper run in the vLLM venv: poke data-system keys directly.
 
-    python ds_tool.py HOST:PORT exist|sizes|corrupt|delete   < keys.json
+    python tests/connector/scripts/ds_tool.py HOST:PORT exist|sizes|corrupt|delete   < keys.json
 
 Prints one JSON line. `corrupt` rewrites each present value with the sign bit of every 16-bit
 element flipped (finite, plausible-looking but wrong KV), keeping its size.

@@ -2,7 +2,7 @@
 
 Run in the vLLM venv (needs vllm + torch, no server, no data-system worker):
 
-    PYTHONPATH=. $YRPD_VLLM_VENV/bin/python tests/connector/inproc_checks.py MODEL_DIR
+    PYTHONPATH=. $YRPD_VLLM_VENV/bin/python tests/connector/scripts/inproc_checks.py MODEL_DIR
 
 Drives the scheduler side with stand-in requests / scheduler outputs and the worker side with
 real CPU KV cache tensors. Prints one JSON line {"passed": [...], "failed": {name: traceback}}

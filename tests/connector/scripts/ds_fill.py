@@ -1,7 +1,7 @@
 """Test helper run in the vLLM venv: save many KV blocks through the connector's own transport and write mode into
 a real data-system worker, more than its memory holds.
 
-    python ds_fill.py HOST:PORT EVICTABLE(true|false) BLOCKS BLOCK_BYTES [STOP_AFTER_FAILURES]
+    PYTHONPATH=. python tests/connector/scripts/ds_fill.py HOST:PORT EVICTABLE(true|false) BLOCKS BLOCK_BYTES [STOP_AFTER_FAILURES]
 
 Prints one JSON line: how many saves succeeded and failed (with the first error), and which of the first and last
 tenth of the keys still exist afterwards.

@@ -1,0 +1,244 @@
+"""Self-healing on `yrpd deploy --hosts localhost` (in a network namespace of its own): `kill -9`, one at a time, of
+etcd, ds_master, ds_worker, each API server, each EngineCore and the proxy. After each, with no command typed,
+requests through the proxy succeed again with the same greedy answer, `yrpd status` is healthy with the restart
+shown, nothing of the killed process group is left, and what was healthy kept its pid. During the outage every
+answer is a clean 5xx JSON or a success, never 200-empty. Then the same kinds of kill with automatic restart off,
+healed by `yrpd deploy` (which restarts only the dead parts, and nothing on a second run); an instance that crashes
+on every start is given up after the cap and reported with its log; `yrpd down` right after a fault exits 0.
+Uses the tiny model (the subject is the processes, not the language); kill-to-answer times are printed."""
+
+import json
+import os
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.lab.test_embedded_default import in_ns, netns  # noqa: F401 - the namespace fixture
+
+pytestmark = [pytest.mark.lab, pytest.mark.e2e]
+
+YRPD = [sys.executable, "-m", "yrpd"]
+RECOVERY_S = 60
+PROMPT = {"model": "tiny-qwen2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+
+
+class Deployment:
+    def __init__(self, ns: str, home, extra: tuple = ()) -> None:
+        self.ns, self.env = ns, {"YRPD_HOME": str(home)}
+        self.extra = list(extra)
+
+    def yrpd(self, *args, check=True, timeout=900):
+        proc = in_ns(self.ns, *YRPD, *args, env=self.env, timeout=timeout)
+        if check:
+            assert proc.returncode == 0, f"yrpd {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+        return proc
+
+    def deploy(self, *more):
+        return self.yrpd("deploy", "--hosts", "localhost", "--model", "builtin:tiny-qwen2", *self.extra, *more)
+
+    def status(self) -> dict:
+        return json.loads(self.yrpd("status", "--json", check=False).stdout)
+
+    def ask(self, timeout: float = 30) -> tuple[int, str]:
+        """(HTTP status, completion text or error body) of one greedy request through the proxy, from the netns."""
+        code = ("import json, sys, urllib.request, urllib.error\n"
+                f"req = urllib.request.Request('http://127.0.0.1:8000/v1/completions', data={json.dumps(PROMPT)!r}"
+                ".encode(), headers={'Content-Type': 'application/json'})\n"
+                "try:\n"
+                f"    r = urllib.request.urlopen(req, timeout={timeout}); print(r.status); print(r.read().decode())\n"
+                "except urllib.error.HTTPError as e:\n"
+                "    print(e.code); print(e.read().decode())\n"
+                "except Exception as e:\n"
+                "    print(0); print(type(e).__name__)\n")
+        proc = in_ns(self.ns, sys.executable, "-c", code, env={}, timeout=timeout + 10)
+        status, _, body = proc.stdout.partition("\n")
+        return int(status or 0), body.strip()
+
+
+def text_of(body: str) -> str:
+    return json.loads(body)["choices"][0]["text"]
+
+
+def state_file(report: dict, name: str) -> dict:
+    with open(f"/tmp/yrpd_sessions/{report['session']}/run/{name}.state.json") as fh:
+        return json.load(fh)
+
+
+def children(pid: int, comm: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            if int(rest[1]) == pid and name.startswith(comm):
+                found.append(int(entry))
+    return found
+
+
+def group_alive(pgid: int) -> list[int]:
+    alive = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                rest = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(rest[2]) == pgid and rest[0] not in "ZX":
+                alive.append(int(entry))
+    return alive
+
+
+def pids(report: dict) -> dict[str, int]:
+    out = {c["component"]: c["pid"] for c in report["cluster"]["components"]}
+    out.update({i["name"]: i["pid"] for i in report["instances"]})
+    out["proxy"] = report["proxy"]["pid"]
+    return out
+
+
+def target_pid(report: dict, target: str) -> tuple[int, int | None]:
+    """(pid to kill, the process group that must be gone afterwards or None)."""
+    if target in ("etcd", "ds_master", "ds_worker"):
+        return pids(report)[target], None
+    name, _, part = target.partition(":")
+    api = state_file(report, name)["pid"]
+    if part == "engine":
+        [engine] = children(api, "VLLM::EngineCor")
+        return engine, api
+    return api, api
+
+
+def wait_recovered(d: Deployment, baseline: str, started: float) -> tuple[float, list[int]]:
+    """Seconds from the kill to the first good answer; every other answer meanwhile must be a clean 5xx JSON."""
+    codes = []
+    while time.monotonic() - started < RECOVERY_S:
+        status, body = d.ask()
+        codes.append(status)
+        if status == 200:
+            assert body and text_of(body) == baseline, f"answered 200 with {body[:300]!r}"
+            return time.monotonic() - started, codes
+        if status:
+            assert 500 <= status < 600 and json.loads(body).get("error"), (status, body[:300])
+        time.sleep(0.5)
+    raise AssertionError(f"no good answer within {RECOVERY_S}s of the kill (answers: {codes})")
+
+
+def wait_healthy(d: Deployment, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        report = d.status()
+        if report["healthy"] or time.monotonic() > deadline:
+            return report
+        time.sleep(2)
+
+
+def test_every_process_comes_back_by_itself_and_down_is_clean(netns, tmp_path):  # noqa: F811
+    d = Deployment(netns, tmp_path / "home")
+    try:
+        d.deploy()
+        status, body = d.ask()
+        assert status == 200, body
+        baseline = text_of(body)
+        report = wait_healthy(d)
+        assert report["healthy"], report["problems"]
+        figures = {}
+        for target in ("etcd", "ds_master", "ds_worker", "prefill-0", "prefill-0:engine", "decode-0",
+                       "decode-0:engine", "proxy"):
+            before = pids(report)
+            pid, group = target_pid(report, target)
+            os.kill(pid, signal.SIGKILL)
+            started = time.monotonic()
+            figures[target], codes = wait_recovered(d, baseline, started)
+            report = wait_healthy(d)
+            assert report["healthy"], (target, report["problems"])
+            after = pids(report)
+            component = target.partition(":")[0]
+            kept = {k: v for k, v in before.items() if k != component}
+            assert {k: after[k] for k in kept} == kept, f"{target}: healthy components changed pid"
+            restarts = {**{c["component"]: c["restarts"] for c in report["cluster"]["components"]},
+                        **{i["name"]: i["restarts"] for i in report["instances"]}, "proxy": report["proxy"]["restarts"]}
+            assert restarts[component] >= 1, (target, restarts)
+            if group is not None:
+                assert group_alive(group) == [], f"{target}: processes of the killed group are left"
+            print(f"measured: kill -9 {target}: first good answer after {figures[target]:.1f}s (answers {codes})")
+        # right after a fault, down leaves nothing, first time
+        pid, _ = target_pid(report, "decode-0")
+        os.kill(pid, signal.SIGKILL)
+        down = d.yrpd("down")
+        assert "is down" in down.stderr
+    finally:
+        d.yrpd("down", check=False)
+
+
+def test_with_restart_off_deploy_heals_only_what_is_dead(netns, tmp_path):  # noqa: F811
+    config = tmp_path / "yrpd.yaml"
+    config.write_text("restart: {max: 0}\n")
+    d = Deployment(netns, tmp_path / "home", ("--config", str(config)))
+    try:
+        d.deploy()
+        status, body = d.ask()
+        baseline = text_of(body)
+        report = wait_healthy(d)
+        before = pids(report)
+        for target in ("decode-0", "proxy", "ds_worker"):
+            os.kill(target_pid(report, target)[0], signal.SIGKILL)
+        time.sleep(3)
+        down = d.status()
+        assert not down["healthy"]
+        assert any("decode-0 on localhost is not running" in p for p in down["problems"]), down["problems"]
+        started = time.monotonic()
+        heal = d.deploy()
+        print(f"measured: re-deploy healing decode-0, the proxy (ds_worker restarted by openYuanrong) "
+              f"{time.monotonic() - started:.1f}s")
+        after = pids(wait_healthy(d))
+        assert after["prefill-0"] == before["prefill-0"] and after["etcd"] == before["etcd"]  # left alone
+        assert after["decode-0"] != before["decode-0"] and after["proxy"] != before["proxy"]
+        assert "start the openYuanrong master" in heal.stderr
+        status, body = d.ask()
+        assert status == 200 and text_of(body) == baseline
+        again = d.deploy()
+        assert pids(d.status()) == after  # a second run restarts nothing
+        for step in ("start the prefill and decode instances", "start the proxy"):
+            assert "already done" in again.stderr.split(step, 1)[1].splitlines()[1], step
+    finally:
+        d.yrpd("down", check=False)
+
+
+def test_an_instance_that_crashes_on_every_start_is_given_up_and_reported(netns, tmp_path):  # noqa: F811
+    config = tmp_path / "yrpd.yaml"
+    config.write_text("restart: {max: 2, window_s: 600}\n")
+    d = Deployment(netns, tmp_path / "home", ("--config", str(config)))
+    try:
+        d.deploy()
+        report = wait_healthy(d)
+        # from now on every start of decode-0 fails: its model directory is gone
+        model = "/opt/yrpd/venvs/models/tiny-qwen2"
+        os.rename(model, model + ".away")
+        try:
+            os.kill(target_pid(report, "decode-0")[0], signal.SIGKILL)
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline:
+                report = d.status()
+                decode = next(i for i in report["instances"] if i["name"] == "decode-0")
+                if decode["state"] == "failed":
+                    break
+                time.sleep(3)
+            assert decode["state"] == "failed", decode
+            problem = next(p for p in report["problems"] if p.startswith("decode-0"))
+            assert "after 2 restarts" in problem and "yrpd logs decode-0" in problem, problem
+            prefill = next(i for i in report["instances"] if i["name"] == "prefill-0")
+            assert prefill["healthy"] and report["cluster"]["healthy"]  # the rest is untouched
+            logs = d.yrpd("logs", "decode-0", "-n", "40").stdout
+            assert "restart 2 of at most 2" in logs and "not restarting it again" in logs
+        finally:
+            os.rename(model + ".away", model)
+        d.deploy()  # once the cause is gone, a re-deploy starts it anew
+        assert wait_healthy(d)["healthy"]
+    finally:
+        d.yrpd("down", check=False)
