@@ -94,14 +94,28 @@ def host_facts():
     return facts
 
 
+def supervised(name):
+    """What the process's supervisor (deploy_scripts/supervise.py) last wrote, or {}."""
+    try:
+        with open(args["state"].format(name=name)) as fh:
+            return json.load(fh)
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
 def status():
     live = set(session_pids())
     processes = []
-    for name, pid in managed().items():
-        alive = pid is not None and pid in live
+    for name, supervisor in managed().items():
+        watched = supervisor is not None and supervisor in live
+        sup = supervised(name)
+        pid = sup.get("pid") if watched else None
+        alive = watched and pid is not None and pid in live and sup.get("state") == "running"
         processes.append({"name": name, "pid": pid, "alive": alive, "rss_mb": rss_mb(pid) if alive else None,
-                          "command": cmdline(pid) if alive else None})
-    leaders = {p["pid"] for p in processes}
+                          "command": cmdline(pid) if alive else None, "supervisor": supervisor if watched else None,
+                          "state": sup.get("state") if watched or sup.get("state") in ("failed", "exited") else "dead",
+                          "restarts": sup.get("restarts", 0), "reason": sup.get("reason")})
+    leaders = {p["pid"] for p in processes} | {p["supervisor"] for p in processes}
     others = [pid for pid in live if pid not in leaders]
     return {"host": host_facts(), "processes": processes, "session_pids": sorted(live), "other_pids": others}
 
@@ -152,11 +166,19 @@ def stop(grace):
         time.sleep(0.1)
     still = set(session_pids()) | {p for p in signalled if not exited(p)}
     remaining = [{"pid": pid, "command": cmdline(pid) or "(exiting)"} for pid in sorted(still)]
-    listening = listening_ports()
-    ports = [{"port": port, "what": what} for port, what in args.get("ports", []) if port in listening]
+    # a killed process's sockets close a moment after it is gone: judge the ports after waiting for that
+    deadline = time.monotonic() + float(args.get("port_wait", 20))
+    while True:
+        listening = listening_ports()
+        ports = [{"port": port, "what": what} for port, what in args.get("ports", []) if port in listening]
+        if not ports or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
     if not remaining:
         for name in managed():
-            os.unlink(args["pidfile"].format(name=name))
+            for path in (args["pidfile"].format(name=name), args["state"].format(name=name)):
+                if os.path.exists(path):
+                    os.unlink(path)
     return {"stopped": stopped, "killed_after_grace": killed, "remaining": remaining, "ports_listening": ports}
 
 

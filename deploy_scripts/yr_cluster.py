@@ -123,8 +123,7 @@ def problems_of(snap, expected):
             problems.append((name, "missing from yr health"))
         elif c["state"] != "RUNNING" or not c["alive"]:
             problems.append((name, f"{c['state'].lower()} (pid {c['pid']}{', exited' if not c['alive'] else ''})"))
-        elif c["restarts"]:
-            problems.append((name, f"restarted {c['restarts']} time(s)"))
+        # a restart count is not a problem: openYuanrong's daemon restarts what dies, and that one is back
     for name, up in snap["ports"].items():
         component, port = args["ports"][name]
         if not up and component not in {n for n, _ in problems}:
@@ -145,8 +144,30 @@ def wait():
         time.sleep(1)
 
 
+def daemon_pid():
+    """The pid of this session's running yr daemon (which restarts the components it started), or None."""
+    try:
+        with open(session_file) as fh:
+            info = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    pid = (info.get("cluster_info", {}).get("daemon") or info.get("daemon") or {}).get("pid")
+    return pid if pid and pid_alive(pid) else None
+
+
 def start():
+    """Converge: a session whose yr daemon runs is waited for, not started again (a second `yr start` would
+    collide with its own components' ports); components left without their daemon are stopped first."""
     os.makedirs(logs, exist_ok=True)
+    if daemon_pid() is not None:
+        snap, problems = wait()
+        if not problems:
+            return snap, []
+        report = [f"openYuanrong's daemon runs on this host but its components are not up: "
+                  + "; ".join(f"{n}: {p}" for n, p in problems)]
+        return snap, report + diagnose([n for n, _ in problems])
+    if os.path.isfile(session_file):
+        subprocess.run(args["force_stop"], env=env(), capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
     log = os.path.join(logs, "yr-start.log")
     with open(log, "ab") as out:
         proc = subprocess.run(args["start"], env=env({"YRPD_SESSION": args["session"]}), stdout=out, stderr=out,

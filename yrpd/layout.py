@@ -1,6 +1,7 @@
 """Where a session's files live on each host, named in this one place.
 
-`<remote_session_root>/<session id>/` holds `logs/<process>.log`, `run/<process>.pid`, the connector's stats files
+`<remote_session_root>/<session id>/` holds `logs/<process>.log`, `run/<process>.pid` (its supervisor's pid),
+`run/<process>.state.json` (what its supervisor knows), `run/supervise.py`, the connector's stats files
 `run/kv-<instance>-<side>-rank<N>.json`, and `tmp/`; `<remote_session_root>/latest` links the newest session.
 Steps, status and the CLI build their paths here. The host scripts (deploy_scripts/) get the paths they need in
 their JSON arguments, as `{name}` templates from `for_scripts()`, so they spell none of it themselves.
@@ -51,6 +52,14 @@ class HostSessionLayout:
     def pidfile(self, name: str) -> str:
         return f"{self.run_dir}/{name}.pid"
 
+    def state(self, name: str) -> str:
+        """The supervisor's state file of a process (deploy_scripts/supervise.py)."""
+        return f"{self.run_dir}/{name}.state.json"
+
+    @property
+    def supervisor(self) -> str:
+        return f"{self.run_dir}/supervise.py"
+
     def kv_stats(self, instance: str) -> str:
         """The connector's stats file per side and rank; `{side}` and `{rank}` are filled in by the connector."""
         return f"{self.run_dir}/kv-{instance}-{{side}}-rank{{rank}}.json"
@@ -63,4 +72,5 @@ class HostSessionLayout:
     def for_scripts(self) -> dict[str, str]:
         """The templates the host scripts format with a process or instance `name`."""
         return {"dir": self.dir, "log": self.log("{name}"), "pidfile": self.pidfile("{name}"),
+                "state": self.state("{name}"),
                 "kv_stats": self.kv_stats("{name}").replace("{side}", "*").replace("{rank}", "*")}

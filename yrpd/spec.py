@@ -184,6 +184,20 @@ class HostSpec(BaseModel):
         return self.hostname in LOCAL_NAMES and self.port is None and self.user in (None, getpass.getuser())
 
 
+class RestartPolicy(BaseModel):
+    """How a dead instance or proxy is brought back (each runs under deploy_scripts/supervise.py on its host)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: restarts allowed within window_s; then it stays down and `yrpd status` says why (0: never restart;
+    #: `yrpd deploy` then starts what is dead)
+    max: int = Field(default=3, ge=0, le=100)
+    #: seconds over which restarts are counted
+    window_s: int = Field(default=600, ge=1)
+    #: seconds a stopping process gets after TERM before it and its whole process group are killed
+    grace_s: int = Field(default=15, ge=1, le=600)
+
+
 class Ports(BaseModel):
     """Fixed service ports plus the bases from which per-instance ports are counted on each host."""
 
@@ -301,6 +315,8 @@ class DeploySpec(BaseModel):
     container_engine: ContainerEngine = ContainerEngine.docker
     #: the ports the deployment listens on (see the ports section)
     ports: Ports = Ports()
+    #: automatic restart of dead instances and the proxy (`restart: {max: 0}` turns it off)
+    restart: RestartPolicy = RestartPolicy()
     #: extra environment for every service (`--env KEY=VALUE`)
     env: dict[str, str] = {}
     #: prepared environments on the hosts (yr/, ds/, vllm/ venvs): skips installs (`--env-path`)

@@ -40,18 +40,33 @@ class HostStatus:
 
 @dataclass
 class ProcessStatus:
+    """A process yrpd started, as its supervisor (deploy_scripts/supervise.py) sees it."""
+
     host: str
     name: str
-    pid: int | None
+    pid: int | None  # the process itself (not its supervisor)
     alive: bool
     rss_mb: float | None = None
     command: str | None = None
+    supervisor: int | None = None  # None: nothing watches it (not started, stopped, or given up)
+    state: str = "dead"  # running | backoff (restarting) | failed (gave up) | exited (restart off) | stopped | dead
+    restarts: int = 0
+    reason: str | None = None  # why it last ended
+
+    @property
+    def condition(self) -> str:
+        """running, restarting, failed or dead: what `yrpd status` shows."""
+        if self.alive:
+            return "running"
+        if self.supervisor is not None and self.state in ("backoff", "starting", "running"):
+            return "restarting"
+        return "failed" if self.state == "failed" else "dead"
 
 
 @dataclass
 class ComponentStatus:
-    """One openYuanrong component on one host; healthy only if running, alive, never restarted, ports listening
-    (`yr health` alone says RUNNING through crash loops)."""
+    """One openYuanrong component on one host; healthy when running, alive and its ports listen (`yr health` alone
+    says RUNNING through crash loops); `restarts` counts what openYuanrong's daemon brought back."""
 
     host: str
     component: str
@@ -84,8 +99,9 @@ class InstanceStatus:
     port: int
     url: str
     pid: int | None
-    state: str  # running | dead | not deployed
+    state: str  # running | restarting | failed | dead | not deployed
     healthy: bool
+    restarts: int = 0  # by its supervisor; information, not illness
     probe: dict[str, float | None] = field(default_factory=dict)  # PROBE_FIELDS, when the instance was probed
     connector: dict[str, Any] | None = None  # ds_healthy and the connector's counters
     error: str | None = None
@@ -98,6 +114,7 @@ class ProxyStatus:
     pid: int | None
     state: str
     healthy: bool
+    restarts: int = 0
     instances_up: dict[str, bool] | None = None
     in_flight: int | None = None
 
@@ -124,7 +141,8 @@ class StatusReport:
                 return {k: v for k, v in data.items() if v is not None or k in ("pid",)}
             if dataclasses.is_dataclass(obj):
                 data = {f.name: clean(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-                optional = {"error", "facts", "session_pids", "instances_up", "in_flight", "rss_mb", "command"}
+                optional = {"error", "facts", "session_pids", "instances_up", "in_flight", "rss_mb", "command",
+                            "reason", "supervisor"}
                 return {k: v for k, v in data.items() if v is not None or k not in optional}
             if isinstance(obj, list):
                 return [clean(v) for v in obj]
@@ -215,7 +233,7 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
             continue
         if not result.ok:
             entry.error = result.tail()
-            problems.append(f"{plan_host.name}: status query failed")
+            problems.append(f"{plan_host.name}: status query failed ({result.tail(2) or f'exit {result.exit_code}'})")
             continue
         answer = parse_answer(result.stdout)
         own = answer["processes"]
@@ -227,9 +245,10 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
         entry.facts = own["host"]
         entry.session_pids = len(own["session_pids"])
         for proc in own["processes"]:
-            procs.append(ProcessStatus(host=plan_host.name, **proc))
-            if not proc["alive"] and phase is not SessionPhase.down:
-                problems.append(f"{proc['name']} on {plan_host.name} is not running")
+            p = ProcessStatus(host=plan_host.name, **proc)
+            procs.append(p)
+            if not p.alive and phase is not SessionPhase.down:
+                problems.append(_process_problem(p, plan_host.name))
         if deployed and not own["host"]["session_dir_exists"]:
             problems.append(f"{plan_host.name}: session directory missing")
         entry.healthy = all(p["alive"] for p in own["processes"])
@@ -249,13 +268,23 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
                         hosts=hosts, processes=procs, instances=instances, proxy=proxy, cluster=cluster_report)
 
 
+def _process_problem(p: ProcessStatus, host: str) -> str:
+    condition = p.condition
+    if condition == "restarting":
+        return f"{p.name} on {host} is restarting (restart {p.restarts}; {p.reason or 'it ended'})"
+    if condition == "failed":
+        return f"{p.name} on {host} failed: {p.reason} (`yrpd logs {p.name}` shows why)"
+    return f"{p.name} on {host} is not running" + (f" ({p.reason})" if p.reason else "")
+
+
 def _instance(deployment: Deployment, inst: InstancePlan, proc: ProcessStatus | None, probe: dict | None,
               deployed: bool, problems: list[str]) -> InstanceStatus:
-    state = "not deployed" if proc is None else ("running" if proc.alive else "dead")
+    state = "not deployed" if proc is None else proc.condition
     answered = bool(probe and probe.get("healthy"))
     row = InstanceStatus(name=inst.name, role=inst.role, host=inst.host, devices=list(inst.devices), tp=inst.tp,
                          dp=inst.dp, port=inst.port, url=instance_url(deployment.plan, inst),
-                         pid=proc.pid if proc else None, state=state, healthy=state == "running" and answered)
+                         pid=proc.pid if proc else None, state=state, healthy=state == "running" and answered,
+                         restarts=proc.restarts if proc else 0)
     if probe:
         row.probe = {key: probe.get(key) for key in PROBE_FIELDS}
         counters = probe["connector"]["counters"]
@@ -274,9 +303,9 @@ def _proxy(deployment: Deployment, proc: ProcessStatus | None, probe: dict | Non
            problems: list[str]) -> ProxyStatus | None:
     if proc is None and probe is None:
         return None
-    state = "not deployed" if proc is None else ("running" if proc.alive else "dead")
+    state = "not deployed" if proc is None else proc.condition
     row = ProxyStatus(url=proxy_url(deployment.spec, deployment.plan), host=deployment.plan.proxy_host,
-                      pid=proc.pid if proc else None, state=state,
+                      pid=proc.pid if proc else None, state=state, restarts=proc.restarts if proc else 0,
                       healthy=state == "running" and bool(probe and probe.get("healthy")))
     detail = (probe or {}).get("status") or {}
     if detail:
@@ -298,9 +327,10 @@ def _components(host: HostPlan, snap: dict, deployed: bool, problems: list[str])
     rows = []
     for name, comp in snap["components"].items():
         ports = {p: up for p, up in port_state.items() if p.startswith(name) or (name == "etcd" and p.startswith("etcd"))}
-        healthy = comp["state"] == "RUNNING" and comp["alive"] and comp["restarts"] == 0 and all(ports.values())
+        # restarts are information (openYuanrong's daemon restarts what dies): up means running and listening
+        healthy = comp["state"] == "RUNNING" and comp["alive"] and all(ports.values())
         if not healthy and deployed:
-            why = ("restarted %d time(s)" % comp["restarts"]) if comp["restarts"] else comp["state"].lower()
+            why = comp["state"].lower()
             if not comp["alive"]:
                 why = "exited"
             elif not all(ports.values()):

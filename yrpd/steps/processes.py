@@ -1,14 +1,18 @@
-"""Detached processes owned by a session: started with a pid file, found again by their environment.
+"""Detached processes owned by a session: started under a supervisor with a pid file, found again by their environment.
 
-Each process runs in its own session/process group (setsid), logs to its log file (yrpd.layout),
-and carries YRPD_SESSION=<id> in its environment so status and teardown find it and everything it forks.
+Each process runs under deploy_scripts/supervise.py (in its own session, setsid), which restarts it by the spec's
+restart policy and stops its whole process group when it dies; the pid file names the supervisor. Output goes to
+its log file (yrpd.layout), and YRPD_SESSION=<id> is in its environment so status and teardown find it and
+everything it forks.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 
+from yrpd.assets import deploy_script
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
 from yrpd.steps import NotNeeded, StepContext, host_python, shell_command
@@ -38,12 +42,19 @@ def start_script(ctx: StepContext, name: str, command: str, env: dict | None = N
     # search paths are extended, not replaced: a container image's own (CANN's PYTHONPATH) must stay in force
     env_words = " ".join(f"{k}={q(v)}" + (f'"${{{k}:+:${k}}}"' if k in PREPENDED else "") for k, v in exports.items())
     log, pidfile = q(layout.log(name)), q(layout.pidfile(name))
+    policy = ctx.spec.restart
+    supervised = json.dumps({"name": name, "command": command, "state": layout.state(name),
+                             "max_restarts": policy.max, "window_s": policy.window_s, "grace_s": policy.grace_s})
+    sup = q(layout.supervisor)
+    body = deploy_script("supervise.py")
+    assert "YRPD_SUPERVISOR_END" not in body
     return "\n".join([
         f"mkdir -p {' '.join(q(x) for x in layout.dirs)}",
         f"if {_alive_test(ctx, name)}; then echo '{name} already running (pid '$pid')'; else",
-        # only the command itself goes to the background: $! is its pid, and nothing else holds our stdout
+        f"  cat > {sup}.$$ <<'YRPD_SUPERVISOR_END' && mv -f {sup}.$$ {sup}\n{body}\nYRPD_SUPERVISOR_END",
+        # only the supervisor goes to the background: $! is its pid, and nothing else holds our stdout
         f"  (cd {q(d)} || exit 1",
-        f"   env {env_words} setsid nohup bash -c {q(command)} >> {log} 2>&1 < /dev/null &",
+        f"   env {env_words} setsid nohup python3 {sup} {q(supervised)} >> {log} 2>&1 < /dev/null &",
         f"   echo $! > {pidfile})",
         f"  sleep {settle}; pid=$(cat {pidfile})",
         f"  if ! kill -0 $pid 2>/dev/null; then echo '{name} exited right after start; last log lines:' >&2; "
