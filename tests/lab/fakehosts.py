@@ -584,9 +584,19 @@ class FakeHostLab:
         _ip("-n", host.netns, "link", "set", "eth0", "up")
         _ip("-n", host.netns, "link", "set", "lo", "up")
 
-    def _wait_ready(self) -> None:
+    def restart(self, name: str) -> FakeHost:
+        """Tear one host down (every process of it dies, as on a power loss; its disk, /tmp included, stays) and
+        bring it up again with a fresh sshd."""
+        host = self[name]
+        host.stop_sshd()
+        host.sshd_pid, host._pidns = 0, None
+        host._launch()
+        self._wait_ready([host])
+        return host
+
+    def _wait_ready(self, hosts: list[FakeHost] | None = None) -> None:
         deadline = time.monotonic() + _START_TIMEOUT
-        pending = list(self.hosts)
+        pending = list(self.hosts if hosts is None else hosts)
         while pending:
             unattached = {h._proc.pid: h for h in pending if not h.sshd_pid}
             if unattached:
