@@ -25,7 +25,8 @@ args = json.loads(sys.argv[1])
 name, state_path = args["name"], args["state"]
 max_restarts, window_s, grace_s = int(args.get("max_restarts", 3)), float(args.get("window_s", 600)), float(args.get("grace_s", 15))
 stopping = False
-state = {"state": "starting", "pid": None, "restarts": 0, "last_exit": None, "reason": None, "since": time.time()}
+state = {"state": "starting", "pid": None, "restarts": 0, "last_exit": None, "reason": None, "since": time.time(),
+         "supervisor": os.getpid()}
 
 
 def say(text):
@@ -45,8 +46,8 @@ def on_signal(signum, _frame):
     stopping = True
 
 
-def group_members(pgid):
-    found = []
+def processes():
+    """(pid, state, ppid, pgid, sid) of every process, from /proc/PID/stat."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -54,9 +55,13 @@ def group_members(pgid):
                     fields = fh.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[2]) == pgid and fields[0] not in "ZX":
-                found.append(int(entry))
-    return found
+            yield int(entry), fields[0], int(fields[1]), int(fields[2]), int(fields[3])
+
+
+def group_members(pgid, sid=None):
+    """Live processes of the process group (and, given `sid`, of that unix session only)."""
+    return [pid for pid, st, _, group, session in processes()
+            if group == pgid and st not in "ZX" and (sid is None or session == sid)]
 
 
 def reap():
@@ -69,9 +74,9 @@ def reap():
             return
 
 
-def stop_group(pgid, sig=signal.SIGTERM):
-    """Signal the whole group, wait up to grace_s for it to go, then KILL what is left."""
-    for s, wait in ((sig, grace_s), (signal.SIGKILL, 10.0)):
+def stop_group(pgid, grace=None):
+    """TERM the whole group, wait up to `grace` (grace_s) for it to go, then KILL what is left."""
+    for s, wait in ((signal.SIGTERM, grace_s if grace is None else grace), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(pgid, s)
         except OSError:
@@ -102,7 +107,8 @@ def main():
             before = json.load(fh)
     except (OSError, ValueError):
         before = {}
-    if before.get("pid") and group_members(before["pid"]):
+    # only a group in the dead supervisor's own session: after a host restart the numbers mean other processes
+    if before.get("pid") and before.get("supervisor") and group_members(before["pid"], before["supervisor"]):
         say(f"stopping what is left of its previous run (process group {before['pid']})")
         stop_group(before["pid"])
         state["restarts"] = before.get("restarts", 0)
@@ -124,7 +130,8 @@ def main():
         left = group_members(child.pid)
         if left:
             say(f"{exit_reason(code)}; stopping what is left of it ({len(left)} processes)")
-        stop_group(child.pid)
+        # what outlives a dead command is of no use: a short grace, so the restart comes sooner
+        stop_group(child.pid, grace=min(grace_s, 3.0))
         now = time.monotonic()
         recent = [t for t in recent if now - t < window_s]
         if max_restarts <= 0:
@@ -163,16 +170,9 @@ def reap_others(child_pid):
 
 
 def _children():
+    """Our zombie children."""
     me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me and fields[0] == "Z":
-                yield int(entry)
+    return [pid for pid, st, ppid, _, _ in processes() if ppid == me and st == "Z"]
 
 
 if __name__ == "__main__":

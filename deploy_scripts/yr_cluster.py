@@ -152,7 +152,14 @@ def daemon_pid():
     except (OSError, ValueError):
         return None
     pid = (info.get("cluster_info", {}).get("daemon") or info.get("daemon") or {}).get("pid")
-    return pid if pid and pid_alive(pid) else None
+    if not pid or not pid_alive(pid):
+        return None
+    try:  # the same number after a host restart is another process: ours was started with this deploy's config
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            ours = deploy.encode() in fh.read()
+    except OSError:
+        ours = False
+    return pid if ours else None
 
 
 def start():

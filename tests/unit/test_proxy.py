@@ -149,6 +149,23 @@ def test_a_dead_decode_instance_is_marked_down_and_the_request_retried_elsewhere
     run(go())
 
 
+def test_while_no_decode_instance_is_up_prefill_is_not_asked_to_work_for_nothing():
+    """A decode instance being restarted: requests get a clean 503 at once and prefill's CPU/NPU stays free for the
+    restart (on a CPU host the restarting instance competes with it)."""
+    async def go():
+        async with running() as s:
+            [decode], [prefill] = s.decode, s.prefill
+            await decode.stop()
+            status, _, data = await post(s, "/v1/completions", {"prompt": "x", "max_tokens": 4})
+            error_of(status, data, 502)  # the first request finds decode gone (and takes it out)
+            asked = len(prefill.bodies)
+            for _ in range(3):
+                status, _, data = await post(s, "/v1/completions", {"prompt": "x", "max_tokens": 4})
+                assert "no decode instance is up" in error_of(status, data, 503)["message"]
+            assert len(prefill.bodies) == asked
+    run(go())
+
+
 def test_a_5xx_takes_the_instance_out_and_the_leg_goes_to_the_other():
     async def go():
         async with running(prefill=2) as s:

@@ -226,6 +226,10 @@ class Proxy:
         if not isinstance(body, dict):
             raise ProxyError(400, "the request body must be a JSON object")
         body.pop("kv_transfer_params", None)  # the proxy owns this field on both legs
+        if not self.pool.up("decode"):
+            # fail before prefill works for nothing: while decode is away (restarting) that work would only slow
+            # down its restart and fill the cache with KV nobody loads
+            raise ProxyError(503, "no decode instance is up")
         kv = await self._prefill(request, body, headers)
         # Without kv_transfer_params from prefill, decode computes the prompt itself: slower, still right.
         return await self._decode(request, body if kv is None else {**body, "kv_transfer_params": kv}, headers)
