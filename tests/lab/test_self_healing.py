@@ -192,26 +192,33 @@ def test_with_restart_off_deploy_heals_only_what_is_dead(netns, tmp_path):  # no
         status, body = d.ask()
         baseline = text_of(body)
         report = wait_healthy(d)
-        before = pids(report)
-        for target in ("decode-0", "proxy", "ds_worker"):
-            os.kill(target_pid(report, target)[0], signal.SIGKILL)
-        time.sleep(3)
-        down = d.status()
-        assert not down["healthy"]
-        assert any("decode-0 on localhost is not running" in p for p in down["problems"]), down["problems"]
-        started = time.monotonic()
-        heal = d.deploy()
-        print(f"measured: re-deploy healing decode-0, the proxy (ds_worker restarted by openYuanrong) "
-              f"{time.monotonic() - started:.1f}s")
-        after = pids(wait_healthy(d))
-        assert after["prefill-0"] == before["prefill-0"] and after["etcd"] == before["etcd"]  # left alone
-        assert after["decode-0"] != before["decode-0"] and after["proxy"] != before["proxy"]
-        assert "start the openYuanrong master" in heal.stderr
-        status, body = d.ask()
-        assert status == 200 and text_of(body) == baseline
+        # the eight kinds of kill in two rounds, each healed by one re-deploy that leaves the rest alone
+        rounds = [(("prefill-0", "decode-0", "etcd", "ds_master", "ds_worker"), ("proxy",)),
+                  (("prefill-0:engine", "decode-0:engine", "proxy"), ("etcd", "ds_master", "ds_worker"))]
+        for killed, untouched in rounds:
+            before = pids(report)
+            for target in killed:
+                os.kill(target_pid(report, target)[0], signal.SIGKILL)
+            time.sleep(3)
+            down = d.status()
+            assert not down["healthy"]
+            dead = {t.partition(":")[0] for t in killed} & {"prefill-0", "decode-0", "proxy"}
+            for name in dead:
+                assert any(p.startswith(f"{name} on localhost is not running") for p in down["problems"]), \
+                    (name, down["problems"])
+            started = time.monotonic()
+            d.deploy()
+            print(f"measured: re-deploy healing {', '.join(sorted(dead))} (restart off) "
+                  f"{time.monotonic() - started:.1f}s")
+            report = wait_healthy(d)
+            after = pids(report)
+            assert all(after[name] == before[name] for name in untouched), (before, after)  # left alone
+            assert all(after[name] != before[name] for name in dead)
+            status, body = d.ask()
+            assert status == 200 and text_of(body) == baseline
         again = d.deploy()
         assert pids(d.status()) == after  # a second run restarts nothing
-        for step in ("start the prefill and decode instances", "start the proxy"):
+        for step in ("start the openYuanrong master", "start the prefill and decode instances", "start the proxy"):
             assert "already done" in again.stderr.split(step, 1)[1].splitlines()[1], step
     finally:
         d.yrpd("down", check=False)
@@ -301,10 +308,19 @@ def test_on_two_hosts_kills_heal_and_a_host_that_comes_back_is_rebuilt_alone(fak
         deploy = cli("deploy", "--hosts", "h1,h2", "--config", str(config), timeout=1500)
         proxy = deploy.stdout.strip().splitlines()[-1]
         _, baseline = ask_until_good(None, 30)
-        report = healthy()
-        worker = next(c for c in report["cluster"]["components"] if c["host"] == "h2")
-        for host, what, pid in (("h2", "ds_worker", worker["pid"]), ("h2", "decode-0", host_pid("h2", "decode-0")),
-                                ("h1", "proxy", host_pid("h1", "proxy"))):
+        healthy()
+        matrix = [("h1", "etcd"), ("h1", "ds_master"), ("h2", "ds_worker"), ("h1", "prefill-0"),
+                  ("h1", "prefill-0:engine"), ("h2", "decode-0"), ("h2", "decode-0:engine"), ("h1", "proxy")]
+        for host, what in matrix:
+            report = healthy()
+            if what in ("etcd", "ds_master", "ds_worker"):
+                pid = next(c["pid"] for c in report["cluster"]["components"]
+                           if (c["host"], c["component"]) == (host, what))
+            else:
+                name, _, part = what.partition(":")
+                pid = host_pid(host, name)
+                if part:  # the API server's EngineCore, in the host's own pid namespace
+                    pid = int(lab[host].exec(f"pgrep -P {pid} EngineCor").stdout.split()[0])
             lab[host].exec(f"kill -9 {pid}")
             took, _ = ask_until_good(baseline, INSTANCE_RECOVERY_S)
             print(f"measured: 2 hosts, kill -9 {what} on {host}: first good answer after {took:.1f}s")
