@@ -109,6 +109,8 @@ def status():
     for name, supervisor in managed().items():
         watched = supervisor is not None and supervisor in live
         sup = supervised(name)
+        if watched and not sup:  # started before yrpd supervised its processes: the pid file names the process
+            sup = {"pid": supervisor, "state": "running", "restarts": 0}
         pid = sup.get("pid") if watched else None
         alive = watched and pid is not None and pid in live and sup.get("state") == "running"
         processes.append({"name": name, "pid": pid, "alive": alive, "rss_mb": rss_mb(pid) if alive else None,
