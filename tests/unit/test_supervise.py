@@ -1,0 +1,118 @@
+"""deploy_scripts/supervise.py on its own: real processes, no root, a few seconds each."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "deploy_scripts" / "supervise.py"
+
+
+class Supervised:
+    def __init__(self, tmp_path: Path, command: str, **policy) -> None:
+        self.state_path = tmp_path / "p.state.json"
+        self.log = tmp_path / "p.log"
+        args = {"name": "p", "command": command, "state": str(self.state_path), "max_restarts": 3, "window_s": 600,
+                "grace_s": 2, **policy}
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, str(SCRIPT), json.dumps(args)], stdout=out, stderr=out,
+                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=tmp_path)
+
+    def state(self) -> dict:
+        try:
+            return json.loads(self.state_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def wait_for(self, predicate, timeout: float = 15) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.state()
+            if state and predicate(state):
+                return state
+            time.sleep(0.05)
+        raise AssertionError(f"state never matched: {self.state()}\n{self.log.read_text()[-2000:]}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+
+@pytest.fixture
+def supervised(tmp_path):
+    made: list[Supervised] = []
+
+    def make(command: str, **policy) -> Supervised:
+        made.append(Supervised(tmp_path, command, **policy))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in "ZX"
+
+
+def test_a_killed_command_is_restarted_and_what_it_left_behind_is_stopped(supervised, tmp_path):
+    # the command leaves a child behind in its process group, as vLLM's API server leaves its EngineCore
+    s = supervised(f"sleep 300 & echo $! > {tmp_path}/child; exec sleep 300")
+    first = s.wait_for(lambda st: st["state"] == "running" and (tmp_path / "child").exists())
+    child = int((tmp_path / "child").read_text())
+    os.kill(first["pid"], signal.SIGKILL)
+    again = s.wait_for(lambda st: st["state"] == "running" and st["pid"] != first["pid"])
+    assert again["restarts"] == 1 and again["last_exit"] == -9
+    assert not alive(child), "the killed command's child was left running"
+    assert "killed by signal 9; stopping what is left of it (1 processes)" in s.log.read_text()
+
+
+def test_restarts_stop_at_the_cap_and_the_state_says_why(supervised):
+    s = supervised("echo crashing; exit 3", max_restarts=2)
+    final = s.wait_for(lambda st: st["state"] == "failed", timeout=20)
+    assert final["restarts"] == 2 and final["last_exit"] == 3
+    assert "exited with status 3 after 2 restarts in 600 s; not restarting it again" in final["reason"]
+    assert s.proc.wait(5) == 0  # the supervisor is gone: `yrpd deploy` starts a new one
+    log = s.log.read_text()
+    assert log.count("crashing") == 3 and "restart 1 of at most 2" in log and "in 2 s" in log  # backoff grows
+
+
+def test_with_restarts_off_it_exits_with_the_command(supervised):
+    s = supervised("exit 5", max_restarts=0)
+    final = s.wait_for(lambda st: st["state"] == "exited")
+    assert final["last_exit"] == 5 and final["restarts"] == 0
+    assert s.proc.wait(5) == 0
+
+
+def test_term_stops_the_whole_group_and_restarts_nothing(supervised, tmp_path):
+    s = supervised(f"sleep 300 & echo $! > {tmp_path}/child; exec sleep 300")
+    running = s.wait_for(lambda st: st["state"] == "running" and (tmp_path / "child").exists())
+    child = int((tmp_path / "child").read_text())
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(10) == 0
+    assert s.state()["state"] == "stopped"
+    assert not alive(running["pid"]) and not alive(child)
+
+
+def test_a_new_supervisor_stops_what_a_killed_one_left_running(supervised, tmp_path):
+    s = supervised("exec sleep 300")
+    orphan = s.wait_for(lambda st: st["state"] == "running")["pid"]
+    os.kill(s.proc.pid, signal.SIGKILL)  # the supervisor dies; its command runs on
+    s.proc.wait(5)
+    assert alive(orphan)
+    successor = supervised("exec sleep 300")
+    fresh = successor.wait_for(lambda st: st["state"] == "running" and st["pid"] != orphan)
+    assert not alive(orphan) and alive(fresh["pid"])
+    assert "stopping what is left of its previous run" in successor.log.read_text()
