@@ -1,7 +1,8 @@
 """List or stop the processes a yrpd session started on this host.
 
-Args: one JSON object {"dir": host session dir, "pidfile": its pid files as a template with {name} (yrpd.layout),
-"id": session id, "action": "status"|"stop", "grace": seconds,
+Args: one JSON object {"dir": host session dir, "pidfile" and "state": the pid and supervisor state files as
+templates with {name} (yrpd.layout), "id": session id, "action": "status"|"stop", "grace": seconds,
+"port_wait": seconds to wait for ports to close,
 "names": [only these processes and what they forked], "ports": [[port, what], ...] that must not listen after}.
 A process belongs to the session when its environment holds YRPD_SESSION=<id>: this also finds children
 that left their process group, so teardown can prove nothing is left.
@@ -36,24 +37,38 @@ def cmdline(pid):
         return ""
 
 
-def unix_session(pid):
+def process_ids(pid):
+    """(process group, unix session) of a process, or (None, None)."""
     try:
         stat = open(f"/proc/{pid}/stat").read()
     except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[3])
+        return None, None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[2]), int(fields[3])
 
 
 def session_pids():
     """Processes of the session: those carrying the marker, plus members of the unix sessions yrpd started
     (setsid). The second catches children that renamed themselves with setproctitle, which overwrites
     /proc/PID/environ (vLLM's "VLLM::Worker" does) and outlive a killed parent."""
-    leaders = {pid for pid in managed().values() if pid}
+    # a pid file's number counts only while it is still ours (a supervisor that gave up leaves its pid file, and
+    # the number may since belong to anyone's login session); the groups of supervisors that died are known from
+    # their state files as (process group, session) pairs, which a reused number cannot both match
+    leaders = {pid for pid in managed().values() if pid and environ_has_marker(pid)}
+    orphaned = set()
+    for name in managed():
+        sup = supervised(name)
+        if sup.get("pid") and sup.get("supervisor"):
+            orphaned.add((sup["pid"], sup["supervisor"]))
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
-        if environ_has_marker(entry) or (leaders and unix_session(entry) in leaders):
+        if environ_has_marker(entry):
+            found.append(int(entry))
+            continue
+        group, session = process_ids(entry)
+        if session in leaders or (group, session) in orphaned:
             found.append(int(entry))
     return sorted(found)
 

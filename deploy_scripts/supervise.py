@@ -114,19 +114,18 @@ def main():
         state["restarts"] = before.get("restarts", 0)
     recent = []
     while True:
+        if stopping:  # TERM arrived while cleaning up or backing off: start nothing
+            write(state="stopped", pid=None, reason="stopped by yrpd")
+            return 0
         # a process group of its own, inside this supervisor's unix session: teardown finds every member by that
         # session even after vLLM's workers overwrite their environment (setproctitle)
         child = subprocess.Popen(["bash", "-c", args["command"]], preexec_fn=os.setpgrp, stdin=subprocess.DEVNULL)
         write(state="running", pid=child.pid)
-        while child.poll() is None and not stopping:
-            reap_others(child.pid)
-            time.sleep(0.2)
-        if stopping:
+        code = wait_for(child)
+        if code is None:
             stop_group(child.pid)
-            child.poll()
             write(state="stopped", pid=None, reason="stopped by yrpd")
             return 0
-        code = child.returncode
         left = group_members(child.pid)
         if left:
             say(f"{exit_reason(code)}; stopping what is left of it ({len(left)} processes)")
@@ -159,20 +158,20 @@ def main():
         state["restarts"] += 1
 
 
-def reap_others(child_pid):
-    """Reap re-parented orphans without touching the command itself (Popen reaps that one)."""
-    for pid in list(_children()):
-        if pid != child_pid:
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-
-
-def _children():
-    """Our zombie children."""
-    me = os.getpid()
-    return [pid for pid, st, ppid, _, _ in processes() if ppid == me and st == "Z"]
+def wait_for(child):
+    """The command's exit code (negative: killed by that signal), or None once TERM/INT asks us to stop. Orphans
+    re-parented to us are reaped on the way, without scanning /proc."""
+    while not stopping:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return child.poll()
+        if pid == 0:
+            time.sleep(0.2)
+        elif pid == child.pid:
+            child.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            return child.returncode
+    return None
 
 
 if __name__ == "__main__":

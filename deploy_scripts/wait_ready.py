@@ -1,7 +1,8 @@
 """Wait until processes a yrpd session started answer HTTP, or say precisely why not (run by yrpd, stdlib only).
 
-Args: one JSON object {"pidfile": .., "log": .. (yrpd.layout's templates with {name}), "timeout": seconds,
-"targets": [{"name", "url"}]}.
+Args: one JSON object {"pidfile": .., "log": .., "state": .. (yrpd.layout's templates with {name}), "timeout":
+seconds, "targets": [{"name", "url"}]}. A target whose supervisor says it ended (restarting, given up) fails at
+once, with how it ended: a start that crashes is reported now, not after every restart the policy allows.
 A target whose process has exited fails at once with the last lines of its log; one still silent at the
 timeout fails with its log tail. Prints one JSON line {name: seconds to ready}.
 """
@@ -16,6 +17,18 @@ args = json.loads(sys.argv[1])
 pidfile, logfile = args["pidfile"], args["log"]
 started = time.monotonic()
 deadline = started + float(args["timeout"])
+
+
+def ended(name):
+    """How the target's command ended, if its supervisor says it did (deploy_scripts/supervise.py), else None."""
+    try:
+        with open(args["state"].format(name=name)) as fh:
+            state = json.load(fh)
+    except (OSError, ValueError, KeyError):
+        return None
+    if state.get("state") in ("backoff", "failed", "exited"):
+        return state.get("reason") or state.get("state")
+    return None
 
 
 def alive(name):
@@ -54,9 +67,10 @@ while pending:
         if answers(url):
             ready[name] = round(time.monotonic() - started, 1)
             del pending[name]
-        elif not alive(name):
-            failed.append(f"{name} exited before answering {url}; last log lines "
-                          f"({logfile.format(name=name)}):\n{log_tail(name)}")
+        elif not alive(name) or ended(name):
+            how = ended(name)
+            failed.append(f"{name} {'ended (' + how + ')' if how else 'exited'} before answering {url}; last log "
+                          f"lines ({logfile.format(name=name)}):\n{log_tail(name)}")
             del pending[name]
     if not pending:
         break

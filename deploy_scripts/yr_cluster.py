@@ -9,6 +9,7 @@ Prints one JSON line; problems go to stderr, naming the component and the last l
 import glob
 import json
 import os
+import signal
 import re
 import socket
 import subprocess
@@ -144,22 +145,50 @@ def wait():
         time.sleep(1)
 
 
-def daemon_pid():
-    """The pid of this session's running yr daemon (which restarts the components it started), or None."""
+def recorded():
+    """(daemon pid, component pids) that yr's session.json of this deploy names."""
     try:
         with open(session_file) as fh:
             info = json.load(fh)
     except (OSError, ValueError):
-        return None
-    pid = (info.get("cluster_info", {}).get("daemon") or info.get("daemon") or {}).get("pid")
+        return None, []
+    daemon = (info.get("cluster_info", {}).get("daemon") or info.get("daemon") or {}).get("pid")
+    return daemon, [c.get("pid") for c in info.get("components", {}).values() if c.get("pid")]
+
+
+def ours(pid):
+    """A live process of this deploy: started with its config or data paths on the command line. After a host
+    restart the numbers session.json holds belong to other processes, which must never be signalled."""
     if not pid or not pid_alive(pid):
-        return None
-    try:  # the same number after a host restart is another process: ours was started with this deploy's config
+        return False
+    try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            ours = deploy.encode() in fh.read()
+            return deploy.encode() in fh.read()
     except OSError:
-        ours = False
-    return pid if ours else None
+        return False
+
+
+def daemon_pid():
+    """The pid of this session's running yr daemon (which restarts the components it started), or None."""
+    daemon, _ = recorded()
+    return daemon if ours(daemon) else None
+
+
+def clear_stale():
+    """Components left without their daemon: kill those that are ours, then put session.json aside (yr's forced
+    stop would kill every pid it names, whoever has that number now)."""
+    daemon, pids = recorded()
+    for pid in [daemon, *pids]:
+        if ours(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    deadline = time.monotonic() + 10
+    while any(ours(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if os.path.isfile(session_file):
+        os.replace(session_file, f"{session_file}.stale-{int(time.time())}")
 
 
 def start():
@@ -174,7 +203,7 @@ def start():
                   + "; ".join(f"{n}: {p}" for n, p in problems)]
         return snap, report + diagnose([n for n, _ in problems])
     if os.path.isfile(session_file):
-        subprocess.run(args["force_stop"], env=env(), capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+        clear_stale()
     log = os.path.join(logs, "yr-start.log")
     with open(log, "ab") as out:
         proc = subprocess.run(args["start"], env=env({"YRPD_SESSION": args["session"]}), stdout=out, stderr=out,
@@ -195,14 +224,16 @@ def start():
 
 def stop():
     report = {"stopped": False, "forced": False}
+    daemon, pids = recorded()
+    if os.path.isfile(session_file) and not any(ours(p) for p in [daemon, *pids]):
+        clear_stale()  # nothing of it runs (a host restart): yr's stop would signal whoever has those numbers now
     if os.path.isfile(session_file):
-        pids = [c.get("pid") for c in json.load(open(session_file)).get("components", {}).values()]
         try:
             subprocess.run(args["stop"], env=env(), capture_output=True, timeout=args.get("timeout", 40), stdin=subprocess.DEVNULL)
             report["stopped"] = True
         except subprocess.TimeoutExpired:
             pass
-        if any(p and pid_alive(p) for p in pids) and os.path.isfile(session_file):
+        if any(ours(p) for p in pids) and os.path.isfile(session_file):
             subprocess.run(args["force_stop"], env=env(), capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
             report["forced"] = True
     # yr keeps host-wide pointers to the last session in /tmp/yr_sessions; drop ours

@@ -14,10 +14,10 @@ from enum import Enum
 
 from pydantic import BaseModel
 
-from yrpd.spec import DeploySpec, HostSpec, Ports, SshOptions
+from yrpd.spec import DeploySpec, HostSpec, Ports, RestartPolicy, SshOptions
 
 SECTIONS = [("top level (`yrpd.yaml`)", DeploySpec, ""), ("hosts[] entries", HostSpec, "hosts[]."),
-            ("ports", Ports, "ports."), ("ssh", SshOptions, "ssh.")]
+            ("ports", Ports, "ports."), ("restart", RestartPolicy, "restart."), ("ssh", SshOptions, "ssh.")]
 
 
 def field_comments(model: type[BaseModel]) -> dict[str, str]:

@@ -120,10 +120,11 @@ def status_tables(report: StatusReport) -> list[Table]:
     tables = [hosts]
     if report.processes:
         procs = Table(title="Processes", title_justify="left")
-        for column in ("host", "name", "pid", "state", "rss MB"):
+        for column in ("host", "name", "pid", "state", "restarts", "rss MB"):
             procs.add_column(column)
         for p in report.processes:
-            procs.add_row(p.host, p.name, str(p.pid or "-"), yes_no(p.alive, "running", "dead"), str(p.rss_mb or "-"))
+            state = yes_no(p.alive, "running", p.condition) if p.condition != "restarting" else "[yellow]restarting[/yellow]"
+            procs.add_row(p.host, p.name, str(p.pid or "-"), state, str(p.restarts), str(p.rss_mb or "-"))
         tables.append(procs)
     cluster = report.cluster
     if cluster:
@@ -140,19 +141,21 @@ def status_tables(report: StatusReport) -> list[Table]:
         tables.append(table)
     if report.instances:
         inst = Table(title="Instances", title_justify="left")
-        for column in ("instance", "role", "host", "devices", "port", "pid", "health", "running/waiting",
+        for column in ("instance", "role", "host", "devices", "port", "pid", "health", "restarts", "running/waiting",
                        "KV blocks loaded", "KV blocks saved", "external hit tokens"):
             inst.add_column(column)
         for i in report.instances:
             if i.state == "running":
                 health = yes_no(i.healthy, "healthy", "no answer")
+            elif i.state == "restarting":
+                health = "[yellow]restarting[/yellow]"
             else:
-                health = "[red]dead[/red]" if i.state == "dead" else f"[dim]{i.state}[/dim]"
+                health = f"[red]{i.state}[/red]" if i.state in ("dead", "failed") else f"[dim]{i.state}[/dim]"
             conn = i.connector or {}
             running = i.probe.get("requests_running")
             load = f"{_num(running)}/{_num(i.probe.get('requests_waiting'))}" if running is not None else "-"
             inst.add_row(i.name, i.role, i.host, describe_devices(i.devices), str(i.port), str(i.pid or "-"), health,
-                         load, _num(conn.get("loaded_blocks")), _num(conn.get("saved_blocks")),
+                         str(i.restarts), load, _num(conn.get("loaded_blocks")), _num(conn.get("saved_blocks")),
                          _num(i.probe.get("external_cache_hit_tokens")))
         tables.append(inst)
     proxy = report.proxy

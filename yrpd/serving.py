@@ -88,7 +88,7 @@ class Launch:
 
     @property
     def exec_command(self) -> str:
-        # exec: the pid yrpd records is the server itself, which gets the TERM at teardown
+        # exec: the server itself is the command its supervisor watches and signals, not a shell around it
         return "exec " + self.command
 
 

@@ -136,13 +136,13 @@ class StatusReport:
         optional fields that have no value are left out."""
         def clean(obj: Any) -> Any:
             if isinstance(obj, InstanceStatus):
-                data = {k: clean(v) for k, v in dataclasses.asdict(obj).items() if k != "probe"}
-                data.update(obj.probe)
-                return {k: v for k, v in data.items() if v is not None or k in ("pid",)}
+                data = {k: clean(v) for k, v in dataclasses.asdict(obj).items()
+                        if k != "probe" and (v is not None or k not in ("error", "connector"))}
+                data.update(obj.probe)  # what the probe got, nulls included, only when it was probed
+                return data
             if dataclasses.is_dataclass(obj):
                 data = {f.name: clean(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-                optional = {"error", "facts", "session_pids", "instances_up", "in_flight", "rss_mb", "command",
-                            "reason", "supervisor"}
+                optional = {"error", "facts", "session_pids", "instances_up", "in_flight"}
                 return {k: v for k, v in data.items() if v is not None or k not in optional}
             if isinstance(obj, list):
                 return [clean(v) for v in obj]

@@ -75,8 +75,8 @@ def test_a_healthy_deployment_shows_every_table_and_says_healthy(tmp_path):
     assert row(text, "h1", "master")[2:] == ["yes", "0.50 0.40 0.30", "12.0", "present", "2/2 running"]
     assert row(text, "h2", "worker")[-1] == "1/1 running"
     decode = row(text, "decode-0")
-    assert decode[1:3] == ["decode", "h2"] and decode[6] == "healthy"
-    assert decode[8:] == ["2", "2", "256"]  # KV blocks loaded / saved, external hit tokens
+    assert decode[1:3] == ["decode", "h2"] and decode[6] == "healthy" and decode[7] == "0"  # restarts
+    assert decode[9:] == ["2", "2", "256"]  # KV blocks loaded / saved, external hit tokens
     proxy = row(text, "http://10.0.0.1:8000")
     assert proxy[1] == "h1" and proxy[3] == "healthy" and proxy[5] == "2/2"
     assert shown(status_verdict(r)).strip() == "healthy"
@@ -115,6 +115,16 @@ def test_a_failed_status_query_is_named_in_the_verdict(tmp_path):
     assert row(shown(*status_tables(r)), "h2", "worker")[-1] == "-"
     assert shown(status_verdict(r)).strip() == ("unhealthy: h2: status query failed (python3 not found (PATH "
                                                 "/usr/bin); install python3 (3.8+))")  # with the host's reason
+
+
+def test_supervised_processes_show_restarting_failed_and_their_restarts(tmp_path):
+    r = report(tmp_path, h1={"restarting": ("prefill-0",), "process_restarts": 1}, h2={"failed": ("decode-0",)})
+    text = shown(*status_tables(r))
+    assert row(text, "h1", "prefill-0")[3:5] == ["restarting", "2"]  # Processes: state, restarts
+    assert row(text, "h2", "decode-0")[3:5] == ["failed", "3"]
+    assert row(text, "h1", "proxy")[3:5] == ["running", "1"]
+    assert row(text, "prefill-0")[6:8] == ["restarting", "2"]  # Instances: health, restarts
+    assert row(text, "decode-0")[6:8] == ["failed", "3"]
 
 
 def test_cluster_components_show_their_restarts(tmp_path):

@@ -41,9 +41,20 @@ class Supervised:
         raise AssertionError(f"state never matched: {self.state()}\n{self.log.read_text()[-2000:]}")
 
     def close(self) -> None:
+        """The supervisor, and the command's own group (which a killed supervisor leaves running)."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        pid = self.state().get("pid")
+        if pid:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 @pytest.fixture
@@ -101,7 +112,7 @@ def test_term_stops_the_whole_group_and_restarts_nothing(supervised, tmp_path):
     running = s.wait_for(lambda st: st["state"] == "running" and (tmp_path / "child").exists())
     child = int((tmp_path / "child").read_text())
     s.proc.send_signal(signal.SIGTERM)
-    assert s.proc.wait(10) == 0
+    assert s.proc.wait(30) == 0
     assert s.state()["state"] == "stopped"
     assert not alive(running["pid"]) and not alive(child)
 

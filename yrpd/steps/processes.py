@@ -54,7 +54,7 @@ def start_script(ctx: StepContext, name: str, command: str, env: dict | None = N
         f"  cat > {sup}.$$ <<'YRPD_SUPERVISOR_END' && mv -f {sup}.$$ {sup}\n{body}\nYRPD_SUPERVISOR_END",
         # only the supervisor goes to the background: $! is its pid, and nothing else holds our stdout
         f"  (cd {q(d)} || exit 1",
-        f"   env {env_words} setsid nohup python3 {sup} {q(supervised)} >> {log} 2>&1 < /dev/null &",
+        f"   env {env_words} setsid nohup python3 -I {sup} {q(supervised)} >> {log} 2>&1 < /dev/null &",
         f"   echo $! > {pidfile})",
         f"  sleep {settle}; pid=$(cat {pidfile})",
         f"  if ! kill -0 $pid 2>/dev/null; then echo '{name} exited right after start; last log lines:' >&2; "
@@ -79,14 +79,22 @@ def stop(ctx: StepContext, host: HostPlan, names: list[str], grace: float = 10) 
     """Stop the named processes of the session (and everything they forked); no-op for names not started."""
     if not names:
         return NotNeeded("nothing of this kind on this host")
+    grace = _grace(ctx, grace)
+    grace = _grace(ctx, grace)
     args = {**ctx.layout.for_scripts(), "id": ctx.session_id, "action": "stop", "grace": grace, "names": names}
     return host_python("session_processes.py", args, timeout=grace + 30)
+
+
+def _grace(ctx: StepContext, grace: float) -> float:
+    # the supervisors give their groups restart.grace_s after TERM: teardown must not KILL them sooner
+    return max(grace, ctx.spec.restart.grace_s + 5)
 
 
 def stop_all(ctx: StepContext, host: HostPlan, grace: float = 10) -> Command:
     """Stop every process of the session on the host (TERM, then KILL after `grace` s) and prove none is left."""
     from yrpd.placement import ports_on_host
 
+    grace = _grace(ctx, grace)
     args = {**ctx.layout.for_scripts(), "id": ctx.session_id, "action": "stop", "grace": grace,
             "ports": [[port, what] for port, what in ports_on_host(ctx.plan, host.name)]}
     return host_python("session_processes.py", args, timeout=grace + 30)
