@@ -65,7 +65,7 @@ def test_pd_in_containers_answers_like_one_instance_and_leaves_nothing(standin, 
     h2 = next(h for h in lab.hosts if h.name == "h2")
     relabel = ("sed -i 's/^Version: .*/Version: 0.24.0rc1/' /vllm-workspace/vllm-ascend/PKG-INFO")
     h2.exec(f"docker run --name relabel --entrypoint bash {image} -c {shlex.quote(relabel)} && "
-            f"docker commit -q relabel {image} >/dev/null && docker rm relabel >/dev/null")
+            f"docker commit relabel {image} >/dev/null && docker rm relabel >/dev/null")
     home = tmp_path / "home"
     config = tmp_path / "yrpd.yaml"
     config.write_text("hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n"
@@ -105,7 +105,8 @@ def test_pd_in_containers_answers_like_one_instance_and_leaves_nothing(standin, 
             assert box["State"]["Running"]
             # the instance runs the image's Python, sees the image's PYTHONPATH and the entrypoint's environment
             name = "prefill-0" if host.name == "h1" else "decode-0"
-            pid = host.exec(f"docker exec yrpd-{session} cat /tmp/yrpd_sessions/{session}/run/{name}.pid").stdout.strip()
+            state = host.exec(f"docker exec yrpd-{session} cat /tmp/yrpd_sessions/{session}/run/{name}.state.json")
+            pid = json.loads(state.stdout)["pid"]  # the instance itself (the pid file names its supervisor)
             environ = host.exec(f"docker exec yrpd-{session} cat /proc/{pid}/environ").stdout.split("\0")
             assert "YRPD_STANDIN_CANN_ENV=sourced" in environ
             path = next(e for e in environ if e.startswith("PYTHONPATH="))
