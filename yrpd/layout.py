@@ -18,16 +18,12 @@ class HostSessionLayout:
     session_id: str
 
     @property
-    def base(self) -> str:
-        return self.root.rstrip("/") or "/"
-
-    @property
     def dir(self) -> str:
-        return f"{self.base.rstrip('/')}/{self.session_id}"
+        return f"{self.root.rstrip('/')}/{self.session_id}"
 
     @property
     def latest(self) -> str:
-        return f"{self.base.rstrip('/')}/latest"
+        return f"{self.root.rstrip('/')}/latest"
 
     @property
     def logs_dir(self) -> str:
