@@ -1,7 +1,7 @@
 """List or stop the processes a yrpd session started on this host.
 
-Args: one JSON object {"dir": host session dir, "pidfile" and "state": the pid and supervisor state files as
-templates with {name} (yrpd.layout), "id": session id, "action": "status"|"stop", "grace": seconds,
+Args: one JSON object {"dir": host session dir, "pidfile", "state" and "log": the pid, supervisor state and log
+files as templates with {name} (yrpd.layout), "id": session id, "action": "status"|"stop", "grace": seconds,
 "port_wait": seconds to wait for ports to close,
 "names": [only these processes and what they forked], "ports": [[port, what], ...] that must not listen after}.
 A process belongs to the session when its environment holds YRPD_SESSION=<id>: this also finds children
@@ -118,6 +118,20 @@ def supervised(name):
         return {}
 
 
+def log_tail(name, lines=5):
+    """The last lines its command wrote, for a process that is not running: the supervisor's own lines left out (its
+    reason is reported apart), so a crash shows its traceback's end."""
+    try:
+        with open(args["log"].format(name=name), "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 65536))
+            text = fh.read().decode("utf-8", "replace")
+    except (OSError, KeyError):
+        return None
+    own = [l.rstrip()[:300] for l in text.splitlines() if l.strip() and not l.startswith("[yrpd supervisor ")]
+    return own[-lines:]
+
+
 def status():
     live = set(session_pids())
     processes = []
@@ -131,7 +145,8 @@ def status():
         processes.append({"name": name, "pid": pid, "alive": alive, "rss_mb": rss_mb(pid) if alive else None,
                           "command": cmdline(pid) if alive else None, "supervisor": supervisor if watched else None,
                           "state": sup.get("state") if watched or sup.get("state") in ("failed", "exited") else "dead",
-                          "restarts": sup.get("restarts", 0), "reason": sup.get("reason")})
+                          "restarts": sup.get("restarts", 0), "reason": sup.get("reason"),
+                          "last_log": None if alive else log_tail(name)})
     leaders = {p["pid"] for p in processes} | {p["supervisor"] for p in processes}
     others = [pid for pid in live if pid not in leaders]
     return {"host": host_facts(), "processes": processes, "session_pids": sorted(live), "other_pids": others}

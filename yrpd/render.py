@@ -101,7 +101,7 @@ def yes_no(value: bool | None, good: str = "yes", bad: str = "no") -> str:
     return f"[green]{good}[/green]" if value else f"[red]{bad}[/red]"
 
 
-def status_tables(report: StatusReport) -> list[Table]:
+def status_tables(report: StatusReport) -> list[Table | Text]:
     hosts = Table(title=f"Hosts (session {report.session}, {report.phase})", title_justify="left")
     for column in ("host", "role", "reachable", "load", "mem avail GB", "session dir", "processes"):
         hosts.add_column(column)
@@ -168,7 +168,18 @@ def status_tables(report: StatusReport) -> list[Table]:
                       yes_no(proxy.healthy, "healthy", proxy.state if proxy.state != "running" else "unhealthy"),
                       _num(proxy.in_flight), f"{sum(up.values())}/{len(up)}" if up else "-")
         tables.append(table)
+    tables.extend(_log_tails(report))
     return tables
+
+
+def _log_tails(report: StatusReport) -> list[Text]:
+    """What a failed or ended process last logged, so the cause is on screen without `yrpd logs`."""
+    out = []
+    for p in report.processes:
+        if not p.alive and p.last_log and p.condition in ("failed", "dead"):
+            out.append(Text(f"{p.name} on {p.host} ({p.condition}), last lines of its log:", style="bold"))
+            out.extend(Text(f"  {line}", style="dim") for line in p.last_log)
+    return out
 
 
 def status_verdict(report: StatusReport) -> str:

@@ -52,6 +52,7 @@ class ProcessStatus:
     state: str = "dead"  # running | backoff (restarting) | failed (gave up) | exited (restart off) | stopped | dead
     restarts: int = 0
     reason: str | None = None  # why it last ended
+    last_log: list[str] | None = None  # the last lines its command logged, while it is not running
 
     @property
     def condition(self) -> str:
@@ -273,7 +274,8 @@ def _process_problem(p: ProcessStatus, host: str) -> str:
     if condition == "restarting":
         return f"{p.name} on {host} is restarting (restart {p.restarts}; {p.reason or 'it ended'})"
     if condition == "failed":
-        return f"{p.name} on {host} failed: {p.reason} (`yrpd logs {p.name}` shows why)"
+        last = f"; its log ends: {p.last_log[-1]}" if p.last_log else ""
+        return f"{p.name} on {host} failed: {p.reason}{last} (`yrpd logs {p.name}` shows more)"
     return f"{p.name} on {host} is not running" + (f" ({p.reason})" if p.reason else "")
 
 

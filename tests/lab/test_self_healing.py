@@ -247,6 +247,12 @@ def test_an_instance_that_crashes_on_every_start_is_given_up_and_reported(netns,
             assert decode["state"] == "failed", decode
             problem = next(p for p in report["problems"] if p.startswith("decode-0"))
             assert "after 2 restarts" in problem and "yrpd logs decode-0" in problem, problem
+            # the cause is on screen: vLLM's own last words, not only the supervisor's
+            proc = next(p for p in report["processes"] if p["name"] == "decode-0")
+            print("decode-0's log ends:", *proc["last_log"], sep="\n  ")
+            assert proc["last_log"] and "its log ends: " + proc["last_log"][-1] in problem
+            shown = d.yrpd("status", check=False).stdout
+            assert "decode-0 on" in shown and "last lines of its log:" in shown and proc["last_log"][-1][:40] in shown
             prefill = next(i for i in report["instances"] if i["name"] == "prefill-0")
             assert prefill["healthy"] and report["cluster"]["healthy"]  # the rest is untouched
             logs = d.yrpd("logs", "decode-0", "-n", "400").stdout

@@ -41,7 +41,9 @@ def processes_answer(host: str, names: list[str], dead: tuple[str, ...] = (), re
         return {"name": n, "pid": 100 + i if up else None, "alive": up, "rss_mb": 512.0 if up else None,
                 "command": f"vllm serve ({n})" if up else None,
                 "supervisor": 90 + i if state in ("running", "backoff") else None, "state": state,
-                "restarts": restarts + (1 if n in restarting else 0) + (3 if n in failed else 0), "reason": reason}
+                "restarts": restarts + (1 if n in restarting else 0) + (3 if n in failed else 0), "reason": reason,
+                "last_log": None if up else ["Traceback (most recent call last):",
+                                             f"OSError: {n}: no model at /models/x"]}
 
     return {"host": {"hostname": host, "session_dir_exists": True, "load": [0.5, 0.4, 0.3],
                      "mem_available_gb": 12.0},

@@ -125,6 +125,11 @@ def test_supervised_processes_show_restarting_failed_and_their_restarts(tmp_path
     assert row(text, "h1", "proxy")[3:5] == ["running", "1"]
     assert row(text, "prefill-0")[6:8] == ["restarting", "2"]  # Instances: health, restarts
     assert row(text, "decode-0")[6:8] == ["failed", "3"]
+    # the failed one's log ends under the tables; the restarting one is on its way back and shows none
+    tail = text.split("decode-0 on h2 (failed), last lines of its log:", 1)[1].splitlines()
+    assert [line.strip() for line in tail[1:3]] == ["Traceback (most recent call last):",
+                                                   "OSError: decode-0: no model at /models/x"]
+    assert "prefill-0 on h1 (restarting)" not in text
 
 
 def test_cluster_components_show_their_restarts(tmp_path):

@@ -73,6 +73,7 @@ def test_a_supervised_instance_being_restarted_and_one_given_up_are_reported_as_
     assert "prefill-0 on h1 is restarting (restart 1; killed by signal 9)" in report.problems
     failed = next(p for p in report.problems if p.startswith("decode-0"))
     assert "failed: exited with status 1 after 3 restarts" in failed and "`yrpd logs decode-0`" in failed
+    assert "its log ends: OSError: decode-0: no model at /models/x" in failed
 
 
 def test_restarts_of_a_running_instance_are_shown_not_counted_as_a_problem(tmp_path):

@@ -127,3 +127,21 @@ def test_a_new_supervisor_stops_what_a_killed_one_left_running(supervised, tmp_p
     fresh = successor.wait_for(lambda st: st["state"] == "running" and st["pid"] != orphan)
     assert not alive(orphan) and alive(fresh["pid"])
     assert "stopping what is left of its previous run" in successor.log.read_text()
+
+
+def test_status_quotes_the_end_of_a_given_up_process_log_without_the_supervisor_lines(supervised, tmp_path):
+    """What `yrpd status` shows for a process that failed: the host's own answer (session_processes.py) carries the
+    last lines its command logged, so the cause is on screen."""
+    s = supervised("echo 'Traceback (most recent call last):'; echo 'OSError: no model at /models/x' >&2; exit 1",
+                   max_restarts=1)
+    s.wait_for(lambda st: st["state"] == "failed", timeout=20)
+    (tmp_path / "p.pid").write_text(str(s.proc.pid))
+    args = {"dir": str(tmp_path), "id": "unit", "action": "status", "pidfile": f"{tmp_path}/{{name}}.pid",
+            "state": f"{tmp_path}/{{name}}.state.json", "log": f"{tmp_path}/{{name}}.log"}
+    script = SCRIPT.with_name("session_processes.py")
+    answer = json.loads(subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True,
+                                       text=True, check=True).stdout)
+    proc = next(p for p in answer["processes"] if p["name"] == "p")
+    assert proc["state"] == "failed" and not proc["alive"]
+    assert proc["last_log"][-2:] == ["Traceback (most recent call last):", "OSError: no model at /models/x"]
+    assert not any(line.startswith("[yrpd supervisor") for line in proc["last_log"])
