@@ -121,6 +121,28 @@ def test_pd_in_containers_answers_like_one_instance_and_leaves_nothing(standin, 
         logs = cli("logs", "-n", "20", check=0).stdout
         assert "h1 prefill-0 |" in logs and "h2 decode-0 |" in logs
 
+        # inside a container too, an instance is one process group that dies whole and comes back by itself
+        box = f"docker exec yrpd-{session} bash -c "
+        state = h2.exec(f"docker exec yrpd-{session} cat /tmp/yrpd_sessions/{session}/run/decode-0.state.json")
+        victim = json.loads(state.stdout)["pid"]
+        group = (f"for s in /proc/[0-9]*/stat; do read -r l < $s 2>/dev/null || continue; set -- ${{l##*) }}; "
+                 f"[ \"$1\" != Z ] && [ \"$3\" = {victim} ] && echo ${{s:6:-5}}; done")
+        members = h2.exec(box + shlex.quote(group)).stdout.split()
+        assert len(members) >= 2, members  # the API server and its EngineCore
+        killed = time.monotonic()
+        h2.exec(f"docker exec yrpd-{session} kill -9 {victim}")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            report = json.loads(cli("status", "--json", check=None).stdout)
+            decode = next(i for i in report["instances"] if i["role"] == "decode")
+            if report["healthy"] and decode["restarts"] == 1:
+                break
+            time.sleep(3)
+        print(f"measured: decode in a container back after kill -9 in {time.monotonic() - killed:.1f}s")
+        assert report["healthy"] and decode["restarts"] == 1, report["problems"]
+        assert decode["pid"] != victim and h2.exec(box + shlex.quote(group)).stdout.split() == []  # nothing orphaned
+        assert rm.answers(proxy) == got
+
         down = cli("down", check=0)
         assert "is down" in down.stderr
         for host in lab.hosts:

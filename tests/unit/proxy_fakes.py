@@ -27,6 +27,7 @@ class FakeVLLM:
     health_status: int = 200
     hang_after: int | None = None  # stream: after this many events, go silent until cancelled
     break_after: int | None = None  # drop the connection after this many events (non-stream: mid-body)
+    delay: float = 0.0  # seconds of "compute" before the answer (or the first event) starts
     bodies: list = field(default_factory=list)
     url: str = ""
 
@@ -61,6 +62,7 @@ class FakeVLLM:
         chat = request.path.endswith("/chat/completions")
         try:
             await self.gate.wait()
+            await asyncio.sleep(self.delay)
             if self.error:
                 return web.json_response(self.error[1], status=self.error[0])
             if not body.get("stream"):

@@ -358,6 +358,22 @@ def test_metrics_and_status_report_what_happened():
     run(go())
 
 
+def test_the_proxy_counts_as_its_own_time_only_what_it_did_not_spend_waiting_for_instances():
+    """What `benchmarks/serving.py proxy-overhead` reads: own time to first token, the instances' waits left out."""
+    async def go():
+        async with running() as s:
+            s.prefill[0].delay, s.decode[0].delay = 0.3, 0.2
+            assert (await post(s, "/v1/completions", {"prompt": "x", "stream": True}))[0] == 200
+            assert (await post(s, "/v1/completions", {"prompt": "x"}))[0] == 200
+            s.prefill[0].error = (400, {"error": "too long"})
+            assert (await post(s, "/v1/completions", {"prompt": "x"}))[0] == 400  # failures are not counted
+            own = (await s.status())["own_overhead_ms"]
+            assert own["n"] == 2 and 0 < own["p50"] < 250 and own["p99"] < 250, own  # 500 ms were waits
+            metrics = set((await s.metrics()).splitlines())
+            assert "yrpd_proxy_own_seconds_count 2" in metrics
+    run(go())
+
+
 # -- the command line, as the deploy step runs it
 
 

@@ -186,6 +186,8 @@ class ConnectorScheduler(ConnectorHalf):
                 and now - lk.checked_at < _POLL_S:
             return None, False  # still waiting; do not hammer the data system
         if not self._conn.healthy:
+            # the data system is away: recompute, and count it, or status would show no sign of the lost reuse
+            self.stats.inc("lookup_errors")
             self._lookups.pop(req_id, None)
             return 0, False
         t0 = time.perf_counter()

@@ -41,6 +41,18 @@ class _Call:
     started: float
     note: dict = field(default_factory=dict)
     client_gone: bool = False
+    upstream_s: float = 0.0  # spent waiting for instances, up to the first token: the rest is the proxy's own
+
+    @contextlib.contextmanager
+    def waiting(self):
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.upstream_s += time.monotonic() - t0
+
+    def own_s(self, now: float) -> float:
+        return max(0.0, now - self.started - self.upstream_s)
 
 
 # aiohttp >= 3.13 wants typed keys for request storage (a warning otherwise); older ones take a string.
@@ -255,7 +267,8 @@ class Proxy:
         if "max_completion_tokens" in leg:
             leg["max_completion_tokens"] = 1
         async with self._leg("prefill", "POST", request.path, request, leg, headers) as (inst, resp):
-            data = await self._read(inst, resp)
+            with request[_CALL].waiting():
+                data = await self._read(inst, resp)
         if resp.status >= 400:
             raise UpstreamAnswer(resp, data)
         try:
@@ -270,8 +283,12 @@ class Proxy:
             content_type = resp.headers.get("Content-Type", "application/json")
             if body.get("stream") and resp.status == 200:
                 return await self._relay(request, inst, resp, content_type)
-            return web.Response(status=resp.status, body=await self._read(inst, resp),
-                                headers={"Content-Type": content_type})
+            call = request[_CALL]
+            with call.waiting():
+                data = await self._read(inst, resp)
+            if resp.status == 200:
+                self.metrics.observe_own(call.own_s(time.monotonic()))
+            return web.Response(status=resp.status, body=data, headers={"Content-Type": content_type})
 
     async def _relay(self, request: web.Request, inst: Instance, resp: aiohttp.ClientResponse,
                      content_type: str) -> web.StreamResponse:
@@ -284,7 +301,11 @@ class Proxy:
         try:
             while True:
                 try:
-                    chunk = await resp.content.readany()
+                    if first:
+                        with call.waiting():
+                            chunk = await resp.content.readany()
+                    else:
+                        chunk = await resp.content.readany()
                 except _UPSTREAM_ERRORS as exc:
                     message = f"decode instance {inst.url} broke off the stream: {_text(exc)}"
                     self._upstream_error(inst, message, down=not _is_timeout(exc))
@@ -298,9 +319,12 @@ class Proxy:
                     break
                 if first:
                     first = False
-                    ttft = time.monotonic() - call.started
+                    now = time.monotonic()
+                    ttft = now - call.started
                     self.metrics.ttft.observe(ttft)
+                    self.metrics.observe_own(call.own_s(now))
                     call.note["ttft_ms"] = round(ttft * 1000)
+                    call.note["own_ms"] = round(call.own_s(now) * 1000, 1)
                 if sse:
                     # Whole events only, so a stream that breaks never leaves half an event before the error event.
                     pending += chunk
@@ -346,8 +370,9 @@ class Proxy:
             inst.in_flight += 1
             inst.requests += 1
             try:
-                resp = await self.session.request(method, inst.url + path, json=body, headers=headers,
-                                                  timeout=self._timeout)
+                with request[_CALL].waiting():
+                    resp = await self.session.request(method, inst.url + path, json=body, headers=headers,
+                                                      timeout=self._timeout)
             except BaseException as exc:
                 inst.in_flight -= 1
                 if not isinstance(exc, _UPSTREAM_ERRORS):
@@ -414,7 +439,8 @@ class Proxy:
                                   "uptime_s": round(time.time() - self.started, 1),
                                   "probe_interval_s": self.config.probe_interval,
                                   "request_timeout_s": self.config.request_timeout,
-                                  "instances": [i.as_dict() for i in self.pool.instances], "totals": totals})
+                                  "instances": [i.as_dict() for i in self.pool.instances], "totals": totals,
+                                  "own_overhead_ms": self.metrics.own_percentiles()})
 
 
 def create_app(config: ProxyConfig) -> web.Application:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections import Counter
+import statistics
+from collections import Counter, deque
 
 from .pool import Pool
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+OWN_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+RECENT = 2000  # own-overhead samples kept for percentiles
 
 
 class Histogram:
@@ -28,6 +31,21 @@ class Metrics:
     def __init__(self):
         self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) -> count
         self.ttft = Histogram()
+        self.own = Histogram(OWN_BUCKETS)
+        self._recent_own: deque[float] = deque(maxlen=RECENT)
+
+    def observe_own(self, seconds: float) -> None:
+        self.own.observe(seconds)
+        self._recent_own.append(seconds)
+
+    def own_percentiles(self) -> dict:
+        """p50/p90/p99 in ms of the proxy's own time over the last RECENT successful generations."""
+        values = sorted(self._recent_own)
+        if not values:
+            return {"n": 0, "p50": None, "p90": None, "p99": None}
+        pick = (lambda q: round(values[min(len(values) - 1, int(q * len(values)))] * 1000, 2))
+        return {"n": len(values), "p50": round(statistics.median(values) * 1000, 2), "p90": pick(0.9),
+                "p99": pick(0.99)}
 
     def render(self, pool: Pool) -> str:
         out: list[str] = []
@@ -52,6 +70,12 @@ class Metrics:
         h = self.ttft
         family("yrpd_proxy_ttft_seconds", "histogram",
                "Streamed requests: seconds from the request's arrival to the first byte from decode.",
+               [*(("_bucket", {"le": _number(b)}, c) for b, c in zip(h.buckets, h.counts)),
+                ("_bucket", {"le": "+Inf"}, h.count), ("_sum", {}, h.sum), ("_count", {}, h.count)])
+        h = self.own
+        family("yrpd_proxy_own_seconds", "histogram",
+               "Successful generations: seconds the proxy itself spent before the first token (streamed) or the "
+               "answer, not counting the waits for prefill and decode.",
                [*(("_bucket", {"le": _number(b)}, c) for b, c in zip(h.buckets, h.counts)),
                 ("_bucket", {"le": "+Inf"}, h.count), ("_sum", {}, h.sum), ("_count", {}, h.count)])
         return "\n".join(out) + "\n"
