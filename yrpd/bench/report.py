@@ -90,3 +90,33 @@ def write_report(results: dict, meta: dict, out_dir: Path) -> str:
     (out_dir / "report.md").write_text(report)
     plot(results, out_dir / "ttft_throughput.png")
     return report
+
+
+def load_results(path: Path) -> dict:
+    """A saved run: its results.json, or the bench directory that holds it."""
+    file = path / "results.json" if path.is_dir() else path
+    return json.loads(file.read_text())
+
+
+def compare(before: dict, after: dict) -> tuple[str, list[str]]:
+    """Two saved runs side by side: for each target both ran, each metric's value in both and after/before.
+    Returns the Markdown table and warnings (runs on different datasets, targets only one of them ran)."""
+    warnings = []
+    shape = ("prompts", "groups", "prompts_per_group", "prefix_len", "suffix_len", "seed")
+    differs = [k for k in shape if before["dataset"].get(k) != after["dataset"].get(k)]
+    if differs:
+        warnings.append("the two runs used different datasets (" + ", ".join(
+            f"{k} {before['dataset'].get(k)} vs {after['dataset'].get(k)}" for k in differs) + "): ratios compare "
+            "unlike workloads")
+    common = [t for t in before["targets"] if t in after["targets"]]
+    for name in sorted(set(before["targets"]) ^ set(after["targets"])):
+        warnings.append(f"target {name} is only in the {'first' if name in before['targets'] else 'second'} run")
+    lines = ["| target | metric | first | second | second/first |", "|---|---|---|---|---|"]
+    for target in common:
+        a, b = before["targets"][target]["metrics"], after["targets"][target]["metrics"]
+        for label, key, unit in ROWS:
+            if a.get(key) is None and b.get(key) is None:
+                continue
+            ratio = f"{b[key] / a[key]:.3f}" if a.get(key) and b.get(key) is not None else "-"
+            lines.append(f"| {target} | {label} ({unit}) | {_fmt(a.get(key))} | {_fmt(b.get(key))} | {ratio} |")
+    return "\n".join(lines) + "\n", warnings

@@ -149,3 +149,32 @@ def run(**params) -> int:
     out().print(report, markup=False, highlight=False)
     console.print(f"results: {out_dir}/results.json, report.md, ttft_throughput.png")
     return 0
+
+
+@bench.command()
+@click.argument("first", type=click.Path(path_type=Path))
+@click.argument("second", type=click.Path(path_type=Path))
+@version
+def compare(first: Path, second: Path) -> int:
+    """Two saved runs side by side (each a bench directory or its results.json): every metric and second/first."""
+    import json
+
+    from yrpd.bench.report import compare as side_by_side, load_results
+    from yrpd.console import err, out
+    from yrpd.errors import SpecError
+
+    runs = []
+    for name, path in (("FIRST", first), ("SECOND", second)):
+        try:
+            runs.append(load_results(path))
+        except (OSError, ValueError, json.JSONDecodeError) as exc:
+            raise SpecError(name, f"{path} is not a saved bench run ({exc.__class__.__name__})",
+                            "pass a directory `yrpd bench run` wrote (…/bench/<time>) or its results.json") from None
+        if "targets" not in runs[-1] or "dataset" not in runs[-1]:
+            raise SpecError(name, f"{path} is not a saved bench run (no targets)",
+                            "pass a directory `yrpd bench run` wrote (…/bench/<time>) or its results.json")
+    table, warnings = side_by_side(*runs)
+    for line in warnings:
+        err().print(f"warning: {line}", markup=False)
+    out().print(table, markup=False, highlight=False)
+    return 0
