@@ -44,6 +44,9 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
                       ", ".join(f"{k} {v}" for k, v in h.ports.items()))
     how = f"{plan.dtype.reason}; --dtype overrides" if spec.dtype is Dtype.auto else "set with --dtype"
     lines = [summary, Text(f"dtype: {plan.dtype.shown} - {how}")]
+    spill = (f", then {spec.datasystem_spill_mb} MB on disk ({spec.datasystem_spill_dir or 'in the session directory'})"
+             if spec.datasystem_spill_mb else "; full memory evicts the oldest KV (no disk tier)")
+    lines.append(Text(f"KV cache in the data system: {spec.datasystem_memory_mb} MB shared memory per host{spill}"))
     if spec.runtime is Runtime.docker:
         from yrpd.containers import container_profile
 

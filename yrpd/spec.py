@@ -327,6 +327,11 @@ class DeploySpec(BaseModel):
     cluster_mode: ClusterMode = ClusterMode.auto
     #: shared memory of each data system worker (the host-side KV cache), MB
     datasystem_memory_mb: int = Field(1024, ge=64)
+    #: disk tier of each data system worker, MB (0: none): what its shared memory cannot hold is spilled here and
+    #: read back on a hit, instead of being evicted
+    datasystem_spill_mb: int = Field(0, ge=0)
+    #: where the disk tier lives on the hosts (a local SSD); default: the session directory (removed by `down`)
+    datasystem_spill_dir: str | None = None
     #: local session directories (or $YRPD_HOME/sessions)
     session_root: str = "~/.yrpd/sessions"
     #: session directories on the hosts (logs, pid files, cluster state)

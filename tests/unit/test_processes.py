@@ -37,10 +37,14 @@ def started_env(ctx, preamble: str, env: dict) -> dict:
     pid = int((run / "run" / "envdump.pid").read_text())
     try:
         log = run / "logs" / "envdump.log"
+
+        def dumped():  # the supervisor may write its own lines first (stopping a previous run's command)
+            return [line for line in log.read_text().splitlines() if line.startswith("{") and line.endswith("}")]
+
         deadline = time.monotonic() + 10
-        while not log.read_text().strip() and time.monotonic() < deadline:
+        while not dumped() and time.monotonic() < deadline:
             time.sleep(0.05)
-        return json.loads(log.read_text().strip().splitlines()[-1])
+        return json.loads(dumped()[-1])
     finally:
         os.kill(pid, signal.SIGKILL)
         (run / "logs" / "envdump.log").unlink()

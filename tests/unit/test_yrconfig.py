@@ -108,6 +108,15 @@ def test_config_semantics(mode, role):
     else:
         assert ds_sections == []  # full mode keeps the yr package's own datasystem
         assert values["ld_library_path"] == n.yr_pkg_dir
+    assert "spill_directory" not in cfg["ds_worker"]["args"]  # no disk tier unless asked for
+
+
+def test_a_disk_tier_reaches_the_worker_in_bytes_under_the_session_or_where_asked():
+    n = replace(node("ds_only", True), spill_mb=512)
+    args = tomllib.loads(render_config(n))["ds_worker"]["args"]
+    assert args["spill_directory"] == f"{DEPLOY}/ds-spill" and args["spill_size_limit"] == 512 * 1024 * 1024
+    n = replace(n, spill_dir="/ssd/kv")
+    assert tomllib.loads(render_config(n))["ds_worker"]["args"]["spill_directory"] == "/ssd/kv"
 
 
 def test_start_commands():

@@ -90,7 +90,13 @@ class YrNode:
     python_tag: str = "python3.11"  # the wheels are cp311 only
     shared_memory_mb: int = 1024  # ds_worker shared memory pool
     memory_reclamation_s: int = 5  # ds_worker memory_reclamation_time_second
+    spill_mb: int = 0  # ds_worker disk tier (0: none; full memory then evicts)
+    spill_dir: str = ""  # default: <deploy_path>/ds-spill
     node_id: str = ""  # "" = yr default (<hostname>-<pid of yr start>)
+
+    @property
+    def spill_directory(self) -> str:
+        return self.spill_dir or f"{self.deploy_path}/ds-spill"
 
     @property
     def remote_ports(self) -> YrPorts:
@@ -251,7 +257,11 @@ def render_config(node: YrNode) -> str:
         if node.mode == "ds_only":
             lines += _table(f"[{section}]", {"bin_path": node.ds_worker_bin})
             lines += _table(f"[{section}.env]", {"LD_LIBRARY_PATH": node.ds_lib_dir})
-    lines += _table("[ds_worker.args]", {"memory_reclamation_time_second": node.memory_reclamation_s})
+    args: dict[str, object] = {"memory_reclamation_time_second": node.memory_reclamation_s}
+    if node.spill_mb:
+        # the worker spills any write mode once its memory passes 90 % full; spill_size_limit is in bytes
+        args.update(spill_directory=node.spill_directory, spill_size_limit=node.spill_mb << 20)
+    lines += _table("[ds_worker.args]", args)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -66,6 +66,7 @@ def node(ctx: StepContext, host: HostPlan, mode: str) -> YrNode:
         host_ip=host.reach_ip, is_master=host.is_master, master_ip=master(ctx).reach_ip,
         deploy_path=deploy_path(ctx), mode=mode, ports=yr_ports(ctx), yr_venv=yr_venv, ds_venv=ds_venv,
         python_tag=python_tag(ctx), shared_memory_mb=ctx.spec.datasystem_memory_mb,
+        spill_mb=ctx.spec.datasystem_spill_mb, spill_dir=ctx.spec.datasystem_spill_dir or "",
     )
 
 
@@ -126,6 +127,8 @@ def configure(ctx: StepContext, host: HostPlan) -> Command:
     d = deploy_path(ctx)
     q = shlex.quote
     lines = [f"mkdir -p {q(d)}"]
+    if ctx.spec.datasystem_spill_mb:
+        lines[0] += f" {q(node(ctx, host, 'ds_only').spill_directory)}"
     for mode, text in configs(ctx, host).items():
         lines.append(f"cat > {q(d + '/config.' + mode + '.toml')} <<'YRPD_CONFIG_END'\n{text}YRPD_CONFIG_END")
     if ctx.spec.cluster_mode is ClusterMode.auto:
