@@ -100,13 +100,33 @@ def port_open(port):
         return s.connect_ex((args["host_ip"], port)) == 0
 
 
+def cache_use():
+    """The data system worker's last resource line (resource.log, written every log_monitor_interval_ms): memory and
+    disk-tier use, objects, hits by tier. Fields are ' | '-separated in the order of the worker's res_metrics.def."""
+    path = os.path.join(deploy, "logs", "data_system", "worker", "resource.log")
+    last = tail(path, 1)
+    if not last:
+        return None
+    fields = [f.strip() for f in last[0].split(" | ")]
+    try:
+        shm, spill = fields[7].split("/"), fields[8].split("/")
+        hits = next(f for f in reversed(fields) if f.count("/") == 4 and "." not in f).split("/")
+        return {"at": fields[0], "memory_used": int(shm[0]), "memory_limit": int(shm[2]),
+                "disk_used": int(spill[0]), "disk_limit": int(spill[2]), "objects": int(fields[10]),
+                "hits_memory": int(hits[0]), "hits_disk": int(hits[1]), "hits_remote": int(hits[3]),
+                "misses": int(hits[4])}
+    except (IndexError, ValueError, StopIteration):
+        return {"error": f"unexpected line in {path}: {last[0][:200]}"}
+
+
 def snapshot():
     comps, raw = health()
     for c in comps.values():
         c["alive"] = pid_alive(c["pid"])
     ports = {name: port_open(port) for name, (_, port) in args.get("ports", {}).items()}
     return {"present": os.path.isfile(session_file), "components": comps, "ports": ports,
-            "mode": read(os.path.join(deploy, "mode")), "raw": raw[-400:] if not comps else ""}
+            "mode": read(os.path.join(deploy, "mode")), "raw": raw[-400:] if not comps else "",
+            "cache": cache_use() if "ds_worker" in comps else None}
 
 
 def read(path):

@@ -142,6 +142,21 @@ def status_tables(report: StatusReport) -> list[Table | Text]:
             table.add_row(row.host, row.component, str(row.pid or "-"), state,
                           str(row.restarts) if row.restarts is not None else "-", ports)
         tables.append(table)
+        caches = [row for row in cluster.components if row.cache]
+        if caches:
+            cache = Table(title="KV cache (data system workers; memory, then disk)", title_justify="left")
+            for column in ("host", "memory MB", "disk MB", "objects", "hits memory/disk/remote", "misses"):
+                cache.add_column(column)
+            for row in caches:
+                c = row.cache
+                if "error" in c:
+                    cache.add_row(row.host, f"[red]{escape(c['error'])}[/red]", "", "", "", "")
+                    continue
+                mb = (lambda used, limit: f"{used / 2**20:,.0f} / {limit / 2**20:,.0f}" if limit else "-")
+                cache.add_row(row.host, mb(c["memory_used"], c["memory_limit"]), mb(c["disk_used"], c["disk_limit"]),
+                              str(c["objects"]), f"{c['hits_memory']}/{c['hits_disk']}/{c['hits_remote']}",
+                              str(c["misses"]))
+            tables.append(cache)
     if report.instances:
         inst = Table(title="Instances", title_justify="left")
         for column in ("instance", "role", "host", "devices", "port", "pid", "health", "restarts", "running/waiting",

@@ -78,6 +78,7 @@ class ComponentStatus:
     mode: str | None
     healthy: bool
     alive: bool = False
+    cache: dict[str, Any] | None = None  # ds_worker only: CACHE_FIELDS from its resource.log, or {"error": ...}
 
 
 @dataclass
@@ -340,5 +341,5 @@ def _components(host: HostPlan, snap: dict, deployed: bool, problems: list[str])
             problems.append(f"{name} on {host.name} {why}")
         rows.append(ComponentStatus(host=host.name, component=name, state=comp["state"], pid=comp["pid"],
                                     restarts=comp["restarts"], ports=ports, mode=snap.get("mode"), healthy=healthy,
-                                    alive=comp["alive"]))
+                                    alive=comp["alive"], cache=snap.get("cache") if name == "ds_worker" else None))
     return rows

@@ -203,7 +203,7 @@ class Stack:
         atexit.register(self.close)
 
     # -- data system ----------------------------------------------------------------------------
-    def start_ds(self, shm_mb: int = 512, reuse: DsWorker | None = None) -> DsWorker:
+    def start_ds(self, shm_mb: int = 512, reuse: DsWorker | None = None, extra: tuple[str, ...] = ()) -> DsWorker:
         if reuse is not None:
             w = reuse
             if not port_free(w.port):
@@ -215,7 +215,7 @@ class Stack:
         cmd = [str(self.venv / "bin/dscli"), "start", "-d", str(w.home), "-w",
                "--worker_address", w.address,
                "--metastore_address", f"127.0.0.1:{w.metastore_port}", "--start_metastore_service", "true",
-               "--shared_memory_size_mb", str(shm_mb), "--memory_reclamation_time_second", "2"]
+               "--shared_memory_size_mb", str(shm_mb), "--memory_reclamation_time_second", "2", *extra]
         env = self._base_env()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
         out = proc.stdout + proc.stderr

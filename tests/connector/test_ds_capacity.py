@@ -46,3 +46,23 @@ def test_full_worker_keeps_accepting_evictable_saves(vllm_venv, session_stack, e
         assert pinned["failed"] == 3 and pinned["ok"] < BLOCKS // 2, pinned  # the trap the default avoids
     finally:
         stack.close()
+
+
+def test_with_a_disk_tier_a_full_worker_spills_instead_of_evicting_and_reads_back(vllm_venv, session_stack, e2e_root):
+    """`datasystem_spill_mb`: the same 200 MiB into the same 64 MiB worker with 512 MiB of disk behind it
+    (the flags yrpd's cluster config gives the worker): nothing evicted, the oldest block read back from disk."""
+    stack = Stack(e2e_root / "spill", venv=vllm_venv, ports=session_stack.ports)
+    spill = e2e_root / "spill" / "disk"
+    try:
+        ds = stack.start_ds(shm_mb=SHM_MB, extra=("--spill_directory", str(spill),
+                                                  "--spill_size_limit", str(512 << 20)))
+        got = fill(stack, ds.address, evictable=True)
+        on_disk = sum(f.stat().st_size for f in spill.rglob("*") if f.is_file())
+        print(f"measured: {BLOCKS} x {BLOCK_BYTES >> 20} MiB into a {SHM_MB} MiB worker with a 512 MiB disk tier: "
+              f"{got}, {on_disk >> 20} MiB spilled")
+        assert got["failed"] == 0 and got["ok"] == BLOCKS, got
+        assert got["first_exist"] == got["tenth"] == got["last_exist"], got  # kept, not evicted
+        assert got["first_reads_back"], got  # from disk, with its bytes
+        assert on_disk >= (BLOCKS * BLOCK_BYTES) // 2, on_disk
+    finally:
+        stack.close()

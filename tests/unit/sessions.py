@@ -56,7 +56,11 @@ def cluster_answer(master: bool, restarts: int = 0) -> dict:
     return {"present": True, "mode": "ds_only",
             "components": {n: {"state": "RUNNING", "pid": 200 + i, "alive": True,
                                "restarts": restarts if n == "ds_worker" else 0} for i, n in enumerate(names)},
-            "ports": {"ds_worker": True, **({"etcd_client": True, "ds_master": True} if master else {})}}
+            "ports": {"ds_worker": True, **({"etcd_client": True, "ds_master": True} if master else {})},
+            # as deploy_scripts/yr_cluster.py reads the worker's resource.log (a 256 MiB worker with 1 GiB of disk)
+            "cache": {"at": "2026-11-23T15:59:31", "memory_used": 200 << 20 if master else 10 << 20,
+                      "memory_limit": 256 << 20, "disk_used": 300 << 20 if master else 0, "disk_limit": 1 << 30,
+                      "objects": 42, "hits_memory": 7, "hits_disk": 3, "hits_remote": 1, "misses": 2}}
 
 
 def instance_probe(name: str, healthy: bool = True, loaded: int = 0) -> dict:

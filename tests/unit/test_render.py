@@ -132,11 +132,18 @@ def test_supervised_processes_show_restarting_failed_and_their_restarts(tmp_path
     assert "prefill-0 on h1 (restarting)" not in text
 
 
+def test_the_kv_cache_table_shows_each_workers_memory_disk_and_hits(tmp_path):
+    text = shown(*status_tables(report(tmp_path)))
+    assert row(text, "h1", "200 / 256") == ["h1", "200 / 256", "300 / 1,024", "42", "7/3/1", "2"]
+    assert row(text, "h2", "10 / 256")[2] == "0 / 1,024"
+
+
 def test_cluster_components_show_their_restarts(tmp_path):
     text = shown(*status_tables(report(tmp_path, h2={"restarts": 3})))
     assert row(text, "h2", "ds_worker")[3:] == ["running", "3", "ds_worker up"]
     assert row(text, "h1", "ds_worker")[3:5] == ["running", "0"]
-    assert [r[1] for r in rows(text, "h1")[-3:]] == ["etcd", "ds_master", "ds_worker"]
+    components = [r[1] for r in rows(text, "h1") if r[1] in ("etcd", "ds_master", "ds_worker")]
+    assert components == ["etcd", "ds_master", "ds_worker"]  # in the cluster table, in start order
 
 
 def test_an_exited_cluster_component_is_shown_exited_in_red(tmp_path):

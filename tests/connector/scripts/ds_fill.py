@@ -3,8 +3,8 @@ a real data-system worker, more than its memory holds.
 
     PYTHONPATH=. python tests/connector/scripts/ds_fill.py HOST:PORT EVICTABLE(true|false) BLOCKS BLOCK_BYTES [STOP_AFTER_FAILURES]
 
-Prints one JSON line: how many saves succeeded and failed (with the first error), and which of the first and last
-tenth of the keys still exist afterwards.
+Prints one JSON line: how many saves succeeded and failed (with the first error), which of the first and last
+tenth of the keys still exist afterwards, and whether the first key reads back with the bytes it was saved with.
 """
 
 import json
@@ -14,7 +14,7 @@ import torch
 
 from yrpd.connector.config import parse_config
 from yrpd.connector.common import write_mode
-from yrpd.connector.transport import DsConnection, HostTransport, kvclient_factory
+from yrpd.connector.transport import BlockLayout, DsConnection, HostTransport, kvclient_factory
 
 
 def main() -> int:
@@ -39,8 +39,11 @@ def main() -> int:
     tenth = max(1, blocks // 10)
     conn.connect()  # a failed save marks the connection down until it reconnects
     exist = transport.exists(keys[:tenth] + keys[-tenth:])
+    part = torch.full((1, nbytes), 255, dtype=torch.uint8)
+    loaded = transport.load(keys[:1], [part], BlockLayout.from_sizes([nbytes]), [0])[0]
     print(json.dumps({"ok": ok, "failed": failed, "first_error": first_error, "tenth": tenth,
-                      "first_exist": sum(exist[:tenth]), "last_exist": sum(exist[tenth:])}))
+                      "first_exist": sum(exist[:tenth]), "last_exist": sum(exist[tenth:]),
+                      "first_reads_back": bool(loaded and (part == 0).all())}))
     conn.close()
     return 0
 
