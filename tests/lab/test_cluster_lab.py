@@ -75,7 +75,9 @@ def leftovers(host):
 def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, tmp_path):
     lab = fake_lab(2)
     put_model(*lab.hosts)
-    cli = Cli(lab, tmp_path / "home")
+    config = tmp_path / "yrpd.yaml"
+    config.write_text("datasystem_memory_mb: 128\ndatasystem_spill_mb: 64\n")  # a disk tier behind each worker
+    cli = Cli(lab, tmp_path / "home", config)
 
     started = time.monotonic()
     deploy = cli.deploy(check=0)
@@ -101,6 +103,19 @@ def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, 
                  "join the other hosts"):
         assert "already done" in again.stderr.split(step)[1].splitlines()[1]
     assert cluster_pids(json.loads(cli("status", "--json", check=0).stdout)) == before
+
+    # each worker's cache as status shows it: its memory and disk tier as configured
+    deadline = time.monotonic() + 20
+    while True:
+        workers = [c for c in json.loads(cli("status", "--json").stdout)["cluster"]["components"]
+                   if c["component"] == "ds_worker"]
+        if all(w["cache"] for w in workers) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    for w in workers:
+        assert w["cache"] and "error" not in w["cache"], w
+        assert (w["cache"]["memory_limit"], w["cache"]["disk_limit"]) == (128 << 20, 64 << 20), w["cache"]
+    assert all(h.exec("ls -d /tmp/yrpd_sessions/*/yr/ds-spill").stdout.strip() for h in lab.hosts)
 
     # a killed data system worker is brought back by openYuanrong's daemon: status is healthy again within 20 s,
     # shows the restart and the new pid, and every other component kept its pid
