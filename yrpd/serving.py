@@ -16,7 +16,8 @@ from yrpd.spec import BUILTIN_MODEL, DeploySpec, DeviceKind
 
 #: role -> connector role; with prefix reuse, prefill also loads prefixes other requests stored
 CONNECTOR_ROLES = {("prefill", False): "kv_producer", ("prefill", True): "kv_both",
-                   ("decode", False): "kv_consumer", ("decode", True): "kv_consumer"}
+                   ("decode", False): "kv_consumer", ("decode", True): "kv_consumer",
+                   ("single", False): "kv_both", ("single", True): "kv_both"}
 
 #: vLLM flags yrpd sets per device kind before the user's engine_args (argparse: the last one wins).
 #: CPU: eager start (36 s instead of 95 s of torch.compile) and a bounded KV pool so two instances fit
@@ -160,7 +161,7 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
     kind = head.kind
     common = [paths.vllm, "serve", model_path(spec, paths), "--served-model-name", spec.model_name,
               "--tensor-parallel-size", str(inst.tp)]
-    if inst.role != "single":  # the non-disaggregated baseline is plain vLLM
+    if inst.role != "single" or spec.single_kv_store:  # else the non-disaggregated baseline: plain vLLM
         kv = kv_transfer_config(spec, plan, inst, paths)
         common += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
     common += KIND_ENGINE_ARGS.get(kind, [])

@@ -343,6 +343,9 @@ class DeploySpec(BaseModel):
     #: prefill/decode instances behind the proxy; false = `prefill` plain vLLM instances ("single-N", no
     #: connector, no proxy): the non-disaggregated baseline `yrpd bench` compares against
     disaggregated: bool = True
+    #: with `disaggregated: false`: the instances keep their KV in the data system too (connector kv_both), a
+    #: prefix store beyond their own memory (the `single-yr` target of `yrpd bench`)
+    single_kv_store: bool = False
     #: CPU hosts only: cores each TP rank binds (devices are cores there)
     cores_per_rank: int = Field(1, ge=1, le=256)
     #: prefill instances also load prefixes stored earlier (connector role kv_both instead of kv_producer)

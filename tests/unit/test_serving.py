@@ -96,3 +96,20 @@ def test_host_bundle_fits_one_shell_argument_and_carries_only_host_side_code():
     assert not any(n.startswith(("yrpd/cli", "yrpd/steps")) or n in ("yrpd/spec.py", "yrpd/hostgroup.py")
                    for n in names)
     assert bundle() == (digest, encoded)  # reproducible: same code, same hash
+
+
+def test_bench_single_targets_one_plain_instance_and_one_that_keeps_its_kv_in_the_data_system():
+    from yrpd.bench.run import variant
+
+    spec, plan = deployment(DeviceKind.cpu, devices=2, hosts=("h1",))
+    for target, role in (("single", None), ("single-yr", "kv_both")):
+        want = variant(spec, target, DeviceKind.cpu)
+        want_plan = make_plan(want, {"h1": HostInventory(DeviceKind.cpu, (0, 1), "10.0.0.1")})
+        [launch] = launches_on_host(want, want_plan, "h1", PATHS)
+        assert launch.env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"  # both cores the PD pair used
+        if role is None:
+            assert "--kv-transfer-config" not in launch.argv
+        else:
+            kv = json.loads(flag(launch.argv, "--kv-transfer-config"))
+            assert kv["kv_role"] == role and kv["kv_connector_extra_config"]["ds_address"] == "10.0.0.1:31501"
+        assert proxy_launch(want, want_plan, PATHS) is None

@@ -5,7 +5,9 @@ Targets, each a deployment of the same model on the same hosts and devices:
 - `pd-noreuse`: the same PD deployment with prefix reuse off (prefill `kv_producer`, no local prefix cache):
   every prompt is prefilled in full, decode still loads it through the data system;
 - `single`: one plain vLLM instance (no disaggregation, no connector, vLLM defaults) on all the devices the
-  PD instances use.
+  PD instances use;
+- `single-yr`: the same instance with the yrpd connector as a prefix store (kv_both): what its own KV pool
+  cannot hold is looked up in the data system (memory, then its disk tier).
 
 A target that is not what is deployed now is deployed for the run (`yrpd down` of the current session, then
 `yrpd deploy --new-session` with the variant spec) and torn down after; the original spec is deployed again at
@@ -27,6 +29,7 @@ TARGETS = {
     "pd": "PD + prefix reuse",
     "pd-noreuse": "PD, prefix reuse off",
     "single": "single instance, same devices",
+    "single-yr": "single instance, KV also in the data system",
 }
 
 
@@ -37,7 +40,8 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind) -> DeploySpec:
     elif target == "pd-noreuse":
         data.update(disaggregated=True, prefix_reuse=False,
                     engine_args=[*spec.engine_args, "--no-enable-prefix-caching"])
-    elif target == "single":
+    elif target in ("single", "single-yr"):
+        data.update(single_kv_store=target == "single-yr")
         devices = spec.prefill * spec.ptp * spec.pdp + spec.decode * spec.dtp * spec.ddp
         data.update(disaggregated=False, prefill=1, pdp=1, decode=1, ddp=1)
         if kind is DeviceKind.cpu:  # one TP rank binding every core the PD pair used

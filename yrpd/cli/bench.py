@@ -91,7 +91,7 @@ def dataset(**params) -> int:
 @click.option("--dataset", "dataset_file", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               help="a JSONL from `yrpd bench dataset` (default: generate one with the options above)")
 @click.option("--targets", default="pd,pd-noreuse,single", show_default=True,
-              help="comma-separated: pd, pd-noreuse, single")
+              help="comma-separated: pd, pd-noreuse, single, single-yr")
 @click.option("--num-prompts", type=click.IntRange(1), help="default: every prompt of the dataset")
 @click.option("--output-len", type=click.IntRange(1), default=32, show_default=True, help="tokens per answer")
 @click.option("--max-concurrency", type=click.IntRange(1), default=1, show_default=True)
