@@ -113,3 +113,14 @@ def test_bench_single_targets_one_plain_instance_and_one_that_keeps_its_kv_in_th
             kv = json.loads(flag(launch.argv, "--kv-transfer-config"))
             assert kv["kv_role"] == role and kv["kv_connector_extra_config"]["ds_address"] == "10.0.0.1:31501"
         assert proxy_launch(want, want_plan, PATHS) is None
+
+
+def test_bench_kv_pool_size_reaches_every_target_and_a_single_instance_gets_the_pd_pools_together():
+    from yrpd.bench.run import variant
+
+    spec, _ = deployment(DeviceKind.cpu, devices=2, hosts=("h1",))
+    sizes = {t: flag(variant(spec, t, DeviceKind.cpu, kv_cache_mb=128).engine_args, "--kv-cache-memory-bytes")
+             for t in ("pd", "pd-noreuse", "single", "single-yr")}
+    assert sizes == {"pd": str(128 << 20), "pd-noreuse": str(128 << 20), "single": str(256 << 20),
+                     "single-yr": str(256 << 20)}
+    assert "--no-enable-prefix-caching" in variant(spec, "pd-noreuse", DeviceKind.cpu, kv_cache_mb=128).engine_args

@@ -40,7 +40,9 @@ def markdown(results: dict, meta: dict) -> str:
     names = list(results)
     lines = [f"# yrpd bench: {meta.get('prompts')} prompts, {meta.get('groups')} groups x "
              f"{meta.get('prompts_per_group')}, prefix {meta.get('prefix_len')} + suffix {meta.get('suffix_len')} "
-             f"tokens, seed {meta.get('seed')}", "",
+             f"tokens, seed {meta.get('seed')}"
+             + (f", KV pool {meta['kv_cache_mb_per_instance']} MB per instance" if meta.get("kv_cache_mb_per_instance")
+                else ""), "",
              "| metric | " + " | ".join(f"{n} ({results[n]['description']})" for n in names) + " |",
              "|---|" + "---|" * len(names)]
     for label, key, unit in ROWS:

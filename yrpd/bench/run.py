@@ -33,8 +33,15 @@ TARGETS = {
 }
 
 
-def variant(spec: DeploySpec, target: str, kind: DeviceKind) -> DeploySpec:
+def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | None = None) -> DeploySpec:
+    """The spec a target runs with; `kv_cache_mb` sizes each PD instance's own KV pool (the `overflow` workload:
+    a working set larger than the pools, so only a store beyond them keeps the reuse). A single instance runs on
+    the devices of all PD instances and gets their pools together."""
     data = spec.model_dump(mode="json")
+    if kv_cache_mb:
+        pools = spec.prefill + spec.decode if target.startswith("single") else 1
+        data["engine_args"] = [*spec.engine_args, "--kv-cache-memory-bytes", str((kv_cache_mb * pools) << 20)]
+        spec = spec.model_copy(update={"engine_args": data["engine_args"]})
     if target == "pd":
         data.update(disaggregated=True, prefix_reuse=True)
     elif target == "pd-noreuse":
@@ -106,7 +113,7 @@ def bench_serve(vllm_venv: Path, url: str, model: str, tokenizer: Path, dataset:
 
 def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str], dataset: Path, out_dir: Path,
                 vllm_venv: Path, tokenizer: Path, num_prompts: int, output_len: int, concurrency: int, seed: int,
-                restore: bool, log=print, progress=None) -> dict:
+                restore: bool, log=print, progress=None, kv_cache_mb: int | None = None) -> dict:
     from yrpd.serving import endpoint_url
     from yrpd.steps import spec_fingerprint
 
@@ -115,7 +122,7 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str],
     results: dict[str, dict] = {}
     try:
         for target in targets:
-            want = variant(original, target, kind)
+            want = variant(original, target, kind, kv_cache_mb)
             live = current is not None and spec_fingerprint(want) == spec_fingerprint(spec)
             if not live:
                 if current is not None:

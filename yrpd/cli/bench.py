@@ -95,6 +95,9 @@ def dataset(**params) -> int:
 @click.option("--num-prompts", type=click.IntRange(1), help="default: every prompt of the dataset")
 @click.option("--output-len", type=click.IntRange(1), default=32, show_default=True, help="tokens per answer")
 @click.option("--max-concurrency", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--kv-cache-mb", type=click.IntRange(1), default=None,
+              help="size every instance's own KV pool (vLLM --kv-cache-memory-bytes): a working set larger than it "
+                   "shows what a store beyond it keeps (default: vLLM's own sizing)")
 @click.option("--vllm-venv", type=click.Path(path_type=Path, file_okay=False),
               help="local venv with vLLM for `vllm bench serve` (default: <env_root>/vllm)")
 @click.option("--no-restore", is_flag=True, help="leave the last target deployed instead of the original spec")
@@ -144,7 +147,8 @@ def run(**params) -> int:
     results = run_targets(session, deployment.spec, kind, targets, dataset_file, out_dir, vllm_venv, tokenizer,
                           params["num_prompts"] or meta["prompts"], params["output_len"], params["max_concurrency"],
                           params["seed"], restore=not params["no_restore"], log=console.print,
-                          progress=ConsoleProgress())
+                          progress=ConsoleProgress(), kv_cache_mb=params["kv_cache_mb"])
+    meta["kv_cache_mb_per_instance"] = params["kv_cache_mb"]
     report = write_report(results, meta, out_dir)
     out().print(report, markup=False, highlight=False)
     console.print(f"results: {out_dir}/results.json, report.md, ttft_throughput.png")
