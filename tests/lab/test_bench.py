@@ -54,6 +54,28 @@ def test_tiny_bench_runs_all_three_targets_and_reports_what_it_measured(netns, t
         report = json.loads(status.stdout)
         assert {(i["role"], i["healthy"]) for i in report["instances"]} == {("prefill", True), ("decode", True)}
         assert report["proxy"]["healthy"]
+
+        # two saved runs side by side: the same run against itself is 1.000 everywhere
+        same = in_ns(netns, *yrpd, "bench", "compare", str(results_dir), str(results_dir), env=env)
+        assert same.returncode == 0 and "| pd | mean TTFT (ms) |" in same.stdout and " 1.000 |" in same.stdout
+
+        # the mixed workload: streams with their own answer lengths, long prompts with two tokens each
+        mixed = ["bench", "dataset", "--workload", "mixed", "--streams", "2", "--stream-output-len", "16",
+                 "--long-prompts", "2", "--prefix-len", "256", "--suffix-len", "256"]
+        made = in_ns(netns, *yrpd, *mixed, "--out", "mixed.jsonl", env=env, cwd=tmp_path)
+        assert made.returncode == 0, made.stderr
+        items = [json.loads(line) for line in (tmp_path / "mixed.jsonl").read_text().splitlines()]
+        assert sorted(i["output_tokens"] for i in items) == [2, 2, 16, 16]
+        # then the target that keeps a single instance's KV in the data system, on that dataset: answers all,
+        # each with the length the dataset asks for, and its connector saved blocks
+        run = in_ns(netns, *yrpd, "bench", "run", "--targets", "single-yr", "--dataset", "mixed.jsonl",
+                    "--no-restore", env=env, timeout=1200, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-4000:]
+        doc = json.loads((sorted((tmp_path / "home" / "sessions").glob("*/bench/*"))[-1] / "results.json").read_text())
+        single_yr = doc["targets"]["single-yr"]
+        assert single_yr["metrics"]["completed"] == 4 and single_yr["metrics"]["total_output_tokens"] == 36
+        assert single_yr["counters"]["saved_blocks"] > 0
+        assert "mixed: 2 prompts of 64 tokens streaming 16 tokens" in (run.stdout + run.stderr)
     finally:
         for _ in range(2):  # the bench's last target, then anything it left
             in_ns(netns, *yrpd, "down", env=env, timeout=300)

@@ -70,7 +70,36 @@ def generate(spec: DatasetSpec, tokenizer) -> tuple[list[str], dict]:
     return prompts, meta
 
 
-def write(prompts: list[str], meta: dict, out: Path) -> None:
+@dataclass(frozen=True)
+class MixedSpec:
+    """Long prompts arriving while other requests stream long answers: what PD promises to keep steady is the
+    streams' time per output token, which on one instance stalls behind every long prefill."""
+    streams: int  # short prompts that each stream a long answer
+    stream_prompt_len: int
+    stream_output_len: int
+    long_prompts: int  # unique long prompts (nothing to reuse), 2 output tokens each
+    long_len: int
+    seed: int = 0
+
+
+def generate_mixed(spec: MixedSpec, tokenizer) -> tuple[list[dict], dict]:
+    rng = random.Random(spec.seed)
+    ids = ordinary_ids(tokenizer)
+    streams = [{"prompt": text_of_length(tokenizer, ids, rng, spec.stream_prompt_len),
+                "output_tokens": spec.stream_output_len} for _ in range(spec.streams)]
+    longs = [{"prompt": text_of_length(tokenizer, ids, rng, spec.long_len), "output_tokens": 2}
+             for _ in range(spec.long_prompts)]
+    # streams first, then long prompts spread among the rest: each long prefill meets streams already decoding
+    head = streams[: max(1, len(streams) // 2)]
+    rest = streams[len(head):] + longs
+    rng.shuffle(rest)
+    items = head + rest
+    meta = {"workload": "mixed", **asdict(spec), "prompts": len(items)}
+    return items, meta
+
+
+def write(prompts: list, meta: dict, out: Path) -> None:
+    """JSONL for `vllm bench serve --dataset-name custom`: each item a prompt, or a dict with its output_tokens."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    out.write_text("".join(json.dumps(p if isinstance(p, dict) else {"prompt": p}) + "\n" for p in prompts))
     out.with_name(out.name + ".meta.json").write_text(json.dumps(meta, indent=2) + "\n")

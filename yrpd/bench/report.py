@@ -33,14 +33,24 @@ def ratios(results: dict) -> dict:
         b = results.get(base, {}).get("metrics", {}).get("mean_ttft_ms")
         if a and b:
             out[f"{mine}/{base} mean TTFT"] = round(a / b, 3)
+    # the mixed workload's goal: streams keep their pace while long prompts are prefilled elsewhere
+    a = results.get("pd", {}).get("metrics", {}).get("p99_tpot_ms")
+    b = results.get("single", {}).get("metrics", {}).get("p99_tpot_ms")
+    if a and b:
+        out["pd/single p99 TPOT"] = round(a / b, 3)
     return out
 
 
 def markdown(results: dict, meta: dict) -> str:
     names = list(results)
-    lines = [f"# yrpd bench: {meta.get('prompts')} prompts, {meta.get('groups')} groups x "
-             f"{meta.get('prompts_per_group')}, prefix {meta.get('prefix_len')} + suffix {meta.get('suffix_len')} "
-             f"tokens, seed {meta.get('seed')}"
+    if meta.get("workload") == "mixed":
+        shape = (f"mixed: {meta.get('streams')} prompts of {meta.get('stream_prompt_len')} tokens streaming "
+                 f"{meta.get('stream_output_len')} tokens, {meta.get('long_prompts')} long prompts of "
+                 f"{meta.get('long_len')} tokens, seed {meta.get('seed')}")
+    else:
+        shape = (f"{meta.get('prompts')} prompts, {meta.get('groups')} groups x {meta.get('prompts_per_group')}, "
+                 f"prefix {meta.get('prefix_len')} + suffix {meta.get('suffix_len')} tokens, seed {meta.get('seed')}")
+    lines = [f"# yrpd bench: {shape}"
              + (f", KV pool {meta['kv_cache_mb_per_instance']} MB per instance" if meta.get("kv_cache_mb_per_instance")
                 else ""), "",
              "| metric | " + " | ".join(f"{n} ({results[n]['description']})" for n in names) + " |",
@@ -106,7 +116,8 @@ def compare(before: dict, after: dict) -> tuple[str, list[str]]:
     """Two saved runs side by side: for each target both ran, each metric's value in both and after/before.
     Returns the Markdown table and warnings (runs on different datasets, targets only one of them ran)."""
     warnings = []
-    shape = ("prompts", "groups", "prompts_per_group", "prefix_len", "suffix_len", "seed")
+    shape = ("workload", "prompts", "groups", "prompts_per_group", "prefix_len", "suffix_len", "streams",
+             "stream_output_len", "long_prompts", "long_len", "seed", "kv_cache_mb_per_instance")
     differs = [k for k in shape if before["dataset"].get(k) != after["dataset"].get(k)]
     if differs:
         warnings.append("the two runs used different datasets (" + ", ".join(

@@ -40,8 +40,14 @@ def _deployed_tokenizer(deployment) -> Path:
 
 def _write_dataset(params: dict, tokenizer: Path, out: Path) -> dict:
     """Generate the dataset the options describe and write it to out; its metadata."""
-    from yrpd.bench.dataset import DatasetSpec, generate, load_tokenizer, write
+    from yrpd.bench.dataset import DatasetSpec, MixedSpec, generate, generate_mixed, load_tokenizer, write
 
+    if params["workload"] == "mixed":
+        mixed = MixedSpec(params["streams"], params["stream_prompt_len"], params["stream_output_len"],
+                          params["long_prompts"], params["prefix_len"] + params["suffix_len"], params["seed"])
+        prompts, meta = generate_mixed(mixed, load_tokenizer(tokenizer))
+        write(prompts, meta, out)
+        return meta
     spec = DatasetSpec(params["groups"], params["prompts_per_group"], params["prefix_len"], params["suffix_len"],
                        params["seed"])
     prompts, meta = generate(spec, load_tokenizer(tokenizer))
@@ -51,6 +57,15 @@ def _write_dataset(params: dict, tokenizer: Path, out: Path) -> dict:
 
 def _dataset_options(func):
     for option in reversed([
+        click.option("--workload", type=click.Choice(["prefix", "mixed"]), default="prefix", show_default=True,
+                     help="prefix: groups sharing prefixes; mixed: long unique prompts (prefix + suffix tokens) "
+                          "arriving while short prompts stream long answers"),
+        click.option("--streams", type=click.IntRange(1, 10000), default=8, show_default=True,
+                     help="mixed: prompts that stream long answers"),
+        click.option("--stream-prompt-len", type=click.IntRange(1, 100000), default=64, show_default=True),
+        click.option("--stream-output-len", type=click.IntRange(1, 100000), default=128, show_default=True),
+        click.option("--long-prompts", type=click.IntRange(1, 10000), default=8, show_default=True,
+                     help="mixed: long prompts, 2 output tokens each"),
         click.option("--groups", type=click.IntRange(1, 10000), default=4, show_default=True,
                      help="prompt groups (each shares one prefix)"),
         click.option("--prompts-per-group", type=click.IntRange(1, 10000), default=4, show_default=True),
@@ -81,8 +96,12 @@ def dataset(**params) -> int:
 
         tokenizer = _deployed_tokenizer(api.open_deployment(params["session_id"]))
     meta = _write_dataset(params, tokenizer, params["out"])
-    err().print(f"wrote {meta['prompts']} prompts of {meta['prompt_tokens_min']}-{meta['prompt_tokens_max']} "
-                f"tokens to {params['out']}")
+    if meta.get("workload") == "mixed":
+        err().print(f"wrote {meta['streams']} streaming prompts ({meta['stream_output_len']} tokens each) and "
+                    f"{meta['long_prompts']} long prompts of {meta['long_len']} tokens to {params['out']}")
+    else:
+        err().print(f"wrote {meta['prompts']} prompts of {meta['prompt_tokens_min']}-{meta['prompt_tokens_max']} "
+                    f"tokens to {params['out']}")
     return 0
 
 
@@ -145,7 +164,8 @@ def run(**params) -> int:
         meta = _write_dataset(params, tokenizer, dataset_file)
     console = err()
     results = run_targets(session, deployment.spec, kind, targets, dataset_file, out_dir, vllm_venv, tokenizer,
-                          params["num_prompts"] or meta["prompts"], params["output_len"], params["max_concurrency"],
+                          params["num_prompts"] or meta["prompts"],
+                          -1 if meta.get("workload") == "mixed" else params["output_len"], params["max_concurrency"],
                           params["seed"], restore=not params["no_restore"], log=console.print,
                           progress=ConsoleProgress(), kv_cache_mb=params["kv_cache_mb"])
     meta["kv_cache_mb_per_instance"] = params["kv_cache_mb"]
