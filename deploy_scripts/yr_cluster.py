@@ -107,7 +107,7 @@ def cache_use():
     last = tail(path, 1)
     if not last:
         return None
-    fields = [f.strip() for f in last[0].split(" | ")]
+    fields = [f.strip() for f in last[0].split("|")]  # the line ends with a separator too
     try:
         shm, spill = fields[7].split("/"), fields[8].split("/")
         hits = next(f for f in reversed(fields) if f.count("/") == 4 and "." not in f).split("/")
@@ -116,7 +116,7 @@ def cache_use():
                 "hits_memory": int(hits[0]), "hits_disk": int(hits[1]), "hits_remote": int(hits[3]),
                 "misses": int(hits[4])}
     except (IndexError, ValueError, StopIteration):
-        return {"error": f"unexpected line in {path}: {last[0][:200]}"}
+        return {"error": f"unexpected line in {path}: ...{last[0][-300:]}"}
 
 
 def snapshot():
