@@ -142,9 +142,16 @@ def status():
             sup = {"pid": supervisor, "state": "running", "restarts": 0}
         pid = sup.get("pid") if watched else None
         alive = watched and pid is not None and pid in live and sup.get("state") == "running"
+        if not watched and sup.get("state") == "running" and sup.get("pid") in live \
+                and process_ids(sup["pid"]) == (sup["pid"], sup.get("supervisor")):
+            # its supervisor was killed, the command runs on (in that supervisor's session): it serves, but
+            # nothing would restart it; the next `yrpd deploy` starts a supervisor that takes it over
+            pid, alive = sup["pid"], True
+            sup = {**sup, "state": "unsupervised"}
         processes.append({"name": name, "pid": pid, "alive": alive, "rss_mb": rss_mb(pid) if alive else None,
                           "command": cmdline(pid) if alive else None, "supervisor": supervisor if watched else None,
-                          "state": sup.get("state") if watched or sup.get("state") in ("failed", "exited") else "dead",
+                          "state": sup.get("state") if watched or sup.get("state") in ("failed", "exited", "unsupervised")
+                          else "dead",
                           "restarts": sup.get("restarts", 0), "reason": sup.get("reason"),
                           "last_log": None if alive else log_tail(name)})
     leaders = {p["pid"] for p in processes} | {p["supervisor"] for p in processes}

@@ -127,6 +127,8 @@ def status_tables(report: StatusReport) -> list[Table | Text]:
             procs.add_column(column)
         for p in report.processes:
             state = yes_no(p.alive, "running", p.condition) if p.condition != "restarting" else "[yellow]restarting[/yellow]"
+            if p.state == "unsupervised":
+                state = "[yellow]unsupervised[/yellow]"
             procs.add_row(p.host, p.name, str(p.pid or "-"), state, str(p.restarts), str(p.rss_mb or "-"))
         tables.append(procs)
     cluster = report.cluster

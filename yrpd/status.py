@@ -49,7 +49,9 @@ class ProcessStatus:
     rss_mb: float | None = None
     command: str | None = None
     supervisor: int | None = None  # None: nothing watches it (not started, stopped, or given up)
-    state: str = "dead"  # running | backoff (restarting) | failed (gave up) | exited (restart off) | stopped | dead
+    # running | backoff (restarting) | failed (gave up) | exited (restart off) | stopped | dead | unsupervised
+    # (alive, but its supervisor was killed: nothing would restart it)
+    state: str = "dead"
     restarts: int = 0
     reason: str | None = None  # why it last ended
     last_log: list[str] | None = None  # the last lines its command logged, while it is not running
@@ -251,6 +253,9 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
             procs.append(p)
             if not p.alive and phase is not SessionPhase.down:
                 problems.append(_process_problem(p, plan_host.name))
+            elif p.state == "unsupervised" and phase is not SessionPhase.down:
+                problems.append(f"{p.name} on {plan_host.name} runs without its supervisor (killed?): nothing restarts "
+                                f"it if it dies; `yrpd deploy` puts it under a new one (restarting it)")
         if deployed and not own["host"]["session_dir_exists"]:
             problems.append(f"{plan_host.name}: session directory missing")
         entry.healthy = all(p["alive"] for p in own["processes"])

@@ -138,6 +138,18 @@ def test_the_kv_cache_table_shows_each_workers_memory_disk_and_hits(tmp_path):
     assert row(text, "h2", "10 / 256")[2] == "0 / 1,024"
 
 
+def test_a_process_whose_supervisor_was_killed_is_running_but_flagged(tmp_path):
+    def orphan(answer):
+        proc = next(p for p in answer["processes"]["processes"] if p["name"] == "decode-0")
+        proc.update(state="unsupervised", supervisor=None)
+
+    r = report(tmp_path, edit={"h2": orphan})
+    assert row(shown(*status_tables(r)), "h2", "decode-0")[3] == "unsupervised"
+    assert next(i for i in r.instances if i.name == "decode-0").healthy  # it serves
+    assert r.problems == ["decode-0 on h2 runs without its supervisor (killed?): nothing restarts it if it dies; "
+                          "`yrpd deploy` puts it under a new one (restarting it)"]
+
+
 def test_cluster_components_show_their_restarts(tmp_path):
     text = shown(*status_tables(report(tmp_path, h2={"restarts": 3})))
     assert row(text, "h2", "ds_worker")[3:] == ["running", "3", "ds_worker up"]

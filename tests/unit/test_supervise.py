@@ -129,19 +129,36 @@ def test_a_new_supervisor_stops_what_a_killed_one_left_running(supervised, tmp_p
     assert "stopping what is left of its previous run" in successor.log.read_text()
 
 
+def host_status(tmp_path, supervisor_pid: int) -> dict:
+    """What session_processes.py answers for the supervised process `p` (its pid file naming `supervisor_pid`)."""
+    (tmp_path / "p.pid").write_text(str(supervisor_pid))
+    args = {"dir": str(tmp_path), "id": "unit", "action": "status", "pidfile": f"{tmp_path}/{{name}}.pid",
+            "state": f"{tmp_path}/{{name}}.state.json", "log": f"{tmp_path}/{{name}}.log"}
+    script = SCRIPT.with_name("session_processes.py")
+    answer = json.loads(subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True,
+                                       text=True, check=True).stdout)
+    return next(p for p in answer["processes"] if p["name"] == "p")
+
+
+def test_a_command_whose_supervisor_was_killed_is_shown_alive_but_unsupervised(supervised, tmp_path, monkeypatch):
+    monkeypatch.setenv("YRPD_SESSION", "unit")  # the session's marker, as yrpd starts every supervisor with
+    s = supervised("exec sleep 300")
+    running = s.wait_for(lambda st: st["state"] == "running")
+    assert host_status(tmp_path, s.proc.pid)["state"] == "running"
+    os.kill(s.proc.pid, signal.SIGKILL)
+    s.proc.wait(5)
+    proc = host_status(tmp_path, s.proc.pid)
+    assert (proc["alive"], proc["pid"], proc["state"], proc["supervisor"]) == (True, running["pid"], "unsupervised",
+                                                                               None)
+
+
 def test_status_quotes_the_end_of_a_given_up_process_log_without_the_supervisor_lines(supervised, tmp_path):
     """What `yrpd status` shows for a process that failed: the host's own answer (session_processes.py) carries the
     last lines its command logged, so the cause is on screen."""
     s = supervised("echo 'Traceback (most recent call last):'; echo 'OSError: no model at /models/x' >&2; exit 1",
                    max_restarts=1)
     s.wait_for(lambda st: st["state"] == "failed", timeout=20)
-    (tmp_path / "p.pid").write_text(str(s.proc.pid))
-    args = {"dir": str(tmp_path), "id": "unit", "action": "status", "pidfile": f"{tmp_path}/{{name}}.pid",
-            "state": f"{tmp_path}/{{name}}.state.json", "log": f"{tmp_path}/{{name}}.log"}
-    script = SCRIPT.with_name("session_processes.py")
-    answer = json.loads(subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True,
-                                       text=True, check=True).stdout)
-    proc = next(p for p in answer["processes"] if p["name"] == "p")
+    proc = host_status(tmp_path, s.proc.pid)
     assert proc["state"] == "failed" and not proc["alive"]
     assert proc["last_log"][-2:] == ["Traceback (most recent call last):", "OSError: no model at /models/x"]
     assert not any(line.startswith("[yrpd supervisor") for line in proc["last_log"])
