@@ -126,7 +126,7 @@ def test_pd_in_containers_answers_like_one_instance_and_leaves_nothing(standin, 
         state = h2.exec(f"docker exec yrpd-{session} cat /tmp/yrpd_sessions/{session}/run/decode-0.state.json")
         victim = json.loads(state.stdout)["pid"]
         group = (f"for s in /proc/[0-9]*/stat; do read -r l < $s 2>/dev/null || continue; set -- ${{l##*) }}; "
-                 f"[ \"$1\" != Z ] && [ \"$3\" = {victim} ] && echo ${{s:6:-5}}; done")
+                 f"[ \"$1\" != Z ] && [ \"$3\" = {victim} ] && echo ${{s:6:-5}}; done; true")
         members = h2.exec(box + shlex.quote(group)).stdout.split()
         assert len(members) >= 2, members  # the API server and its EngineCore
         killed = time.monotonic()
