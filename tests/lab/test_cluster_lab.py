@@ -140,6 +140,11 @@ def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, 
         procs, ports = leftovers(host)
         assert procs == [], (host.name, procs)
         assert ports == [], (host.name, ports)
+        # the cluster's state on disk (rocksdb, etcd's data, the disk tier: ~0.5 GB a session) is gone, its logs stay
+        left = host.exec("find /tmp/yrpd_sessions -path '*/yr/*' \\( -name rocksdb -o -name etcd -o -name ds-spill "
+                         "\\) | head -5").stdout.split()
+        assert left == [], (host.name, left)
+        assert host.exec("ls /tmp/yrpd_sessions/*/yr/logs").stdout.strip(), host.name
     print(f"\nmeasured: 2 hosts bring-up (whole deploy) {bring_up:.1f}s, teardown {teardown:.1f}s")
 
 
