@@ -23,6 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from yrpd.serving import STATS_INTERVAL_S
 from yrpd.spec import DeploySpec, DeviceKind
 
 TARGETS = {
@@ -141,6 +142,7 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str],
             started = time.monotonic()
             raw = bench_serve(vllm_venv, url, deployed.spec.model_name, tokenizer, dataset, out_dir, target,
                               num_prompts, output_len, concurrency, seed)
+            time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the last land
             after = counters(current)
             results[target] = {
                 "description": TARGETS[target], "session": current, "url": url,
