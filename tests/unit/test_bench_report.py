@@ -42,3 +42,15 @@ def test_compare_of_something_that_is_not_a_run_exits_2_with_one_line(tmp_path, 
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert "SECOND:" in proc.stderr and "is not a saved bench run" in proc.stderr
+
+
+def test_a_preset_fills_the_shape_and_options_given_beside_it_win():
+    from yrpd.bench.dataset import PRESETS, apply_preset
+
+    defaults = {"groups": 4, "prompts_per_group": 4, "prefix_len": 1536, "suffix_len": 256, "output_len": 32,
+                "max_concurrency": 1, "seed": 0}
+    guide = apply_preset(defaults, "guide", explicit={"max_concurrency"})
+    assert (guide["groups"], guide["prompts_per_group"], guide["prefix_len"], guide["suffix_len"]) == (30, 100, 2048, 6144)
+    assert guide["output_len"] == 2 and guide["max_concurrency"] == 1  # the user's --max-concurrency stays
+    assert apply_preset(defaults, None, set()) == defaults
+    assert PRESETS["cpu"]["max_concurrency"] >= 2  # the "seed at concurrency >= 2"

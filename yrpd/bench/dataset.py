@@ -70,6 +70,23 @@ def generate(spec: DatasetSpec, tokenizer) -> tuple[list[str], dict]:
     return prompts, meta
 
 
+# `yrpd bench run --preset NAME`: the guide's benchmark (30 groups x 100 prompts, 2 k prefix + 6 k suffix tokens,
+# concurrency 8, 2 output tokens), for NPU hosts; and the same shape scaled to a 2-core CPU.
+PRESETS = {
+    "guide": {"groups": 30, "prompts_per_group": 100, "prefix_len": 2048, "suffix_len": 6144, "output_len": 2,
+              "max_concurrency": 8},
+    "cpu": {"groups": 4, "prompts_per_group": 4, "prefix_len": 1536, "suffix_len": 256, "output_len": 2,
+            "max_concurrency": 2},
+}
+
+
+def apply_preset(params: dict, name: str | None, explicit: set[str]) -> dict:
+    """`params` with the preset's values, except where the user gave an option on the command line."""
+    if not name:
+        return params
+    return {**params, **{k: v for k, v in PRESETS[name].items() if k not in explicit}}
+
+
 @dataclass(frozen=True)
 class MixedSpec:
     """Long prompts arriving while other requests stream long answers: what PD promises to keep steady is the

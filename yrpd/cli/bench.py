@@ -109,6 +109,9 @@ def dataset(**params) -> int:
 @_dataset_options
 @click.option("--dataset", "dataset_file", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               help="a JSONL from `yrpd bench dataset` (default: generate one with the options above)")
+@click.option("--preset", type=click.Choice(["guide", "cpu"]),
+              help="guide: the openYuanrong guide's benchmark (30 x 100 prompts of 2k + 6k tokens, concurrency 8, "
+                   "2 output tokens; NPU hosts); cpu: its shape scaled to a small CPU host. Options given beside it win")
 @click.option("--targets", default="pd,pd-noreuse,single", show_default=True,
               help="comma-separated: pd, pd-noreuse, single, single-yr")
 @click.option("--num-prompts", type=click.IntRange(1), help="default: every prompt of the dataset")
@@ -136,6 +139,13 @@ def run(**params) -> int:
     from yrpd.errors import SpecError
     from yrpd.session import SessionPhase
 
+    from click.core import ParameterSource
+
+    from yrpd.bench.dataset import apply_preset
+
+    ctx = click.get_current_context()
+    explicit = {n for n in params if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE}
+    params = apply_preset(params, params["preset"], explicit)
     targets = [t.strip() for t in params["targets"].split(",") if t.strip()]
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
