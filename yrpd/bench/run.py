@@ -39,15 +39,17 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
     a working set larger than the pools, so only a store beyond them keeps the reuse). A single instance runs on
     the devices of all PD instances and gets their pools together."""
     data = spec.model_dump(mode="json")
+    engine_args = list(spec.engine_args)
     if kv_cache_mb:
         pools = spec.prefill + spec.decode if target.startswith("single") else 1
-        data["engine_args"] = [*spec.engine_args, "--kv-cache-memory-bytes", str((kv_cache_mb * pools) << 20)]
-        spec = spec.model_copy(update={"engine_args": data["engine_args"]})
+        engine_args += ["--kv-cache-memory-bytes", str((kv_cache_mb * pools) << 20)]
+    if target == "pd-noreuse":
+        engine_args.append("--no-enable-prefix-caching")
+    data["engine_args"] = engine_args
     if target == "pd":
         data.update(disaggregated=True, prefix_reuse=True)
     elif target == "pd-noreuse":
-        data.update(disaggregated=True, prefix_reuse=False,
-                    engine_args=[*spec.engine_args, "--no-enable-prefix-caching"])
+        data.update(disaggregated=True, prefix_reuse=False)
     elif target in ("single", "single-yr"):
         data.update(single_kv_store=target == "single-yr")
         devices = spec.prefill * spec.ptp * spec.pdp + spec.decode * spec.dtp * spec.ddp

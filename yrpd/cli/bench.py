@@ -46,11 +46,10 @@ def _write_dataset(params: dict, tokenizer: Path, out: Path) -> dict:
         mixed = MixedSpec(params["streams"], params["stream_prompt_len"], params["stream_output_len"],
                           params["long_prompts"], params["prefix_len"] + params["suffix_len"], params["seed"])
         prompts, meta = generate_mixed(mixed, load_tokenizer(tokenizer))
-        write(prompts, meta, out)
-        return meta
-    spec = DatasetSpec(params["groups"], params["prompts_per_group"], params["prefix_len"], params["suffix_len"],
-                       params["seed"])
-    prompts, meta = generate(spec, load_tokenizer(tokenizer))
+    else:
+        spec = DatasetSpec(params["groups"], params["prompts_per_group"], params["prefix_len"], params["suffix_len"],
+                           params["seed"])
+        prompts, meta = generate(spec, load_tokenizer(tokenizer))
     write(prompts, meta, out)
     return meta
 
@@ -191,8 +190,6 @@ def run(**params) -> int:
 @version
 def compare(first: Path, second: Path) -> int:
     """Two saved runs side by side (each a bench directory or its results.json): every metric and second/first."""
-    import json
-
     from yrpd.bench.report import compare as side_by_side, load_results
     from yrpd.console import err, out
     from yrpd.errors import SpecError
@@ -201,7 +198,7 @@ def compare(first: Path, second: Path) -> int:
     for name, path in (("FIRST", first), ("SECOND", second)):
         try:
             runs.append(load_results(path))
-        except (OSError, ValueError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # a JSONDecodeError is a ValueError
             raise SpecError(name, f"{path} is not a saved bench run ({exc.__class__.__name__})",
                             "pass a directory `yrpd bench run` wrote (…/bench/<time>) or its results.json") from None
         if "targets" not in runs[-1] or "dataset" not in runs[-1]:

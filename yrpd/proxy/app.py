@@ -322,9 +322,10 @@ class Proxy:
                     now = time.monotonic()
                     ttft = now - call.started
                     self.metrics.ttft.observe(ttft)
-                    self.metrics.observe_own(call.own_s(now))
+                    own = call.own_s(now)
+                    self.metrics.observe_own(own)
                     call.note["ttft_ms"] = round(ttft * 1000)
-                    call.note["own_ms"] = round(call.own_s(now) * 1000, 1)
+                    call.note["own_ms"] = round(own * 1000, 1)
                 if sse:
                     # Whole events only, so a stream that breaks never leaves half an event before the error event.
                     pending += chunk

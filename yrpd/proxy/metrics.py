@@ -19,6 +19,11 @@ class Histogram:
         self.sum = 0.0
         self.count = 0
 
+    def samples(self) -> list:
+        """(suffix, labels, value) rows of this histogram in the Prometheus text format."""
+        return [*(("_bucket", {"le": _number(b)}, c) for b, c in zip(self.buckets, self.counts)),
+                ("_bucket", {"le": "+Inf"}, self.count), ("_sum", {}, self.sum), ("_count", {}, self.count)]
+
     def observe(self, value: float) -> None:
         for n, bound in enumerate(self.buckets):
             if value <= bound:
@@ -67,17 +72,12 @@ class Metrics:
                [("", labels, i.errors) for labels, i in instances])
         family("yrpd_proxy_upstream_requests_total", "counter", "Requests sent to an instance.",
                [("", labels, i.requests) for labels, i in instances])
-        h = self.ttft
         family("yrpd_proxy_ttft_seconds", "histogram",
                "Streamed requests: seconds from the request's arrival to the first byte from decode.",
-               [*(("_bucket", {"le": _number(b)}, c) for b, c in zip(h.buckets, h.counts)),
-                ("_bucket", {"le": "+Inf"}, h.count), ("_sum", {}, h.sum), ("_count", {}, h.count)])
-        h = self.own
+               self.ttft.samples())
         family("yrpd_proxy_own_seconds", "histogram",
                "Successful generations: seconds the proxy itself spent before the first token (streamed) or the "
-               "answer, not counting the waits for prefill and decode.",
-               [*(("_bucket", {"le": _number(b)}, c) for b, c in zip(h.buckets, h.counts)),
-                ("_bucket", {"le": "+Inf"}, h.count), ("_sum", {}, h.sum), ("_count", {}, h.count)])
+               "answer, not counting the waits for prefill and decode.", self.own.samples())
         return "\n".join(out) + "\n"
 
 
