@@ -2,7 +2,7 @@
 
 `<remote_session_root>/<session id>/` holds `logs/<process>.log`, `run/<process>.pid` (its supervisor's pid),
 `run/<process>.state.json` (what its supervisor knows), `run/supervise.py`, the connector's stats files
-`run/kv-<instance>-<side>-rank<N>.json`, and `tmp/`; `<remote_session_root>/latest` links the newest session.
+`run/kv-<instance>-<side>-rank<N>.json`, `tmp/`, and `kv-files/` (KV as files, `kv_connector: example`); `<remote_session_root>/latest` links the newest session.
 Steps, status and the CLI build their paths here. The host scripts (deploy_scripts/) get the paths they need in
 their JSON arguments, as `{name}` templates from `for_scripts()`, so they spell none of it themselves.
 """
@@ -59,6 +59,11 @@ class HostSessionLayout:
     def kv_stats(self, instance: str) -> str:
         """The connector's stats file per side and rank; `{side}` and `{rank}` are filled in by the connector."""
         return f"{self.run_dir}/kv-{instance}-{{side}}-rank{{rank}}.json"
+
+    @property
+    def kv_files(self) -> str:
+        """Where vLLM's reference connector keeps KV as files (`kv_connector: example`); `down` removes it."""
+        return f"{self.dir}/kv-files"
 
     @property
     def client_logs(self) -> str:

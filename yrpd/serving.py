@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from yrpd.layout import HostSessionLayout
 from yrpd.placement import HostPlan, InstancePlan, Plan
-from yrpd.spec import BUILTIN_MODEL, DeploySpec, DeviceKind
+from yrpd.spec import BUILTIN_MODEL, DeploySpec, DeviceKind, KvConnector
 
 #: role -> connector role; with prefix reuse, prefill also loads prefixes other requests stored
 CONNECTOR_ROLES = {("prefill", False): "kv_producer", ("prefill", True): "kv_both",
@@ -126,6 +126,10 @@ def proxy_url(spec: DeploySpec, plan: Plan) -> str:
 
 
 def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: HostPaths) -> dict:
+    if spec.kv_connector is KvConnector.example:
+        # it stores what it has not found and loads what it finds, whatever the role
+        return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": paths.session.kv_files}}
     host = host_of(plan, inst.host)
     extra = {
         "ds_address": f"{host.reach_ip}:{spec.ports.datasystem}",

@@ -56,6 +56,13 @@ class Dtype(str, Enum):
     float16 = "float16"
 
 
+class KvConnector(str, Enum):
+    """What moves KV between the instances and keeps it beyond their own memory."""
+
+    yuanrong = "yuanrong"  # yrpd's connector: the openYuanrong data system
+    example = "example"  # vLLM's reference connector (files on one host): a peer `yrpd bench` compares against
+
+
 class ContainerEngine(str, Enum):
     docker = "docker"
     podman = "podman"  # where its CLI is docker's (docs/dev/containers.md)
@@ -352,6 +359,9 @@ class DeploySpec(BaseModel):
     prefix_reuse: bool = True
     #: extra `vllm serve` arguments, after yrpd's own (the last occurrence of a flag wins)
     engine_args: list[str] = []
+    #: the KV connector: yrpd's own through the data system, or vLLM's reference `ExampleConnector` (safetensors
+    #: files under the session directory, one host only; the `peer-example-pd` target of `yrpd bench`)
+    kv_connector: KvConnector = KvConnector.yuanrong
     #: overrides for the connector's kv_connector_extra_config (docs/dev/connector.md lists the keys)
     connector: dict[str, Any] = {}
     #: address the proxy listens on; default the master's cluster address (127.0.0.1 for localhost)
@@ -476,6 +486,9 @@ class DeploySpec(BaseModel):
             raise SpecError("remote_session_root", f"is too long ({len(self.remote_session_root)} characters): vLLM's "
                             f"IPC socket paths under it would exceed the 107-byte limit of unix sockets",
                             f"use a path of at most {107 - longest + len(self.remote_session_root)} characters")
+        if self.kv_connector is KvConnector.example and len(self.hosts) > 1:
+            raise SpecError("kv_connector", "example shares KV through files, which only one host can see",
+                            "deploy it on one host, or use kv_connector: yuanrong")
         self._check_serving()
         return self
 

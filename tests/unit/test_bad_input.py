@@ -86,6 +86,9 @@ CASES = [
     ("unknown-dtype", GOOD + ["--dtype", "fp8"], None, "--dtype"),
     ("engine-args-owns-dtype", GOOD, "engine_args: ['--dtype', 'float16']\n", "engine_args: --dtype is set by yrpd"),
     ("unknown-builtin-model", GOOD[:-2] + ["--model", "builtin:gpt5"], None, "builtin:smollm2"),
+    ("example-connector-two-hosts", GOOD, "kv_connector: example\n",
+     "kv_connector: example shares KV through files, which only one host can see"),
+    ("unknown-kv-connector", GOOD, "kv_connector: mooncake\n", "kv_connector"),
     ("mixed-kinds", ["--hosts", "h1,h2", "--devices", "0-3", "--model", "/m"],
      "hosts:\n  - {address: h1, device_kind: npu}\n  - {address: h2, device_kind: cpu}\n", "hosts mix device kinds"),
 ]
@@ -137,3 +140,15 @@ def test_bad_deploy_options_exit_2_with_one_line(tmp_path, yrpd, yrpd_home, case
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
     assert not (yrpd_home / "sessions").exists() or not any((yrpd_home / "sessions").iterdir())
+
+
+def test_bench_target_that_cannot_run_on_the_deployment_is_refused_before_anything_is_torn_down(yrpd, yrpd_home):
+    from tests.unit.sessions import recorded
+
+    deployment = recorded(yrpd_home)  # two hosts: vLLM's file-based connector cannot hand KV across them
+    proc = yrpd("bench", "run", "--targets", "pd,peer-example-pd")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--targets: peer-example-pd cannot run on session" in lines[0], proc.stderr
+    assert "only one host" in lines[0] and "leave it out of --targets" in lines[0]
+    assert not (deployment.session.path / "bench").exists()

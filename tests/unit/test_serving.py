@@ -115,6 +115,29 @@ def test_bench_single_targets_one_plain_instance_and_one_that_keeps_its_kv_in_th
         assert proxy_launch(want, want_plan, PATHS) is None
 
 
+def test_bench_example_peer_hands_kv_over_through_one_files_directory_and_down_removes_it():
+    from yrpd.bench.run import variant
+    from yrpd.steps import StepContext
+    from yrpd.steps.instances import stop
+
+    spec, _ = deployment(DeviceKind.cpu, devices=2, hosts=("h1",))
+    want = variant(spec, "peer-example-pd", DeviceKind.cpu)
+    plan = make_plan(want, {"h1": HostInventory(DeviceKind.cpu, (0, 1), "10.0.0.1")})
+    kvs = [json.loads(flag(launch.argv, "--kv-transfer-config")) for launch in launches_on_host(want, plan, "h1", PATHS)]
+    assert [kv["kv_connector"] for kv in kvs] == ["ExampleConnector", "ExampleConnector"]
+    # prefill writes, decode reads: the same directory, inside the session (not vLLM's default /tmp)
+    assert {kv["kv_connector_extra_config"]["shared_storage_path"] for kv in kvs} == {"/tmp/yrpd_sessions/S/kv-files"}
+    assert proxy_launch(want, plan, PATHS) is not None
+    ctx = StepContext(spec=want, plan=plan, session_id="S")
+    assert stop(ctx, plan.hosts[0]).script.rstrip().endswith("rm -rf /tmp/yrpd_sessions/S/kv-files")
+    # the other targets are yrpd's connector again, and their teardown has nothing of the kind to remove
+    back = variant(want, "pd", DeviceKind.cpu)
+    back_plan = make_plan(back, {"h1": HostInventory(DeviceKind.cpu, (0, 1), "10.0.0.1")})
+    assert "kv-files" not in stop(StepContext(spec=back, plan=back_plan, session_id="S"), back_plan.hosts[0]).script
+    assert json.loads(flag(launches_on_host(back, back_plan, "h1", PATHS)[0].argv, "--kv-transfer-config"))[
+        "kv_connector"] == "YuanrongConnector"
+
+
 def test_bench_kv_pool_size_reaches_every_target_and_a_single_instance_gets_the_pd_pools_together():
     from yrpd.bench.run import variant
 

@@ -7,7 +7,10 @@ Targets, each a deployment of the same model on the same hosts and devices:
 - `single`: one plain vLLM instance (no disaggregation, no connector, vLLM defaults) on all the devices the
   PD instances use;
 - `single-yr`: the same instance with the yrpd connector as a prefix store (kv_both): what its own KV pool
-  cannot hold is looked up in the data system (memory, then its disk tier).
+  cannot hold is looked up in the data system (memory, then its disk tier);
+- `peer-example-pd`: the `pd` deployment with vLLM's reference `ExampleConnector` in place of yrpd's: the
+  handoff (and reuse of a whole prompt seen before) goes through safetensors files on the host's disk, what a
+  user gets from vLLM alone. One host only.
 
 A target that is not what is deployed now is deployed for the run (`yrpd down` of the current session, then
 `yrpd deploy --new-session` with the variant spec) and torn down after; the original spec is deployed again at
@@ -31,6 +34,7 @@ TARGETS = {
     "pd-noreuse": "PD, prefix reuse off",
     "single": "single instance, same devices",
     "single-yr": "single instance, KV also in the data system",
+    "peer-example-pd": "PD through vLLM's ExampleConnector (files)",
 }
 
 
@@ -46,7 +50,10 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
     if target == "pd-noreuse":
         engine_args.append("--no-enable-prefix-caching")
     data["engine_args"] = engine_args
+    data["kv_connector"] = "example" if target == "peer-example-pd" else "yuanrong"
     if target == "pd":
+        data.update(disaggregated=True, prefix_reuse=True)
+    elif target == "peer-example-pd":
         data.update(disaggregated=True, prefix_reuse=True)
     elif target == "pd-noreuse":
         data.update(disaggregated=True, prefix_reuse=False)

@@ -112,7 +112,7 @@ def dataset(**params) -> int:
               help="guide: the openYuanrong guide's benchmark (30 x 100 prompts of 2k + 6k tokens, concurrency 8, "
                    "2 output tokens; NPU hosts); cpu: its shape scaled to a small CPU host. Options given beside it win")
 @click.option("--targets", default="pd,pd-noreuse,single", show_default=True,
-              help="comma-separated: pd, pd-noreuse, single, single-yr")
+              help="comma-separated: pd, pd-noreuse, single, single-yr, peer-example-pd")
 @click.option("--num-prompts", type=click.IntRange(1), help="default: every prompt of the dataset")
 @click.option("--output-len", type=click.IntRange(1), default=32, show_default=True, help="tokens per answer")
 @click.option("--max-concurrency", type=click.IntRange(1), default=1, show_default=True)
@@ -157,6 +157,14 @@ def run(**params) -> int:
     if not deployment.spec.disaggregated:
         raise SpecError("bench", f"session {session.id} is not a PD deployment", "bench a PD deployment")
     kind = deployment.plan.hosts[0].kind
+    from yrpd.bench.run import variant
+
+    for target in targets:  # every target's spec is checked before the first one is deployed
+        try:
+            variant(deployment.spec, target, kind, params["kv_cache_mb"])
+        except SpecError as e:
+            raise SpecError("--targets", f"{target} cannot run on session {session.id} ({e.field}: {e.problem})",
+                            "leave it out of --targets") from None
     tokenizer = params["tokenizer"] or _deployed_tokenizer(deployment)
     vllm_venv = params["vllm_venv"] or Path(deployment.spec.env_root) / "vllm"
     if not (vllm_venv / "bin" / "vllm").exists():

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
+from dataclasses import replace
+
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
 from yrpd.serving import launches_on_host
+from yrpd.spec import KvConnector
 from yrpd.steps import NotNeeded, StepContext, host_python, shell_command
 from yrpd.steps.processes import _alive_test, start_script
 from yrpd.steps.processes import stop as stop_processes
@@ -40,4 +44,10 @@ def wait_healthy(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
 
 
 def stop(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
-    return stop_processes(ctx, host, [launch.name for launch in _launches(ctx, host)], grace=20)
+    command = stop_processes(ctx, host, [launch.name for launch in _launches(ctx, host)], grace=20)
+    if isinstance(command, NotNeeded) or ctx.spec.kv_connector is not KvConnector.example:
+        return command
+    # the reference connector's KV files (tens of MB per prompt) go once no instance can write them any more
+    files = shlex.quote(ctx.layout.kv_files)
+    return replace(command, script=f"{command.script}rm -rf {files}\n",
+                   display=f"{command.display}; rm -rf {files}")

@@ -80,7 +80,6 @@ def stop(ctx: StepContext, host: HostPlan, names: list[str], grace: float = 10) 
     if not names:
         return NotNeeded("nothing of this kind on this host")
     grace = _grace(ctx, grace)
-    grace = _grace(ctx, grace)
     args = {**ctx.layout.for_scripts(), "id": ctx.session_id, "action": "stop", "grace": grace, "names": names}
     return host_python("session_processes.py", args, timeout=grace + 30)
 
