@@ -54,3 +54,20 @@ def test_a_preset_fills_the_shape_and_options_given_beside_it_win():
     assert guide["output_len"] == 2 and guide["max_concurrency"] == 1  # the user's --max-concurrency stays
     assert apply_preset(defaults, None, set()) == defaults
     assert PRESETS["cpu"]["max_concurrency"] >= 2  # the "seed at concurrency >= 2"
+
+
+def test_report_shows_the_data_system_size_its_reads_by_tier_and_what_it_held_at_the_end():
+    from yrpd.bench.report import markdown
+
+    meta = {"prompts": 40, "groups": 10, "prompts_per_group": 4, "prefix_len": 1536, "suffix_len": 256, "seed": 0,
+            "kv_cache_mb_per_instance": 112, "datasystem_mb": 128, "datasystem_spill_mb": 1024}
+    counters = {"ds_hits_memory": 30, "ds_hits_disk": 12, "ds_misses": 3}
+    results = {"pd": {"description": "PD", "metrics": {"mean_ttft_ms": 500.0}, "counters": counters,
+                      "data_system": {"memory_mb": 115.2, "disk_mb": 480.0}},
+               "single": {"description": "one", "metrics": {"mean_ttft_ms": 900.0}, "counters": {}, "data_system": {}}}
+    text = markdown(results, meta)
+    assert "KV pool 112 MB per instance, data system 128 MB per host + 1024 MB on disk" in text.splitlines()[0]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
+            for line in text.splitlines() if line.startswith("| ")}
+    assert rows["data system reads from disk"] == ["12", "0"]
+    assert rows["data system disk used at the end (MB)"] == ["480.00", "-"]

@@ -147,3 +147,8 @@ def test_bench_kv_pool_size_reaches_every_target_and_a_single_instance_gets_the_
     assert sizes == {"pd": str(128 << 20), "pd-noreuse": str(128 << 20), "single": str(256 << 20),
                      "single-yr": str(256 << 20)}
     assert "--no-enable-prefix-caching" in variant(spec, "pd-noreuse", DeviceKind.cpu, kv_cache_mb=128).engine_args
+    # the data system's tiers are the same for every target of one run (eviction and spill runs)
+    for target in ("pd", "pd-noreuse", "single", "single-yr", "peer-example-pd"):
+        sized = variant(spec, target, DeviceKind.cpu, datasystem_mb=96, datasystem_spill_mb=512)
+        assert (sized.datasystem_memory_mb, sized.datasystem_spill_mb) == (96, 512)
+    assert variant(spec, "pd", DeviceKind.cpu).datasystem_memory_mb == spec.datasystem_memory_mb

@@ -19,12 +19,14 @@ ROWS = [  # (label, metric key in vllm bench serve's result, unit)
     ("completed", "completed", "requests"),
 ]
 COUNTER_ROWS = [("external cache hit tokens", "external_cache_hit_tokens"), ("KV blocks loaded", "loaded_blocks"),
-                ("KV blocks saved", "saved_blocks")]
+                ("KV blocks saved", "saved_blocks"), ("data system reads from memory", "ds_hits_memory"),
+                ("data system reads from disk", "ds_hits_disk"), ("data system misses", "ds_misses")]
 
 
 RATIOS = (  # (target, baseline, metric, label); the last is the mixed workload's goal: streams keep their pace
     ("pd", "pd-noreuse", "mean_ttft_ms", "mean TTFT"), ("pd", "single", "mean_ttft_ms", "mean TTFT"),
     ("single-yr", "single", "mean_ttft_ms", "mean TTFT"), ("pd", "single", "p99_tpot_ms", "p99 TPOT"),
+    ("pd", "peer-example-pd", "mean_ttft_ms", "mean TTFT"),
 )
 
 
@@ -48,9 +50,13 @@ def markdown(results: dict, meta: dict) -> str:
     else:
         shape = (f"{meta.get('prompts')} prompts, {meta.get('groups')} groups x {meta.get('prompts_per_group')}, "
                  f"prefix {meta.get('prefix_len')} + suffix {meta.get('suffix_len')} tokens, seed {meta.get('seed')}")
-    lines = [f"# yrpd bench: {shape}"
-             + (f", KV pool {meta['kv_cache_mb_per_instance']} MB per instance" if meta.get("kv_cache_mb_per_instance")
-                else ""), "",
+    if meta.get("kv_cache_mb_per_instance"):
+        shape += f", KV pool {meta['kv_cache_mb_per_instance']} MB per instance"
+    if meta.get("datasystem_mb"):
+        shape += f", data system {meta['datasystem_mb']} MB per host"
+        if meta.get("datasystem_spill_mb"):
+            shape += f" + {meta['datasystem_spill_mb']} MB on disk"
+    lines = [f"# yrpd bench: {shape}", "",
              "| metric | " + " | ".join(f"{n} ({results[n]['description']})" for n in names) + " |",
              "|---|" + "---|" * len(names)]
     for label, key, unit in ROWS:
@@ -60,6 +66,11 @@ def markdown(results: dict, meta: dict) -> str:
         lines.append(f"| {label} ({unit}) | " + " | ".join(_fmt(v) for v in values) + " |")
     for label, key in COUNTER_ROWS:
         lines.append(f"| {label} | " + " | ".join(f"{results[n]['counters'].get(key, 0):,.0f}" for n in names) + " |")
+    if any(results[n].get("data_system") for n in names):
+        for label, key in (("data system memory used at the end (MB)", "memory_mb"),
+                           ("data system disk used at the end (MB)", "disk_mb")):
+            lines.append(f"| {label} | " + " | ".join(_fmt((results[n].get("data_system") or {}).get(key))
+                                                      for n in names) + " |")
     lines.append("")
     for name, value in ratios(results).items():
         lines.append(f"- {name}: **{value}**")

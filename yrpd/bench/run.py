@@ -38,11 +38,18 @@ TARGETS = {
 }
 
 
-def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | None = None) -> DeploySpec:
+def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | None = None,
+            datasystem_mb: int | None = None, datasystem_spill_mb: int | None = None) -> DeploySpec:
     """The spec a target runs with; `kv_cache_mb` sizes each PD instance's own KV pool (the `overflow` workload:
     a working set larger than the pools, so only a store beyond them keeps the reuse). A single instance runs on
-    the devices of all PD instances and gets their pools together."""
+    the devices of all PD instances and gets their pools together. `datasystem_mb`/`datasystem_spill_mb` size the
+    data system's memory and disk tiers on every host (a data system smaller than the working set evicts, or
+    spills to disk)."""
     data = spec.model_dump(mode="json")
+    if datasystem_mb is not None:
+        data["datasystem_memory_mb"] = datasystem_mb
+    if datasystem_spill_mb is not None:
+        data["datasystem_spill_mb"] = datasystem_spill_mb
     engine_args = list(spec.engine_args)
     if kv_cache_mb:
         pools = spec.prefill + spec.decode if target.startswith("single") else 1
@@ -86,18 +93,33 @@ def down(session_id: str) -> None:
     api.down(api.open_deployment(session_id))
 
 
-def counters(session_id: str) -> dict:
-    """Connector and cache counters summed over the instances (what `yrpd status` reports)."""
+DS_HITS = ("hits_memory", "hits_disk", "misses")  # the data system workers' own counts of reads, by tier
+
+
+def counters(session_id: str) -> tuple[dict, dict]:
+    """Counters summed over the instances and the data system workers (what `yrpd status` reports), and the
+    workers' use of memory and disk now (MB)."""
     from yrpd import api
 
     report = api.status(api.open_deployment(session_id))
-    total = {"external_cache_hit_tokens": 0.0, "prompt_tokens": 0.0, "loaded_blocks": 0, "saved_blocks": 0}
+    total = {"external_cache_hit_tokens": 0.0, "prompt_tokens": 0.0, "loaded_blocks": 0, "saved_blocks": 0,
+             **{f"ds_{key}": 0 for key in DS_HITS}}
     for inst in report.instances:
         for key in ("external_cache_hit_tokens", "prompt_tokens"):
             total[key] += inst.probe.get(key) or 0
         for key in ("loaded_blocks", "saved_blocks"):
             total[key] += (inst.connector or {}).get(key) or 0
-    return total
+    use = {"memory_mb": 0.0, "memory_limit_mb": 0.0, "disk_mb": 0.0, "disk_limit_mb": 0.0, "objects": 0}
+    workers = [c.cache for c in (report.cluster.components if report.cluster else [])
+               if c.cache and "error" not in c.cache]
+    for cache in workers:
+        for key in DS_HITS:
+            total[f"ds_{key}"] += cache[key]
+        for key in ("memory", "disk"):
+            use[f"{key}_mb"] += round(cache[f"{key}_used"] / 2**20, 1)
+            use[f"{key}_limit_mb"] += round(cache[f"{key}_limit"] / 2**20, 1)
+        use["objects"] += cache["objects"]
+    return total, use if workers else {}
 
 
 def bench_serve(vllm_venv: Path, url: str, model: str, tokenizer: Path, dataset: Path, out_dir: Path, name: str,
@@ -123,7 +145,8 @@ def bench_serve(vllm_venv: Path, url: str, model: str, tokenizer: Path, dataset:
 
 def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str], dataset: Path, out_dir: Path,
                 vllm_venv: Path, tokenizer: Path, num_prompts: int, output_len: int, concurrency: int, seed: int,
-                restore: bool, log=print, progress=None, kv_cache_mb: int | None = None) -> dict:
+                restore: bool, log=print, progress=None, kv_cache_mb: int | None = None,
+                datasystem_mb: int | None = None, datasystem_spill_mb: int | None = None) -> dict:
     from yrpd.serving import endpoint_url
     from yrpd.steps import spec_fingerprint
 
@@ -132,7 +155,7 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str],
     results: dict[str, dict] = {}
     try:
         for target in targets:
-            want = variant(original, target, kind, kv_cache_mb)
+            want = variant(original, target, kind, kv_cache_mb, datasystem_mb, datasystem_spill_mb)
             live = current is not None and spec_fingerprint(want) == spec_fingerprint(spec)
             if not live:
                 if current is not None:
@@ -146,19 +169,20 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str],
 
             deployed = api.open_deployment(current)
             url = endpoint_url(deployed.spec, deployed.plan)
-            before = counters(current)
+            before, _ = counters(current)
             log(f"bench: {target}: vllm bench serve against {url} ({num_prompts} prompts)")
             started = time.monotonic()
             raw = bench_serve(vllm_venv, url, deployed.spec.model_name, tokenizer, dataset, out_dir, target,
                               num_prompts, output_len, concurrency, seed)
             time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the last land
-            after = counters(current)
+            after, use = counters(current)
             results[target] = {
                 "description": TARGETS[target], "session": current, "url": url,
                 "wall_s": round(time.monotonic() - started, 1),
                 "metrics": {k: v for k, v in raw.items() if isinstance(v, (int, float))},
                 "ttfts_ms": [round(t * 1000, 2) for t in raw.get("ttfts", []) if t],
                 "counters": {k: after[k] - before[k] for k in after},
+                "data_system": use,  # at the end of the run; empty where no worker reported
             }
     finally:
         if restore and spec_fingerprint(spec) != spec_fingerprint(original):

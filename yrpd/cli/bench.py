@@ -119,6 +119,11 @@ def dataset(**params) -> int:
 @click.option("--kv-cache-mb", type=click.IntRange(1), default=None,
               help="size every instance's own KV pool (vLLM --kv-cache-memory-bytes): a working set larger than it "
                    "shows what a store beyond it keeps (default: vLLM's own sizing)")
+@click.option("--datasystem-mb", type=click.IntRange(64), default=None,
+              help="shared memory of every data system worker, MB, for every target (default: the deployment's); "
+                   "smaller than the working set: it evicts, or spills with --datasystem-spill-mb")
+@click.option("--datasystem-spill-mb", type=click.IntRange(0), default=None,
+              help="disk tier of every data system worker, MB, for every target (default: the deployment's)")
 @click.option("--vllm-venv", type=click.Path(path_type=Path, file_okay=False),
               help="local venv with vLLM for `vllm bench serve` (default: <env_root>/vllm)")
 @click.option("--no-restore", is_flag=True, help="leave the last target deployed instead of the original spec")
@@ -161,7 +166,8 @@ def run(**params) -> int:
 
     for target in targets:  # every target's spec is checked before the first one is deployed
         try:
-            variant(deployment.spec, target, kind, params["kv_cache_mb"])
+            variant(deployment.spec, target, kind, params["kv_cache_mb"], params["datasystem_mb"],
+                    params["datasystem_spill_mb"])
         except SpecError as e:
             raise SpecError("--targets", f"{target} cannot run on session {session.id} ({e.field}: {e.problem})",
                             "leave it out of --targets") from None
@@ -184,8 +190,12 @@ def run(**params) -> int:
                           params["num_prompts"] or meta["prompts"],
                           -1 if meta.get("workload") == "mixed" else params["output_len"], params["max_concurrency"],
                           params["seed"], restore=not params["no_restore"], log=console.print,
-                          progress=ConsoleProgress(), kv_cache_mb=params["kv_cache_mb"])
+                          progress=ConsoleProgress(), kv_cache_mb=params["kv_cache_mb"],
+                          datasystem_mb=params["datasystem_mb"], datasystem_spill_mb=params["datasystem_spill_mb"])
     meta["kv_cache_mb_per_instance"] = params["kv_cache_mb"]
+    meta["datasystem_mb"] = params["datasystem_mb"] or deployment.spec.datasystem_memory_mb
+    meta["datasystem_spill_mb"] = (deployment.spec.datasystem_spill_mb if params["datasystem_spill_mb"] is None
+                                   else params["datasystem_spill_mb"])
     report = write_report(results, meta, out_dir)
     out().print(report, markup=False, highlight=False)
     console.print(f"results: {out_dir}/results.json, report.md, ttft_throughput.png")
