@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from yrpd.errors import SpecError
 from yrpd.precision import DtypeChoice, choose
-from yrpd.spec import DeploySpec, DeviceKind, format_device_list
+from yrpd.spec import DeploySpec, DeviceKind, KvConnector, format_device_list
 
 HCCL_BLOCK = 16
 
@@ -274,6 +274,8 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
     for h in spec.hosts:
         used_devices = sorted(d for i in instances for r in i.ranks if r.host == h.name for d in r.devices)
         host_ports = {"datasystem": ports.datasystem}
+        if spec.kv_connector is KvConnector.lmcache and any(i.host == h.name for i in instances):
+            host_ports.update(lmcache=ports.lmcache, lmcache_http=ports.lmcache + 1)
         if h.name == master:
             host_ports = {"proxy": ports.proxy, "etcd": ports.etcd, "etcd_peer": ports.etcd + 1,
                           "ds_master": ports.ds_master, **host_ports}

@@ -61,6 +61,11 @@ class HostPaths:
         return f"{self.python.rsplit('/', 1)[0]}/vllm" if "/" in self.python else "vllm"
 
     @property
+    def lmcache_venv(self) -> str:
+        """LMCache in a venv of its own that also sees the vLLM venv (`kv_connector: lmcache`)."""
+        return f"{self.env_root}/lmcache"
+
+    @property
     def models_dir(self) -> str:
         return f"{self.env_root}/models"
 
@@ -126,6 +131,10 @@ def proxy_url(spec: DeploySpec, plan: Plan) -> str:
 
 
 def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: HostPaths) -> dict:
+    if spec.kv_connector is KvConnector.lmcache:
+        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                              "lmcache.mp.port": spec.ports.lmcache}}
     if spec.kv_connector is KvConnector.example:
         # it stores what it has not found and loads what it finds, whatever the role
         return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -163,12 +172,18 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
     host its DP ranks span (vLLM's multi-node data parallel)."""
     head = host_of(plan, inst.host)
     kind = head.kind
-    common = [paths.vllm, "serve", model_path(spec, paths), "--served-model-name", spec.model_name,
+    # LMCache's connector imports lmcache: vLLM runs from the venv that has both
+    vllm = ([f"{paths.lmcache_venv}/bin/python", "-m", "vllm.entrypoints.cli.main"]
+            if spec.kv_connector is KvConnector.lmcache else [paths.vllm])
+    common = [*vllm, "serve", model_path(spec, paths), "--served-model-name", spec.model_name,
               "--tensor-parallel-size", str(inst.tp)]
-    if inst.role != "single" or spec.single_kv_store:  # else the non-disaggregated baseline: plain vLLM
+    uses_store = spec.single_kv_store or spec.kv_connector is KvConnector.lmcache
+    if inst.role != "single" or uses_store:  # else the non-disaggregated baseline: plain vLLM
         kv = kv_transfer_config(spec, plan, inst, paths)
         common += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
     common += KIND_ENGINE_ARGS.get(kind, [])
+    if spec.kv_connector is KvConnector.lmcache and kind is DeviceKind.cpu:
+        common += ["--gpu-memory-utilization", "0.3"]  # LMCache's connector refuses vLLM's default 0.92 of RAM
     if plan.dtype.dtype:
         common += ["--dtype", plan.dtype.dtype]
     env = {**BASE_ENV, **(NPU_ENV if kind is DeviceKind.npu else {}),
@@ -176,6 +191,8 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
            "TMPDIR": paths.session.tmp_dir, "VLLM_HOST_IP": head.reach_ip}
     if kind is DeviceKind.npu:
         env["HCCL_IF_BASE_PORT"] = str(inst.hccl_port)
+    if spec.kv_connector is KvConnector.lmcache:
+        env["LMCACHE_TRACK_USAGE"] = "false"
     by_host: dict[str, list] = {}
     for rank in inst.ranks:
         by_host.setdefault(rank.host, []).append(rank)
@@ -203,9 +220,30 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
     return launches
 
 
+LMCACHE_NAME = "lmcache-server"
+
+
+def lmcache_launch(spec: DeploySpec, plan: Plan, host: str, paths: HostPaths) -> Launch | None:
+    """LMCache's multi-process server on a host whose instances use it as their store; it holds as much memory as
+    a data system worker would (`datasystem_memory_mb`), so the two stores compare at one size."""
+    ports = host_of(plan, host).ports
+    if spec.kv_connector is not KvConnector.lmcache or "lmcache" not in ports:
+        return None
+    argv = [f"{paths.lmcache_venv}/bin/lmcache", "server", "--host", "127.0.0.1", "--port", str(ports["lmcache"]),
+            "--http-host", "127.0.0.1", "--http-port", str(ports["lmcache_http"]), "--chunk-size", "256",
+            "--l1-size-gb", f"{spec.datasystem_memory_mb / 1024:g}", "--eviction-policy", "LRU",
+            # without it vLLM's CPU build waits at register_kv_caches until it gives up
+            "--supported-transfer-mode", "auto", "--shm-name", f"yrpd-lmcache-{paths.session.session_id}"]
+    env = {"LMCACHE_TRACK_USAGE": "false", "TMPDIR": paths.session.tmp_dir}
+    return Launch(LMCACHE_NAME, host, argv, env, f"http://127.0.0.1:{ports['lmcache_http']}/healthcheck")
+
+
 def launches_on_host(spec: DeploySpec, plan: Plan, host: str, paths: HostPaths) -> list[Launch]:
-    return [launch for inst in plan.instances for launch in instance_launches(spec, plan, inst, paths)
-            if launch.host == host]
+    """What serves on the host: its instances, after the store they need (LMCache's server)."""
+    store = lmcache_launch(spec, plan, host, paths)
+    return [*([store] if store else []),
+            *(launch for inst in plan.instances for launch in instance_launches(spec, plan, inst, paths)
+              if launch.host == host)]
 
 
 PROXY_NAME = "proxy"

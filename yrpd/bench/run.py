@@ -10,7 +10,9 @@ Targets, each a deployment of the same model on the same hosts and devices:
   cannot hold is looked up in the data system (memory, then its disk tier);
 - `peer-example-pd`: the `pd` deployment with vLLM's reference `ExampleConnector` in place of yrpd's: the
   handoff (and reuse of a whole prompt seen before) goes through safetensors files on the host's disk, what a
-  user gets from vLLM alone. One host only.
+  user gets from vLLM alone. One host only;
+- `peer-lmcache`: the `single` instance with LMCache's multi-process server as its prefix store (LMCache 0.5.6 in
+  a venv of its own; its memory is the data system's, `datasystem_memory_mb`). CPU hosts.
 
 A target that is not what is deployed now is deployed for the run (`yrpd down` of the current session, then
 `yrpd deploy --new-session` with the variant spec) and torn down after; the original spec is deployed again at
@@ -35,7 +37,10 @@ TARGETS = {
     "single": "single instance, same devices",
     "single-yr": "single instance, KV also in the data system",
     "peer-example-pd": "PD through vLLM's ExampleConnector (files)",
+    "peer-lmcache": "single instance, KV also in LMCache's server",
 }
+#: the KV connector each target runs with
+CONNECTORS = {"peer-example-pd": "example", "peer-lmcache": "lmcache"}
 
 
 def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | None = None,
@@ -52,19 +57,19 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
         data["datasystem_spill_mb"] = datasystem_spill_mb
     engine_args = list(spec.engine_args)
     if kv_cache_mb:
-        pools = spec.prefill + spec.decode if target.startswith("single") else 1
+        pools = spec.prefill + spec.decode if target in ("single", "single-yr", "peer-lmcache") else 1
         engine_args += ["--kv-cache-memory-bytes", str((kv_cache_mb * pools) << 20)]
     if target == "pd-noreuse":
         engine_args.append("--no-enable-prefix-caching")
     data["engine_args"] = engine_args
-    data["kv_connector"] = "example" if target == "peer-example-pd" else "yuanrong"
+    data["kv_connector"] = CONNECTORS.get(target, "yuanrong")
     if target == "pd":
         data.update(disaggregated=True, prefix_reuse=True)
     elif target == "peer-example-pd":
         data.update(disaggregated=True, prefix_reuse=True)
     elif target == "pd-noreuse":
         data.update(disaggregated=True, prefix_reuse=False)
-    elif target in ("single", "single-yr"):
+    elif target in ("single", "single-yr", "peer-lmcache"):
         data.update(single_kv_store=target == "single-yr")
         devices = spec.prefill * spec.ptp * spec.pdp + spec.decode * spec.dtp * spec.ddp
         data.update(disaggregated=False, prefill=1, pdp=1, decode=1, ddp=1)

