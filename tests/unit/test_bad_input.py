@@ -88,6 +88,8 @@ CASES = [
     ("unknown-builtin-model", GOOD[:-2] + ["--model", "builtin:gpt5"], None, "builtin:smollm2"),
     ("example-connector-two-hosts", GOOD, "kv_connector: example\n",
      "kv_connector: example shares KV through files, which only one host can see"),
+    ("lmcache-with-pd", GOOD, "kv_connector: lmcache\n",
+     "kv_connector: lmcache is a prefix store for plain instances here, not a PD handoff"),
     ("unknown-kv-connector", GOOD, "kv_connector: mooncake\n", "kv_connector"),
     ("mixed-kinds", ["--hosts", "h1,h2", "--devices", "0-3", "--model", "/m"],
      "hosts:\n  - {address: h1, device_kind: npu}\n  - {address: h2, device_kind: cpu}\n", "hosts mix device kinds"),

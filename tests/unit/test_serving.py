@@ -138,6 +138,27 @@ def test_bench_example_peer_hands_kv_over_through_one_files_directory_and_down_r
         "kv_connector"] == "YuanrongConnector"
 
 
+def test_bench_lmcache_peer_runs_its_server_first_and_vllm_from_the_venv_that_has_lmcache():
+    from yrpd.bench.run import variant
+    from yrpd.placement import ports_on_host
+
+    spec, _ = deployment(DeviceKind.cpu, devices=2, hosts=("h1",), datasystem_memory_mb=512)
+    want = variant(spec, "peer-lmcache", DeviceKind.cpu)
+    plan = make_plan(want, {"h1": HostInventory(DeviceKind.cpu, (0, 1), "10.0.0.1")})
+    server, instance = launches_on_host(want, plan, "h1", PATHS)
+    assert server.name == "lmcache-server" and server.argv[:2] == ["/opt/yrpd/venvs/lmcache/bin/lmcache", "server"]
+    assert flag(server.argv, "--port") == "32600" and flag(server.argv, "--l1-size-gb") == "0.5"
+    assert flag(server.argv, "--supported-transfer-mode") == "auto"
+    assert server.health_url == "http://127.0.0.1:32601/healthcheck" and server.env["LMCACHE_TRACK_USAGE"] == "false"
+    assert instance.argv[:3] == ["/opt/yrpd/venvs/lmcache/bin/python", "-m", "vllm.entrypoints.cli.main"]
+    kv = json.loads(flag(instance.argv, "--kv-transfer-config"))
+    assert kv["kv_connector"] == "LMCacheMPConnector" and kv["kv_connector_extra_config"]["lmcache.mp.port"] == 32600
+    assert flag(instance.argv, "--gpu-memory-utilization") == "0.3"
+    # both ports are the deployment's: preflight checks them free, down checks them closed
+    assert {(32600, "lmcache"), (32601, "lmcache_http")} <= set(ports_on_host(plan, "h1"))
+    assert proxy_launch(want, plan, PATHS) is None
+
+
 def test_bench_kv_pool_size_reaches_every_target_and_a_single_instance_gets_the_pd_pools_together():
     from yrpd.bench.run import variant
 
