@@ -2,7 +2,9 @@
 
 Run by yrpd on the host (stdlib only), detached, as the process the session's pid file names. One JSON argument:
   {"name": .., "command": a bash command line, "state": path of this process's state file,
-   "max_restarts": N (0: never restart), "window_s": seconds, "grace_s": seconds}
+   "max_restarts": N (0: never restart), "window_s": seconds, "grace_s": seconds,
+   "env_file": optional path of KEY=VALUE lines (the deployment's secrets) added to the command's environment at
+   every start, so they are on no command line}
 The command runs in a process group of its own (in this supervisor's unix session). When it exits, the rest of its group is stopped too (a vLLM API
 server killed with -9 leaves its EngineCore and workers behind, holding memory, ports and devices), then it is
 started again after a backoff of 1, 2, 4 .. 30 s, unless it was already restarted max_restarts times within the last
@@ -64,6 +66,19 @@ def group_members(pgid, sid=None):
             if group == pgid and st not in "ZX" and (sid is None or session == sid)]
 
 
+def command_env():
+    """This process's environment plus the env file's values (read at every start: the file may be replaced)."""
+    env = dict(os.environ)
+    path = args.get("env_file")
+    if path:
+        with open(path) as fh:
+            for line in fh:
+                key, sep, value = line.rstrip("\n").partition("=")
+                if sep and key:
+                    env[key] = value
+    return env
+
+
 def reap():
     while True:
         try:
@@ -119,7 +134,15 @@ def main():
             return 0
         # a process group of its own, inside this supervisor's unix session: teardown finds every member by that
         # session even after vLLM's workers overwrite their environment (setproctitle)
-        child = subprocess.Popen(["bash", "-c", args["command"]], preexec_fn=os.setpgrp, stdin=subprocess.DEVNULL)
+        try:
+            env = command_env()
+        except OSError as exc:
+            reason = f"cannot read its environment file: {exc}"
+            say(reason)
+            write(state="failed", pid=None, reason=reason)
+            return 0
+        child = subprocess.Popen(["bash", "-c", args["command"]], preexec_fn=os.setpgrp, stdin=subprocess.DEVNULL,
+                                 env=env)
         write(state="running", pid=child.pid)
         code = wait_for(child)
         if code is None:

@@ -8,6 +8,7 @@ that both its CLI and its SDK call; this is that module.)
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,8 +149,12 @@ def deploy(spec: DeploySpec, *, playbook_file: str | Path | None = None, new_ses
             progress.message(f"resuming session {session.id}: finished steps are skipped")
         save_deployment(session, spec, inventory, placement)
         session.set_state(SessionPhase.deploying, playbook=str(playbook_file or "deploy"))
+        from yrpd import credentials
+
+        key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+        secrets = credentials.ensure(session.path, key)
         ctx = StepContext(spec=spec, plan=placement, session_id=session.id,
-                          options={"recreate": actions.recreate, "pull": actions.pull})
+                          options={"recreate": actions.recreate, "pull": actions.pull, "secrets_dir": str(secrets)})
         try:
             outcomes = _run(playbook, runtime_group(group, spec, session.id), ctx, session, progress)
         except StepFailed as failure:
@@ -247,6 +252,9 @@ def down(deployment: Deployment, *, purge: bool = False, progress: Progress | No
             session.set_state(SessionPhase.down_failed)
             failure.args = (f"{failure}\nfix the cause (or bring the host back) and run `yrpd down` again",)
             raise
+    from yrpd import credentials
+
+    credentials.remove(session.path)  # the hosts' copies went with the teardown
     session.set_state(SessionPhase.down, purged=purge)
     return Down(session, [h.name for h in deployment.plan.hosts], time.monotonic() - started, was_down)
 

@@ -150,6 +150,17 @@ class Deployment:
     def group(self, absent_ok: bool = False) -> HostGroup:
         return runtime_group(host_group(self.spec), self.spec, self.session.id, absent_ok)
 
+    def endpoint_key(self) -> str | None:
+        """What a client of the endpoint sends as its bearer token: the proxy's key (from the variable the spec
+        names, here), or, without a proxy, the token the instances require."""
+        import os
+
+        from yrpd import credentials
+
+        if self.spec.disaggregated:
+            return os.environ.get(self.spec.api_key_env) if self.spec.api_key_env else None
+        return credentials.instance_token(self.session.path)
+
 
 def save_deployment(session: Session, spec: DeploySpec, inventory: dict[str, HostInventory], plan: Plan) -> None:
     session.write_spec(spec.model_dump(mode="json"))

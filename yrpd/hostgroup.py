@@ -60,6 +60,8 @@ class Command:
     #: (file or directory here, path on the host) copied before the script runs; a file the host already has at
     #: that size is not copied again
     uploads: tuple[tuple[str, str], ...] = ()
+    #: copy the uploads even where the host has a file of that size (secrets: same length, new content)
+    fresh_uploads: bool = False
 
     def __str__(self) -> str:
         return self.display or self.script
@@ -181,7 +183,8 @@ def container_exec(command: Command, container: str, engine: str = "docker", abs
     ])
     # uploads land on the host: the paths yrpd uploads to (the session root) are mounted into the container
     return Command(script, display=f"in container {container}: {command}",
-                   timeout=command.timeout + CONTAINER_EXEC_GRACE, on_host=True, uploads=command.uploads)
+                   timeout=command.timeout + CONTAINER_EXEC_GRACE, on_host=True, uploads=command.uploads,
+                   fresh_uploads=command.fresh_uploads)
 
 
 #: the environment of yrpd's own Python, which must not reach what runs on a local host (an SSH login has none of it)
@@ -197,10 +200,10 @@ class LocalRunner:
         self.host = host
         self._streams: set[subprocess.Popen] = set()
 
-    def upload(self, local: str, remote: str) -> None:
+    def upload(self, local: str, remote: str, fresh: bool = False) -> None:
         for source, dest in upload_pairs(local, remote):
             target = Path(dest)
-            if target.is_file() and target.stat().st_size == source.stat().st_size:
+            if not fresh and target.is_file() and target.stat().st_size == source.stat().st_size:
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             part = target.with_name(target.name + ".part")
@@ -212,7 +215,7 @@ class LocalRunner:
         wrapped = wrap_timeout(command.script, command.timeout)
         try:
             for local, remote in command.uploads:
-                self.upload(local, remote)
+                self.upload(local, remote, command.fresh_uploads)
             if on_line is None:
                 proc = subprocess.run(
                     ["bash", "-c", wrapped], stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
@@ -304,14 +307,15 @@ class SshRunner:
             self._conn = conn
         return self._conn
 
-    def upload(self, local: str, remote: str) -> None:
-        """Copy a file over SFTP unless the host has it at that size; written beside, then renamed into place."""
+    def upload(self, local: str, remote: str, fresh: bool = False) -> None:
+        """Copy a file over SFTP unless the host has it at that size (`fresh`: always); written beside, then renamed
+        into place."""
         conn = self._connection()
         sftp = conn.sftp()
         made: set[str] = set()
         for source, dest in upload_pairs(local, remote):
             try:
-                if sftp.stat(dest).st_size == source.stat().st_size:
+                if not fresh and sftp.stat(dest).st_size == source.stat().st_size:
                     continue
             except OSError:
                 pass
@@ -328,7 +332,7 @@ class SshRunner:
         try:
             conn = self._connection()
             for local, remote in command.uploads:
-                self.upload(local, remote)
+                self.upload(local, remote, command.fresh_uploads)
             kwargs: dict = {"hide": True, "warn": True, "in_stream": False, "pty": False}
             if on_line is not None:
                 sink = _LineWriter(self.host.name, on_line)

@@ -2,7 +2,7 @@
 
 `<remote_session_root>/<session id>/` holds `logs/<process>.log`, `run/<process>.pid` (its supervisor's pid),
 `run/<process>.state.json` (what its supervisor knows), `run/supervise.py`, the connector's stats files
-`run/kv-<instance>-<side>-rank<N>.json`, `tmp/`, and `kv-files/` (KV as files, `kv_connector: example`); `<remote_session_root>/latest` links the newest session.
+`run/kv-<instance>-<side>-rank<N>.json`, `tmp/`, `secrets/` (0700: the environment files with the deployment's secrets), and `kv-files/` (KV as files, `kv_connector: example`); `<remote_session_root>/latest` links the newest session.
 Steps, status and the CLI build their paths here. The host scripts (deploy_scripts/) get the paths they need in
 their JSON arguments, as `{name}` templates from `for_scripts()`, so they spell none of it themselves.
 """
@@ -59,6 +59,15 @@ class HostSessionLayout:
     def kv_stats(self, instance: str) -> str:
         """The connector's stats file per side and rank; `{side}` and `{rank}` are filled in by the connector."""
         return f"{self.run_dir}/kv-{instance}-{{side}}-rank{{rank}}.json"
+
+    @property
+    def secrets_dir(self) -> str:
+        """The deployment's secrets on the host (mode 0700; yrpd.credentials)."""
+        return f"{self.dir}/secrets"
+
+    def env_file(self, kind: str) -> str:
+        """The environment file a process's supervisor reads when it starts it (mode 0600)."""
+        return f"{self.secrets_dir}/{kind}.env"
 
     @property
     def kv_files(self) -> str:

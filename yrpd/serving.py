@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from yrpd.layout import HostSessionLayout
 from yrpd.placement import HostPlan, InstancePlan, Plan
+from yrpd import credentials
 from yrpd.spec import BUILTIN_MODEL, DeploySpec, DeviceKind, KvConnector
 
 #: role -> connector role; with prefix reuse, prefill also loads prefixes other requests stored
@@ -87,6 +88,8 @@ class Launch:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     health_url: str | None = None
+    #: where its secrets are (yrpd.credentials): its supervisor adds them to its environment, off every command line
+    env_file: str | None = None
 
     @property
     def command(self) -> str:
@@ -206,6 +209,7 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
                 if h != inst.host:
                     dp_args[h] += ["--headless", "--data-parallel-start-rank", str(start)]
             start += len(ranks)
+    secrets = paths.session.env_file(credentials.INSTANCE) if paths.session else None
     launches = []
     for h, ranks in by_host.items():
         devices = tuple(d for r in ranks for d in r.devices)
@@ -213,10 +217,10 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
         host_env.update(spec.env)
         if h == inst.host:
             argv = [*common, "--host", head.reach_ip, "--port", str(inst.port), *dp_args[h], *spec.engine_args]
-            launches.append(Launch(inst.name, h, argv, host_env, f"{instance_url(plan, inst)}/health"))
+            launches.append(Launch(inst.name, h, argv, host_env, f"{instance_url(plan, inst)}/health", secrets))
         else:
             argv = [*common, *dp_args[h], *spec.engine_args]
-            launches.append(Launch(f"{inst.name}-{h}", h, argv, host_env))
+            launches.append(Launch(f"{inst.name}-{h}", h, argv, host_env, env_file=secrets))
     return launches
 
 
@@ -259,13 +263,20 @@ def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | Non
         argv += [f"--{inst.role}", instance_url(plan, inst)]
     env = {"PYTHONPATH": paths.bundle_dir}
     if spec.api_key_env:
-        argv += ["--api-key-env", "YRPD_API_KEY"]
-    return Launch(PROXY_NAME, plan.proxy_host, argv, env, f"{proxy_url(spec, plan)}/health")
+        argv += ["--api-key-env", credentials.PROXY_KEY_ENV]
+    return Launch(PROXY_NAME, plan.proxy_host, argv, env, f"{proxy_url(spec, plan)}/health",
+                  paths.session.env_file(credentials.PROXY) if paths.session else None)
 
 
-def sample_request(spec: DeploySpec, plan: Plan) -> str:
+def sample_request(spec: DeploySpec, plan: Plan, token_file: str | None = None) -> str:
+    """A curl line for the endpoint; without a proxy the instance wants its token (`token_file`, read by the shell:
+    the token itself is never printed)."""
     body = json.dumps({"model": spec.model_name, "prompt": "The capital of France is", "max_tokens": 16,
                        "temperature": 0})
-    auth = f" -H \"Authorization: Bearer ${spec.api_key_env}\"" if spec.api_key_env else ""
+    auth = ""
+    if spec.disaggregated and spec.api_key_env:
+        auth = f" -H \"Authorization: Bearer ${spec.api_key_env}\""
+    elif not spec.disaggregated and token_file:
+        auth = f" -H \"Authorization: Bearer $(cat {token_file})\""
     return (f"curl -s {endpoint_url(spec, plan)}/v1/completions -H 'Content-Type: application/json'{auth} "
             f"-d '{body}'")

@@ -269,13 +269,15 @@ def test_down_runs_the_teardown_and_marks_the_session_down(tmp_path):
     # openYuanrong stops on the workers before the master: agents would spin without their master
     cluster = [(name, i) for i, (name, cmd) in enumerate(hosts.calls) if "yr_cluster.py" in cmd.script]
     assert [name for name, _ in cluster] == ["h2", "h1"]
-    assert not hosts.ran("h1", r"^rm -rf") and not hosts.ran("h2", r"^rm -rf")  # logs are kept
+    for host in ("h1", "h2"):  # logs are kept; the deployment's secrets are not
+        assert [c.script for c in hosts.ran(host, r"^rm -rf")] == [
+            f"rm -rf /tmp/yrpd_sessions/{deployment.session.id}/secrets"]
 
     with teardown_hosts() as hosts:
         again = api.down(deployment, purge=True)
     assert again.was_down
     for host in ("h1", "h2"):
-        assert f"rm -rf /tmp/yrpd_sessions/{deployment.session.id};" in hosts.ran(host, r"^rm -rf")[0].script
+        assert any(f"rm -rf /tmp/yrpd_sessions/{deployment.session.id};" in c.script for c in hosts.ran(host, r"^rm -rf"))
     assert Session(deployment.session.path).state["purged"] is True
 
 

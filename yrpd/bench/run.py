@@ -128,7 +128,7 @@ def counters(session_id: str) -> tuple[dict, dict]:
 
 
 def bench_serve(vllm_venv: Path, url: str, model: str, tokenizer: Path, dataset: Path, out_dir: Path, name: str,
-                num_prompts: int, output_len: int, concurrency: int, seed: int) -> dict:
+                num_prompts: int, output_len: int, concurrency: int, seed: int, key: str | None = None) -> dict:
     argv = [str(vllm_venv / "bin/vllm"), "bench", "serve", "--backend", "vllm", "--base-url", url,
             "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tokenizer),
             "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
@@ -139,6 +139,9 @@ def bench_serve(vllm_venv: Path, url: str, model: str, tokenizer: Path, dataset:
             "--label", name]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    env.pop("OPENAI_API_KEY", None)
+    if key:  # vllm bench serve sends it as the bearer token: the environment keeps it out of the .cmd file and ps
+        env["OPENAI_API_KEY"] = key
     (out_dir / f"{name}.cmd").write_text(" ".join(argv) + "\n")
     with open(out_dir / f"{name}.log", "w") as log:
         proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
@@ -178,7 +181,7 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str],
             log(f"bench: {target}: vllm bench serve against {url} ({num_prompts} prompts)")
             started = time.monotonic()
             raw = bench_serve(vllm_venv, url, deployed.spec.model_name, tokenizer, dataset, out_dir, target,
-                              num_prompts, output_len, concurrency, seed)
+                              num_prompts, output_len, concurrency, seed, deployed.endpoint_key())
             time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the last land
             after, use = counters(current)
             results[target] = {

@@ -42,7 +42,11 @@ def deploy(**params) -> int:
 
         plan = done.deployment.plan
         console.print(f"OpenAI-compatible endpoint: {done.endpoint} (model {spec.model_name})")
-        console.print(f"try: {sample_request(spec, plan)}", soft_wrap=True, highlight=False, markup=False)
+        from yrpd import credentials
+
+        token_file = credentials.secrets_dir(done.session.path) / credentials.TOKEN_FILE
+        console.print(f"try: {sample_request(spec, plan, str(token_file))}", soft_wrap=True, highlight=False,
+                      markup=False)
         # the URL alone on stdout, for scripts: URL=$(yrpd deploy ...)
         click.echo(done.endpoint.removesuffix("/v1"))
     return 0

@@ -74,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         api_key = os.environ.get(args.api_key_env) or None
         if api_key is None:
             log.warning("%s is not set or empty: /v1/* is open to anyone who can reach the proxy", args.api_key_env)
+    from yrpd.credentials import PROXY_TOKEN_ENV
+
     config = ProxyConfig(prefill=args.prefill, decode=args.decode, served_model_name=args.served_model_name,
-                         api_key=api_key, request_timeout=args.request_timeout, probe_interval=args.probe_interval)
+                         api_key=api_key, instance_token=os.environ.get(PROXY_TOKEN_ENV) or None,
+                         request_timeout=args.request_timeout, probe_interval=args.probe_interval)
     try:
         asyncio.run(_serve(config, args.host, args.port))
     except OSError as exc:  # typically the port is taken

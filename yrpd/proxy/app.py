@@ -65,6 +65,8 @@ class ProxyConfig:
     decode: list[str]
     served_model_name: str
     api_key: str | None = None
+    #: the token the instances require (yrpd.credentials); sent on both legs in place of the client's credentials
+    instance_token: str | None = None
     request_timeout: float = 600.0
     probe_interval: float = 2.0
 
@@ -255,8 +257,10 @@ class Proxy:
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         request[_CALL].note["id"] = rid
         headers = {"X-Request-Id": rid}
-        # Instances started with the same --api-key as the proxy accept the client's credentials as they are.
-        if "Authorization" in request.headers:
+        # the client's key is for the proxy alone; the instances take the deployment's own token
+        if self.config.instance_token:
+            headers["Authorization"] = f"Bearer {self.config.instance_token}"
+        elif "Authorization" in request.headers:  # instances started by hand with the proxy's --api-key
             headers["Authorization"] = request.headers["Authorization"]
         return headers
 

@@ -15,13 +15,15 @@ from yrpd.steps import StepContext, shell_command
 def create(ctx: StepContext, host: HostPlan) -> Command:
     q, layout = shlex.quote, ctx.layout
     return on_host(shell_command(
-        f"mkdir -p {q(layout.logs_dir)} {q(layout.run_dir)} && ln -sfn {q(ctx.session_id)} {q(layout.latest)}"
+        # secrets/ is private before anything is copied into it
+        f"mkdir -p {q(layout.logs_dir)} {q(layout.run_dir)} && mkdir -p -m 700 {q(layout.secrets_dir)} && "
+        f"chmod 700 {q(layout.secrets_dir)} && ln -sfn {q(ctx.session_id)} {q(layout.latest)}"
     ))
 
 
 def exists(ctx: StepContext, host: HostPlan, **_: object) -> Command:
     q, layout = shlex.quote, ctx.layout
-    return on_host(shell_command(f"test -d {q(layout.logs_dir)} -a -d {q(layout.run_dir)}"))
+    return on_host(shell_command(f"test -d {q(layout.logs_dir)} -a -d {q(layout.run_dir)} -a -d {q(layout.secrets_dir)}"))
 
 
 def purge(ctx: StepContext, host: HostPlan) -> Command:

@@ -23,9 +23,10 @@ def start(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     launches = _launches(ctx, host)
     if not launches:
         return NotNeeded("no instance on this host")
-    script = "\n".join(start_script(ctx, launch.name, launch.exec_command, launch.env, settle=1.0) for launch in launches)
+    script = "\n".join(start_script(ctx, launch.name, launch.exec_command, launch.env, settle=1.0,
+                                    env_file=launch.env_file) for launch in launches)
     display = "\n".join(f"start {launch.name} detached: {' '.join(f'{k}={v}' for k, v in launch.env.items())} "
-                        f"{launch.command}  (log {ctx.layout.log(launch.name)})" for launch in launches)
+                        f"{launch.command}  (secrets from {launch.env_file}; log {ctx.layout.log(launch.name)})" for launch in launches)
     return Command(script, display=display, timeout=60)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
 from yrpd.serving import PROXY_NAME, proxy_launch
@@ -20,15 +18,10 @@ def start(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     launch = proxy_launch(ctx.spec, ctx.plan, paths(ctx))
     if launch is None:
         return NotNeeded("not disaggregated: no proxy")
-    env = dict(launch.env)
-    shown = dict(env)
-    if ctx.spec.api_key_env:
-        # read where yrpd runs; never printed
-        env["YRPD_API_KEY"] = os.environ.get(ctx.spec.api_key_env, "")
-        shown["YRPD_API_KEY"] = f"${ctx.spec.api_key_env}"
-    display = (f"start {PROXY_NAME} detached: {' '.join(f'{k}={v}' for k, v in shown.items())} {launch.command}  "
-               f"(log {ctx.layout.log(PROXY_NAME)})")
-    return Command(start_script(ctx, PROXY_NAME, launch.exec_command, env), display=display, timeout=60)
+    display = (f"start {PROXY_NAME} detached: {' '.join(f'{k}={v}' for k, v in launch.env.items())} {launch.command}  "
+               f"(secrets from {launch.env_file}; log {ctx.layout.log(PROXY_NAME)})")
+    return Command(start_script(ctx, PROXY_NAME, launch.exec_command, launch.env, env_file=launch.env_file),
+                   display=display, timeout=60)
 
 
 def running(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:

