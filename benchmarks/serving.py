@@ -65,9 +65,13 @@ def deploy_split(session_dir: Path) -> None:
     print(f"  {'orchestration (checks, SSH, waits)':34s} {wall - sum(per_step.values()):7.1f}s  (span minus steps)")
 
 
-def ttft(url: str, body: dict) -> float:
+def headers(token: str | None) -> dict:
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+
+
+def ttft(url: str, body: dict, token: str | None = None) -> float:
     data = json.dumps({**body, "stream": True}).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers=headers(token))
     started = time.perf_counter()
     with urllib.request.urlopen(req, timeout=600) as resp:
         for raw in resp:
@@ -79,27 +83,31 @@ def ttft(url: str, body: dict) -> float:
     return first
 
 
-def two_legs(prefill: str, decode: str, body: dict) -> float:
+def two_legs(prefill: str, decode: str, body: dict, token: str | None) -> float:
     started = time.perf_counter()
     leg = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
     req = urllib.request.Request(f"{prefill}/v1/completions", data=json.dumps(leg).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers=headers(token))
     with urllib.request.urlopen(req, timeout=600) as resp:
         params = json.load(resp).get("kv_transfer_params")
-    return time.perf_counter() - started + ttft(f"{decode}/v1/completions", {**body, "kv_transfer_params": params})
+    return time.perf_counter() - started + ttft(f"{decode}/v1/completions", {**body, "kv_transfer_params": params},
+                                                token)
 
 
 def proxy_overhead(n: int, words: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from yrpd.credentials import instance_token
     from yrpd.session import SessionStore, default_root
 
     session = SessionStore(default_root()).get(None)
+    token = instance_token(session.path)  # the instances want the deployment's token; the proxy a key, if any
     plan = json.loads((session.path / "plan.json").read_text())
     spec = json.loads((session.path / "spec.json").read_text())
     ip = {h["name"]: h["ip"] for h in plan["hosts"]}
     url = {i["role"]: f"http://{ip[i['host']]}:{i['port']}" for i in plan["instances"]}
     proxy = f"http://{ip[plan['proxy']['host']]}:{plan['proxy']['port']}"
     text = Path(os.__file__).read_text().split()
+    key = os.environ.get(spec["api_key_env"]) if spec.get("api_key_env") else None
     model = spec.get("served_model_name") or (spec.get("model") or "builtin:smollm2").rstrip("/").split("/")[-1].removeprefix("builtin:")
     results: dict[str, list[float]] = {"proxy": [], "client-driven PD legs": [], "decode alone": []}
     for i in range(n):
@@ -108,11 +116,11 @@ def proxy_overhead(n: int, words: int) -> None:
             prompt = f"{name} {i} " + " ".join(text[i * 7:i * 7 + words])
             body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
             if name == "proxy":
-                results[name].append(ttft(f"{proxy}/v1/completions", body))
+                results[name].append(ttft(f"{proxy}/v1/completions", body, key))
             elif name == "decode alone":
-                results[name].append(ttft(f"{url['decode']}/v1/completions", body))
+                results[name].append(ttft(f"{url['decode']}/v1/completions", body, token))
             else:
-                results[name].append(two_legs(url["prefill"], url["decode"], body))
+                results[name].append(two_legs(url["prefill"], url["decode"], body, token))
     print(f"TTFT over {n} streamed completions of ~{words} words (session {session.id}):")
     for name, values in results.items():
         print(f"  {name:24s} median {statistics.median(values) * 1000:7.1f} ms   "

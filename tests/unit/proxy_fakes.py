@@ -29,6 +29,7 @@ class FakeVLLM:
     break_after: int | None = None  # drop the connection after this many events (non-stream: mid-body)
     delay: float = 0.0  # seconds of "compute" before the answer (or the first event) starts
     bodies: list = field(default_factory=list)
+    auth: list = field(default_factory=list)  # the Authorization header of each generation request (None: none)
     url: str = ""
 
     def __post_init__(self):
@@ -58,6 +59,7 @@ class FakeVLLM:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.auth.append(request.headers.get("Authorization"))
         self.received.set()
         chat = request.path.endswith("/chat/completions")
         try:

@@ -360,3 +360,25 @@ def test_a_host_without_logs_fails_alone(tmp_path):
         results = api.logs(deployment, lambda *line: lines.append(line))
     assert results["h1"].ok and not results["h2"].ok and "no logs directory" in results["h2"].tail(3)
     assert len(lines) == 4 and {line[0] for line in lines} == {"h1"}
+
+
+def test_the_secrets_travel_as_private_files_and_no_command_carries_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("YRPD_TEST_PROXY_KEY", "client-key-123")
+    path = tmp_path / "secrets.yaml"
+    path.write_text(PLAYBOOK.replace("preflight.check_hosts", "credentials.ship").replace(
+        "    check: preflight.passed_before\n", ""))
+    spec = spec_for(tmp_path, api_key_env="YRPD_TEST_PROXY_KEY")
+    with FakeHosts() as hosts:
+        hosts.on(r"^chmod 700")
+        done = api.deploy(spec, playbook_file=path)
+    local = done.session.path / "secrets"
+    token = (local / "instance.token").read_text().strip()
+    remote = f"/tmp/yrpd_sessions/{done.session.id}/secrets"
+    [(_, to_h1)] = [(h, c) for h, c in hosts.calls if h == "h1" and c.uploads]  # prefill and the proxy run on h1
+    assert set(to_h1.uploads) == {(f"{local}/instance.env", f"{remote}/instance.env"),
+                                  (f"{local}/proxy.env", f"{remote}/proxy.env")}
+    assert to_h1.fresh_uploads and f"chmod 600 {remote}/instance.env {remote}/proxy.env" in to_h1.script
+    assert "client-key-123" in (local / "proxy.env").read_text()
+    for _, command in hosts.calls:
+        assert token not in command.script + str(command) and "client-key-123" not in command.script + str(command)
+    assert token not in (done.session.path / "journal.jsonl").read_text()

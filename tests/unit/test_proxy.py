@@ -267,6 +267,19 @@ def test_the_api_key_is_enforced_on_v1_only():
     run(go())
 
 
+def test_instances_get_the_deployments_token_and_never_the_clients_key():
+    async def go():
+        async with running(api_key="client-key", instance_token="inst-token") as s:
+            body = {"prompt": "x", "stream": True}
+            status, _, _ = await post(s, "/v1/completions", body, headers={"Authorization": "Bearer client-key"})
+            assert status == 200
+            assert s.prefill[0].auth == ["Bearer inst-token"] and s.decode[0].auth == ["Bearer inst-token"]
+        async with running() as s:  # instances started by hand, sharing the proxy's key: the client's header passes
+            status, _, _ = await post(s, "/v1/completions", {"prompt": "x"}, headers={"Authorization": "Bearer k"})
+            assert status == 200 and s.decode[0].auth == ["Bearer k"]
+    run(go())
+
+
 def test_a_client_that_hangs_up_mid_stream_closes_the_decode_request():
     async def go():
         async with running() as s:

@@ -57,6 +57,30 @@ class Supervised:
                 pass
 
 
+def test_the_env_file_reaches_the_command_at_every_start_and_never_its_command_line(tmp_path):
+    env_file = tmp_path / "secret.env"
+    env_file.write_text("YRPD_TEST_SECRET=first-value\nIGNORED LINE\n")
+    out = tmp_path / "seen"
+    sup = Supervised(tmp_path, f'echo "$YRPD_TEST_SECRET" >> {out}; sleep 0.3; exit 1', env_file=str(env_file),
+                     max_restarts=1)
+    try:
+        sup.wait_for(lambda s: s["restarts"] == 1)
+        env_file.write_text("YRPD_TEST_SECRET=second-value\n")  # a re-deploy replaced it: the next start reads it
+        sup.wait_for(lambda s: s["state"] == "failed")
+        assert out.read_text().splitlines()[:1] == ["first-value"]
+        assert "first-value" not in " ".join(sup.proc.args)  # the supervisor's own argv names the file only
+    finally:
+        sup.close()
+    env_file.unlink()
+    (tmp_path / "again").mkdir()
+    gone = Supervised(tmp_path / "again", "sleep 5", env_file=str(env_file))
+    try:  # no file: it does not start the command without its secrets
+        state = gone.wait_for(lambda s: s["state"] == "failed")
+        assert "cannot read its environment file" in state["reason"]
+    finally:
+        gone.close()
+
+
 @pytest.fixture
 def supervised(tmp_path):
     made: list[Supervised] = []

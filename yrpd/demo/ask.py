@@ -96,14 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--session", help="session to ask [latest]")
     args = ap.parse_args(argv)
 
-    import os
-
     from yrpd import api
     from yrpd.serving import endpoint_url
 
     deployment = api.open_deployment(args.session)
     url, model = endpoint_url(deployment.spec, deployment.plan), deployment.spec.model_name
-    key = os.environ.get(deployment.spec.api_key_env) if deployment.spec.api_key_env else None
+    key = deployment.endpoint_key()
     counters = by_role(api.status(deployment))
     for shown, question in QUESTIONS:
         print(f"Q: {shown}")
