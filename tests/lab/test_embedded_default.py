@@ -87,6 +87,26 @@ def test_deploy_localhost_alone_serves_reuses_and_tears_down(netns, tmp_path):
         answer = in_ns(netns, "bash", "-c", sample, env=env, timeout=300)
         reply = json.loads(answer.stdout)
         assert reply["model"] == "smollm2" and "Paris" in reply["choices"][0]["text"], answer.stdout[:500]
+        # behind the proxy nothing is open: an instance refuses a request without the deployment's token (its
+        # /health stays open for probes), and that token is on no command line, in no log and no status
+        direct = in_ns(netns, "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "http://127.0.0.1:8100/v1/models",
+                       env=env, timeout=60)
+        assert direct.stdout == "401", direct.stdout
+        health = in_ns(netns, "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "http://127.0.0.1:8100/health",
+                       env=env, timeout=60)
+        assert health.stdout == "200", health.stdout
+        session_dir = next((tmp_path / "home" / "sessions").glob("2*"))
+        token = (session_dir / "secrets" / "instance.token").read_text().strip()
+        host_secrets = Path(f"/tmp/yrpd_sessions/{session_dir.name}/secrets")
+        assert oct(host_secrets.stat().st_mode & 0o777) == "0o700"
+        assert {p.name: oct(p.stat().st_mode & 0o777) for p in host_secrets.iterdir()} == {
+            "instance.env": "0o600", "proxy.env": "0o600"}
+        status_json = in_ns(netns, *yrpd, "status", "--json", env=env, timeout=120).stdout
+        ps = in_ns(netns, "ps", "-eo", "args", env=env, timeout=60).stdout
+        logs = [p.read_text(errors="replace") for p in Path(f"/tmp/yrpd_sessions/{session_dir.name}/logs").rglob("*.log")]
+        logs += [p.read_text() for p in session_dir.glob("*.json*")]
+        for where, text in [("status --json", status_json), ("ps", ps), *(("a log", t) for t in logs)]:
+            assert token not in text, where
         # the container steps say why they did nothing, rather than "already done"
         after = first.stderr.split("create the container on every host", 1)[1].splitlines()[1]
         assert "not needed on localhost: runtime host" in after, after
@@ -143,6 +163,7 @@ def test_deploy_localhost_alone_serves_reuses_and_tears_down(netns, tmp_path):
             elif words(command) == ["down"]:
                 ran.add("down")
         assert ran == {"status --json", "status", "logs", "follow", "down"}, (ran, documented)
+        assert not host_secrets.exists() and not (session_dir / "secrets").exists()  # down took them away
         listening = in_ns(netns, "ss", "-ltnpH", env=env, timeout=30).stdout
         assert listening.strip() == "", listening
         assert _pids_in_ns("net", _ns_key(f"/run/netns/{netns}")) == []
