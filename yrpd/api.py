@@ -65,6 +65,9 @@ class PlanView:
         data = self.plan.to_dict()
         data["steps"] = [{"name": s.step.name, "hosts": {host: str(cmd) for host, cmd in s.actions.items()}}
                          for s in self.steps]
+        from yrpd.exposure import exposure
+
+        data["ports"] = [row.to_dict() for row in exposure(self.spec, self.plan)]
         return data
 
 

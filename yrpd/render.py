@@ -55,7 +55,15 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
         lines.append(Text(f"containers ({profile.name}): instances and proxy run the image's {profile.python} "
                           f"(Python {profile.python_version}); openYuanrong venvs {spec.env_root}/{{yr,ds}} inside "
                           f"the container, made from {cluster_py} (Python {cluster_version})"))
-    return [*lines, table, Text("Hosts", style="bold"), hosts]
+    from yrpd.exposure import Guard, exposure
+
+    ports = Table(title="Who may reach each port", title_justify="left")
+    for column in ("host", "port", "what", "listens on", "needed by", "a caller must present"):
+        ports.add_column(column)
+    for row in exposure(spec, plan):
+        guard = f"[red]{row.guard.value}[/red]" if row.guard is Guard.nothing else row.guard.value
+        ports.add_row(row.host, row.port, row.what, row.listens_on, row.callers, guard)
+    return [*lines, table, Text("Hosts", style="bold"), hosts, ports]
 
 
 def outcome_line(outcome) -> str:

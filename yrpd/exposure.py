@@ -1,0 +1,78 @@
+"""Who may reach each port a deployment opens, and what checks a caller there: the table `yrpd plan` prints and
+docs/security.md explains. Pure: a function of the spec and the plan.
+
+What is protected: the proxy (the user's API key, where `api_key_env` is set) and every vLLM instance (the
+deployment's own token on /v1; yrpd.credentials). What is not yet: the openYuanrong data system and etcd
+(openYuanrong's CURVE and AK/SK options are not wired up; see docs/security.md), the instances' KV side channel
+and the NPUs' collective ports. Those listen on each host's cluster address only, never on all addresses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+from yrpd.placement import Plan
+from yrpd.spec import DeploySpec, DeviceKind
+
+
+class Guard(str, Enum):
+    """What a caller must present."""
+
+    api_key = "the proxy's API key"
+    token = "the deployment's token on /v1 (/health, /metrics open)"
+    nothing = "nothing: NOT protected"
+    loopback = "nothing, but it listens on 127.0.0.1 only"
+
+
+@dataclass(frozen=True)
+class PortAccess:
+    host: str
+    port: str  # one port or a range
+    what: str
+    listens_on: str
+    callers: str  # who needs to reach it
+    guard: Guard
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "guard": self.guard.value}
+
+
+def exposure(spec: DeploySpec, plan: Plan) -> list[PortAccess]:
+    ip = {h.name: h.reach_ip for h in plan.hosts}
+    kind = {h.name: h.kind for h in plan.hosts}
+    rows: list[PortAccess] = []
+    if spec.disaggregated:
+        bind = spec.proxy_host or ip[plan.proxy_host]
+        rows.append(PortAccess(plan.proxy_host, str(plan.proxy_port), "proxy (OpenAI API)", bind, "clients",
+                               Guard.api_key if spec.api_key_env else _open(bind)))
+    callers = "the proxy, yrpd status/bench" if spec.disaggregated else "clients (with the token), yrpd status/bench"
+    for inst in plan.instances:
+        rows.append(PortAccess(inst.host, str(inst.port), f"{inst.name} (vLLM API)", ip[inst.host], callers,
+                               Guard.token))
+        rows.append(PortAccess(inst.host, str(inst.kv_port), f"{inst.name} KV side channel / DP rpc", ip[inst.host],
+                               "its own engine processes, DP ranks on other hosts", _open(ip[inst.host])))
+        if kind[inst.host] is DeviceKind.npu:
+            rows.append(PortAccess(inst.host, f"{inst.hccl_port}-{inst.hccl_port + 15}", f"{inst.name} HCCL",
+                                   ip[inst.host], "its own NPU ranks", _open(ip[inst.host])))
+    for h in plan.hosts:
+        for name, port in h.ports.items():
+            if name == "proxy":
+                continue
+            if name.startswith("lmcache"):
+                rows.append(PortAccess(h.name, str(port), f"LMCache server ({name})", "127.0.0.1",
+                                       "the instances on this host", Guard.loopback))
+                continue
+            what, callers = {
+                "etcd": ("etcd client port (cluster metadata)", "openYuanrong on every host"),
+                "etcd_peer": ("etcd peer port", "etcd members"),
+                "ds_master": ("data system master", "data system workers"),
+                "datasystem": ("data system worker (the KV cache)", "instances on every host, other workers"),
+            }.get(name, (name, "the deployment"))
+            rows.append(PortAccess(h.name, str(port), what, h.reach_ip, callers, _open(h.reach_ip)))
+    return rows
+
+
+def _open(address: str) -> Guard:
+    """An unchecked port: at least say when only this host can reach it."""
+    return Guard.loopback if address.startswith("127.") else Guard.nothing
