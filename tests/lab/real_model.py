@@ -39,9 +39,14 @@ CHATS = ["What is the capital of France?", "What is 2 + 3?"]
 KNOWN = {"What is the capital of France?": "Paris", "What is 2 + 3?": "5"}
 
 
-def http(method: str, url: str, body: dict | None = None, timeout: float = 300) -> tuple[int, bytes]:
+def headers(key: str | None = None) -> dict:
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+
+
+def http(method: str, url: str, body: dict | None = None, timeout: float = 300,
+         key: str | None = None) -> tuple[int, bytes]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method, headers=headers(key))
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()
@@ -49,25 +54,25 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 300) 
         return exc.code, exc.read()
 
 
-def completion(base: str, prompt: str, max_tokens: int = 16) -> str:
+def completion(base: str, prompt: str, max_tokens: int = 16, key: str | None = None) -> str:
     status, body = http("POST", f"{base}/v1/completions",
-                        {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+                        {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, key=key)
     assert status == 200, body[:500]
     return json.loads(body)["choices"][0]["text"]
 
 
-def chat(base: str, question: str, max_tokens: int = 24) -> str:
+def chat(base: str, question: str, max_tokens: int = 24, key: str | None = None) -> str:
     status, body = http("POST", f"{base}/v1/chat/completions",
                         {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-                         "temperature": 0})
+                         "temperature": 0}, key=key)
     assert status == 200, body[:500]
     return json.loads(body)["choices"][0]["message"]["content"]
 
 
-def streamed_chat(base: str, question: str, max_tokens: int = 24) -> str:
+def streamed_chat(base: str, question: str, max_tokens: int = 24, key: str | None = None) -> str:
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
                        "temperature": 0, "stream": True}).encode()
-    req = urllib.request.Request(f"{base}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{base}/v1/chat/completions", data=body, headers=headers(key))
     text, done = [], False
     with urllib.request.urlopen(req, timeout=300) as resp:
         assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
@@ -83,11 +88,11 @@ def streamed_chat(base: str, question: str, max_tokens: int = 24) -> str:
     return "".join(text)
 
 
-def answers(base: str) -> dict[str, str]:
+def answers(base: str, key: str | None = None) -> dict[str, str]:
     """Every checked prompt's greedy answer from one endpoint, in a fixed order."""
-    out = {f"completion {i}": completion(base, p) for i, p in enumerate(COMPLETIONS)}
-    out.update({f"chat {q}": chat(base, q) for q in CHATS})
-    out["streamed chat"] = streamed_chat(base, CHATS[0])
+    out = {f"completion {i}": completion(base, p, key=key) for i, p in enumerate(COMPLETIONS)}
+    out.update({f"chat {q}": chat(base, q, key=key) for q in CHATS})
+    out["streamed chat"] = streamed_chat(base, CHATS[0], key=key)
     return out
 
 

@@ -28,16 +28,17 @@ def _need_venvs():
 
 
 def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake_lab, tmp_path):
-    lab = fake_lab(2)
+    lab = fake_lab(3)  # h3 is not part of the deployment: it is where an outsider on the cluster network stands
     home = tmp_path / "home"
     config = tmp_path / "yrpd.yaml"
     # each fake host gets its own core: they share this machine's CPUs
     config.write_text(
         "hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n"
         f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {rm.ENV_ROOT}\ndatasystem_memory_mb: 256\n"
-        "cluster_mode: ds_only\n")
+        "cluster_mode: ds_only\napi_key_env: YRPD_LAB_KEY\n")
+    key = "lab-key-" + os.urandom(8).hex()
     ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
-    env = {"YRPD_HOME": str(home)}
+    env = {"YRPD_HOME": str(home), "YRPD_LAB_KEY": key}
 
     def cli(*args, check=None, timeout=600):
         return run_yrpd(*args, *ssh, env=env, check=check, timeout=timeout)
@@ -61,8 +62,17 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
         assert placed == {"prefill-0": ("prefill", "h1"), "decode-0": ("decode", "h2")}
         assert report["healthy"] and report["proxy"]["healthy"] and report["proxy"]["url"] == proxy
 
+        # from h3: the proxy's key is the only way in; each instance answers 401 without the deployment's token
+        def from_h3(url, auth=None):
+            header = f"-H 'Authorization: Bearer {auth}' " if auth else ""
+            return lab["h3"].exec(f"curl -s -o /dev/null -w '%{{http_code}}' {header}{url}", check=False).stdout
+        for instance in report["instances"]:
+            assert from_h3(f"{instance['url']}/v1/models") == "401", instance["name"]
+            assert from_h3(f"{instance['url']}/v1/models", key) == "401"  # the client's key is not the token
+        assert from_h3(f"{proxy}/v1/models") == "401" and from_h3(f"{proxy}/v1/models", key) == "200"
+
         reference.wait()
-        got = rm.answers(proxy)
+        got = rm.answers(proxy, key)
         rm.assert_known_answers(got)
         assert got == rm.answers(reference.url)
 
@@ -93,13 +103,16 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
         print(f"measured: killed decode reported after {time.monotonic() - killed:.1f}s")
         assert not report["healthy"] and any("decode-0" in p for p in report["problems"])
         status, body = rm.http("POST", f"{proxy}/v1/completions",
-                               {"model": rm.MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0})
+                               {"model": rm.MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0}, key=key)
         assert 500 <= status < 600 and "message" in json.loads(body)["error"], (status, body[:300])
 
         started = time.monotonic()
         down = cli("down", check=0)
         print(f"measured: 2-host down {time.monotonic() - started:.1f}s\n{down.stderr}")
         assert "is down" in down.stderr
+        sid = next((home / "sessions").glob("2*")).name
+        for host in lab.hosts[:2]:  # the deployment's secrets went with it
+            assert host.exec(f"test -e /tmp/yrpd_sessions/{sid}/secrets", check=False).returncode == 1
         for host in lab.hosts:
             assert session_processes(host) == [], host.name
             procs, ports = leftovers(host)
