@@ -5,7 +5,7 @@ Run with the python of the data-system venv (openyuanrong-datasystem), never wit
 `yr` venv's python: the two packages cannot be imported in one process, and
 LD_LIBRARY_PATH must not point at the `yr` package.
 
-    ds_kv_check.py --write 10.0.0.1:31501 --read 10.0.0.2:31501 [--size 4096] [--timeout-ms 5000]
+    ds_kv_check.py --write 10.0.0.1:31501 --read 10.0.0.2:31501 [--size 4096] [--timeout-ms 5000] [--env-file F]
 
 Prints exactly one JSON line on stdout:
     {"ok": true, "write": "IP:PORT", "read": "IP:PORT", "key": "...", "bytes": N, "ms": total, ...}
@@ -86,9 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read", required=True, type=parse_addr, help="IP:PORT of the worker to read through")
     parser.add_argument("--size", type=int, default=4096, help="value size in bytes (default 4096)")
     parser.add_argument("--timeout-ms", type=int, default=5000, help="connect/request timeout (default 5000)")
+    parser.add_argument("--env-file", help="KEY=VALUE lines added to the environment first: the client's CURVE keys "
+                                           "(DATASYSTEM_CLIENT_PUBLIC_KEY ...), which the client reads from there")
     args = parser.parse_args(argv)
     if args.size <= 0:
         parser.error("--size must be positive")
+    if args.env_file:
+        with open(args.env_file) as fh:
+            for line in fh:
+                key, sep, value = line.rstrip("\n").partition("=")
+                if sep and key:
+                    os.environ[key] = value
 
     out = {"write": "%s:%d" % args.write, "read": "%s:%d" % args.read}
     try:

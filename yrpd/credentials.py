@@ -1,9 +1,11 @@
 """A deployment's secrets: made once per session on the controller, kept in files only their owner can read.
 
 `<session>/secrets/` (mode 0700) on the controller holds `instance.token` (the token every vLLM instance requires
-on its /v1 routes) and one environment file per kind of process (`instance.env`, `proxy.env`, mode 0600). The
-deploy copies the environment files over SFTP into the host's `<session>/secrets/` (0700, yrpd.layout); each
-process's supervisor reads its file when it starts the process. So a secret is never part of a command line (`ps`,
+on its /v1 routes), the data system's CURVE keys (`curve/`: the workers' key pair, shared by every worker and the
+master, and the public keys of the clients they accept), and one environment file per kind of process
+(`instance.env`, `proxy.env`, `datasystem.env` for yrpd's own data-system checks; mode 0600). The deploy copies
+them over SFTP into the host's `<session>/secrets/` (0700, yrpd.layout); each process's supervisor reads its file
+when it starts the process, and the workers read `curve/` themselves (`curve_key_dir`). So a secret is never part of a command line (`ps`,
 `yrpd plan`, the session journal, the logs) and `yrpd down` removes it from the hosts and from here.
 """
 
@@ -18,9 +20,58 @@ VLLM_TOKEN_ENV = "VLLM_API_KEY"
 #: the proxy's variables: the token it sends to the instances, and the key it requires from clients
 PROXY_TOKEN_ENV = "YRPD_INSTANCE_TOKEN"
 PROXY_KEY_ENV = "YRPD_API_KEY"
+#: the data system client's own variables (its KVClient falls back to them when given no keys)
+DS_CLIENT_ENV = ("DATASYSTEM_CLIENT_PUBLIC_KEY", "DATASYSTEM_CLIENT_PRIVATE_KEY", "DATASYSTEM_SERVER_PUBLIC_KEY")
 #: the environment files, by the kind of process that reads them
-INSTANCE, PROXY = "instance", "proxy"
+INSTANCE, PROXY, DATASYSTEM = "instance", "proxy", "datasystem"
 TOKEN_FILE = "instance.token"
+#: the worker's key directory, as the data system reads it: its pair, and the public keys it accepts; the file
+#: names are the worker's own (a client key must be called client.key: the worker trusts services by file name)
+CURVE_DIR = "curve"
+CURVE_FILES = ("worker.key", "worker.key_secret", "worker_authorized_clients/worker.key",
+               "worker_authorized_clients/client.key")
+_Z85 = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+
+
+def z85(data: bytes) -> str:
+    """ZeroMQ's Z85 text form (RFC 32/Z85) of bytes whose length is a multiple of 4: how CURVE keys are written."""
+    if len(data) % 4:
+        raise ValueError("Z85 encodes whole 4-byte groups")
+    out = []
+    for i in range(0, len(data), 4):
+        value = int.from_bytes(data[i:i + 4], "big")
+        group = []
+        for _ in range(5):
+            value, digit = divmod(value, 85)
+            group.append(_Z85[digit])
+        out.extend(reversed(group))
+    return "".join(out)
+
+
+def curve_keypair() -> tuple[str, str]:
+    """A CURVE key pair (public, secret) in Z85: an X25519 pair, as zmq_curve_keypair() makes."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+
+    key = X25519PrivateKey.generate()
+    secret = key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+    public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    return z85(public), z85(secret)
+
+
+def _ensure_curve(d: Path) -> dict[str, str]:
+    """The session's CURVE keys (made once), as the data system client's environment."""
+    curve = d / CURVE_DIR
+    if not (curve / CURVE_FILES[-1]).exists():
+        curve.mkdir(mode=0o700, exist_ok=True)
+        (curve / "worker_authorized_clients").mkdir(mode=0o700, exist_ok=True)
+        worker, client = curve_keypair(), curve_keypair()
+        for name, text in zip(CURVE_FILES, (worker[0], worker[1], worker[0], client[0])):
+            write_private(curve / name, text)
+        write_private(curve / "client.key_secret", client[1])
+    read = lambda name: (curve / name).read_text().strip()  # noqa: E731
+    return dict(zip(DS_CLIENT_ENV, (read("worker_authorized_clients/client.key"), read("client.key_secret"),
+                                    read("worker.key"))))
 
 
 def secrets_dir(session_path: Path) -> Path:
@@ -53,7 +104,9 @@ def ensure(session_path: Path, proxy_key: str | None) -> Path:
     if not token_file.exists():
         write_private(token_file, random_tokens.token_urlsafe(32) + "\n")
     token = token_file.read_text().strip()
-    write_private(d / f"{INSTANCE}.env", env_text({VLLM_TOKEN_ENV: token}))
+    ds_client = _ensure_curve(d)
+    write_private(d / f"{INSTANCE}.env", env_text({VLLM_TOKEN_ENV: token, **ds_client}))
+    write_private(d / f"{DATASYSTEM}.env", env_text(ds_client))
     proxy = {PROXY_TOKEN_ENV: token, **({PROXY_KEY_ENV: proxy_key} if proxy_key else {})}
     write_private(d / f"{PROXY}.env", env_text(proxy))
     return d
@@ -69,8 +122,6 @@ def instance_token(session_path: Path) -> str | None:
 
 
 def remove(session_path: Path) -> None:
-    d = secrets_dir(session_path)
-    if d.is_dir():
-        for entry in d.iterdir():
-            entry.unlink()
-        d.rmdir()
+    import shutil
+
+    shutil.rmtree(secrets_dir(session_path), ignore_errors=True)

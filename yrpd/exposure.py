@@ -1,9 +1,9 @@
 """Who may reach each port a deployment opens, and what checks a caller there: the table `yrpd plan` prints and
 docs/security.md explains. Pure: a function of the spec and the plan.
 
-What is protected: the proxy (the user's API key, where `api_key_env` is set) and every vLLM instance (the
-deployment's own token on /v1; yrpd.credentials). What is not yet: the openYuanrong data system and etcd
-(openYuanrong's CURVE and AK/SK options are not wired up; see docs/security.md), the instances' KV side channel
+What is protected: the proxy (the user's API key, where `api_key_env` is set), every vLLM instance (the
+deployment's own token on /v1) and the data system's master and workers (CURVE keys; yrpd.credentials). What is
+not yet: etcd (TLS client certificates are not wired up; see docs/security.md), the instances' KV side channel
 and the NPUs' collective ports. Those listen on each host's cluster address only, never on all addresses.
 """
 
@@ -21,6 +21,7 @@ class Guard(str, Enum):
 
     api_key = "the proxy's API key"
     token = "the deployment's token on /v1 (/health, /metrics open)"
+    curve = "the deployment's CURVE key (ZeroMQ CURVE, the data system's own check)"
     nothing = "nothing: NOT protected"
     loopback = "nothing, but it listens on 127.0.0.1 only"
 
@@ -69,7 +70,8 @@ def exposure(spec: DeploySpec, plan: Plan) -> list[PortAccess]:
                 "ds_master": ("data system master", "data system workers"),
                 "datasystem": ("data system worker (the KV cache)", "instances on every host, other workers"),
             }.get(name, (name, "the deployment"))
-            rows.append(PortAccess(h.name, str(port), what, h.reach_ip, callers, _open(h.reach_ip)))
+            guard = Guard.curve if name in ("ds_master", "datasystem") else _open(h.reach_ip)
+            rows.append(PortAccess(h.name, str(port), what, h.reach_ip, callers, guard))
     return rows
 
 

@@ -65,6 +65,11 @@ class HostSessionLayout:
         """The deployment's secrets on the host (mode 0700; yrpd.credentials)."""
         return f"{self.dir}/secrets"
 
+    @property
+    def curve_dir(self) -> str:
+        """The data system's CURVE keys on the host (`curve_key_dir` of every worker and the master)."""
+        return f"{self.secrets_dir}/curve"
+
     def env_file(self, kind: str) -> str:
         """The environment file a process's supervisor reads when it starts it (mode 0600)."""
         return f"{self.secrets_dir}/{kind}.env"

@@ -72,6 +72,16 @@ def leftovers(host):
     return procs, ports
 
 
+def ds_check(*args: str) -> dict:
+    """deploy_scripts/ds_kv_check.py run here with the data system venv: a client that is not the deployment's."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH" and not k.startswith("DATASYSTEM_")}
+    proc = subprocess.run([f"{ENV_ROOT}/ds/bin/python", str(Path(__file__).parents[2] / "deploy_scripts/ds_kv_check.py"),
+                           *args], capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, tmp_path):
     lab = fake_lab(2)
     put_model(*lab.hosts)
@@ -96,6 +106,15 @@ def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, 
         ("h2", "ds_worker", "RUNNING")]
     assert cluster["etcd"].startswith(lab.hosts[0].address)
     before = cluster_pids(report)
+
+    # from outside the deployment (this machine, on the hosts' network) the data system refuses a client without
+    # the deployment's CURVE keys, and serves one with them
+    keys = next((tmp_path / "home" / "sessions").glob("2*")) / "secrets" / "datasystem.env"
+    h1, h2 = (f"{h.address}:31501" for h in lab.hosts)
+    keyless = ds_check("--write", h1, "--read", h2, "--timeout-ms", "3000")
+    assert not keyless["ok"], keyless
+    keyed = ds_check("--write", h1, "--read", h2, "--env-file", str(keys))
+    assert keyed["ok"], keyed
 
     # re-running deploy restarts nothing
     again = cli.deploy(check=0)

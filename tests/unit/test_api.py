@@ -369,16 +369,26 @@ def test_the_secrets_travel_as_private_files_and_no_command_carries_them(tmp_pat
         "    check: preflight.passed_before\n", ""))
     spec = spec_for(tmp_path, api_key_env="YRPD_TEST_PROXY_KEY")
     with FakeHosts() as hosts:
-        hosts.on(r"^chmod 700")
+        hosts.on(r"^chmod -R go-rwx")
         done = api.deploy(spec, playbook_file=path)
     local = done.session.path / "secrets"
     token = (local / "instance.token").read_text().strip()
     remote = f"/tmp/yrpd_sessions/{done.session.id}/secrets"
-    [(_, to_h1)] = [(h, c) for h, c in hosts.calls if h == "h1" and c.uploads]  # prefill and the proxy run on h1
-    assert set(to_h1.uploads) == {(f"{local}/instance.env", f"{remote}/instance.env"),
-                                  (f"{local}/proxy.env", f"{remote}/proxy.env")}
-    assert to_h1.fresh_uploads and f"chmod 600 {remote}/instance.env {remote}/proxy.env" in to_h1.script
+    shipped = {h: c for h, c in hosts.calls if c.uploads}
+    curve = {(f"{local}/curve/{name}", f"{remote}/curve/{name}") for name in
+             ("worker.key", "worker.key_secret", "worker_authorized_clients/worker.key",
+              "worker_authorized_clients/client.key")}
+    # prefill and the proxy run on h1, decode on h2; the data system's keys go to every host
+    assert set(shipped["h1"].uploads) == curve | {(f"{local}/{n}.env", f"{remote}/{n}.env")
+                                                  for n in ("instance", "proxy", "datasystem")}
+    assert set(shipped["h2"].uploads) == curve | {(f"{local}/{n}.env", f"{remote}/{n}.env")
+                                                  for n in ("instance", "datasystem")}
+    assert shipped["h1"].fresh_uploads and f"chmod -R go-rwx {remote} && chmod 700 {remote}" in shipped["h1"].script
     assert "client-key-123" in (local / "proxy.env").read_text()
+    secret_values = [token, "client-key-123", (local / "curve" / "worker.key_secret").read_text(),
+                     (local / "curve" / "client.key_secret").read_text()]
     for _, command in hosts.calls:
-        assert token not in command.script + str(command) and "client-key-123" not in command.script + str(command)
-    assert token not in (done.session.path / "journal.jsonl").read_text()
+        for value in secret_values:
+            assert value not in command.script + str(command)
+    journal = (done.session.path / "journal.jsonl").read_text()
+    assert not any(value in journal for value in secret_values)

@@ -16,12 +16,22 @@ def test_secrets_are_private_made_once_and_removed(tmp_path):
     token = credentials.instance_token(tmp_path)
     assert mode(d) == 0o700 and len(token) >= 40
     assert {p.name: mode(p) for p in d.iterdir()} == {"instance.token": 0o600, "instance.env": 0o600,
-                                                     "proxy.env": 0o600}
-    assert (d / "instance.env").read_text() == f"VLLM_API_KEY={token}\n"
+                                                     "proxy.env": 0o600, "datasystem.env": 0o600, "curve": 0o700}
+    curve = d / "curve"
+    assert {str(p.relative_to(curve)): mode(p) for p in curve.rglob("*")} == {
+        "worker.key": 0o600, "worker.key_secret": 0o600, "client.key_secret": 0o600,
+        "worker_authorized_clients": 0o700, "worker_authorized_clients/worker.key": 0o600,
+        "worker_authorized_clients/client.key": 0o600}
+    worker, client = (curve / "worker.key").read_text(), (curve / "worker_authorized_clients/client.key").read_text()
+    assert len(worker) == 40 and worker != client  # Z85 of 32 bytes
+    ds = f"DATASYSTEM_CLIENT_PUBLIC_KEY={client}\nDATASYSTEM_CLIENT_PRIVATE_KEY=" \
+         f"{(curve / 'client.key_secret').read_text()}\nDATASYSTEM_SERVER_PUBLIC_KEY={worker}\n"
+    assert (d / "datasystem.env").read_text() == ds
+    assert (d / "instance.env").read_text() == f"VLLM_API_KEY={token}\n" + ds
     assert (d / "proxy.env").read_text() == f"YRPD_INSTANCE_TOKEN={token}\nYRPD_API_KEY=client-key\n"
     # a re-deploy (resume) keeps the token the running instances hold, and takes a changed proxy key
     credentials.ensure(tmp_path, proxy_key=None)
-    assert credentials.instance_token(tmp_path) == token
+    assert credentials.instance_token(tmp_path) == token and (curve / "worker.key").read_text() == worker
     assert (d / "proxy.env").read_text() == f"YRPD_INSTANCE_TOKEN={token}\n"
     (tmp_path / "other").mkdir()
     assert credentials.ensure(tmp_path / "other", None) and credentials.instance_token(tmp_path / "other") != token
@@ -32,3 +42,10 @@ def test_secrets_are_private_made_once_and_removed(tmp_path):
 def test_a_key_spanning_lines_is_refused_rather_than_cut(tmp_path):
     with pytest.raises(ValueError, match="YRPD_API_KEY: a secret cannot span lines"):
         credentials.ensure(tmp_path, proxy_key="a\nVLLM_API_KEY=mine")
+
+
+def test_z85_is_zeromqs_text_form_of_keys():
+    # the specification's own example (ZeroMQ RFC 32)
+    assert credentials.z85(bytes([0x86, 0x4F, 0xD2, 0x6F, 0xB5, 0x59, 0xF7, 0x5B])) == "HelloWorld"
+    with pytest.raises(ValueError):
+        credentials.z85(b"abc")

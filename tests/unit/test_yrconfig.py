@@ -296,3 +296,15 @@ def test_real_yr_resolves_it(yr_dumps, mode, role):
         assert dumped["ds_master"]["args"]["master_address"] == f"{MASTER_IP}:12123"
         if mode == "ds_only":
             assert dumped["ds_master"]["bin_path"] == n.ds_worker_bin
+
+
+def test_with_a_key_directory_the_master_and_the_workers_require_curve():
+    import tomllib
+
+    from yrpd.cluster.yrconfig import YrNode, render_config
+
+    node = YrNode(host_ip="10.0.0.1", is_master=True, master_ip="10.0.0.1", deploy_path="/s/yr",
+                  curve_key_dir="/s/secrets/curve")
+    assert tomllib.loads(render_config(node))["values"]["ds"]["curve"] == {"enable": True, "base_path": "/s/secrets/curve"}
+    plain = YrNode(host_ip="10.0.0.1", is_master=True, master_ip="10.0.0.1", deploy_path="/s/yr")
+    assert "ds" not in tomllib.loads(render_config(plain))["values"]

@@ -93,6 +93,9 @@ class YrNode:
     spill_mb: int = 0  # ds_worker disk tier (0: none; full memory then evicts)
     spill_dir: str = ""  # default: <deploy_path>/ds-spill
     node_id: str = ""  # "" = yr default (<hostname>-<pid of yr start>)
+    #: the data system's CURVE keys (yrpd.credentials); set: the master and every worker accept only clients
+    #: holding a key listed there, and talk to each other with the workers' shared pair
+    curve_key_dir: str = ""
 
     @property
     def spill_directory(self) -> str:
@@ -236,6 +239,9 @@ def render_config(node: YrNode) -> str:
         ),
         *_table("[values.ds_master]", {"ip": node.master_ip, "port": m.ds_master}),
         *_table("[values.ds_worker]", {"ip": node.host_ip, "port": p.ds_worker}),
+        # yr's template hands these to the data system master and worker as enable_curve_zmq/curve_key_dir
+        *(_table("[values.ds.curve]", {"enable": True, "base_path": node.curve_key_dir}) if node.curve_key_dir
+          else []),
         *_table(
             "[values.function_master]",
             {"ip": node.master_ip, "global_scheduler_port": m.function_master},

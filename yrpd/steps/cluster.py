@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import shlex
 
+from yrpd import credentials
 from yrpd.assets import deploy_script
 from yrpd.cluster.yrconfig import (
     YrNode,
@@ -67,6 +68,7 @@ def node(ctx: StepContext, host: HostPlan, mode: str) -> YrNode:
         deploy_path=deploy_path(ctx), mode=mode, ports=yr_ports(ctx), yr_venv=yr_venv, ds_venv=ds_venv,
         python_tag=python_tag(ctx), shared_memory_mb=ctx.spec.datasystem_memory_mb,
         spill_mb=ctx.spec.datasystem_spill_mb, spill_dir=ctx.spec.datasystem_spill_dir or "",
+        curve_key_dir=ctx.layout.curve_dir,
     )
 
 
@@ -216,10 +218,11 @@ def check_kv(ctx: StepContext, host: HostPlan) -> Command:
     body = deploy_script("ds_kv_check.py")
     own, other = f"{host.reach_ip}:{port}", f"{peer.reach_ip}:{port}"
     logs = shlex.quote(ctx.layout.client_logs)
+    keys = shlex.quote(ctx.layout.env_file(credentials.DATASYSTEM))  # the client's CURVE keys
     script = (
         f"mkdir -p {logs}\n"
         f"env -u LD_LIBRARY_PATH DATASYSTEM_CLIENT_LOG_DIR={logs} {shlex.quote(ds_venv)}/bin/python - "
-        f"--write {own} --read {other} <<'YRPD_SCRIPT_END'\n{body}\nYRPD_SCRIPT_END\n"
+        f"--write {own} --read {other} --env-file {keys} <<'YRPD_SCRIPT_END'\n{body}\nYRPD_SCRIPT_END\n"
     )
-    return Command(script, display=f"{ds_venv}/bin/python deploy_scripts/ds_kv_check.py --write {own} --read {other}",
-                   timeout=60)
+    return Command(script, display=f"{ds_venv}/bin/python deploy_scripts/ds_kv_check.py --write {own} --read {other} "
+                                   f"--env-file {keys}", timeout=60)
