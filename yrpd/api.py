@@ -155,7 +155,8 @@ def deploy(spec: DeploySpec, *, playbook_file: str | Path | None = None, new_ses
         from yrpd import credentials
 
         key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
-        secrets = credentials.ensure(session.path, key)
+        master = next(h for h in placement.hosts if h.is_master)
+        secrets = credentials.ensure(session.path, key, etcd_ips=[master.reach_ip])
         ctx = StepContext(spec=spec, plan=placement, session_id=session.id,
                           options={"recreate": actions.recreate, "pull": actions.pull, "secrets_dir": str(secrets)})
         try:

@@ -30,6 +30,11 @@ TOKEN_FILE = "instance.token"
 CURVE_DIR = "curve"
 CURVE_FILES = ("worker.key", "worker.key_secret", "worker_authorized_clients/worker.key",
                "worker_authorized_clients/client.key")
+#: etcd's TLS files, under these names as yr's template expects them: a CA made per session, the server pair on the
+#: master (etcd's client and peer port), a client pair for the data system master and workers and for yr's checks
+ETCD_DIR = "etcd"
+ETCD_SERVER_FILES = ("ca.crt", "server.crt", "server.key")
+ETCD_CLIENT_FILES = ("ca.crt", "client.crt", "client.key")
 _Z85 = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
 
 
@@ -94,9 +99,57 @@ def env_text(values: dict[str, str]) -> str:
     return "".join(f"{key}={value}\n" for key, value in values.items())
 
 
-def ensure(session_path: Path, proxy_key: str | None) -> Path:
-    """Make the session's token (once) and its environment files (every deploy: the proxy key may have changed);
-    returns the directory."""
+def _ensure_etcd_tls(d: Path, etcd_ips: list[str]) -> None:
+    """A CA, etcd's server certificate for `etcd_ips` and a client certificate (made once per session; EC P-256, so
+    the ECDHE-ECDSA suites yr's template allows apply)."""
+    tls = d / ETCD_DIR
+    if (tls / "client.key").exists():
+        return
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    tls.mkdir(mode=0o700, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    name = lambda cn: x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])  # noqa: E731
+
+    def issue(subject: str, key, issuer_name, signer, usages=None, ips=(), ca=False):
+        builder = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(issuer_name)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=3650))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if usages:
+            builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        if ips:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]), critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    def save(stem: str, cert, key) -> None:
+        write_private(tls / f"{stem}.crt", cert.public_bytes(serialization.Encoding.PEM).decode())
+        if key is not None:
+            write_private(tls / f"{stem}.key", key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = issue("yrpd deployment CA", ca_key, name("yrpd deployment CA"), ca_key, ca=True)
+    server_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    # etcd's peer port presents the server certificate as a client too
+    server = issue("etcd", server_key, ca.subject, ca_key,
+                   [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], ips=sorted({*etcd_ips, "127.0.0.1"}))
+    client = issue("yrpd etcd client", client_key, ca.subject, ca_key, [ExtendedKeyUsageOID.CLIENT_AUTH])
+    save("ca", ca, None)
+    save("server", server, server_key)
+    save("client", client, client_key)  # the CA's own key is not kept: nothing else is ever signed
+
+
+def ensure(session_path: Path, proxy_key: str | None, etcd_ips: list[str] = ()) -> Path:
+    """Make the session's token and keys (once) and its environment files (every deploy: the proxy key may have
+    changed); returns the directory."""
     d = secrets_dir(session_path)
     d.mkdir(mode=0o700, exist_ok=True)
     os.chmod(d, 0o700)
@@ -105,6 +158,7 @@ def ensure(session_path: Path, proxy_key: str | None) -> Path:
         write_private(token_file, random_tokens.token_urlsafe(32) + "\n")
     token = token_file.read_text().strip()
     ds_client = _ensure_curve(d)
+    _ensure_etcd_tls(d, list(etcd_ips))
     write_private(d / f"{INSTANCE}.env", env_text({VLLM_TOKEN_ENV: token, **ds_client}))
     write_private(d / f"{DATASYSTEM}.env", env_text(ds_client))
     proxy = {PROXY_TOKEN_ENV: token, **({PROXY_KEY_ENV: proxy_key} if proxy_key else {})}

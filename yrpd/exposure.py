@@ -2,9 +2,9 @@
 docs/security.md explains. Pure: a function of the spec and the plan.
 
 What is protected: the proxy (the user's API key, where `api_key_env` is set), every vLLM instance (the
-deployment's own token on /v1) and the data system's master and workers (CURVE keys; yrpd.credentials). What is
-not yet: etcd (TLS client certificates are not wired up; see docs/security.md), the instances' KV side channel
-and the NPUs' collective ports. Those listen on each host's cluster address only, never on all addresses.
+deployment's own token on /v1), the data system's master and workers (CURVE keys) and etcd (TLS with client
+certificates of a CA made per session; yrpd.credentials). What is not: the instances' KV side channel and the
+NPUs' collective ports. Those listen on each host's cluster address only, never on all addresses.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class Guard(str, Enum):
     api_key = "the proxy's API key"
     token = "the deployment's token on /v1 (/health, /metrics open)"
     curve = "the deployment's CURVE key (ZeroMQ CURVE, the data system's own check)"
+    certificate = "a client certificate of the deployment's CA (TLS)"
     nothing = "nothing: NOT protected"
     loopback = "nothing, but it listens on 127.0.0.1 only"
 
@@ -70,7 +71,8 @@ def exposure(spec: DeploySpec, plan: Plan) -> list[PortAccess]:
                 "ds_master": ("data system master", "data system workers"),
                 "datasystem": ("data system worker (the KV cache)", "instances on every host, other workers"),
             }.get(name, (name, "the deployment"))
-            guard = Guard.curve if name in ("ds_master", "datasystem") else _open(h.reach_ip)
+            guard = Guard.curve if name in ("ds_master", "datasystem") else \
+                Guard.certificate if name in ("etcd", "etcd_peer") else _open(h.reach_ip)
             rows.append(PortAccess(h.name, str(port), what, h.reach_ip, callers, guard))
     return rows
 

@@ -70,6 +70,11 @@ class HostSessionLayout:
         """The data system's CURVE keys on the host (`curve_key_dir` of every worker and the master)."""
         return f"{self.secrets_dir}/curve"
 
+    @property
+    def etcd_tls_dir(self) -> str:
+        """etcd's CA and certificates on the host (the server pair on the master only)."""
+        return f"{self.secrets_dir}/etcd"
+
     def env_file(self, kind: str) -> str:
         """The environment file a process's supervisor reads when it starts it (mode 0600)."""
         return f"{self.secrets_dir}/{kind}.env"

@@ -82,6 +82,16 @@ def ds_check(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def etcdctl(endpoint: str, *tls: str):
+    """List etcd's keys as a client that is not the deployment's would (the etcdctl yr ships)."""
+    import subprocess
+
+    binary = next(Path(ENV_ROOT, "yr").rglob("third_party/etcd/etcdctl"))
+    return subprocess.run([str(binary), "--endpoints", endpoint, "--dial-timeout", "3s", "--command-timeout", "5s",
+                           *tls, "get", "/", "--prefix", "--keys-only"], capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+
+
 def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, tmp_path):
     lab = fake_lab(2)
     put_model(*lab.hosts)
@@ -115,6 +125,14 @@ def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, 
     assert not keyless["ok"], keyless
     keyed = ds_check("--write", h1, "--read", h2, "--env-file", str(keys))
     assert keyed["ok"], keyed
+    # etcd: TLS, and only with a client certificate of the deployment's CA
+    tls = keys.parent / "etcd"
+    etcd = f"https://{lab.hosts[0].address}:32379"
+    assert etcdctl(etcd, "--cacert", str(tls / "ca.crt")).returncode != 0
+    assert etcdctl(etcd.replace("https", "http")).returncode != 0
+    listed = etcdctl(etcd, "--cacert", str(tls / "ca.crt"), "--cert", str(tls / "client.crt"), "--key",
+                     str(tls / "client.key"))
+    assert listed.returncode == 0 and "/datasystem/" in listed.stdout, listed.stderr[-500:]
 
     # re-running deploy restarts nothing
     again = cli.deploy(check=0)

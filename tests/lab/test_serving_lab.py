@@ -76,6 +76,11 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
             refused = lab["h3"].exec(f"{check} --write {worker}:31501 --read {worker}:31501 --timeout-ms 3000",
                                      check=False, timeout=60)
             assert json.loads(refused.stdout.strip().splitlines()[-1])["ok"] is False, refused.stdout
+        # ... and etcd on h1 lists nothing for a client without the deployment's certificate
+        etcdctl = next(Path(rm.ENV_ROOT, "yr").rglob("third_party/etcd/etcdctl"))
+        listed = lab["h3"].exec(f"{etcdctl} --endpoints https://{lab['h1'].address}:32379 --insecure-skip-tls-verify "
+                                "--dial-timeout 3s --command-timeout 5s get / --prefix --keys-only", check=False, timeout=60)
+        assert listed.returncode != 0 and "/datasystem/" not in listed.stdout, listed.stdout
 
         reference.wait()
         got = rm.answers(proxy, key)

@@ -378,15 +378,18 @@ def test_the_secrets_travel_as_private_files_and_no_command_carries_them(tmp_pat
     curve = {(f"{local}/curve/{name}", f"{remote}/curve/{name}") for name in
              ("worker.key", "worker.key_secret", "worker_authorized_clients/worker.key",
               "worker_authorized_clients/client.key")}
-    # prefill and the proxy run on h1, decode on h2; the data system's keys go to every host
-    assert set(shipped["h1"].uploads) == curve | {(f"{local}/{n}.env", f"{remote}/{n}.env")
-                                                  for n in ("instance", "proxy", "datasystem")}
+    etcd = lambda *names: {(f"{local}/etcd/{n}", f"{remote}/etcd/{n}") for n in names}  # noqa: E731
+    # prefill and the proxy run on h1, decode on h2; the data system's keys go to every host, etcd's server pair
+    # only to the master
+    assert set(shipped["h1"].uploads) == curve | {(f"{local}/{n}.env", f"{remote}/{n}.env") for n in (
+        "instance", "proxy", "datasystem")} | etcd("ca.crt", "server.crt", "server.key", "client.crt", "client.key")
     assert set(shipped["h2"].uploads) == curve | {(f"{local}/{n}.env", f"{remote}/{n}.env")
-                                                  for n in ("instance", "datasystem")}
+                                                  for n in ("instance", "datasystem")} | etcd("ca.crt", "client.crt", "client.key")
     assert shipped["h1"].fresh_uploads and f"chmod -R go-rwx {remote} && chmod 700 {remote}" in shipped["h1"].script
     assert "client-key-123" in (local / "proxy.env").read_text()
     secret_values = [token, "client-key-123", (local / "curve" / "worker.key_secret").read_text(),
-                     (local / "curve" / "client.key_secret").read_text()]
+                     (local / "curve" / "client.key_secret").read_text(),
+                     (local / "etcd" / "server.key").read_text().splitlines()[1]]
     for _, command in hosts.calls:
         for value in secret_values:
             assert value not in command.script + str(command)

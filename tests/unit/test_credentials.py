@@ -16,7 +16,8 @@ def test_secrets_are_private_made_once_and_removed(tmp_path):
     token = credentials.instance_token(tmp_path)
     assert mode(d) == 0o700 and len(token) >= 40
     assert {p.name: mode(p) for p in d.iterdir()} == {"instance.token": 0o600, "instance.env": 0o600,
-                                                     "proxy.env": 0o600, "datasystem.env": 0o600, "curve": 0o700}
+                                                     "proxy.env": 0o600, "datasystem.env": 0o600, "curve": 0o700,
+                                                     "etcd": 0o700}
     curve = d / "curve"
     assert {str(p.relative_to(curve)): mode(p) for p in curve.rglob("*")} == {
         "worker.key": 0o600, "worker.key_secret": 0o600, "client.key_secret": 0o600,
@@ -49,3 +50,18 @@ def test_z85_is_zeromqs_text_form_of_keys():
     assert credentials.z85(bytes([0x86, 0x4F, 0xD2, 0x6F, 0xB5, 0x59, 0xF7, 0x5B])) == "HelloWorld"
     with pytest.raises(ValueError):
         credentials.z85(b"abc")
+
+
+def test_etcds_certificates_chain_to_the_sessions_ca_and_name_its_address(tmp_path):
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    d = credentials.ensure(tmp_path, None, etcd_ips=["10.0.0.1"]) / "etcd"
+    assert {p.name: mode(p) for p in d.iterdir()} == {n: 0o600 for n in (
+        "ca.crt", "server.crt", "server.key", "client.crt", "client.key")}  # the CA's key is not kept
+    ca, server, client = (x509.load_pem_x509_certificate((d / f"{n}.crt").read_bytes()) for n in ("ca", "server", "client"))
+    for cert in (server, client):
+        cert.verify_directly_issued_by(ca)
+    ips = {str(ip) for ip in server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.IPAddress)}
+    assert ips == {"10.0.0.1", "127.0.0.1"}
+    assert list(client.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [ExtendedKeyUsageOID.CLIENT_AUTH]

@@ -304,7 +304,11 @@ def test_with_a_key_directory_the_master_and_the_workers_require_curve():
     from yrpd.cluster.yrconfig import YrNode, render_config
 
     node = YrNode(host_ip="10.0.0.1", is_master=True, master_ip="10.0.0.1", deploy_path="/s/yr",
-                  curve_key_dir="/s/secrets/curve")
-    assert tomllib.loads(render_config(node))["values"]["ds"]["curve"] == {"enable": True, "base_path": "/s/secrets/curve"}
+                  curve_key_dir="/s/secrets/curve", etcd_tls_dir="/s/secrets/etcd")
+    values = tomllib.loads(render_config(node))["values"]
+    assert values["ds"]["curve"] == {"enable": True, "base_path": "/s/secrets/curve"}
+    assert values["etcd"]["auth_type"] == "TLS" and values["etcd"]["auth"] == {"base_path": "/s/secrets/etcd"}
+    assert values["etcd"]["address"][0]["ip"] == "10.0.0.1"
     plain = YrNode(host_ip="10.0.0.1", is_master=True, master_ip="10.0.0.1", deploy_path="/s/yr")
     assert "ds" not in tomllib.loads(render_config(plain))["values"]
+    assert "auth_type" not in tomllib.loads(render_config(plain))["values"]["etcd"]

@@ -96,6 +96,9 @@ class YrNode:
     #: the data system's CURVE keys (yrpd.credentials); set: the master and every worker accept only clients
     #: holding a key listed there, and talk to each other with the workers' shared pair
     curve_key_dir: str = ""
+    #: etcd's TLS files (yrpd.credentials); set: etcd takes only clients with a certificate of the deployment's CA
+    #: (yr's template turns on client-cert-auth and gives the data system its client pair)
+    etcd_tls_dir: str = ""
 
     @property
     def spill_directory(self) -> str:
@@ -233,6 +236,8 @@ def render_config(node: YrNode) -> str:
         f"# role={role} mode={node.mode} host_ip={node.host_ip} master_ip={node.master_ip}",
         "",
         *_table("[values]", values),
+        *(_table("[values.etcd]", {"auth_type": "TLS"}) + _table("[values.etcd.auth]", {"base_path": node.etcd_tls_dir})
+          if node.etcd_tls_dir else []),
         *_table(
             "[[values.etcd.address]]",
             {"ip": node.master_ip, "port": m.etcd_client, "peer_port": m.etcd_peer},

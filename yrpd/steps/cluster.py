@@ -68,7 +68,7 @@ def node(ctx: StepContext, host: HostPlan, mode: str) -> YrNode:
         deploy_path=deploy_path(ctx), mode=mode, ports=yr_ports(ctx), yr_venv=yr_venv, ds_venv=ds_venv,
         python_tag=python_tag(ctx), shared_memory_mb=ctx.spec.datasystem_memory_mb,
         spill_mb=ctx.spec.datasystem_spill_mb, spill_dir=ctx.spec.datasystem_spill_dir or "",
-        curve_key_dir=ctx.layout.curve_dir,
+        curve_key_dir=ctx.layout.curve_dir, etcd_tls_dir=ctx.layout.etcd_tls_dir,
     )
 
 

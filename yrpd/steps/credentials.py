@@ -36,10 +36,14 @@ def ship(ctx: StepContext, host: HostPlan) -> Command:
     uploads = tuple((f"{local}/{f.rsplit('/', 1)[1]}", f) for f in files)
     uploads += tuple((f"{local}/{credentials.CURVE_DIR}/{name}", f"{layout.curve_dir}/{name}")
                      for name in credentials.CURVE_FILES)
+    etcd = credentials.ETCD_SERVER_FILES + credentials.ETCD_CLIENT_FILES[1:] if host.is_master else \
+        credentials.ETCD_CLIENT_FILES
+    uploads += tuple((f"{local}/{credentials.ETCD_DIR}/{name}", f"{layout.etcd_tls_dir}/{name}") for name in etcd)
     q = shlex.quote
     script = (f"chmod -R go-rwx {q(layout.secrets_dir)} && chmod 700 {q(layout.secrets_dir)} "
-              f"{q(layout.curve_dir)} {q(layout.curve_dir)}/worker_authorized_clients")
-    names = [f.rsplit('/', 1)[1] for f in files] + [f"{credentials.CURVE_DIR}/ (the data system's keys)"]
+              f"{q(layout.curve_dir)} {q(layout.curve_dir)}/worker_authorized_clients {q(layout.etcd_tls_dir)}")
+    names = [f.rsplit('/', 1)[1] for f in files] + [f"{credentials.CURVE_DIR}/ (the data system's keys)",
+                                                    f"{credentials.ETCD_DIR}/ (etcd's TLS files)"]
     display = f"copy {', '.join(names)} from {local} to {layout.secrets_dir} (owner only)"
     return on_host(Command(script, display=display, timeout=60, uploads=uploads, fresh_uploads=True))
 
