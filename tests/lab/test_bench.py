@@ -60,6 +60,23 @@ def test_tiny_bench_runs_all_three_targets_and_reports_what_it_measured(netns, t
         same = in_ns(netns, *yrpd, "bench", "compare", str(results_dir), str(results_dir), env=env)
         assert same.returncode == 0 and "| pd | mean TTFT (ms) |" in same.stdout and " 1.000 |" in same.stdout
 
+        # the peers a user would pick instead, on one group of the documented set: vLLM's ExampleConnector doing
+        # the PD handoff through files, and a single instance with LMCache's server as its store (installed into
+        # a venv of its own by the deploy); the run ends with the PD deployment back, for the mixed run below
+        run = in_ns(netns, *yrpd, "bench", "run", "--targets", "peer-example-pd,peer-lmcache", "--dataset",
+                    "set.jsonl", "--num-prompts", "4", "--output-len", "4", env=env, timeout=1800,
+                    cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-4000:]
+        doc = json.loads((sorted((tmp_path / "home" / "sessions").glob("*/bench/*"))[-1] / "results.json").read_text())
+        example, lmcache = doc["targets"]["peer-example-pd"], doc["targets"]["peer-lmcache"]
+        assert example["metrics"]["completed"] == 4 and lmcache["metrics"]["completed"] == 4
+        assert example["counters"]["external_cache_hit_tokens"] > 0  # decode read the prompts' KV from files
+        assert not Path(f"/tmp/yrpd_sessions/{example['session']}/kv-files").exists()  # its teardown removed them
+        lmcache_log = Path(f"/tmp/yrpd_sessions/{lmcache['session']}/logs/lmcache-server.log").read_text()
+        assert "Stored" in lmcache_log  # LMCache's server kept the instance's KV
+        # torn down before the original spec came back: its shared memory too
+        assert not list(Path("/dev/shm").glob(f"*yrpd-lmcache-{lmcache['session']}*"))
+
         # the mixed workload: streams with their own answer lengths, long prompts with two tokens each
         mixed = ["bench", "dataset", "--workload", "mixed", "--streams", "2", "--stream-output-len", "16",
                  "--long-prompts", "2", "--prefix-len", "256", "--suffix-len", "256"]
@@ -77,24 +94,6 @@ def test_tiny_bench_runs_all_three_targets_and_reports_what_it_measured(netns, t
         assert single_yr["metrics"]["completed"] == 4 and single_yr["metrics"]["total_output_tokens"] == 36
         assert single_yr["counters"]["saved_blocks"] > 0
         assert "mixed: 2 prompts of 64 tokens streaming 16 tokens" in (run.stdout + run.stderr)
-
-        # the peers a user would pick instead, on one group of the documented set: vLLM's ExampleConnector doing
-        # the PD handoff through files, and a single instance with LMCache's server as its store (installed into
-        # a venv of its own by the deploy)
-        run = in_ns(netns, *yrpd, "bench", "run", "--targets", "peer-example-pd,peer-lmcache", "--dataset",
-                    "set.jsonl", "--num-prompts", "4", "--output-len", "4", "--no-restore", env=env, timeout=1800,
-                    cwd=tmp_path)
-        assert run.returncode == 0, run.stderr[-4000:]
-        doc = json.loads((sorted((tmp_path / "home" / "sessions").glob("*/bench/*"))[-1] / "results.json").read_text())
-        example, lmcache = doc["targets"]["peer-example-pd"], doc["targets"]["peer-lmcache"]
-        assert example["metrics"]["completed"] == 4 and lmcache["metrics"]["completed"] == 4
-        assert example["counters"]["external_cache_hit_tokens"] > 0  # decode read the prompts' KV from files
-        assert not Path(f"/tmp/yrpd_sessions/{example['session']}/kv-files").exists()  # its teardown removed them
-        lmcache_log = Path(f"/tmp/yrpd_sessions/{lmcache['session']}/logs/lmcache-server.log").read_text()
-        assert "Stored" in lmcache_log  # LMCache's server kept the instance's KV
-        down = in_ns(netns, *yrpd, "down", env=env, timeout=300)
-        assert down.returncode == 0, down.stderr[-3000:]
-        assert not list(Path("/dev/shm").glob(f"*yrpd-lmcache-{lmcache['session']}*"))  # its shared memory too
     finally:
         for _ in range(2):  # the bench's last target, then anything it left
             in_ns(netns, *yrpd, "down", env=env, timeout=300)

@@ -109,7 +109,8 @@ def test_docker_runtime_container_patch_derived_image_and_teardown(docker_hosts,
     assert {words(c)[0] for c in documented} == {"plan", "deploy"}, documented
     for command in documented:
         planned = cli(*as_run_without_changes(command), check=0).stdout
-        table = [line.split("│")[1:5] for line in planned.splitlines() if line.count("│") > 5 and "-0 " in line]
+        placement = planned.split("Who may reach each port")[0]  # the placement table, not the ports table
+        table = [line.split("│")[1:5] for line in placement.splitlines() if line.count("│") > 5 and "-0 " in line]
         assert [[c.strip() for c in row] for row in table] == [
             ["h1", "prefill-0", "prefill", "0-3"], ["h2", "decode-0", "decode", "0-3"]], planned[:3000]
         assert "ASCEND_RT_VISIBLE_DEVICES=0,1,2,3" in planned, planned[-3000:]
