@@ -100,7 +100,9 @@ def test_deploy_localhost_alone_serves_reuses_and_tears_down(netns, tmp_path):
         host_secrets = Path(f"/tmp/yrpd_sessions/{session_dir.name}/secrets")
         assert oct(host_secrets.stat().st_mode & 0o777) == "0o700"
         assert {p.name: oct(p.stat().st_mode & 0o777) for p in host_secrets.iterdir()} == {
-            "instance.env": "0o600", "proxy.env": "0o600"}
+            "instance.env": "0o600", "proxy.env": "0o600", "datasystem.env": "0o600", "curve": "0o700",
+            "etcd": "0o700"}
+        assert all(p.stat().st_mode & 0o077 == 0 for p in host_secrets.rglob("*")), "a secret readable by others"
         status_json = in_ns(netns, *yrpd, "status", "--json", env=env, timeout=120).stdout
         ps = in_ns(netns, "ps", "-eo", "args", env=env, timeout=60).stdout
         logs = [p.read_text(errors="replace") for p in Path(f"/tmp/yrpd_sessions/{session_dir.name}/logs").rglob("*.log")]

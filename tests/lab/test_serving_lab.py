@@ -71,9 +71,11 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
             assert from_h3(f"{instance['url']}/v1/models", key) == "401"  # the client's key is not the token
         assert from_h3(f"{proxy}/v1/models") == "401" and from_h3(f"{proxy}/v1/models", key) == "200"
         # ... and the data system workers of both hosts refuse a client without the deployment's CURVE keys
-        check = f"env -u LD_LIBRARY_PATH {rm.ENV_ROOT}/ds/bin/python {Path(__file__).parents[2]}/deploy_scripts/ds_kv_check.py"
+        # (the script travels in the command: a fake host's /tmp, where this checkout may be, is its own)
+        script = (Path(__file__).parents[2] / "deploy_scripts" / "ds_kv_check.py").read_text()
         for worker in (lab["h1"].address, lab["h2"].address):
-            refused = lab["h3"].exec(f"{check} --write {worker}:31501 --read {worker}:31501 --timeout-ms 3000",
+            refused = lab["h3"].exec(f"env -u LD_LIBRARY_PATH {rm.ENV_ROOT}/ds/bin/python - --write {worker}:31501 "
+                                     f"--read {worker}:31501 --timeout-ms 3000 <<'EOF'\n{script}\nEOF",
                                      check=False, timeout=60)
             assert json.loads(refused.stdout.strip().splitlines()[-1])["ok"] is False, refused.stdout
         # ... and etcd on h1 lists nothing for a client without the deployment's certificate
