@@ -8,7 +8,6 @@ that both its CLI and its SDK call; this is that module.)
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,9 +153,8 @@ def deploy(spec: DeploySpec, *, playbook_file: str | Path | None = None, new_ses
         session.set_state(SessionPhase.deploying, playbook=str(playbook_file or "deploy"))
         from yrpd import credentials
 
-        key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
         master = next(h for h in placement.hosts if h.is_master)
-        secrets = credentials.ensure(session.path, key, etcd_ips=[master.reach_ip])
+        secrets = credentials.ensure(session.path, spec.proxy_key(), etcd_ips=[master.reach_ip])
         ctx = StepContext(spec=spec, plan=placement, session_id=session.id,
                           options={"recreate": actions.recreate, "pull": actions.pull, "secrets_dir": str(secrets)})
         try:

@@ -4,15 +4,17 @@
 on its /v1 routes), the data system's CURVE keys (`curve/`: the workers' key pair, shared by every worker and the
 master, and the public keys of the clients they accept), and one environment file per kind of process
 (`instance.env`, `proxy.env`, `datasystem.env` for yrpd's own data-system checks; mode 0600). The deploy copies
-them over SFTP into the host's `<session>/secrets/` (0700, yrpd.layout); each process's supervisor reads its file
-when it starts the process, and the workers read `curve/` themselves (`curve_key_dir`). So a secret is never part of a command line (`ps`,
-`yrpd plan`, the session journal, the logs) and `yrpd down` removes it from the hosts and from here.
+them, with etcd's TLS files (`etcd/`), over SFTP into the host's `<session>/secrets/` (0700, yrpd.layout); each
+process's supervisor reads its file when it starts the process, and openYuanrong reads `curve/` and `etcd/`
+itself. So a secret is never part of a command line (`ps`, `yrpd plan`, the session journal, the logs) and `yrpd
+down` removes it from the hosts and from here.
 """
 
 from __future__ import annotations
 
 import os
 import secrets as random_tokens
+import shutil
 from pathlib import Path
 
 #: vLLM's own variable: with it set, vLLM requires `Authorization: Bearer <token>` on /v1, /v2, /inference
@@ -176,6 +178,4 @@ def instance_token(session_path: Path) -> str | None:
 
 
 def remove(session_path: Path) -> None:
-    import shutil
-
     shutil.rmtree(secrets_dir(session_path), ignore_errors=True)

@@ -153,12 +153,10 @@ class Deployment:
     def endpoint_key(self) -> str | None:
         """What a client of the endpoint sends as its bearer token: the proxy's key (from the variable the spec
         names, here), or, without a proxy, the token the instances require."""
-        import os
-
         from yrpd import credentials
 
         if self.spec.disaggregated:
-            return os.environ.get(self.spec.api_key_env) if self.spec.api_key_env else None
+            return self.spec.proxy_key()
         return credentials.instance_token(self.session.path)
 
 

@@ -432,6 +432,10 @@ class DeploySpec(BaseModel):
         """One local host on CPU: the demo deployment that needs no model path."""
         return len(self.hosts) == 1 and self.hosts[0].is_local and self.device_kind in (DeviceKind.auto, DeviceKind.cpu)
 
+    def proxy_key(self) -> str | None:
+        """The proxy's API key, read where yrpd runs from the variable `api_key_env` names (None: no key)."""
+        return (os.environ.get(self.api_key_env) or None) if self.api_key_env else None
+
     # -- cross-field checks (raise SpecError: one line, field + fix) ---------------------------
     def check(self) -> "DeploySpec":
         if not self.hosts:
@@ -534,7 +538,7 @@ class DeploySpec(BaseModel):
             if not _ENV_NAME_RE.match(self.api_key_env):
                 raise SpecError("api_key_env", f"{self.api_key_env!r} is not an environment variable name",
                                 "name the variable that holds the key, e.g. YRPD_API_KEY")
-            if not os.environ.get(self.api_key_env):
+            if not self.proxy_key():
                 raise SpecError("api_key_env", f"${self.api_key_env} is not set or empty here",
                                 f"export {self.api_key_env}=<key> before running yrpd")
 

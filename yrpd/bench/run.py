@@ -63,9 +63,7 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
         engine_args.append("--no-enable-prefix-caching")
     data["engine_args"] = engine_args
     data["kv_connector"] = CONNECTORS.get(target, "yuanrong")
-    if target == "pd":
-        data.update(disaggregated=True, prefix_reuse=True)
-    elif target == "peer-example-pd":
+    if target in ("pd", "peer-example-pd"):
         data.update(disaggregated=True, prefix_reuse=True)
     elif target == "pd-noreuse":
         data.update(disaggregated=True, prefix_reuse=False)
