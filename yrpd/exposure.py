@@ -3,8 +3,8 @@ docs/security.md explains. Pure: a function of the spec and the plan.
 
 What is protected: the proxy (the user's API key, where `api_key_env` is set), every vLLM instance (the
 deployment's own token on /v1), the data system's master and workers (CURVE keys) and etcd (TLS with client
-certificates of a CA made per session; yrpd.credentials). What is not: the instances' KV side channel and the
-NPUs' collective ports. Those listen on each host's cluster address only, never on all addresses.
+certificates of a CA made per session; yrpd.credentials). What is not: the coordination ports of a DP group that
+spans hosts and the NPUs' collective ports. Those listen on each host's cluster address only, never on all addresses.
 """
 
 from __future__ import annotations
@@ -52,8 +52,11 @@ def exposure(spec: DeploySpec, plan: Plan) -> list[PortAccess]:
     for inst in plan.instances:
         rows.append(PortAccess(inst.host, str(inst.port), f"{inst.name} (vLLM API)", ip[inst.host], callers,
                                Guard.token))
-        rows.append(PortAccess(inst.host, str(inst.kv_port), f"{inst.name} KV side channel / DP rpc", ip[inst.host],
-                               "its own engine processes, DP ranks on other hosts", _open(ip[inst.host])))
+        if len(inst.hosts) > 1:  # only a DP group spanning hosts listens there (vLLM's --data-parallel-rpc-port)
+            rows.append(PortAccess(inst.host, str(inst.kv_port), f"{inst.name} DP coordination (and ports vLLM "
+                                   "picks for its engine sockets)", ip[inst.host],
+                                   f"its DP ranks on {', '.join(h for h in inst.hosts if h != inst.host)}",
+                                   _open(ip[inst.host])))
         if kind[inst.host] is DeviceKind.npu:
             rows.append(PortAccess(inst.host, f"{inst.hccl_port}-{inst.hccl_port + 15}", f"{inst.name} HCCL",
                                    ip[inst.host], "its own NPU ranks", _open(ip[inst.host])))

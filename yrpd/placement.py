@@ -11,7 +11,7 @@ Rules (documented in docs/architecture.md):
   ptp=dtp=4, prefill-0 gets h1 0-3 and decode-0 gets h2 0-3.
 - A rank takes the lowest free device ids of its host.
 - Ports are counted per host: the k-th (instance, host) pair on a host gets instance_base+k (HTTP),
-  kv_base+k (KV side channel) and hccl_base+16k (a block of 16 for collective communication).
+  kv_base+k (DP rpc port of a group spanning hosts) and hccl_base+16k (a block of 16 for collective communication).
 """
 
 from __future__ import annotations

@@ -223,7 +223,7 @@ class Ports(BaseModel):
     lmcache: int = 32600
     #: the k-th instance on a host listens on instance_base+k
     instance_base: int = 8100
-    #: the k-th instance's KV side channel (and multi-host DP rpc port)
+    #: the k-th instance's DP rpc port, used only by a DP group spanning hosts (on its head host)
     kv_base: int = 8300
     #: the k-th instance gets hccl_base+16k .. +15 for collective communication
     hccl_base: int = 61000

@@ -19,17 +19,24 @@ def test_the_proxy_and_the_instances_check_callers_and_what_does_not_is_named(mo
     assert rows[("h1", "8100")].guard is Guard.token and rows[("h2", "8100")].guard is Guard.token
     assert {rows[k].guard for k in (("h1", "12123"), ("h1", "31501"), ("h2", "31501"))} == {Guard.curve}
     assert {rows[k].guard for k in (("h1", "32379"), ("h1", "32380"))} == {Guard.certificate}
-    for unprotected in (("h2", "8300"), ("h2", "61000-61015")):
-        row = rows[unprotected]
-        assert row.guard is Guard.nothing and row.listens_on.startswith("10.0.0."), row  # never 0.0.0.0
+    row = rows[("h2", "61000-61015")]
+    assert row.guard is Guard.nothing and row.listens_on == "10.0.0.2", row  # never 0.0.0.0
+    assert not any(port == "8300" for _, port in rows)  # instances on one host open no coordination port
     assert rows[("h2", "31501")].listens_on == "10.0.0.2"
     # without a key the proxy is open to whoever reaches its address, and the plan says so
     assert rows_for(ptp=4, dtp=4)[("h1", "8000")].guard is Guard.nothing
 
 
+def test_a_dp_group_spanning_hosts_names_its_unprotected_coordination_port_on_its_head():
+    rows = rows_for(ptp=4, pdp=3, dtp=4)  # prefill-0: two ranks on h1, one on h2; decode-0 on h2
+    row = rows[("h1", "8300")]
+    assert row.guard is Guard.nothing and row.listens_on == "10.0.0.1" and "h2" in row.callers
+    assert ("h2", "8300") not in rows
+
+
 def test_on_one_host_the_unchecked_ports_listen_on_loopback_only():
     rows = rows_for(hosts=("localhost",), kind=DeviceKind.cpu, devices="0-1")
-    assert rows[("localhost", "8300")].guard is Guard.loopback and rows[("localhost", "8000")].guard is Guard.loopback
+    assert rows[("localhost", "8000")].guard is Guard.loopback
     assert rows[("localhost", "31501")].guard is Guard.curve
     assert not any(key[1].startswith("61000") for key in rows)  # no HCCL on CPU hosts
     lmcache = rows_for(hosts=("localhost",), kind=DeviceKind.cpu, devices="0-1", kv_connector="lmcache",
