@@ -258,7 +258,8 @@ def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | Non
         return None
     bind = spec.proxy_host or host_of(plan, plan.proxy_host).reach_ip
     argv = [paths.python, "-m", "yrpd.proxy", "--host", bind, "--port", str(plan.proxy_port),
-            "--served-model-name", spec.model_name]
+            "--served-model-name", spec.model_name, "--routing", spec.routing.value,
+            "--routing-bound", str(spec.routing_bound)]
     for inst in plan.instances:
         argv += [f"--{inst.role}", instance_url(plan, inst)]
     env = {"PYTHONPATH": paths.bundle_dir}

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from yrpd.demo import BUILTIN_MODELS, DEFAULT_BUILTIN
 from yrpd.errors import SpecError
+from yrpd.proxy.routing import Routing
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 BUILTIN_MODEL = f"builtin:{DEFAULT_BUILTIN}"
@@ -370,6 +371,11 @@ class DeploySpec(BaseModel):
     kv_connector: KvConnector = KvConnector.yuanrong
     #: overrides for the connector's kv_connector_extra_config (docs/dev/connector.md lists the keys)
     connector: dict[str, Any] = {}
+    #: how the proxy picks an instance: `prefix` sends a request where its prompt's leading text went before (that
+    #: instance likely holds the prefix in its own KV pool) unless it has `routing_bound` more requests in flight
+    #: than the least busy one; `load` goes by requests in flight alone (docs/architecture.md, docs/benchmarks.md)
+    routing: Routing = Routing.prefix
+    routing_bound: int = Field(2, ge=1, le=1000)
     #: address the proxy listens on; default the master's cluster address (127.0.0.1 for localhost)
     proxy_host: str | None = None
     #: name of an environment variable (read where yrpd runs) holding the proxy's API key

@@ -18,6 +18,7 @@ aiohttp = pytest.importorskip("aiohttp")
 
 from tests.unit.proxy_fakes import KV, running, until  # noqa: E402
 from yrpd.proxy.pool import Pool  # noqa: E402
+from yrpd.proxy.routing import Routing, chain, prompt_text  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -102,6 +103,59 @@ def test_pool_prefers_fewest_in_flight_and_rotates_ties_and_skips_down():
     d.up = False
     assert pool.select("decode") is e and pool.select("decode", exclude=[e]) is c
     assert pool.of("prefill")[1].url == "http://b"
+
+
+def test_prefix_routing_sends_a_shared_prefix_back_where_it_went_within_the_load_bound():
+    pool = Pool(["http://a", "http://b"], [], Routing.prefix, bound=2)
+    a, b = pool.of("prefill")
+    a.up = b.up = True
+    system = "You are a terse assistant. Answer in one line, cite nothing, never apologise. " * 3
+    first = pool.select("prefill", prefix=chain(system + "What is 2+2?"))
+    other = b if first is a else a
+    # the same leading text goes back to the same instance, even when that one is busier (within the bound)
+    first.in_flight = 1
+    for question in ("Name a prime.", "Capital of Peru?"):
+        assert pool.select("prefill", prefix=chain(system + question)) is first
+    assert first.prefix_routed == 2 and other.prefix_routed == 0
+    # a different prompt finds no match: load decides
+    assert pool.select("prefill", prefix=chain("Translate to French: " * 8)) is other
+    # past the bound, load wins and the other instance learns the prefix too
+    first.in_flight = 2
+    assert pool.select("prefill", prefix=chain(system + "Say hi.")) is other
+    assert other.memory.matched(chain(system)) == len(chain(system))
+    # an instance taken out forgets what it was sent (a restart empties its cache)
+    pool.failed(first, "gone", down=True)
+    assert first.memory.matched(chain(system)) == 0
+    # with load routing the prefix is ignored
+    plain = Pool(["http://a", "http://b"], [])
+    for i in plain.instances:
+        i.up = True
+    picks = {plain.select("prefill", prefix=chain(system)).url for _ in range(4)}
+    assert picks == {"http://a", "http://b"}
+
+
+def test_the_prompt_text_routing_hashes_covers_completions_chats_and_token_ids():
+    assert prompt_text({"prompt": "abc"}) == prompt_text({"prompt": ["abc"]}) == "abc"
+    chat = prompt_text({"messages": [{"role": "system", "content": "x" * 70}, {"role": "user", "content": "hi"}]})
+    assert chat.startswith("system") and "hi" in chat
+    assert prompt_text({"prompt": [1, 2, 3]}) == "[1, 2, 3]"
+    # chunks chain: equal digests mean equal leading text, so two prompts diverging in chunk 2 share only chunk 1
+    one, two = chain("a" * 64 + "b" * 64), chain("a" * 64 + "c" * 64)
+    assert one[0] == two[0] and one[1] != two[1] and len(chain("a" * 63)) == 0
+
+
+def test_with_prefix_routing_requests_sharing_a_prompt_prefix_reach_one_prefill_instance():
+    async def go():
+        async with running(prefill=2, routing=Routing.prefix) as s:
+            shared = "Background: " + "the quick brown fox jumps over the lazy dog. " * 6
+            for n in range(6):
+                status, _, _ = await post(s, "/v1/completions", {"prompt": shared + f"Q{n}?", "max_tokens": 3})
+                assert status == 200
+            counts = sorted(len(p.bodies) for p in s.prefill)
+            assert counts == [0, 6], counts  # load routing would split these 3/3 (they arrive one at a time)
+            busy = s.prefill[0] if s.prefill[0].bodies else s.prefill[1]
+            assert (await s.instance(busy))["prefix_routed"] == 5
+    run(go())
 
 
 def test_a_busy_decode_instance_is_passed_over():

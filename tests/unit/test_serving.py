@@ -12,6 +12,10 @@ from yrpd.steps.vllm_env import MAX_BUNDLE_B64, bundle
 PATHS = HostPaths(env_root="/opt/yrpd/venvs", session=HostSessionLayout("/tmp/yrpd_sessions", "S"), bundle_dir="/opt/yrpd/venvs/lib/yrpd-x")
 
 
+def INVENTORY_OF(plan):
+    return {h.name: HostInventory(h.kind, h.devices, h.ip) for h in plan.hosts}
+
+
 def deployment(kind=DeviceKind.npu, devices=8, hosts=("h1", "h2"), **over):
     spec = build_spec({}, {"hosts": ",".join(hosts), "model": "/models/qwen", "device_kind": kind.value, **over})
     inventory = {h: HostInventory(kind, tuple(range(devices)), f"10.0.0.{i + 1}") for i, h in enumerate(hosts)}
@@ -80,6 +84,12 @@ def test_proxy_lists_every_instance_and_never_shows_the_key(monkeypatch):
     assert flag(launch.argv, "--api-key-env") == "YRPD_API_KEY" and "s3cret" not in launch.command
     assert "$MY_KEY" in sample_request(spec, plan) and "s3cret" not in sample_request(spec, plan)
     assert shlex.split(sample_request(spec, plan))[2] == "http://10.0.0.1:8000/v1/completions"
+    # the proxy routes by prefix unless the spec says load; bench's pd-load target is that spec
+    assert flag(launch.argv, "--routing") == "prefix" and flag(launch.argv, "--routing-bound") == "2"
+    from yrpd.bench.run import variant
+
+    load = variant(spec, "pd-load", DeviceKind.npu)
+    assert flag(proxy_launch(load, make_plan(load, INVENTORY_OF(plan)), PATHS).argv, "--routing") == "load"
 
 
 def test_host_bundle_fits_one_shell_argument_and_carries_only_host_side_code():

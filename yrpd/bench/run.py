@@ -2,6 +2,9 @@
 
 Targets, each a deployment of the same model on the same hosts and devices:
 - `pd`: the PD deployment with prefix reuse (prefill `kv_both`, vLLM's local prefix cache on);
+- `pd-load`: the `pd` deployment with the proxy routing by load alone (`routing: load`); `pd` routes as the
+  spec says (default `prefix`: where the prompt's prefix went before). With several prefill instances, the two
+  show what cache-aware routing gains;
 - `pd-noreuse`: the same PD deployment with prefix reuse off (prefill `kv_producer`, no local prefix cache):
   every prompt is prefilled in full, decode still loads it through the data system;
 - `single`: one plain vLLM instance (no disaggregation, no connector, vLLM defaults) on all the devices the
@@ -33,6 +36,7 @@ from yrpd.spec import DeploySpec, DeviceKind
 
 TARGETS = {
     "pd": "PD + prefix reuse",
+    "pd-load": "PD + prefix reuse, load-only routing",
     "pd-noreuse": "PD, prefix reuse off",
     "single": "single instance, same devices",
     "single-yr": "single instance, KV also in the data system",
@@ -63,8 +67,10 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
         engine_args.append("--no-enable-prefix-caching")
     data["engine_args"] = engine_args
     data["kv_connector"] = CONNECTORS.get(target, "yuanrong")
-    if target in ("pd", "peer-example-pd"):
+    if target in ("pd", "pd-load", "peer-example-pd"):
         data.update(disaggregated=True, prefix_reuse=True)
+        if target == "pd-load":
+            data["routing"] = "load"
     elif target == "pd-noreuse":
         data.update(disaggregated=True, prefix_reuse=False)
     elif target in ("single", "single-yr", "peer-lmcache"):

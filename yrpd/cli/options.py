@@ -50,6 +50,9 @@ def spec_options(func: Callable) -> Callable:
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
                      help="dtype of compute and KV [auto: CPU hosts their fastest, else the model's]"),
         click.option("--proxy-port", type=int, metavar="N", help="proxy port on the master [8000]"),
+        click.option("--routing", type=click.Choice(["load", "prefix"]),
+                     help="how the proxy picks an instance: prefix (where the prompt's prefix went before, bounded by "
+                          "load) or load [prefix]"),
         click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE", help="extra environment for services (repeatable)"),
         click.option("--env-path", metavar="DIR", help="use an environment already on the hosts; skip installs"),
     ]
@@ -90,6 +93,7 @@ def spec_from_options(params: dict[str, Any]):
         "model": params.get("model"),
         "served_model_name": params.get("served_model_name"),
         "dtype": params.get("dtype"),
+        "routing": params.get("routing"),
         "env_path": params.get("env_path"),
         "env": env,
         "ports": {"proxy": params.get("proxy_port")},

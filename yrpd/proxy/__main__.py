@@ -10,6 +10,8 @@ import signal
 import sys
 from urllib.parse import urlsplit
 
+from .routing import Routing
+
 
 def _url(text: str) -> str:
     parts = urlsplit(text)
@@ -45,6 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "[%(default)g]")
     p.add_argument("--probe-interval", type=_positive, default=2.0, metavar="S",
                    help="seconds between /health probes of every instance [%(default)g]")
+    p.add_argument("--routing", choices=[r.value for r in Routing], default=Routing.load.value,
+                   help="how an instance is chosen: load (fewest requests in flight) or prefix (where the prompt's "
+                        "leading text went before, while that instance is not --routing-bound busier) [%(default)s]")
+    p.add_argument("--routing-bound", type=int, default=2, metavar="N",
+                   help="prefix routing gives way to load when its choice has N more requests in flight [%(default)s]")
     return p.parse_args(argv)
 
 
@@ -78,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
     config = ProxyConfig(prefill=args.prefill, decode=args.decode, served_model_name=args.served_model_name,
                          api_key=api_key, instance_token=os.environ.get(PROXY_TOKEN_ENV) or None,
-                         request_timeout=args.request_timeout, probe_interval=args.probe_interval)
+                         request_timeout=args.request_timeout, probe_interval=args.probe_interval,
+                         routing=Routing(args.routing), routing_bound=max(1, args.routing_bound))
     try:
         asyncio.run(_serve(config, args.host, args.port))
     except OSError as exc:  # typically the port is taken

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from .metrics import Metrics
 from .pool import ROLES, Instance, Pool
+from .routing import Routing, chain, prompt_text
 
 log = logging.getLogger("yrpd.proxy")
 
@@ -42,6 +43,7 @@ class _Call:
     note: dict = field(default_factory=dict)
     client_gone: bool = False
     upstream_s: float = 0.0  # spent waiting for instances, up to the first token: the rest is the proxy's own
+    prefix: list[bytes] | None = None  # the prompt's chunk chain, with prefix routing (yrpd.proxy.routing)
 
     @contextlib.contextmanager
     def waiting(self):
@@ -69,6 +71,9 @@ class ProxyConfig:
     instance_token: str | None = None
     request_timeout: float = 600.0
     probe_interval: float = 2.0
+    routing: Routing = Routing.load
+    #: prefix routing passes over an instance with this many more requests in flight than the least busy one
+    routing_bound: int = 2
 
 
 class ProxyError(Exception):
@@ -113,7 +118,7 @@ def _sse_error(message: str, status: int) -> bytes:
 class Proxy:
     def __init__(self, config: ProxyConfig):
         self.config = config
-        self.pool = Pool(config.prefill, config.decode)
+        self.pool = Pool(config.prefill, config.decode, config.routing, config.routing_bound)
         self.metrics = Metrics()
         self.session: aiohttp.ClientSession | None = None
         self.in_flight = 0
@@ -240,6 +245,8 @@ class Proxy:
         if not isinstance(body, dict):
             raise ProxyError(400, "the request body must be a JSON object")
         body.pop("kv_transfer_params", None)  # the proxy owns this field on both legs
+        if self.config.routing is Routing.prefix:
+            request[_CALL].prefix = chain(prompt_text(body))
         if not self.pool.up("decode"):
             # fail before prefill works for nothing: while decode is away (restarting) that work would only slow
             # down its restart and fill the cache with KV nobody loads
@@ -367,7 +374,7 @@ class Proxy:
         tried: list[Instance] = []
         problem = None
         while len(tried) < 2:
-            inst = self.pool.select(role, exclude=tried)
+            inst = self.pool.select(role, exclude=tried, prefix=request[_CALL].prefix)
             if inst is None:
                 break
             tried.append(inst)

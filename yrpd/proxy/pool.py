@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .routing import PrefixMemory, Routing
 
 ROLES = ("prefill", "decode")
 
@@ -20,6 +22,9 @@ class Instance:
     errors: int = 0
     last_error: str | None = None
     last_error_at: float | None = None
+    #: requests sent here that share a leading prompt chunk with one sent here before (prefix routing)
+    prefix_routed: int = 0
+    memory: PrefixMemory = field(default_factory=PrefixMemory, repr=False)
 
     def note_error(self, message: str) -> None:
         self.last_error, self.last_error_at = message, time.time()
@@ -27,11 +32,12 @@ class Instance:
     def as_dict(self) -> dict:
         return {"url": self.url, "role": self.role, "up": self.up, "in_flight": self.in_flight,
                 "requests": self.requests, "errors": self.errors, "last_error": self.last_error,
-                "last_error_at": self.last_error_at}
+                "last_error_at": self.last_error_at, "prefix_routed": self.prefix_routed}
 
 
 class Pool:
-    def __init__(self, prefill: list[str], decode: list[str]):
+    def __init__(self, prefill: list[str], decode: list[str], routing: Routing = Routing.load, bound: int = 2):
+        self.routing, self.bound = routing, bound
         self.instances: list[Instance] = []
         for role, urls in (("prefill", prefill), ("decode", decode)):
             for url in dict.fromkeys(u.rstrip("/") for u in urls):
@@ -44,27 +50,50 @@ class Pool:
     def up(self, role: str) -> list[Instance]:
         return [i for i in self.of(role) if i.up]
 
-    def select(self, role: str, exclude: list[Instance] | tuple = ()) -> Instance | None:
-        """The up instance with the fewest requests in flight; ties go round robin."""
+    def select(self, role: str, exclude: list[Instance] | tuple = (), prefix: list[bytes] | None = None
+               ) -> Instance | None:
+        """The up instance with the fewest requests in flight (ties go round robin); with prefix routing, the one
+        that saw most of `prefix` (a yrpd.proxy.routing.chain) while it is at most `bound` busier than that."""
         members = self.of(role)
         if not members:
             return None
         start = next(self._turn[role]) % len(members)
         # min() keeps the first of equals, so rotating the start spreads ties over the members.
         rotated = members[start:] + members[:start]
-        return min((i for i in rotated if i.up and i not in exclude), key=lambda i: i.in_flight, default=None)
+        least = min((i for i in rotated if i.up and i not in exclude), key=lambda i: i.in_flight, default=None)
+        if least is None or self.routing is not Routing.prefix or not prefix:
+            return least
+        chosen = least
+        best = max((i for i in rotated if i.up and i not in exclude),
+                   key=lambda i: (i.memory.matched(prefix), -i.in_flight))
+        if best is not least and best.memory.matched(prefix) > least.memory.matched(prefix) \
+                and best.in_flight - least.in_flight < self.bound:
+            chosen = best
+        if chosen.memory.matched(prefix):
+            chosen.prefix_routed += 1
+        chosen.memory.remember(prefix)
+        return chosen
 
     def failed(self, inst: Instance, message: str, *, down: bool) -> None:
         """A request to `inst` failed; a dead-looking instance leaves the rotation until a probe brings it back."""
         inst.errors += 1
         inst.note_error(message)
         if down:
-            inst.up = False
+            self._down(inst)
 
     def probed(self, inst: Instance, ok: bool, message: str | None = None) -> bool:
         """Record a /health probe; True when this changed the instance's state."""
         changed = inst.up != ok
-        inst.up = ok
+        if ok:
+            inst.up = True
+        else:
+            self._down(inst)
         if not ok and changed and message:
             inst.note_error(message)
         return changed
+
+    @staticmethod
+    def _down(inst: Instance) -> None:
+        # a restarted instance starts with an empty prefix cache: what it was sent before no longer tells
+        inst.up = False
+        inst.memory.forget()
