@@ -170,7 +170,7 @@ def status_tables(report: StatusReport) -> list[Table | Text]:
     if report.instances:
         inst = Table(title="Instances", title_justify="left")
         for column in ("instance", "role", "host", "devices", "port", "pid", "health", "restarts", "running/waiting",
-                       "KV blocks loaded", "KV blocks saved", "external hit tokens"):
+                       "via proxy (prefix)", "KV blocks loaded", "KV blocks saved", "external hit tokens"):
             inst.add_column(column)
         for i in report.instances:
             if i.state == "running":
@@ -182,8 +182,9 @@ def status_tables(report: StatusReport) -> list[Table | Text]:
             conn = i.connector or {}
             running = i.probe.get("requests_running")
             load = f"{_num(running)}/{_num(i.probe.get('requests_waiting'))}" if running is not None else "-"
-            inst.add_row(i.name, i.role, i.host, describe_devices(i.devices), str(i.port), str(i.pid or "-"), health,
-                         str(i.restarts), load, _num(conn.get("loaded_blocks")), _num(conn.get("saved_blocks")),
+            routed = f"{_num(i.routed.get('requests'))} ({_num(i.routed.get('prefix_routed'))})" if i.routed else "-"
+            inst.add_row(i.name, i.role, "+".join(i.hosts) or i.host, describe_devices(i.devices), str(i.port),
+                         str(i.pid or "-"), health, str(i.restarts), load, routed, _num(conn.get("loaded_blocks")), _num(conn.get("saved_blocks")),
                          _num(i.probe.get("external_cache_hit_tokens")))
         tables.append(inst)
     proxy = report.proxy

@@ -108,6 +108,10 @@ class InstanceStatus:
     restarts: int = 0  # by its supervisor; information, not illness
     probe: dict[str, float | None] = field(default_factory=dict)  # PROBE_FIELDS, when the instance was probed
     connector: dict[str, Any] | None = None  # ds_healthy and the connector's counters
+    #: the proxy's view of it: requests sent there, in flight now, errors, prefix_routed (yrpd.proxy.pool.Instance)
+    routed: dict[str, Any] | None = None
+    #: every host its DP ranks run on, the head (`host`) first
+    hosts: list[str] = field(default_factory=list)
     error: str | None = None
 
 
@@ -141,7 +145,7 @@ class StatusReport:
         def clean(obj: Any) -> Any:
             if isinstance(obj, InstanceStatus):
                 data = {k: clean(v) for k, v in dataclasses.asdict(obj).items()
-                        if k != "probe" and (v is not None or k not in ("error", "connector"))}
+                        if k != "probe" and (v is not None or k not in ("error", "connector", "routed"))}
                 data.update(obj.probe)  # what the probe got, nulls included, only when it was probed
                 return data
             if dataclasses.is_dataclass(obj):
@@ -263,6 +267,10 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
     instances = [_instance(deployment, inst, live.get((inst.host, inst.name)), serving.get(inst.name), deployed,
                            problems) for inst in deployment.plan.instances]
     proxy = _proxy(deployment, live.get((deployment.plan.proxy_host, PROXY_NAME)), proxy_probe, deployed, problems)
+    seen_by_proxy = {i["url"]: i for i in (((proxy_probe or {}).get("status") or {}).get("instances") or [])}
+    for row in instances:
+        if row.url in seen_by_proxy:
+            row.routed = {k: seen_by_proxy[row.url].get(k) for k in ("requests", "in_flight", "errors", "prefix_routed")}
     cluster_report = None
     if with_cluster:
         master = next(h for h in deployment.plan.hosts if h.is_master)
@@ -292,7 +300,7 @@ def _instance(deployment: Deployment, inst: InstancePlan, proc: ProcessStatus | 
     row = InstanceStatus(name=inst.name, role=inst.role, host=inst.host, devices=list(inst.devices), tp=inst.tp,
                          dp=inst.dp, port=inst.port, url=instance_url(deployment.plan, inst),
                          pid=proc.pid if proc else None, state=state, healthy=state == "running" and answered,
-                         restarts=proc.restarts if proc else 0)
+                         restarts=proc.restarts if proc else 0, hosts=list(inst.hosts))
     if probe:
         row.probe = {key: probe.get(key) for key in PROBE_FIELDS}
         counters = probe["connector"]["counters"]

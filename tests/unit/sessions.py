@@ -84,8 +84,8 @@ def answer(host: str, dead=(), restarts=0, unhealthy=(), proxy_ok=True, cluster=
                "proxy": None}
     if host == "h1":
         serving["proxy"] = {"healthy": proxy_ok, "status": {"instances": [
-            {"url": "http://10.0.0.1:8100", "up": True, "in_flight": 1},
-            {"url": "http://10.0.0.2:8200", "up": proxy_ok, "in_flight": 0}]}}
+            {"url": "http://10.0.0.1:8100", "up": True, "in_flight": 1, "requests": 7, "prefix_routed": 3},
+            {"url": "http://10.0.0.2:8100", "up": proxy_ok, "in_flight": 0, "requests": 6, "prefix_routed": 0}]}}
     return json.dumps({"processes": processes_answer(host, names, dead, restarting, failed, process_restarts),
                        "cluster": cluster_answer(host == "h1", restarts) if cluster else None, "serving": serving})
 

@@ -76,7 +76,8 @@ def test_a_healthy_deployment_shows_every_table_and_says_healthy(tmp_path):
     assert row(text, "h2", "worker")[-1] == "1/1 running"
     decode = row(text, "decode-0")
     assert decode[1:3] == ["decode", "h2"] and decode[6] == "healthy" and decode[7] == "0"  # restarts
-    assert decode[9:] == ["2", "2", "256"]  # KV blocks loaded / saved, external hit tokens
+    assert decode[9:] == ["6 (0)", "2", "2", "256"]  # sent by the proxy (for its prefix), KV loaded / saved, hits
+    assert row(text, "prefill-0")[9] == "7 (3)"
     proxy = row(text, "http://10.0.0.1:8000")
     assert proxy[1] == "h1" and proxy[3] == "healthy" and proxy[5] == "2/2"
     assert shown(status_verdict(r)).strip() == "healthy"
