@@ -1,0 +1,116 @@
+"""The control plane at 1 to 16 fake hosts: `yrpd deploy`, `status`, `logs` and `down` wall times (benchmark, not a
+test; issue 17).
+
+    .venv/bin/python benchmarks/control_plane.py [--sizes 1,4,8,16] [--runs 5] [--out FILE.json]
+
+For each size: a fake-host lab of that many hosts (root needed; each a network namespace with its own sshd), then
+one `yrpd deploy` of the whole product (openYuanrong's cluster and data system on every host, one prefill and one
+decode instance of the tiny built-in model on the first two hosts, the proxy), `status --json` `--runs` times (a
+fresh CLI process each, as a user runs it), `logs` once, `down` once. Each host's venvs are the machine's own
+(env_path), so installs are checks that pass: deploy time is orchestration, the cluster's start and the model's
+load. The deploy journal's per-host step times split it: `orchestration` is the deploy's wall time less the
+slowest host's model build and the wait for /health (model load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.lab.fakehosts import FakeHostLab  # noqa: E402
+
+ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
+#: steps whose time is the model's (building it, loading it until /health answers), not orchestration
+MODEL_STEPS = ("model.build", "instances.wait_healthy")
+
+
+def yrpd(lab, home, *args, timeout=1800):
+    ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+    env = {**os.environ, "YRPD_HOME": str(home)}
+    t = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "yrpd", *args, *ssh], env=env, capture_output=True, text=True,
+                          cwd=REPO, stdin=subprocess.DEVNULL, timeout=timeout)
+    return proc, time.monotonic() - t
+
+
+def journal_split(home: Path) -> dict:
+    """Slowest host's seconds per step of the last deploy (the journal has one line per host and step)."""
+    session = max((home / "sessions").glob("2*"))
+    slowest: dict[str, float] = {}
+    for line in (session / "journal.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        if entry.get("seconds") is not None:
+            slowest[entry["run"]] = max(slowest.get(entry["run"], 0.0), entry["seconds"])
+    return slowest
+
+
+def measure(n: int, runs: int) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="yrpd-cp-"))
+    with FakeHostLab(n, work / "lab") as lab:
+        hosts = [h.name for h in lab.hosts]
+        config = work / "yrpd.yaml"
+        config.write_text("hosts:\n" + "".join(f"  - {{address: {h}, devices: [{i % 2}]}}\n"
+                                               for i, h in enumerate(hosts)) +
+                          f"device_kind: cpu\nmodel: builtin:tiny-qwen2\nenv_path: {ENV_ROOT}\n"
+                          "datasystem_memory_mb: 64\ncluster_mode: ds_only\n")
+        home = work / "home"
+        out: dict = {"hosts": n}
+        try:
+            proc, out["deploy_s"] = yrpd(lab, home, "deploy", "--hosts", ",".join(hosts), "--config", str(config))
+            if proc.returncode != 0:
+                raise RuntimeError(f"deploy on {n} hosts failed:\n{proc.stderr[-3000:]}")
+            steps = journal_split(home)
+            model = sum(steps.get(s, 0.0) for s in MODEL_STEPS)
+            out["orchestration_s"] = round(out["deploy_s"] - model, 1)
+            out["model_s"] = round(model, 1)
+            out["slowest_steps"] = dict(sorted(steps.items(), key=lambda kv: -kv[1])[:6])
+            times = []
+            for _ in range(runs):
+                proc, took = yrpd(lab, home, "status", "--json")
+                if not json.loads(proc.stdout).get("healthy"):
+                    raise RuntimeError(f"status on {n} hosts: not healthy: {proc.stdout[-2000:]}")
+                times.append(took)
+            out["status_s"] = {"median": round(statistics.median(times), 2), "min": round(min(times), 2),
+                               "max": round(max(times), 2), "runs": runs}
+            proc, out["logs_s"] = yrpd(lab, home, "logs", "-n", "5")
+            if proc.returncode != 0:
+                raise RuntimeError(f"logs on {n} hosts failed:\n{proc.stderr[-2000:]}")
+        finally:
+            proc, out["down_s"] = yrpd(lab, home, "down")
+            out["down_ok"] = proc.returncode == 0
+        for key in ("deploy_s", "logs_s", "down_s"):
+            out[key] = round(out[key], 1)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="1,4,8,16")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    results = []
+    for n in (int(s) for s in args.sizes.split(",")):
+        results.append(measure(n, args.runs))
+        print(json.dumps(results[-1]), flush=True)
+    base = results[0]["status_s"]["median"]
+    for r in results:
+        print(f"{r['hosts']:>3} hosts: deploy {r['deploy_s']}s (orchestration {r['orchestration_s']}s, model "
+              f"{r['model_s']}s), status median {r['status_s']['median']}s ({r['status_s']['median'] / base:.2f}x "
+              f"of {results[0]['hosts']} host), logs {r['logs_s']}s, down {r['down_s']}s")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

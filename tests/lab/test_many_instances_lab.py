@@ -1,0 +1,156 @@
+"""Several instances of each role behind the one proxy, on four fake hosts with the real model: every request is
+answered as one plain instance answers it, both prefill and both decode instances serve, and a prefix one prefill
+instance computed is loaded from the data system by the other (issue 17)."""
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_yrpd
+from tests.lab import real_model as rm
+from tests.lab.test_cluster_lab import leftovers
+from tests.lab.test_deploy_lab import session_processes
+from yrpd.credentials import instance_token
+
+pytestmark = [pytest.mark.lab, pytest.mark.e2e]
+
+_WORDS = Path(os.__file__).read_text().split()
+# 8 groups of 5 prompts; the members of a group share a 200-word prefix (about three 128-token KV blocks)
+GROUPS = [" ".join(_WORDS[2000 + 260 * g:2200 + 260 * g]) for g in range(8)]
+PROMPTS = [f"{prefix} {' '.join(_WORDS[2200 + 260 * g + 10 * n:2210 + 260 * g + 10 * n])}"
+           for g, prefix in enumerate(GROUPS) for n in range(5)]
+
+
+def complete(base: str, prompt: str, key: str | None = None) -> str:
+    return rm.completion(base, prompt, max_tokens=8, key=key)
+
+
+def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache(fake_lab, tmp_path):
+    missing = [v for v in ("yr", "ds", "vllm") if not Path(rm.ENV_ROOT, v, "bin", "python").exists()]
+    if missing:
+        pytest.fail(f"venvs {missing} missing under {rm.ENV_ROOT}: run scripts/test.sh")
+    lab = fake_lab(4)
+    home = tmp_path / "home"
+    config = tmp_path / "yrpd.yaml"
+    # the fake hosts share this machine's two cores: alternate them so no core runs more than two instances
+    config.write_text(
+        "hosts:\n" + "".join(f"  - {{address: h{n}, devices: [{(n - 1) % 2}]}}\n" for n in range(1, 5)) +
+        f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {rm.ENV_ROOT}\ndatasystem_memory_mb: 256\n"
+        "cluster_mode: ds_only\n")
+    ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+    env = {"YRPD_HOME": str(home)}
+
+    def cli(*args, check=None, timeout=600):
+        return run_yrpd(*args, *ssh, env=env, check=check, timeout=timeout)
+
+    rm.ensure_model()
+    hosts = "h1,h2,h3,h4"
+    plan = json.loads(cli("plan", "--hosts", hosts, "--config", str(config), "--prefill", "2", "--decode", "2",
+                          "--json", check=0).stdout)
+    reference = rm.Reference(plan["dtype"]["dtype"])
+    try:
+        started = time.monotonic()
+        deploy = cli("deploy", "--hosts", hosts, "--config", str(config), "--prefill", "2", "--decode", "2",
+                     check=0, timeout=1500)
+        print(f"measured: 4-host 2P+2D deploy {time.monotonic() - started:.1f}s")
+        proxy = deploy.stdout.strip().splitlines()[-1]
+        report = json.loads(cli("status", "--json", check=0).stdout)
+        placed = {i["name"]: i["host"] for i in report["instances"]}
+        assert placed == {"prefill-0": "h1", "prefill-1": "h2", "decode-0": "h3", "decode-1": "h4"}, placed
+        assert report["healthy"], report["problems"]
+        urls = {i["name"]: i["url"] for i in report["instances"]}
+
+        # a prefix prefill-0 computed is loaded from the data system by prefill-1, on another host
+        token = instance_token(next((home / "sessions").glob("2*")))
+        shared = " ".join(_WORDS[5000:5400])  # about 5 full KV blocks
+        complete(urls["prefill-0"], shared + " first", token)
+        before = next(i for i in report["instances"] if i["name"] == "prefill-1")["prompt_tokens_loaded"] or 0
+        complete(urls["prefill-1"], shared + " second", token)
+        time.sleep(6)  # connector stats files are rewritten every 5 s
+        report = json.loads(cli("status", "--json", check=0).stdout)
+        p1 = next(i for i in report["instances"] if i["name"] == "prefill-1")
+        assert p1["prompt_tokens_loaded"] - before >= 4 * 128, p1
+        assert p1["connector"]["loaded_blocks"] >= 4, p1["connector"]
+
+        # 40 requests at concurrency 8 through the proxy: each answered as the plain instance answers it
+        reference.wait()
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda p: complete(proxy, p), PROMPTS))
+        want = [complete(reference.url, p) for p in PROMPTS]
+        assert got == want, [(i, g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w][:3]
+        assert all(got)
+
+        report = json.loads(cli("status", "--json", check=0).stdout)
+        served = {i["name"]: i["routed"]["requests"] for i in report["instances"]}
+        print(f"measured: requests per instance {served}; "
+              f"sent for their prefix {[i['routed']['prefix_routed'] for i in report['instances']]}")
+        assert all(n > 0 for n in served.values()), served
+        assert served["prefill-0"] + served["prefill-1"] == 40 and served["decode-0"] + served["decode-1"] == 40
+
+        started = time.monotonic()
+        down = cli("down", check=0)
+        print(f"measured: 4-host down {time.monotonic() - started:.1f}s")
+        assert "is down" in down.stderr
+        for host in lab.hosts:
+            assert session_processes(host) == [], host.name
+            procs, ports = leftovers(host)
+            assert procs == [] and ports == [], (host.name, procs)
+    finally:
+        reference.close()
+        run_yrpd("down", *ssh, env=env, timeout=300)
+
+
+def test_a_decode_instance_whose_dp_ranks_span_two_hosts_serves_and_goes_down_as_one(fake_lab, tmp_path):
+    lab = fake_lab(3)
+    home = tmp_path / "home"
+    config = tmp_path / "yrpd.yaml"
+    config.write_text(
+        "hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n  - {address: h3, devices: [0]}\n"
+        f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {rm.ENV_ROOT}\ndatasystem_memory_mb: 256\n"
+        "cluster_mode: ds_only\n")
+    ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+    env = {"YRPD_HOME": str(home)}
+
+    def cli(*args, check=None, timeout=600):
+        return run_yrpd(*args, *ssh, env=env, check=check, timeout=timeout)
+
+    rm.ensure_model()
+    hosts = "h1,h2,h3"
+    # two ranks of one TP group each, and no host has two devices: the group must span h2 and h3
+    too_wide = cli("plan", "--hosts", hosts, "--config", str(config), "--ddp", "2", "--dtp", "2")
+    assert too_wide.returncode == 2 and len(too_wide.stderr.strip().splitlines()) == 1, too_wide.stderr
+    plan = json.loads(cli("plan", "--hosts", hosts, "--config", str(config), "--ddp", "2", "--json", check=0).stdout)
+    decode = next(i for i in plan["instances"] if i["role"] == "decode")
+    assert [r["host"] for r in decode["ranks"]] == ["h2", "h3"], decode
+    reference = rm.Reference(plan["dtype"]["dtype"])
+    try:
+        cli("deploy", "--hosts", hosts, "--config", str(config), "--ddp", "2", check=0, timeout=1500)
+        report = json.loads(cli("status", "--json", check=0).stdout)
+        assert report["healthy"], report["problems"]
+        row = next(i for i in report["instances"] if i["role"] == "decode")
+        assert row["hosts"] == ["h2", "h3"] and row["dp"] == 2
+        assert {(p["host"], p["name"]) for p in report["processes"]} >= {("h2", "decode-0"), ("h3", "decode-0-h3")}
+
+        proxy = report["proxy"]["url"]
+        reference.wait()
+        got = [complete(proxy, p) for p in PROMPTS[:12]]
+        assert got == [complete(reference.url, p) for p in PROMPTS[:12]]
+        # vLLM's front end on h2 spread them over both ranks: the engine on h3 generated tokens too
+        metrics = rm.http("GET", f"{row['url']}/metrics")[1].decode()
+        per_engine = {line.split('engine="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                      for line in metrics.splitlines() if line.startswith("vllm:generation_tokens_total{")}
+        assert set(per_engine) == {"0", "1"} and min(per_engine.values()) > 0, per_engine
+
+        down = cli("down", check=0)
+        assert "is down" in down.stderr
+        for host in lab.hosts:
+            assert session_processes(host) == [], host.name
+            procs, ports = leftovers(host)
+            assert procs == [] and ports == [], (host.name, procs)
+    finally:
+        reference.close()
+        run_yrpd("down", *ssh, env=env, timeout=300)
