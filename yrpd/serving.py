@@ -133,7 +133,10 @@ def proxy_url(spec: DeploySpec, plan: Plan) -> str:
     return f"http://{shown}:{plan.proxy_port}"
 
 
-def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: HostPaths) -> dict:
+def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: HostPaths,
+                       on: str | None = None) -> dict:
+    """The instance's --kv-transfer-config for its ranks on host `on` (default its head host): each host's ranks
+    talk to their own host's data system worker (shared memory, not the network)."""
     if spec.kv_connector is KvConnector.lmcache:
         return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
@@ -142,7 +145,7 @@ def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: 
         # it stores what it has not found and loads what it finds, whatever the role
         return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"shared_storage_path": paths.session.kv_files}}
-    host = host_of(plan, inst.host)
+    host = host_of(plan, on or inst.host)
     extra = {
         "ds_address": f"{host.reach_ip}:{spec.ports.datasystem}",
         "stats_file": paths.stats_file(inst.name),
@@ -181,9 +184,8 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
     common = [*vllm, "serve", model_path(spec, paths), "--served-model-name", spec.model_name,
               "--tensor-parallel-size", str(inst.tp)]
     uses_store = spec.single_kv_store or spec.kv_connector is KvConnector.lmcache
-    if inst.role != "single" or uses_store:  # else the non-disaggregated baseline: plain vLLM
-        kv = kv_transfer_config(spec, plan, inst, paths)
-        common += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+    # else the non-disaggregated baseline: plain vLLM
+    with_kv = inst.role != "single" or uses_store
     common += KIND_ENGINE_ARGS.get(kind, [])
     if spec.kv_connector is KvConnector.lmcache and kind is DeviceKind.cpu:
         common += ["--gpu-memory-utilization", "0.3"]  # LMCache's connector refuses vLLM's default 0.92 of RAM
@@ -215,6 +217,9 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
         devices = tuple(d for r in ranks for d in r.devices)
         host_env = {**env, **device_env(host_of(plan, h).kind, devices, inst.tp), "VLLM_HOST_IP": host_of(plan, h).reach_ip}
         host_env.update(spec.env)
+        if with_kv:
+            kv = json.dumps(kv_transfer_config(spec, plan, inst, paths, on=h), separators=(",", ":"))
+            dp_args[h] = ["--kv-transfer-config", kv, *dp_args[h]]
         if h == inst.host:
             argv = [*common, "--host", head.reach_ip, "--port", str(inst.port), *dp_args[h], *spec.engine_args]
             launches.append(Launch(inst.name, h, argv, host_env, f"{instance_url(plan, inst)}/health", secrets))

@@ -72,6 +72,9 @@ def test_data_parallel_ranks_on_two_hosts_run_a_headless_engine_on_the_second():
     assert "--headless" in other.argv and flag(other.argv, "--data-parallel-start-rank") == "1"
     assert flag(other.argv, "--data-parallel-address") == flag(head.argv, "--data-parallel-address")
     assert other.health_url is None
+    # each host's ranks keep their KV with their own host's data system worker
+    assert [json.loads(flag(launch.argv, "--kv-transfer-config"))["kv_connector_extra_config"]["ds_address"]
+            for launch in (head, other)] == ["10.0.0.1:31501", "10.0.0.2:31501"]
 
 
 def test_proxy_lists_every_instance_and_never_shows_the_key(monkeypatch):
