@@ -120,9 +120,11 @@ def test_a_decode_instance_whose_dp_ranks_span_two_hosts_serves_and_goes_down_as
 
     rm.ensure_model()
     hosts = "h1,h2,h3"
-    # two ranks of one TP group each, and no host has two devices: the group must span h2 and h3
-    too_wide = cli("plan", "--hosts", hosts, "--config", str(config), "--ddp", "2", "--dtp", "2")
-    assert too_wide.returncode == 2 and len(too_wide.stderr.strip().splitlines()) == 1, too_wide.stderr
+    # a TP group never spans hosts: TP 2 on hosts of one core each is one clear line at plan time
+    too_wide = cli("plan", "--hosts", hosts, "--config", str(config), "--dtp", "2")
+    assert too_wide.returncode == 2 and "a TP group never spans hosts" in too_wide.stderr, too_wide.stderr
+    assert len(too_wide.stderr.strip().splitlines()) == 1
+    # two ranks of TP 1, and no host has two free cores: the group spans h2 and h3
     plan = json.loads(cli("plan", "--hosts", hosts, "--config", str(config), "--ddp", "2", "--json", check=0).stdout)
     decode = next(i for i in plan["instances"] if i["role"] == "decode")
     assert [r["host"] for r in decode["ranks"]] == ["h2", "h3"], decode
