@@ -66,7 +66,7 @@ def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache
 
         # a prefix prefill-0 computed is loaded from the data system by prefill-1, on another host
         token = instance_token(next((home / "sessions").glob("2*")))
-        shared = " ".join(_WORDS[5000:5400])  # about 5 full KV blocks
+        shared = " ".join(_WORDS[4100:4480])  # 782 tokens: 6 full KV blocks
         complete(urls["prefill-0"], shared + " first", token)
         before = next(i for i in report["instances"] if i["name"] == "prefill-1")["prompt_tokens_loaded"] or 0
         complete(urls["prefill-1"], shared + " second", token)
