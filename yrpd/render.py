@@ -22,7 +22,7 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
                    f"{spec.decode} decode x (dp {spec.ddp}, tp {spec.dtp}); proxy on {plan.proxy_host}:{plan.proxy_port}",
                    style="bold")
     table = Table()
-    for column in ("host", "instance", "role", units, "http port", "kv port", "hccl ports"):
+    for column in ("host", "instance", "role", units, "http port", "dp rpc port", "hccl ports"):
         table.add_column(column)
     for inst in plan.instances:
         for host in inst.hosts:
@@ -32,7 +32,8 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
             head = host == inst.host
             table.add_row(
                 host, name, inst.role, describe_devices(devices),
-                str(inst.port) if head else "-", str(inst.kv_port) if head else "-",
+                # only a DP group spanning hosts listens there (yrpd.exposure)
+                str(inst.port) if head else "-", str(inst.kv_port) if head and len(inst.hosts) > 1 else "-",
                 f"{inst.hccl_port}-{inst.hccl_port + 15}" if head else "-",
             )
     hosts = Table()
