@@ -24,7 +24,10 @@ CONNECTOR_ROLES = {("prefill", False): "kv_producer", ("prefill", True): "kv_bot
 #: CPU: eager start (36 s instead of 95 s of torch.compile) and a bounded KV pool so two instances fit
 #: on a small machine.
 KIND_ENGINE_ARGS = {
-    DeviceKind.cpu: ["--enforce-eager", "--kv-cache-memory-bytes", str(512 * 2**20), "--max-model-len", "4096"],
+    # the proxy probes /health every 2 s and status reads /metrics: without the filter their access lines bury the
+    # instance's own log (vLLM >= 0.11 has it; the vllm-ascend images' older vLLM does not know the flag)
+    DeviceKind.cpu: ["--enforce-eager", "--kv-cache-memory-bytes", str(512 * 2**20), "--max-model-len", "4096",
+                     "--disable-access-log-for-endpoints", "/health,/metrics"],
     DeviceKind.npu: [],
     DeviceKind.gpu: [],
 }
