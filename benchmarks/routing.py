@@ -1,0 +1,72 @@
+"""Cache-aware (prefix) routing against load-only routing, 2 prefill instances, one run each (benchmark, not a test;
+issue 17).
+
+    .venv/bin/python benchmarks/routing.py [--out-dir DIR] [-- extra `yrpd bench run` options]
+
+Three fake hosts (root needed): prefill-0 on h1 (core 0), prefill-1 on h2 (core 1), decode-0 on h3 (core 0), the
+real SmolLM2, max-model-len 2048. Then one `yrpd bench run --targets pd,pd-load`: `pd` routes by prefix (the
+default), `pd-load` by requests in flight alone; everything else is the same deployment. The workload is the one
+where routing matters: 8 groups of 4 prompts sharing a 768-token prefix, and each instance's own KV pool (96 MB,
+about 4,200 tokens) holds about half the groups' prefixes: an instance that gets every group evicts and reloads
+them from the data system; one that gets half keeps them. The report (markdown and JSON) lands in --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.lab.fakehosts import FakeHostLab  # noqa: E402
+
+ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
+WORKLOAD = ["--groups", "8", "--prompts-per-group", "4", "--prefix-len", "768", "--suffix-len", "64",
+            "--output-len", "4", "--max-concurrency", "2", "--kv-cache-mb", "96", "--datasystem-mb", "512"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out-dir", type=Path, default=Path("bench-routing"))
+    parser.add_argument("extra", nargs="*", help="more `yrpd bench run` options (after --)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="yrpd-route-"))
+    with FakeHostLab(3, work / "lab") as lab:
+        ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+        env = {**os.environ, "YRPD_HOME": str(work / "home")}
+        config = work / "yrpd.yaml"
+        config.write_text("hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n"
+                          "  - {address: h3, devices: [0]}\n"
+                          f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {ENV_ROOT}\n"
+                          "datasystem_memory_mb: 512\ncluster_mode: ds_only\n"
+                          "engine_args: ['--max-model-len', '2048']\n")
+
+        def yrpd(*argv: str) -> int:
+            return subprocess.run([sys.executable, "-m", "yrpd", *argv], env=env, cwd=REPO,
+                                  stdin=subprocess.DEVNULL).returncode
+
+        try:
+            if yrpd("deploy", "--hosts", "h1,h2,h3", "--config", str(config), "--prefill", "2", *ssh):
+                return 1
+            code = yrpd("bench", "run", "--targets", "pd,pd-load", *WORKLOAD, "--no-restore", *args.extra)
+            reports = sorted((work / "home" / "sessions").glob("*/bench/*"))
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            for path in reports:
+                if path.is_dir():
+                    shutil.copytree(path, args.out_dir / path.name, dirs_exist_ok=True)
+                else:
+                    shutil.copy(path, args.out_dir)
+            print(f"reports copied to {args.out_dir}: {[p.name for p in reports]}")
+            return code
+        finally:
+            yrpd("down", *ssh)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
