@@ -9,7 +9,9 @@ decode instance of the tiny built-in model on the first two hosts, the proxy), `
 fresh CLI process each, as a user runs it), `logs` once, `down` once. Each host's venvs are the machine's own
 (env_path), so installs are checks that pass: deploy time is orchestration, the cluster's start and the model's
 load. The deploy journal's per-host step times split it: `orchestration` is the deploy's wall time less the
-slowest host's model build and the wait for /health (model load).
+slowest host's model build and the wait for /health (model load). Fake hosts share this machine's cores (each
+idle data system worker takes a few percent of one), so host-side work that would run in parallel on real hosts
+queues here: the controller's own CPU time per `status` is reported beside its wall time, and the load average.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,8 +41,11 @@ def yrpd(lab, home, *args, timeout=1800):
     ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
     env = {**os.environ, "YRPD_HOME": str(home)}
     t = time.monotonic()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([sys.executable, "-m", "yrpd", *args, *ssh], env=env, capture_output=True, text=True,
                           cwd=REPO, stdin=subprocess.DEVNULL, timeout=timeout)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc.cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)  # the controller's own
     return proc, time.monotonic() - t
 
 
@@ -59,8 +65,8 @@ def measure(n: int, runs: int) -> dict:
     with FakeHostLab(n, work / "lab") as lab:
         hosts = [h.name for h in lab.hosts]
         config = work / "yrpd.yaml"
-        config.write_text("hosts:\n" + "".join(f"  - {{address: {h}, devices: [{i % 2}]}}\n"
-                                               for i, h in enumerate(hosts)) +
+        config.write_text("hosts:\n" + "".join(f"  - {{address: {h}, devices: [0, 1]}}\n"
+                                               for h in hosts) +
                           f"device_kind: cpu\nmodel: builtin:tiny-qwen2\nenv_path: {ENV_ROOT}\n"
                           "datasystem_memory_mb: 64\ncluster_mode: ds_only\n")
         home = work / "home"
@@ -74,14 +80,18 @@ def measure(n: int, runs: int) -> dict:
             out["orchestration_s"] = round(out["deploy_s"] - model, 1)
             out["model_s"] = round(model, 1)
             out["slowest_steps"] = dict(sorted(steps.items(), key=lambda kv: -kv[1])[:6])
-            times = []
+            times, cpu = [], []
             for _ in range(runs):
                 proc, took = yrpd(lab, home, "status", "--json")
                 if not json.loads(proc.stdout).get("healthy"):
                     raise RuntimeError(f"status on {n} hosts: not healthy: {proc.stdout[-2000:]}")
                 times.append(took)
+                cpu.append(proc.cpu_s)
             out["status_s"] = {"median": round(statistics.median(times), 2), "min": round(min(times), 2),
-                               "max": round(max(times), 2), "runs": runs}
+                               "max": round(max(times), 2), "runs": runs,
+                               "controller_cpu_median": round(statistics.median(cpu), 2)}
+            # what the fake hosts had to share: their load while idle (all of them run on this machine's cores)
+            out["load_1min"] = os.getloadavg()[0]
             proc, out["logs_s"] = yrpd(lab, home, "logs", "-n", "5")
             if proc.returncode != 0:
                 raise RuntimeError(f"logs on {n} hosts failed:\n{proc.stderr[-2000:]}")
@@ -107,7 +117,8 @@ def main() -> None:
     for r in results:
         print(f"{r['hosts']:>3} hosts: deploy {r['deploy_s']}s (orchestration {r['orchestration_s']}s, model "
               f"{r['model_s']}s), status median {r['status_s']['median']}s ({r['status_s']['median'] / base:.2f}x "
-              f"of {results[0]['hosts']} host), logs {r['logs_s']}s, down {r['down_s']}s")
+              f"of {results[0]['hosts']} host; controller CPU {r['status_s']['controller_cpu_median']}s), "
+              f"logs {r['logs_s']}s, down {r['down_s']}s, load {r['load_1min']:.1f}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
 

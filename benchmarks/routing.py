@@ -34,6 +34,7 @@ WORKLOAD = ["--groups", "8", "--prompts-per-group", "4", "--prefix-len", "768", 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", type=Path, default=Path("bench-routing"))
+    parser.add_argument("--bound", type=int, default=2, help="routing_bound of the pd target [%(default)s]")
     parser.add_argument("extra", nargs="*", help="more `yrpd bench run` options (after --)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="yrpd-route-"))
@@ -45,7 +46,8 @@ def main() -> int:
                           "  - {address: h3, devices: [0]}\n"
                           f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {ENV_ROOT}\n"
                           "datasystem_memory_mb: 512\ncluster_mode: ds_only\n"
-                          "engine_args: ['--max-model-len', '2048']\n")
+                          "engine_args: ['--max-model-len', '2048']\nrouting: prefix\n"
+                          f"routing_bound: {args.bound}\n")
 
         def yrpd(*argv: str) -> int:
             return subprocess.run([sys.executable, "-m", "yrpd", *argv], env=env, cwd=REPO,

@@ -371,10 +371,12 @@ class DeploySpec(BaseModel):
     kv_connector: KvConnector = KvConnector.yuanrong
     #: overrides for the connector's kv_connector_extra_config (docs/dev/connector.md lists the keys)
     connector: dict[str, Any] = {}
-    #: how the proxy picks an instance: `prefix` sends a request where its prompt's leading text went before (that
-    #: instance likely holds the prefix in its own KV pool) unless it has `routing_bound` more requests in flight
-    #: than the least busy one; `load` goes by requests in flight alone (docs/architecture.md, docs/benchmarks.md)
-    routing: Routing = Routing.prefix
+    #: how the proxy picks an instance: `load` goes by requests in flight alone; `prefix` sends a request where its
+    #: prompt's leading text went before (that instance likely holds the prefix in its own KV pool) unless it has
+    #: `routing_bound` more requests in flight than the least busy one. Default load: prefix routing did not win
+    #: where measured (docs/benchmarks.md, "Prefix routing"), since the data system already serves a prefix that
+    #: another instance computed
+    routing: Routing = Routing.load
     routing_bound: int = Field(2, ge=1, le=1000)
     #: address the proxy listens on; default the master's cluster address (127.0.0.1 for localhost)
     proxy_host: str | None = None

@@ -42,7 +42,7 @@ def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache
     config.write_text(
         "hosts:\n" + "".join(f"  - {{address: h{n}, devices: [{(n - 1) % 2}]}}\n" for n in range(1, 5)) +
         f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {rm.ENV_ROOT}\ndatasystem_memory_mb: 256\n"
-        "cluster_mode: ds_only\ndtype: float32\n")
+        "cluster_mode: ds_only\ndtype: float32\nrouting: prefix\n")
     ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
     env = {"YRPD_HOME": str(home)}
 
@@ -91,6 +91,7 @@ def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache
         print(f"measured: requests per instance {served}; "
               f"sent for their prefix {[i['routed']['prefix_routed'] for i in report['instances']]}")
         assert all(n > 0 for n in served.values()), served
+        assert sum(i["routed"]["prefix_routed"] for i in report["instances"] if i["role"] == "prefill") > 0
         assert served["prefill-0"] + served["prefill-1"] == 40 and served["decode-0"] + served["decode-1"] == 40
 
         started = time.monotonic()

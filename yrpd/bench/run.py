@@ -3,8 +3,8 @@
 Targets, each a deployment of the same model on the same hosts and devices:
 - `pd`: the PD deployment with prefix reuse (prefill `kv_both`, vLLM's local prefix cache on);
 - `pd-load`: the `pd` deployment with the proxy routing by load alone (`routing: load`); `pd` routes as the
-  spec says (default `prefix`: where the prompt's prefix went before). With several prefill instances, the two
-  show what cache-aware routing gains;
+  spec says. With several prefill instances and `routing: prefix` in the spec, the two show what cache-aware
+  routing gains (benchmarks/routing.py);
 - `pd-noreuse`: the same PD deployment with prefix reuse off (prefill `kv_producer`, no local prefix cache):
   every prompt is prefilled in full, decode still loads it through the data system;
 - `single`: one plain vLLM instance (no disaggregation, no connector, vLLM defaults) on all the devices the
