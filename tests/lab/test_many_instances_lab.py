@@ -29,27 +29,41 @@ def complete(base: str, prompt: str, key: str | None = None) -> str:
     return rm.completion(base, prompt, max_tokens=8, key=key)
 
 
-def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache(fake_lab, tmp_path):
+def lab_cli(lab, tmp_path, n: int, extra: str = ""):
+    """The config (host k gets core (k - 1) % 2: the fake hosts share this machine's two cores, so no core runs more
+    than two instances) and a `yrpd` runner for the lab's `n` hosts."""
     missing = [v for v in ("yr", "ds", "vllm") if not Path(rm.ENV_ROOT, v, "bin", "python").exists()]
     if missing:
         pytest.fail(f"venvs {missing} missing under {rm.ENV_ROOT}: run scripts/test.sh")
-    lab = fake_lab(4)
-    home = tmp_path / "home"
     config = tmp_path / "yrpd.yaml"
-    # the fake hosts share this machine's two cores: alternate them so no core runs more than two instances.
-    # float32: in bfloat16 2 of the 40 answers, batched 8 at a time, differed in a late greedy token from the plain
-    # instance's answers one at a time; float32 leaves batch shapes much less rounding to disagree on
     config.write_text(
-        "hosts:\n" + "".join(f"  - {{address: h{n}, devices: [{(n - 1) % 2}]}}\n" for n in range(1, 5)) +
+        "hosts:\n" + "".join(f"  - {{address: h{k}, devices: [{(k - 1) % 2}]}}\n" for k in range(1, n + 1)) +
         f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {rm.ENV_ROOT}\ndatasystem_memory_mb: 256\n"
-        "cluster_mode: ds_only\ndtype: float32\nrouting: prefix\n")
+        f"cluster_mode: ds_only\n{extra}")
     ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
-    env = {"YRPD_HOME": str(home)}
+    env = {"YRPD_HOME": str(tmp_path / "home")}
 
     def cli(*args, check=None, timeout=600):
         return run_yrpd(*args, *ssh, env=env, check=check, timeout=timeout)
 
     rm.ensure_model()
+    return cli, config
+
+
+def down_leaves_nothing(cli, lab) -> None:
+    assert "is down" in cli("down", check=0).stderr
+    for host in lab.hosts:
+        assert session_processes(host) == [], host.name
+        procs, ports = leftovers(host)
+        assert procs == [] and ports == [], (host.name, procs)
+
+
+def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache(fake_lab, tmp_path):
+    lab = fake_lab(4)
+    home = tmp_path / "home"
+    # float32: in bfloat16 2 of the 40 answers, batched 8 at a time, differed in a late greedy token from the plain
+    # instance's answers one at a time; float32 leaves batch shapes much less rounding to disagree on
+    cli, config = lab_cli(lab, tmp_path, 4, "dtype: float32\nrouting: prefix\n")
     hosts = "h1,h2,h3,h4"
     plan = json.loads(cli("plan", "--hosts", hosts, "--config", str(config), "--prefill", "2", "--decode", "2",
                           "--json", check=0).stdout)
@@ -95,33 +109,16 @@ def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache
         assert served["prefill-0"] + served["prefill-1"] == 40 and served["decode-0"] + served["decode-1"] == 40
 
         started = time.monotonic()
-        down = cli("down", check=0)
+        down_leaves_nothing(cli, lab)
         print(f"measured: 4-host down {time.monotonic() - started:.1f}s")
-        assert "is down" in down.stderr
-        for host in lab.hosts:
-            assert session_processes(host) == [], host.name
-            procs, ports = leftovers(host)
-            assert procs == [] and ports == [], (host.name, procs)
     finally:
         reference.close()
-        run_yrpd("down", *ssh, env=env, timeout=300)
+        cli("down", timeout=300)
 
 
 def test_a_decode_instance_whose_dp_ranks_span_two_hosts_serves_and_goes_down_as_one(fake_lab, tmp_path):
     lab = fake_lab(3)
-    home = tmp_path / "home"
-    config = tmp_path / "yrpd.yaml"
-    config.write_text(
-        "hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n  - {address: h3, devices: [0]}\n"
-        f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {rm.ENV_ROOT}\ndatasystem_memory_mb: 256\n"
-        "cluster_mode: ds_only\n")
-    ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
-    env = {"YRPD_HOME": str(home)}
-
-    def cli(*args, check=None, timeout=600):
-        return run_yrpd(*args, *ssh, env=env, check=check, timeout=timeout)
-
-    rm.ensure_model()
+    cli, config = lab_cli(lab, tmp_path, 3)
     hosts = "h1,h2,h3"
     # a TP group never spans hosts: TP 2 on hosts of one core each is one clear line at plan time
     too_wide = cli("plan", "--hosts", hosts, "--config", str(config), "--dtp", "2")
@@ -150,12 +147,7 @@ def test_a_decode_instance_whose_dp_ranks_span_two_hosts_serves_and_goes_down_as
                       for line in metrics.splitlines() if line.startswith("vllm:generation_tokens_total{")}
         assert set(per_engine) == {"0", "1"} and min(per_engine.values()) > 0, per_engine
 
-        down = cli("down", check=0)
-        assert "is down" in down.stderr
-        for host in lab.hosts:
-            assert session_processes(host) == [], host.name
-            procs, ports = leftovers(host)
-            assert procs == [] and ports == [], (host.name, procs)
+        down_leaves_nothing(cli, lab)
     finally:
         reference.close()
-        run_yrpd("down", *ssh, env=env, timeout=300)
+        cli("down", timeout=300)
