@@ -83,6 +83,14 @@ def test_a_healthy_deployment_shows_every_table_and_says_healthy(tmp_path):
     assert shown(status_verdict(r)).strip() == "healthy"
 
 
+def test_an_instance_whose_ranks_span_hosts_shows_them_all(tmp_path):
+    r = report(tmp_path)
+    decode = next(i for i in r.instances if i.name == "decode-0")
+    decode.hosts = ["h2", "h3"]
+    assert row(shown(*status_tables(r)), "decode-0")[2] == "h2+h3"
+    assert r.to_json()["instances"][1]["hosts"] == ["h2", "h3"]
+
+
 def test_a_dead_instance_is_shown_dead_and_the_verdict_lists_it(tmp_path):
     r = report(tmp_path, h1={"dead": ("prefill-0",)})
     text = shown(*status_tables(r))
