@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -100,6 +101,7 @@ def measure(n: int, runs: int) -> dict:
             out["down_ok"] = proc.returncode == 0
         for key in ("deploy_s", "logs_s", "down_s"):
             out[key] = round(out[key], 1)
+    shutil.rmtree(work, ignore_errors=True)  # the lab's keys and the sessions: nothing of the run stays behind
     return out
 
 

@@ -68,6 +68,7 @@ def main() -> int:
             return code
         finally:
             yrpd("down", *ssh)
+            shutil.rmtree(work, ignore_errors=True)  # the reports were copied out; nothing else of the run stays
 
 
 if __name__ == "__main__":
