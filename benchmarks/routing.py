@@ -38,6 +38,13 @@ def main() -> int:
     parser.add_argument("extra", nargs="*", help="more `yrpd bench run` options (after --)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="yrpd-route-"))
+    try:
+        return run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # after the lab is gone; the reports were copied out
+
+
+def run(args: argparse.Namespace, work: Path) -> int:
     with FakeHostLab(3, work / "lab") as lab:
         ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
         env = {**os.environ, "YRPD_HOME": str(work / "home")}
@@ -68,7 +75,6 @@ def main() -> int:
             return code
         finally:
             yrpd("down", *ssh)
-            shutil.rmtree(work, ignore_errors=True)  # the reports were copied out; nothing else of the run stays
 
 
 if __name__ == "__main__":
