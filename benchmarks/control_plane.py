@@ -39,7 +39,7 @@ MODEL_STEPS = ("model.build", "instances.wait_healthy")
 
 
 def yrpd(lab, home, *args, timeout=1800):
-    ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+    ssh = lab.cli_ssh_args
     env = {**os.environ, "YRPD_HOME": str(home)}
     t = time.monotonic()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -46,7 +46,7 @@ def main() -> int:
 
 def run(args: argparse.Namespace, work: Path) -> int:
     with FakeHostLab(3, work / "lab") as lab:
-        ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+        ssh = lab.cli_ssh_args
         env = {**os.environ, "YRPD_HOME": str(work / "home")}
         config = work / "yrpd.yaml"
         config.write_text("hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n"

@@ -26,7 +26,7 @@ PLAYBOOK = REPO / "tests" / "lab" / "playbooks" / "heartbeat.yaml"
 
 
 def yrpd(lab, home, *args):
-    ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+    ssh = lab.cli_ssh_args
     env = {**os.environ, "YRPD_HOME": str(home)}
     return subprocess.run([sys.executable, "-m", "yrpd", *args, *ssh], env=env, capture_output=True, text=True,
                           cwd=REPO, stdin=subprocess.DEVNULL)

@@ -450,6 +450,12 @@ class FakeHostLab:
                 return host
         raise KeyError(name)
 
+    @property
+    def cli_ssh_args(self) -> list[str]:
+        """The yrpd CLI flags that reach this lab's hosts: its ssh_config, key and known_hosts."""
+        return ["--ssh-config", str(self.ssh_config), "-i", str(self.identity_file),
+                "--known-hosts", str(self.known_hosts)]
+
     # -- start -------------------------------------------------------------
 
     def start(self) -> "FakeHostLab":

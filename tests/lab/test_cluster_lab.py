@@ -44,7 +44,7 @@ class Cli:
         self.lab = lab
         self.playbook = ["--playbook", str(cluster_playbook(home.parent))]
         self.env = {"YRPD_HOME": str(home)}
-        self.ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+        self.ssh = lab.cli_ssh_args
         self.config = ["--config", str(config)] if config else []
 
     def deploy(self, *extra, check=None):

@@ -70,7 +70,7 @@ def test_pd_in_containers_answers_like_one_instance_and_leaves_nothing(standin, 
     config = tmp_path / "yrpd.yaml"
     config.write_text("hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n"
                       "device_kind: cpu\nmodel: builtin:smollm2\ndatasystem_memory_mb: 256\ncluster_mode: ds_only\n")
-    ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+    ssh = lab.cli_ssh_args
     spec = ["--hosts", "h1,h2", "--config", str(config), "--runtime", "docker", "--image", image,
             "--container-profile", str(PROFILE)]
     env = {"YRPD_HOME": str(home)}

@@ -64,7 +64,7 @@ def docker_hosts(fake_lab, tmp_path):
 class Cli:
     def __init__(self, lab, home: Path, profile: Path):
         self.env = {"YRPD_HOME": str(home)}
-        self.ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+        self.ssh = lab.cli_ssh_args
         self.spec = ["--hosts", ",".join(h.name for h in lab.hosts), "--runtime", "docker", "--image", IMAGE,
                      "--container-profile", str(profile), "--ptp", "2", "--dtp", "2", "--model", MODEL]
 

@@ -40,7 +40,7 @@ def lab_cli(lab, tmp_path, n: int, extra: str = ""):
         "hosts:\n" + "".join(f"  - {{address: h{k}, devices: [{(k - 1) % 2}]}}\n" for k in range(1, n + 1)) +
         f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {rm.ENV_ROOT}\ndatasystem_memory_mb: 256\n"
         f"cluster_mode: ds_only\n{extra}")
-    ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+    ssh = lab.cli_ssh_args
     env = {"YRPD_HOME": str(tmp_path / "home")}
 
     def cli(*args, check=None, timeout=600):

@@ -276,7 +276,7 @@ def test_on_two_hosts_kills_heal_and_a_host_that_comes_back_is_rebuilt_alone(fak
     config.write_text("hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n"
                       f"device_kind: cpu\nmodel: builtin:tiny-qwen2\nenv_path: {rm.ENV_ROOT}\ndatasystem_memory_mb: 256\n"
                       "cluster_mode: ds_only\n")
-    ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+    ssh = lab.cli_ssh_args
     env = {"YRPD_HOME": str(tmp_path / "home")}
 
     def cli(*args, check=0, timeout=900):

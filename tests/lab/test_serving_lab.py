@@ -37,7 +37,7 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
         f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {rm.ENV_ROOT}\ndatasystem_memory_mb: 256\n"
         "cluster_mode: ds_only\napi_key_env: YRPD_LAB_KEY\n")
     key = "lab-key-" + os.urandom(8).hex()
-    ssh = ["--ssh-config", str(lab.ssh_config), "-i", str(lab.identity_file), "--known-hosts", str(lab.known_hosts)]
+    ssh = lab.cli_ssh_args
     env = {"YRPD_HOME": str(home), "YRPD_LAB_KEY": key}
 
     def cli(*args, check=None, timeout=600):
