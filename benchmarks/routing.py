@@ -4,8 +4,8 @@ issue 17).
     .venv/bin/python benchmarks/routing.py [--out-dir DIR] [-- extra `yrpd bench run` options]
 
 Three fake hosts (root needed): prefill-0 on h1 (core 0), prefill-1 on h2 (core 1), decode-0 on h3 (core 0), the
-real SmolLM2, max-model-len 2048. Then one `yrpd bench run --targets pd,pd-load`: `pd` routes by prefix (the
-default), `pd-load` by requests in flight alone; everything else is the same deployment. The workload is the one
+real SmolLM2, max-model-len 2048, `routing: prefix` with `routing_bound` from --bound. Then one `yrpd bench run
+--targets pd,pd-load`: `pd` routes by prefix (as the spec says), `pd-load` by requests in flight alone; everything else is the same deployment. The workload is the one
 where routing matters: 8 groups of 4 prompts sharing a 768-token prefix, and each instance's own KV pool (96 MB,
 about 4,200 tokens) holds about half the groups' prefixes: an instance that gets every group evicts and reloads
 them from the data system; one that gets half keeps them. The report (markdown and JSON) lands in --out-dir.

@@ -52,7 +52,7 @@ def exposure(spec: DeploySpec, plan: Plan) -> list[PortAccess]:
     for inst in plan.instances:
         rows.append(PortAccess(inst.host, str(inst.port), f"{inst.name} (vLLM API)", ip[inst.host], callers,
                                Guard.token))
-        if len(inst.hosts) > 1:  # only a DP group spanning hosts listens there (vLLM's --data-parallel-rpc-port)
+        if inst.spans_hosts:
             rows.append(PortAccess(inst.host, str(inst.kv_port), f"{inst.name} DP coordination (and ports vLLM "
                                    "picks for its engine sockets)", ip[inst.host],
                                    f"its DP ranks on {', '.join(h for h in inst.hosts if h != inst.host)}",

@@ -62,6 +62,12 @@ class InstancePlan:
         return tuple(d for r in self.ranks if r.host == self.host for d in r.devices)
 
     @property
+    def spans_hosts(self) -> bool:
+        """Its DP ranks run on more than one host: vLLM's DP coordination then listens on the head's cluster
+        address (its rpc port is kv_port); on one host it stays on 127.0.0.1."""
+        return len(self.hosts) > 1
+
+    @property
     def hosts(self) -> tuple[str, ...]:
         seen: list[str] = []
         for r in self.ranks:

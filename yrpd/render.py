@@ -32,8 +32,7 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
             head = host == inst.host
             table.add_row(
                 host, name, inst.role, describe_devices(devices),
-                # only a DP group spanning hosts listens there (yrpd.exposure)
-                str(inst.port) if head else "-", str(inst.kv_port) if head and len(inst.hosts) > 1 else "-",
+                str(inst.port) if head else "-", str(inst.kv_port) if head and inst.spans_hosts else "-",
                 f"{inst.hccl_port}-{inst.hccl_port + 15}" if head else "-",
             )
     hosts = Table()
@@ -185,8 +184,8 @@ def status_tables(report: StatusReport) -> list[Table | Text]:
             load = f"{_num(running)}/{_num(i.probe.get('requests_waiting'))}" if running is not None else "-"
             routed = f"{_num(i.routed.get('requests'))} ({_num(i.routed.get('prefix_routed'))})" if i.routed else "-"
             inst.add_row(i.name, i.role, "+".join(i.hosts) or i.host, describe_devices(i.devices), str(i.port),
-                         str(i.pid or "-"), health, str(i.restarts), load, routed, _num(conn.get("loaded_blocks")), _num(conn.get("saved_blocks")),
-                         _num(i.probe.get("external_cache_hit_tokens")))
+                         str(i.pid or "-"), health, str(i.restarts), load, routed, _num(conn.get("loaded_blocks")),
+                         _num(conn.get("saved_blocks")), _num(i.probe.get("external_cache_hit_tokens")))
         tables.append(inst)
     proxy = report.proxy
     if proxy:

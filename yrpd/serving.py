@@ -209,7 +209,7 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
         start = 0
         for h, ranks in by_host.items():
             dp_args[h] = ["--data-parallel-size", str(inst.dp), "--data-parallel-size-local", str(len(ranks))]
-            if len(by_host) > 1:
+            if inst.spans_hosts:
                 dp_args[h] += ["--data-parallel-address", head.reach_ip, "--data-parallel-rpc-port", str(inst.kv_port)]
                 if h != inst.host:
                     dp_args[h] += ["--headless", "--data-parallel-start-rank", str(start)]

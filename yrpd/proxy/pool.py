@@ -60,16 +60,14 @@ class Pool:
         start = next(self._turn[role]) % len(members)
         # min() keeps the first of equals, so rotating the start spreads ties over the members.
         rotated = members[start:] + members[:start]
-        least = min((i for i in rotated if i.up and i not in exclude), key=lambda i: i.in_flight, default=None)
+        candidates = [i for i in rotated if i.up and i not in exclude]
+        least = min(candidates, key=lambda i: i.in_flight, default=None)
         if least is None or self.routing is not Routing.prefix or not prefix:
             return least
-        chosen = least
-        best = max((i for i in rotated if i.up and i not in exclude),
-                   key=lambda i: (i.memory.matched(prefix), -i.in_flight))
-        if best is not least and best.memory.matched(prefix) > least.memory.matched(prefix) \
-                and best.in_flight - least.in_flight < self.bound:
-            chosen = best
-        if chosen.memory.matched(prefix):
+        matched = {i: i.memory.matched(prefix) for i in candidates}  # Instance hashes by identity (eq=False)
+        best = max(candidates, key=lambda i: (matched[i], -i.in_flight))
+        chosen = best if matched[best] > matched[least] and best.in_flight - least.in_flight < self.bound else least
+        if matched[chosen]:
             chosen.prefix_routed += 1
         chosen.memory.remember(prefix)
         return chosen
