@@ -8,8 +8,12 @@ one `yrpd deploy` of the whole product (openYuanrong's cluster and data system o
 decode instance of the tiny built-in model on the first two hosts, the proxy), `status --json` `--runs` times (a
 fresh CLI process each, as a user runs it), `logs` once, `down` once. Each host's venvs are the machine's own
 (env_path), so installs are checks that pass: deploy time is orchestration, the cluster's start and the model's
-load. The deploy journal's per-host step times split it: `orchestration` is the deploy's wall time less the
-slowest host's model build and the wait for /health (model load). Fake hosts share this machine's cores (each
+load. The deploy journal's per-host step times split it. The instances load the model while openYuanrong starts
+(playbooks/deploy.yaml), so the model load is the window from starting the instances to their /health: when the
+instances were still loading once the cluster was up (the /health wait itself took over a second), the cluster's
+start was hidden in that window and `orchestration` is the deploy's wall time less the model build and the
+window; otherwise it is the wall time less the model build and the /health wait only (the cluster counted in
+full). Fake hosts share this machine's cores (each
 idle data system worker takes a few percent of one), so host-side work that would run in parallel on real hosts
 queues here: the controller's own CPU time per `status` is reported beside its wall time, and the load average.
 """
@@ -34,8 +38,10 @@ sys.path.insert(0, str(REPO))
 from tests.lab.fakehosts import FakeHostLab  # noqa: E402
 
 ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
-#: steps whose time is the model's (building it, loading it until /health answers), not orchestration
-MODEL_STEPS = ("model.build", "instances.wait_healthy")
+#: from starting the instances to their /health answer, in playbook order: the model loads through all of it
+LOAD_WINDOW = ("instances.start", "cluster.start_master", "cluster.start_agent", "cluster.wait_healthy",
+               "cluster.check_kv", "instances.wait_healthy")
+CLUSTER_STEPS = LOAD_WINDOW[1:-1]
 
 
 def yrpd(lab, home, *args, timeout=1800):
@@ -77,9 +83,13 @@ def measure(n: int, runs: int) -> dict:
             if proc.returncode != 0:
                 raise RuntimeError(f"deploy on {n} hosts failed:\n{proc.stderr[-3000:]}")
             steps = journal_split(home)
-            model = sum(steps.get(s, 0.0) for s in MODEL_STEPS)
+            waited = steps.get("instances.wait_healthy", 0.0)
+            out["cluster_hidden"] = waited > 1.0  # the model still loaded once the cluster was up
+            window = sum(steps.get(s, 0.0) for s in LOAD_WINDOW) if out["cluster_hidden"] else waited
+            model = steps.get("model.build", 0.0) + window
             out["orchestration_s"] = round(out["deploy_s"] - model, 1)
             out["model_s"] = round(model, 1)
+            out["cluster_s"] = round(sum(steps.get(s, 0.0) for s in CLUSTER_STEPS), 1)
             out["slowest_steps"] = dict(sorted(steps.items(), key=lambda kv: -kv[1])[:6])
             times, cpu = [], []
             for _ in range(runs):
@@ -118,7 +128,7 @@ def main() -> None:
     base = results[0]["status_s"]["median"]
     for r in results:
         print(f"{r['hosts']:>3} hosts: deploy {r['deploy_s']}s (orchestration {r['orchestration_s']}s, model "
-              f"{r['model_s']}s), status median {r['status_s']['median']}s ({r['status_s']['median'] / base:.2f}x "
+              f"{r['model_s']}s, cluster {r['cluster_s']}s{' hidden' if r['cluster_hidden'] else ''}), status median {r['status_s']['median']}s ({r['status_s']['median'] / base:.2f}x "
               f"of {results[0]['hosts']} host; controller CPU {r['status_s']['controller_cpu_median']}s), "
               f"logs {r['logs_s']}s, down {r['down_s']}s, load {r['load_1min']:.1f}")
     if args.out:

@@ -1,11 +1,14 @@
 """Wait until processes a yrpd session started answer HTTP, or say precisely why not (run by yrpd, stdlib only).
 
-Args: one JSON object {"pidfile": .., "log": .., "state": .. (yrpd.layout's templates with {name}), "timeout":
-seconds, "targets": [{"name", "url"}]}. A target whose supervisor says it ended (restarting, given up) fails at
+Args: one JSON object {"pidfile": .., "log": .., "state": .., "kv_stats": .. (yrpd.layout's templates with
+{name}), "timeout": seconds, "targets": [{"name", "url", "ds_link": bool}]}. A target with ds_link is ready once
+it answers and the stats files its live processes' KV connector writes all say the data system is reachable: the
+instances start before openYuanrong, and their connector links up in the background once it runs. A target whose supervisor says it ended (restarting, given up) fails at
 once, with how it ended: a start that crashes is reported now, not after every restart the policy allows.
 A target whose process has exited fails at once with the last lines of its log; one still silent at the
 timeout fails with its log tail. Prints one JSON line {name: seconds to ready}.
 """
+import glob
 import json
 import os
 import sys
@@ -48,6 +51,27 @@ def answers(url):
         return False
 
 
+def ds_link(name):
+    """(linked, why not): every live connector process of the target reaches its data system worker."""
+    docs = []
+    for path in glob.glob(args["kv_stats"].format(name=name)):
+        try:
+            with open(path) as fh:
+                doc = json.load(fh)
+            os.kill(int(doc["pid"]), 0)  # files of an earlier run of the target don't count
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        docs.append(doc)
+    if not docs:
+        return False, "its KV connector has written no stats yet"
+    down = [d for d in docs if d.get("ds_healthy") is False]
+    if down:
+        d = down[0]
+        return False, (f"its KV connector ({d.get('side')} rank {d.get('rank')}) cannot reach the data system at "
+                       f"{d.get('ds_address')}: {d.get('ds_last_error') or 'down'}")
+    return True, ""
+
+
 def log_tail(name, lines=15):
     try:
         with open(logfile.format(name=name), "rb") as fh:
@@ -60,13 +84,19 @@ def log_tail(name, lines=15):
 
 
 pending = {t["name"]: t["url"] for t in args["targets"]}
+needs_link = {t["name"] for t in args["targets"] if t.get("ds_link")}
+unlinked = {}  # name -> why its connector is not linked yet, once it answers
 ready = {}
 failed = []
 while pending:
     for name, url in list(pending.items()):
         if answers(url):
-            ready[name] = round(time.monotonic() - started, 1)
-            del pending[name]
+            linked, why = ds_link(name) if name in needs_link else (True, "")
+            if linked:
+                ready[name] = round(time.monotonic() - started, 1)
+                del pending[name]
+                continue
+            unlinked[name] = why
         elif not alive(name) or ended(name):
             how = ended(name)
             failed.append(f"{name} {'ended (' + how + ')' if how else 'exited'} before answering {url}; last log "
@@ -76,7 +106,8 @@ while pending:
         break
     if time.monotonic() > deadline:
         for name, url in pending.items():
-            failed.append(f"{name} did not answer {url} within {args['timeout']}s; last log lines "
+            what = f"answers {url} but {unlinked[name]}" if name in unlinked else f"did not answer {url}"
+            failed.append(f"{name} {what} within {args['timeout']}s; last log lines "
                           f"({logfile.format(name=name)}):\n{log_tail(name)}")
         break
     time.sleep(1)

@@ -137,6 +137,31 @@ def wrap_timeout(script: str, seconds: float) -> str:
     return f"timeout -k 10 {int(max(1, seconds))} bash -c {shlex.quote(script)}"
 
 
+#: what a checked command prints, and all it prints, where its check passed (the step is already done)
+ALREADY_DONE = "yrpd: the step's check passed: already done"
+
+
+@dataclass(frozen=True)
+class CheckedCommand(Command):
+    """`step` behind its `check`, in one round trip: exit 0 printing ALREADY_DONE where the check passes (its own
+    output dropped, under its own timeout), else the step. `script` is what the host runs; the parts stay for
+    reports and for scripted hosts (yrpd.testing), which answer each part as its own command."""
+
+    check: Command | None = None
+    step: Command | None = None
+
+    @classmethod
+    def of(cls, check: Command, step: Command) -> "CheckedCommand":
+        script = (f"if {wrap_timeout(check.script, check.timeout)} >/dev/null 2>&1; then "
+                  f"echo {shlex.quote(ALREADY_DONE)}; exit 0; fi\n{step.script}")
+        return cls(script, step.display or step.script, step.timeout + check.timeout, step.on_host, step.uploads,
+                   step.fresh_uploads, check, step)
+
+    @staticmethod
+    def already_done(result: "HostResult") -> bool:
+        return result.ok and result.stdout.strip().splitlines()[-1:] == [ALREADY_DONE]
+
+
 #: seconds the host-side timeout of a `docker exec` waits beyond the command's own (which runs in the container)
 CONTAINER_EXEC_GRACE = 20
 #: exit status of a command whose container is not running (docker's own "cannot run" code)

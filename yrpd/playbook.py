@@ -1,8 +1,8 @@
 """Playbooks: ordered steps read from YAML, run host-parallel, skipped where their check says done.
 
-A step runs on `all` hosts, the `master`, or the `workers` (every host but the master). For each host
-the step's check runs first (exit 0 = already done: skip); then the step runs on the remaining hosts in
-parallel. Every host's outcome goes into the session journal. The first step that fails on any host
+A step runs on `all` hosts, the `master`, or the `workers` (every host but the master), in parallel. On each
+host the step's check runs first (exit 0 = already done: skip), in the same round trip as the step itself
+(`checked_command`). Every host's outcome goes into the session journal. The first step that fails on any host
 stops the playbook with one error listing each failed host; a re-run resumes, because finished steps
 are skipped by their checks.
 """
@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from yrpd.errors import SpecError
-from yrpd.hostgroup import Command, GroupFailure, GroupResult, HostGroup, HostResult
+from yrpd.hostgroup import CheckedCommand, Command, GroupFailure, GroupResult, HostGroup, HostResult
 from yrpd.placement import HostPlan
 from yrpd.session import Session
 from yrpd.steps import NotNeeded, StepContext, resolve
@@ -170,28 +170,40 @@ class PlaybookRunner:
         hosts = [h for h in step_hosts(step, self.ctx) if h.name not in exclude]
         group = self.group.subset(h.name for h in hosts)
         self.report("start", step, {"hosts": [h.name for h in hosts]})
-        results = GroupResult()
-        todo = {h.name for h in hosts}
-        skipped: list[str] = []
-        not_needed: dict[str, str] = {}
+        actions = step_actions(step, self.ctx)
+        names = {h.name for h in hosts}
+        not_needed = {n: a.reason for n, a in actions.items() if isinstance(a, NotNeeded) and n in names}
+        commands = {n: a for n, a in actions.items() if isinstance(a, Command) and n in names}
+        checks: dict[str, Command] = {}
         if step.check:
             check = resolve(step.check)
             by_name = {h.name: h for h in hosts}
-            wanted = {n: check(self.ctx, by_name[n], **step.args) for n in todo}
-            for name, cmd in wanted.items():
-                if not isinstance(cmd, Command):  # nothing to check there: the step has nothing to do there
-                    not_needed[name] = cmd.reason if isinstance(cmd, NotNeeded) else "nothing to do"
-            checks = group.run({n: cmd for n, cmd in wanted.items() if isinstance(cmd, Command)})
-            for name, result in checks.items():
+            for name in list(commands):
+                wanted = check(self.ctx, by_name[name], **step.args)
+                if isinstance(wanted, Command):
+                    checks[name] = wanted
+                else:  # nothing to check there: the step has nothing to do there
+                    not_needed[name] = wanted.reason if isinstance(wanted, NotNeeded) else "nothing to do"
+                    del commands[name]
+        # one round trip a host: the check, and the step where it fails. A step that copies files first keeps its
+        # check apart (a resume would pay for the copies' size checks), as does one whose check runs elsewhere
+        together = {n for n in checks if not commands[n].uploads and checks[n].on_host == commands[n].on_host}
+        sent = {n: CheckedCommand.of(checks[n], c) if n in together else c for n, c in commands.items()}
+        separate = {n: checks[n] for n in checks if n not in together}
+        results = GroupResult()
+        skipped: list[str] = []
+        if separate:
+            for name, result in group.subset(separate).run(separate).items():
                 if result.ok:
                     skipped.append(name)
                 elif not result.reachable:
                     results[name] = result  # unreachable: fail now, don't try the step
-            todo -= set(skipped) | set(results) | set(not_needed)
-        actions = {n: a for n, a in step_actions(step, self.ctx).items() if n in todo}
-        not_needed.update({n: a.reason for n, a in actions.items() if isinstance(a, NotNeeded)})
-        commands = {n: a for n, a in actions.items() if isinstance(a, Command)}
-        results.update(group.subset(commands).run(commands))
+            sent = {n: c for n, c in sent.items() if n not in skipped and n not in results}
+        for name, result in group.subset(sent).run(sent).items():
+            if name in together and CheckedCommand.already_done(result):
+                skipped.append(name)
+            else:
+                results[name] = result
         seconds = time.monotonic() - started
         for name in sorted(skipped):
             self._journal(step, name, "skipped", None)
@@ -199,7 +211,8 @@ class PlaybookRunner:
             self._journal(step, name, "skipped", None, reason=reason)
         for name, result in sorted(results.items()):
             self._journal(step, name, "done" if result.ok else ("unreachable" if not result.reachable else "failed"), result)
-        outcome = StepOutcome(step, sorted(commands), sorted(skipped), results, seconds, not_needed)
+        ran = sorted(n for n, r in results.items() if r.reachable)
+        outcome = StepOutcome(step, ran, sorted(skipped), results, seconds, not_needed)
         self.report("end", step, {"outcome": outcome})
         return outcome
 

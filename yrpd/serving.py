@@ -93,6 +93,8 @@ class Launch:
     health_url: str | None = None
     #: where its secrets are (yrpd.credentials): its supervisor adds them to its environment, off every command line
     env_file: str | None = None
+    #: its KV connector talks to the data system: ready only once that link is up (it starts before openYuanrong)
+    ds_link: bool = False
 
     @property
     def command(self) -> str:
@@ -215,6 +217,7 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
                     dp_args[h] += ["--headless", "--data-parallel-start-rank", str(start)]
             start += len(ranks)
     secrets = paths.session.env_file(credentials.INSTANCE) if paths.session else None
+    ds_link = with_kv and spec.kv_connector is KvConnector.yuanrong
     launches = []
     for h, ranks in by_host.items():
         devices = tuple(d for r in ranks for d in r.devices)
@@ -225,7 +228,7 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
             dp_args[h] = ["--kv-transfer-config", kv, *dp_args[h]]
         if h == inst.host:
             argv = [*common, "--host", head.reach_ip, "--port", str(inst.port), *dp_args[h], *spec.engine_args]
-            launches.append(Launch(inst.name, h, argv, host_env, f"{instance_url(plan, inst)}/health", secrets))
+            launches.append(Launch(inst.name, h, argv, host_env, f"{instance_url(plan, inst)}/health", secrets, ds_link))
         else:
             argv = [*common, *dp_args[h], *spec.engine_args]
             launches.append(Launch(f"{inst.name}-{h}", h, argv, host_env, env_file=secrets))

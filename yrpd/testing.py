@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from yrpd.hostgroup import Command, Host, HostGroup, HostResult
+from yrpd.hostgroup import ALREADY_DONE, CheckedCommand, Command, Host, HostGroup, HostResult
 
 
 @dataclass
@@ -63,6 +63,11 @@ class ScriptedHosts:
 
     # -- what HostGroup calls -----------------------------------------------------------------------
     def run(self, host: Host, command: Command) -> HostResult:
+        if isinstance(command, CheckedCommand):  # as the host would: the check, then the step where it fails
+            check = self.run(host, command.check)
+            if check.ok:
+                return HostResult(host.name, str(command), 0, ALREADY_DONE + "\n")
+            return check if not check.reachable else self.run(host, command.step)
         with self._lock:
             self.calls.append((host.name, command))
         if host.name in self._down:

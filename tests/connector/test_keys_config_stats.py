@@ -192,3 +192,30 @@ def test_read_stats_file_rejects_garbage(tmp_path):
     assert read_stats_file(str(p)) is None
     write_json_atomic(str(p), {"schema": "yrpd.connector.stats/1", "counters": {}})
     assert json.loads(p.read_text())["counters"] == {}
+
+
+def test_reporter_writes_at_start_and_when_woken_not_only_each_interval(tmp_path):
+    """The deploy waits on ds_healthy in this file: a data system that comes up must show without waiting out the
+    interval (60 s here)."""
+    s = ConnectorStats("worker", "kv_consumer", 0, "abcd", "127.0.0.1:1")
+    s.ds_healthy = False
+    path = tmp_path / "stats.json"
+
+    def read_when(predicate):
+        for _ in range(200):
+            data = read_stats_file(str(path))
+            if data is not None and predicate(data):
+                return data
+            threading.Event().wait(0.01)
+        return read_stats_file(str(path))
+
+    rep = StatsReporter(s, 60.0, str(path), logging.getLogger("test.yrpd.stats")).start()
+    try:
+        assert read_when(lambda d: True)["ds_healthy"] is False
+        s.ds_healthy = True
+        rep.wake()
+        assert read_when(lambda d: d["ds_healthy"])["ds_healthy"] is True
+    finally:
+        rep.stop()
+    rep._thread.join(2)
+    assert not rep._thread.is_alive()  # stop() ends the thread while it waits

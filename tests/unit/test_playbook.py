@@ -48,3 +48,23 @@ def test_nothing_to_check_skips_without_a_command_and_a_failed_check_runs_the_st
     assert not outcomes[0].results and not skipped.exists()
     assert outcomes[1].skipped == [] and outcomes[1].results["localhost"].ok and made.exists()
     assert CHECKED == [str(made)]  # the first step's check produced no command to run
+
+
+def slow_check(ctx, host, path: str, **_):
+    return Command(f"sleep 30; test -f {path}", timeout=1)
+
+
+def test_a_done_step_is_skipped_in_the_same_round_trip_and_a_hung_check_counts_as_not_done(tmp_path: Path):
+    """Check and step go to the host as one command: a passing check reports the step done there without running
+    it (its output dropped); a check that hangs is cut at its own timeout and the step runs."""
+    here = __name__
+    done, hung = tmp_path / "done", tmp_path / "hung"
+    done.write_text("")
+    outcomes = _run([
+        {"name": "done before", "run": f"{here}.touch", "check": f"{here}.exists_or_nothing",
+         "with": {"path": str(done)}},
+        {"name": "check hangs", "run": f"{here}.touch", "check": f"{here}.slow_check", "with": {"path": str(hung)}},
+    ])
+    assert outcomes[0].skipped == ["localhost"] and outcomes[0].ran == [] and not outcomes[0].results
+    assert outcomes[1].skipped == [] and outcomes[1].ran == ["localhost"] and hung.exists()
+    assert outcomes[1].results["localhost"].command == f"touch {hung}"  # reports name the step, not the wrapper

@@ -24,7 +24,6 @@ from yrpd.cluster.yrconfig import (
     YrNode,
     YrPorts,
     components,
-    health_command,
     listen_ports,
     render_config,
     start_command,
@@ -66,7 +65,6 @@ def test_commands_golden():
         lines += [
             f"# {role}",
             start_command(n).shell(),
-            health_command(n).shell(),
             stop_command(n).shell(),
             stop_command(n, force=True).shell(),
         ]
@@ -133,7 +131,6 @@ def test_start_commands():
     assert start_command(a, "/etc/x.toml").argv[4] == "/etc/x.toml"
     assert stop_command(m).argv == ("/opt/yrpd/venvs/yr/bin/yr", "stop", "-f", f"{DEPLOY}/session.json")
     assert stop_command(m, force=True).argv[2] == "--force"
-    assert health_command(a).argv[1:] == ("health", "-f", f"{DEPLOY}/session.json")
 
 
 def _fake_yr_cli(tmp_path):
@@ -312,3 +309,22 @@ def test_with_a_key_directory_the_master_and_the_workers_require_curve():
     plain = YrNode(host_ip="10.0.0.1", is_master=True, master_ip="10.0.0.1", deploy_path="/s/yr")
     assert "ds" not in tomllib.loads(render_config(plain))["values"]
     assert "auth_type" not in tomllib.loads(render_config(plain))["values"]["etcd"]
+
+
+def test_cluster_status_reads_the_components_from_session_json(tmp_path):
+    """What `yr health -f` would print, read from the session.json yr's daemon keeps: a live pid is RUNNING with its
+    restart count, a dead one STOPPED and not alive, a component missing from the file is a problem by name."""
+    script = Path(__file__).parents[2] / "deploy_scripts" / "yr_cluster.py"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / "session.json").write_text(json.dumps({"session_id": "s", "components": {
+        "etcd": {"pid": os.getpid(), "restart_count": 2}, "ds_worker": {"pid": gone.pid, "restart_count": 0}}}))
+    args = {"action": "wait", "deploy": str(tmp_path), "logs": str(tmp_path), "timeout": 0, "host_ip": "127.0.0.1",
+            "expect": ["etcd", "ds_worker", "ds_master"], "ports": {}}
+    out = subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True, text=True)
+    snap = json.loads(out.stdout)
+    assert snap["components"]["etcd"] == {"state": "RUNNING", "pid": os.getpid(), "restarts": 2, "alive": True}
+    assert snap["components"]["ds_worker"]["state"] == "STOPPED" and not snap["components"]["ds_worker"]["alive"]
+    assert out.returncode == 1
+    assert f"ds_worker: stopped (pid {gone.pid}, exited)" in out.stderr
+    assert "ds_master: missing from session.json" in out.stderr

@@ -301,7 +301,3 @@ def stop_command(node: YrNode, force: bool = False) -> YrCommand:
     argv = [f"{node.yr_venv}/bin/yr", "stop", *(["--force"] if force else []), "-f", node.session_file]
     return YrCommand(tuple(argv), _yr_env(node))
 
-
-def health_command(node: YrNode) -> YrCommand:
-    """``yr health -f SESSION``: one line per component, exit 1 when one is not running."""
-    return YrCommand((f"{node.yr_venv}/bin/yr", "health", "-f", node.session_file), _yr_env(node))

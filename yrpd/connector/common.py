@@ -186,6 +186,8 @@ class ConnectorHalf:
             self.stats.ds_healthy = True
         elif event == "error":
             self.stats.inc("ds_errors")
+        if event in ("down", "up") and self._reporter is not None:
+            self._reporter.wake()
 
     def _start_reporter(self, rank: int, namespace: str) -> None:
         self.stats.rank = rank

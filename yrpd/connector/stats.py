@@ -143,7 +143,9 @@ def read_stats_file(path: str) -> dict | None:
 
 
 class StatsReporter:
-    """Daemon thread: every interval, log the counters at INFO and rewrite the stats file."""
+    """Daemon thread: at start, every interval and when woken (the data system went down or came back), log the
+    counters at INFO and rewrite the stats file. The deploy waits on the file's ds_healthy (wait_ready.py), so a
+    link that comes up shows within a moment, not an interval."""
 
     def __init__(self, stats: ConnectorStats, interval_s: float, path: str | None,
                  logger: logging.Logger, extra: Callable[[], dict[str, Any]] | None = None) -> None:
@@ -153,6 +155,7 @@ class StatsReporter:
         self.logger = logger
         self.extra = extra
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"yrpd-kv-stats-{stats.side}", daemon=True)
 
     def start(self) -> "StatsReporter":
@@ -175,15 +178,22 @@ class StatsReporter:
             except OSError as e:
                 self.logger.warning("yrpd connector: cannot write stats file %s: %s", self.path, e)
 
+    def wake(self) -> None:
+        """Rewrite the file now, from the reporter's thread."""
+        self._wake.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.is_set():
             try:
                 self.flush()
             except Exception as e:  # pragma: no cover - defensive
                 self.logger.warning("yrpd connector: stats reporter error: %s", e)
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         try:
             self.flush()
         except Exception:

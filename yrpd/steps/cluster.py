@@ -1,8 +1,8 @@
 """openYuanrong on the hosts: install, configure, start the master, join the agents, verify, stop.
 
 The configs and `yr` command lines come from yrpd.cluster.yrconfig (pure); deploy_scripts/yr_cluster.py
-runs them on the host and reads `yr health`, because `yr start` and `yr health` both report success on a
-broken cluster in known cases (a stale etcd on our ports, a crash-looping component): we also check our
+runs them on the host and reads the session.json `yr start` writes (what `yr health -f` reads), because `yr start`
+and `yr health` both report success on a broken cluster in known cases (a stale etcd on our ports, a crash-looping component): we also check our
 ports listen, restart counts stay 0, and a key written through one host's data system worker reads back
 through another host's.
 """
@@ -18,7 +18,6 @@ from yrpd.cluster.yrconfig import (
     YrNode,
     YrPorts,
     components,
-    health_command,
     listen_ports,
     render_config,
     start_command,
@@ -158,12 +157,12 @@ def _driver_args(ctx: StepContext, host: HostPlan, action: str, mode: str, timeo
     n = node(ctx, host, mode)
     # teardown uses yr's forced stop: a graceful one stops etcd first, then waits out the data system
     # processes (about 20 s on the master, measured), and the cache holds nothing worth flushing
-    start, stop, force, health = start_command(n), stop_command(n, force=True), stop_command(n, force=True), health_command(n)
+    start, stop, force = start_command(n), stop_command(n, force=True), stop_command(n, force=True)
     wanted = [c for c, on in components(n).items() if on]
     owner = {"etcd_client": "etcd", "etcd_peer": "etcd", "ds_master": "ds_master", "ds_worker": "ds_worker"}
     return {
         "action": action, "deploy": n.deploy_path, "logs": ctx.layout.logs_dir, "session": ctx.session_id,
-        "start": list(start.argv), "stop": list(stop.argv), "force_stop": list(force.argv), "health": list(health.argv),
+        "start": list(start.argv), "stop": list(stop.argv), "force_stop": list(force.argv),
         "env": dict(start.env), "host_ip": n.host_ip, "timeout": timeout, "expect": wanted,
         "ports": {name: [owner.get(name, name), port] for name, port in listen_ports(n).items()},
     }

@@ -36,7 +36,8 @@ def running(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeede
 
 
 def wait_healthy(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
-    targets = [{"name": launch.name, "url": launch.health_url} for launch in _launches(ctx, host) if launch.health_url]
+    targets = [{"name": launch.name, "url": launch.health_url, **({"ds_link": True} if launch.ds_link else {})}
+               for launch in _launches(ctx, host) if launch.health_url]
     if not targets:
         return NotNeeded("no instance on this host")
     timeout = ctx.spec.startup_timeout_s

@@ -1,0 +1,70 @@
+"""deploy_scripts/wait_ready.py, run as the host runs it, against an HTTP server on loopback: an instance whose KV
+connector goes through the data system is ready only once it answers /health and its connector's stats say the
+data system is reachable (the instances start before openYuanrong)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[2] / "deploy_scripts" / "wait_ready.py"
+
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def wait(tmp_path: Path, url: str, timeout: float, ds_link: bool = True) -> subprocess.CompletedProcess:
+    (tmp_path / "decode-0.pid").write_text(str(os.getpid()))
+    args = {"pidfile": f"{tmp_path}/{{name}}.pid", "log": f"{tmp_path}/{{name}}.log",
+            "state": f"{tmp_path}/{{name}}.state", "kv_stats": f"{tmp_path}/{{name}}.kv-*.json", "timeout": timeout,
+            "targets": [{"name": "decode-0", "url": url + "/health", "ds_link": ds_link}]}
+    return subprocess.run([sys.executable, str(SCRIPT), json.dumps(args)], capture_output=True, text=True, timeout=60)
+
+
+def stats(tmp_path: Path, side: str, healthy: bool, pid: int = os.getpid()) -> None:
+    (tmp_path / f"decode-0.kv-{side}.json").write_text(json.dumps(
+        {"pid": pid, "side": side, "rank": 0, "ds_address": "10.0.0.2:31501", "ds_healthy": healthy,
+         **({} if healthy else {"ds_last_error": "connect refused"})}))
+
+
+def test_answering_is_not_ready_until_the_connector_reaches_the_data_system(tmp_path, server):
+    missing = wait(tmp_path, server, timeout=1)
+    assert missing.returncode == 1 and "answers" in missing.stderr and "has written no stats yet" in missing.stderr
+    stats(tmp_path, "scheduler", True)
+    stats(tmp_path, "worker", False)
+    down = wait(tmp_path, server, timeout=1)
+    assert down.returncode == 1
+    assert ("decode-0 answers " in down.stderr and "its KV connector (worker rank 0) cannot reach the data system at "
+            "10.0.0.2:31501: connect refused within 1s" in down.stderr), down.stderr
+    stats(tmp_path, "worker", True)
+    assert "decode-0" in json.loads(wait(tmp_path, server, timeout=5).stdout)
+
+
+def test_stats_of_an_earlier_run_do_not_count_and_plain_targets_need_no_link(tmp_path, server):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stats(tmp_path, "worker", True, pid=gone.pid)  # written by a process that has exited
+    assert "has written no stats yet" in wait(tmp_path, server, timeout=1).stderr
+    assert wait(tmp_path, server, timeout=1, ds_link=False).returncode == 0
