@@ -18,11 +18,12 @@ Each fake host is
 PATH and python3 inside hosts: the private ``/root`` would hide pyenv
 (``/root/.pyenv``), so the real ``/root/.pyenv`` is bind-mounted read-only into
 each host's ``/root``.  sshd has ``PermitUserEnvironment PATH`` and each host's
-``/root/.ssh/environment`` sets ``PATH=HOST_PATH`` (pyenv shims first), which
-works for every command run over SSH whatever the shell.  Debian's
+``/root/.ssh/environment`` sets ``PATH=HOST_PATH`` (pyenv's global version's bin
+directory, then its shims), which works for every command run over SSH whatever
+the shell.  Debian's
 ``/etc/profile`` resets PATH for root in login shells, so ``/root/.profile``
 exports it again.  ``command -v python3`` over SSH gives
-``/root/.pyenv/shims/python3`` (pyenv's global 3.11).  ``FakeHost.exec`` uses
+``/root/.pyenv/versions/<global>/bin/python3`` (pyenv's global 3.11, not its shim).  ``FakeHost.exec`` uses
 the same PATH.
 
 Housekeeping: every lab holds an exclusive flock on
@@ -73,7 +74,20 @@ PREFIX_ROOT = "yl"
 LOCK_DIR = Path("/run/yrpd-lab")
 SSHD = "/usr/sbin/sshd"
 PYENV_ROOT = Path("/root/.pyenv")
-HOST_PATH = ("/root/.pyenv/shims:/root/.pyenv/bin:"
+
+
+def _pyenv_python_dir() -> str:
+    """The bin directory of pyenv's global Python, or "" without pyenv. A host's python3 is a binary on PATH; pyenv's
+    shim is a bash script that costs about 0.1 s of CPU a call, which every host-side script would pay here only."""
+    try:
+        prefix = subprocess.run([str(PYENV_ROOT / "bin" / "pyenv"), "prefix"], capture_output=True, text=True,
+                                timeout=10, env={**os.environ, "PYENV_ROOT": str(PYENV_ROOT)}).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"{prefix}/bin:" if prefix and Path(prefix, "bin", "python3").exists() else ""
+
+
+HOST_PATH = (f"{_pyenv_python_dir()}/root/.pyenv/shims:/root/.pyenv/bin:"
              "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
 HOST_ENV = {
     "PATH": HOST_PATH,
