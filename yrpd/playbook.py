@@ -9,10 +9,12 @@ are skipped by their checks.
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -33,6 +35,8 @@ class StepSpec(BaseModel):
     check: str | None = None
     args: dict[str, Any] = Field(default_factory=dict, alias="with")
     when: str | None = None  # an option name (e.g. purge): the step runs only when it is set
+    #: on a host it needs only that host's earlier steps: a host goes on to it without waiting for the others
+    per_host: bool = False
 
     @property
     def id(self) -> str:
@@ -84,11 +88,12 @@ def step_enabled(step: StepSpec, ctx: StepContext) -> bool:
     return step.when is None or bool(ctx.options.get(step.when))
 
 
-def step_actions(step: StepSpec, ctx: StepContext) -> dict[str, Command | NotNeeded]:
-    """Per host of the step: the command it runs there, or why it has nothing to do there."""
+def step_actions(step: StepSpec, ctx: StepContext,
+                 hosts: list[HostPlan] | None = None) -> dict[str, Command | NotNeeded]:
+    """Per host of the step (or of those given): the command it runs there, or why it has nothing to do there."""
     func = resolve(step.run)
     actions: dict[str, Command | NotNeeded] = {}
-    for host in step_hosts(step, ctx):
+    for host in step_hosts(step, ctx) if hosts is None else hosts:
         action = func(ctx, host, **step.args)
         actions[host.name] = NotNeeded("nothing to do") if action is None else action
     return actions
@@ -145,33 +150,91 @@ class PlaybookRunner:
     def run(self, playbook: Playbook, keep_going: bool = False) -> list[StepOutcome]:
         """Run every enabled step; raise StepFailed at the first failing one.
 
-        With keep_going (teardown), a host that failed a step is left out of the later steps while the
+        Consecutive `per_host` steps form a chain that each host runs at its own pace (a fast host does not wait
+        for a slow one); each step is reported and journalled once it has ended on all its hosts, in playbook
+        order. A host that fails a step of a chain stops there; the others finish the chain, then the playbook
+        stops. With keep_going (teardown), a host that failed a step is left out of the later steps while the
         other hosts carry on, so one dead host never keeps the rest running; the failure raised at the
         end covers every host that took part."""
-        outcomes = []
+        outcomes: list[StepOutcome] = []
         failed_steps: list[StepSpec] = []
         failed_hosts: set[str] = set()
-        for step in playbook.steps:
-            if not step_enabled(step, self.ctx):
-                continue
-            outcome = self.run_step(step, exclude=failed_hosts)
-            outcomes.append(outcome)
-            if not outcome.results.ok:
+        for chain in _chains([s for s in playbook.steps if step_enabled(s, self.ctx)], keep_going):
+            ran = self.run_chain(chain) if len(chain) > 1 else [self.run_step(chain[0], exclude=failed_hosts)]
+            outcomes += ran
+            for outcome in ran:
+                if outcome.results.ok:
+                    continue
                 if not keep_going:
-                    raise StepFailed(step, dict(outcome.results))
-                failed_steps.append(step)
+                    raise StepFailed(outcome.step, dict(outcome.results))
+                failed_steps.append(outcome.step)
                 failed_hosts |= {n for n, r in outcome.results.items() if not r.ok}
         if failed_steps:
             raise _merge(failed_steps, outcomes)
         return outcomes
 
+    def run_chain(self, chain: list[StepSpec]) -> list[StepOutcome]:
+        """Each host runs its part of the chain's steps in order, in parallel with the other hosts."""
+        hosts = {h.name: h for step in chain for h in step_hosts(step, self.ctx)}
+        done: list[dict[str, tuple[_Attempt, float, float]]] = [{} for _ in chain]  # host -> attempt, start, end
+        members = [{h.name for h in step_hosts(step, self.ctx)} for step in chain]
+        stopped: set[str] = set()
+        errors: list[BaseException] = []  # a step function that raised: re-raised here, never lost
+        changed = threading.Condition()
+
+        def on_host(name: str) -> None:
+            try:
+                for i, step in enumerate(chain):
+                    if name not in members[i]:
+                        continue
+                    started = time.monotonic()
+                    attempt = self._attempt(step, [hosts[name]])
+                    with changed:
+                        done[i][name] = (attempt, started, time.monotonic())
+                        if not attempt.results.ok:
+                            stopped.add(name)
+                            return
+                        changed.notify_all()
+            except BaseException as exc:
+                with changed:
+                    errors.append(exc)
+                raise
+            finally:  # also when a step function raised: the waiting below must not hang
+                with changed:
+                    stopped.add(name)
+                    changed.notify_all()
+
+        outcomes = []
+        pool = ThreadPoolExecutor(max_workers=min(self.group.max_parallel, len(hosts)))
+        try:
+            for name in hosts:
+                pool.submit(on_host, name)
+            for i, step in enumerate(chain):
+                self.report("start", step, {"hosts": sorted(members[i])})
+                with changed:
+                    # ended on every host of the step, but for those that stopped before it
+                    changed.wait_for(lambda: all(n in done[i] or n in stopped for n in members[i]))
+                    parts = dict(done[i])
+                    if errors:
+                        raise errors[0]
+                seconds = (max(e for _, _, e in parts.values()) - min(b for _, b, _ in parts.values())) if parts else 0.0
+                outcomes.append(self._finish(step, _Attempt.merged(a for a, _, _ in parts.values()), seconds))
+        finally:
+            pool.shutdown(wait=True)
+        return outcomes
+
     def run_step(self, step: StepSpec, exclude: set[str] = frozenset()) -> StepOutcome:
         started = time.monotonic()
         hosts = [h for h in step_hosts(step, self.ctx) if h.name not in exclude]
-        group = self.group.subset(h.name for h in hosts)
         self.report("start", step, {"hosts": [h.name for h in hosts]})
-        actions = step_actions(step, self.ctx)
+        attempt = self._attempt(step, hosts)
+        return self._finish(step, attempt, time.monotonic() - started)
+
+    def _attempt(self, step: StepSpec, hosts: list[HostPlan]) -> "_Attempt":
+        """The step on these hosts: skipped where its check passes, run where it fails."""
+        group = self.group.subset(h.name for h in hosts)
         names = {h.name for h in hosts}
+        actions = step_actions(step, self.ctx, hosts)
         not_needed = {n: a.reason for n, a in actions.items() if isinstance(a, NotNeeded) and n in names}
         commands = {n: a for n, a in actions.items() if isinstance(a, Command) and n in names}
         checks: dict[str, Command] = {}
@@ -204,15 +267,17 @@ class PlaybookRunner:
                 skipped.append(name)
             else:
                 results[name] = result
-        seconds = time.monotonic() - started
-        for name in sorted(skipped):
+        return _Attempt(skipped, not_needed, results)
+
+    def _finish(self, step: StepSpec, attempt: "_Attempt", seconds: float) -> StepOutcome:
+        for name in sorted(attempt.skipped):
             self._journal(step, name, "skipped", None)
-        for name, reason in sorted(not_needed.items()):
+        for name, reason in sorted(attempt.not_needed.items()):
             self._journal(step, name, "skipped", None, reason=reason)
-        for name, result in sorted(results.items()):
+        for name, result in sorted(attempt.results.items()):
             self._journal(step, name, "done" if result.ok else ("unreachable" if not result.reachable else "failed"), result)
-        ran = sorted(n for n, r in results.items() if r.reachable)
-        outcome = StepOutcome(step, ran, sorted(skipped), results, seconds, not_needed)
+        ran = sorted(n for n, r in attempt.results.items() if r.reachable)
+        outcome = StepOutcome(step, ran, sorted(attempt.skipped), attempt.results, seconds, attempt.not_needed)
         self.report("end", step, {"outcome": outcome})
         return outcome
 
@@ -225,6 +290,35 @@ class PlaybookRunner:
             if not result.ok:
                 entry["error"] = result.tail()
         self.session.journal(**entry)
+
+
+@dataclass
+class _Attempt:
+    """What one try of a step did on some hosts."""
+
+    skipped: list[str]
+    not_needed: dict[str, str]
+    results: GroupResult
+
+    @classmethod
+    def merged(cls, attempts: Iterable["_Attempt"]) -> "_Attempt":
+        out = cls([], {}, GroupResult())
+        for a in attempts:
+            out.skipped += a.skipped
+            out.not_needed.update(a.not_needed)
+            out.results.update(a.results)
+        return out
+
+
+def _chains(steps: list[StepSpec], keep_going: bool) -> list[list[StepSpec]]:
+    """The steps in order, consecutive `per_host` ones together (a teardown runs step by step)."""
+    chains: list[list[StepSpec]] = []
+    for step in steps:
+        if step.per_host and not keep_going and chains and chains[-1][-1].per_host:
+            chains[-1].append(step)
+        else:
+            chains.append([step])
+    return chains
 
 
 def _merge(failed: list[StepSpec], outcomes: list[StepOutcome]) -> PlaybookFailed:

@@ -3,8 +3,10 @@ and without any command at all where the check says the step is not needed there
 
 from pathlib import Path
 
+import pytest
+
 from yrpd.hostgroup import Command, Host, HostGroup
-from yrpd.playbook import Playbook, PlaybookRunner
+from yrpd.playbook import Playbook, PlaybookRunner, StepFailed
 from yrpd.steps import NotNeeded
 
 CHECKED: list[str] = []
@@ -68,3 +70,68 @@ def test_a_done_step_is_skipped_in_the_same_round_trip_and_a_hung_check_counts_a
     assert outcomes[0].skipped == ["localhost"] and outcomes[0].ran == [] and not outcomes[0].results
     assert outcomes[1].skipped == [] and outcomes[1].ran == ["localhost"] and hung.exists()
     assert outcomes[1].results["localhost"].command == f"touch {hung}"  # reports name the step, not the wrapper
+
+
+def stamp(ctx, host, dir: str, step: str, slow_on: str = "", fail_on: str = "", **_):
+    wait = "sleep 1.5; " if host.name == slow_on else ""
+    fail = "exit 3; " if host.name == fail_on else ""
+    return Command(f"{wait}{fail}python3 -c 'import time; print(time.time())' > {dir}/{step}-{host.name}")
+
+
+def _run_two_hosts(steps: list[dict]):
+    from yrpd.deployment import inventory_from_json
+    from yrpd.placement import make_plan
+    from yrpd.spec import build_spec
+    from yrpd.steps import StepContext
+
+    spec = build_spec({}, {"hosts": "h1,h2", "device_kind": "cpu", "model": "builtin:tiny-qwen2"})
+    plan = make_plan(spec, inventory_from_json({h: {"kind": "cpu", "devices": [0, 1], "ip": ip}
+                                                for h, ip in (("h1", "127.0.0.1"), ("h2", "127.0.0.2"))}))
+    events: list[tuple[str, str]] = []
+    runner = PlaybookRunner(HostGroup([Host(h, "localhost", local=True) for h in ("h1", "h2")]),
+                            StepContext(spec=spec, plan=plan, session_id="s"),
+                            report=lambda event, step, info: events.append((event, step.name)))
+    return runner, Playbook.model_validate({"name": "t", "steps": steps}), events
+
+
+def test_per_host_steps_let_a_fast_host_go_on_and_are_reported_in_order(tmp_path: Path):
+    """A chain of per_host steps: h2 does not wait for slow h1 between them; each step is reported once, in order;
+    the step after the chain (a barrier) starts only when both hosts are through."""
+    here = __name__
+    steps = [{"name": n, "run": f"{here}.stamp", "per_host": n != "c",
+              "with": {"dir": str(tmp_path), "step": n, "slow_on": "h1" if n == "a" else ""}} for n in "abc"]
+    runner, playbook, events = _run_two_hosts(steps)
+    outcomes = runner.run(playbook)
+    at = {f.name: float(f.read_text()) for f in tmp_path.iterdir()}
+    assert at["b-h2"] < at["a-h1"]  # h2 finished b while h1 was still in a
+    assert min(at["c-h1"], at["c-h2"]) > max(at["b-h1"], at["b-h2"])
+    assert events == [(e, n) for n in "abc" for e in ("start", "end")]
+    assert [o.step.name for o in outcomes] == list("abc") and all(o.ran == ["h1", "h2"] for o in outcomes)
+
+
+def test_a_host_failing_in_a_chain_stops_there_while_the_other_finishes_it(tmp_path: Path):
+    here = __name__
+    steps = [{"name": n, "run": f"{here}.stamp", "per_host": n != "c",
+              "with": {"dir": str(tmp_path), "step": n, "fail_on": "h1" if n == "a" else ""}} for n in "abc"]
+    runner, playbook, events = _run_two_hosts(steps)
+    with pytest.raises(StepFailed) as failed:
+        runner.run(playbook)
+    assert failed.value.step.name == "a" and set(failed.value.failed) == {"h1"}
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["a-h2", "b-h2"]  # h1 stopped at a, nobody reached c
+    assert events == [("start", "a"), ("end", "a"), ("start", "b"), ("end", "b")]
+
+
+def broken_on_h1(ctx, host, **_):
+    if host.name == "h1":
+        raise RuntimeError("step function bug on h1")
+    return Command("true")
+
+
+def test_a_step_function_raising_in_a_chain_is_raised_not_lost(tmp_path: Path):
+    """Even when it raises in the chain's last step (no later step would notice a missing host)."""
+    here = __name__
+    steps = [{"name": "a", "run": f"{here}.stamp", "per_host": True, "with": {"dir": str(tmp_path), "step": "a"}},
+             {"name": "b", "run": f"{here}.broken_on_h1", "per_host": True}]
+    runner, playbook, _ = _run_two_hosts(steps)
+    with pytest.raises(RuntimeError, match="bug on h1"):
+        runner.run(playbook)
