@@ -6,12 +6,15 @@ Run with the python of the data-system venv (openyuanrong-datasystem), never wit
 LD_LIBRARY_PATH must not point at the `yr` package.
 
     ds_kv_check.py --write 10.0.0.1:31501 --read 10.0.0.2:31501 [--size 4096] [--timeout-ms 5000] [--env-file F]
+                   [--attempts 3]
 
 Prints exactly one JSON line on stdout:
     {"ok": true, "write": "IP:PORT", "read": "IP:PORT", "key": "...", "bytes": N, "ms": total, ...}
     {"ok": false, "write": ..., "read": ..., "error": "..."}
 and exits 0 on success, 1 on failure, 2 on bad arguments. The key is deleted afterwards
-(a failed delete is reported as "cleanup_error" but does not fail the check).
+(a failed delete is reported as "cleanup_error" but does not fail the check). A failed try is tried again (up to
+--attempts, 2 s apart): a worker that just started on a host busy loading a model can miss one request's timeout;
+the errors of the tries before a success are reported as "retried".
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read", required=True, type=parse_addr, help="IP:PORT of the worker to read through")
     parser.add_argument("--size", type=int, default=4096, help="value size in bytes (default 4096)")
     parser.add_argument("--timeout-ms", type=int, default=5000, help="connect/request timeout (default 5000)")
+    parser.add_argument("--attempts", type=int, default=3, help="tries before it fails (default 3)")
     parser.add_argument("--env-file", help="KEY=VALUE lines added to the environment first: the client's CURVE keys "
                                            "(DATASYSTEM_CLIENT_PUBLIC_KEY ...), which the client reads from there")
     args = parser.parse_args(argv)
@@ -99,13 +103,23 @@ def main(argv: list[str] | None = None) -> int:
                     os.environ[key] = value
 
     out = {"write": "%s:%d" % args.write, "read": "%s:%d" % args.read}
-    try:
-        out.update(run_check(args.write, args.read, args.size, args.timeout_ms))
+    errors: list[str] = []
+    for attempt in range(max(1, args.attempts)):
+        if attempt:
+            time.sleep(2)
+        try:
+            checked = run_check(args.write, args.read, args.size, args.timeout_ms)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {str(exc).strip()}")
+            continue
         # keep "ok" first for people reading the line
-        out = {"ok": True, **{k: v for k, v in out.items() if k != "ok"}}
+        out = {"ok": True, **out, **{k: v for k, v in checked.items() if k != "ok"}}
+        if errors:
+            out["retried"] = errors
         code = 0
-    except Exception as exc:
-        out = {"ok": False, **out, "error": f"{type(exc).__name__}: {str(exc).strip()}"}
+        break
+    else:
+        out = {"ok": False, **out, "error": errors[-1], "attempts": len(errors)}
         code = 1
     sys.stdout.write(json.dumps(out) + "\n")
     sys.stdout.flush()

@@ -75,7 +75,7 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
         script = (Path(__file__).parents[2] / "deploy_scripts" / "ds_kv_check.py").read_text()
         for worker in (lab["h1"].address, lab["h2"].address):
             refused = lab["h3"].exec(f"env -u LD_LIBRARY_PATH {rm.ENV_ROOT}/ds/bin/python - --write {worker}:31501 "
-                                     f"--read {worker}:31501 --timeout-ms 3000 <<'EOF'\n{script}\nEOF",
+                                     f"--read {worker}:31501 --timeout-ms 3000 --attempts 1 <<'EOF'\n{script}\nEOF",
                                      check=False, timeout=60)
             assert json.loads(refused.stdout.strip().splitlines()[-1])["ok"] is False, refused.stdout
         # ... and etcd on h1 lists nothing for a client without the deployment's certificate

@@ -224,4 +224,4 @@ def check_kv(ctx: StepContext, host: HostPlan) -> Command:
         f"--write {own} --read {other} --env-file {keys} <<'YRPD_SCRIPT_END'\n{body}\nYRPD_SCRIPT_END\n"
     )
     return Command(script, display=f"{ds_venv}/bin/python deploy_scripts/ds_kv_check.py --write {own} --read {other} "
-                                   f"--env-file {keys}", timeout=60)
+                                   f"--env-file {keys}", timeout=90)
