@@ -15,7 +15,9 @@ start was hidden in that window and `orchestration` is the deploy's wall time le
 window; otherwise it is the wall time less the model build and the /health wait only (the cluster counted in
 full). Fake hosts share this machine's cores (each
 idle data system worker takes a few percent of one), so host-side work that would run in parallel on real hosts
-queues here: the controller's own CPU time per `status` is reported beside its wall time, and the load average.
+queues here: the controller's own CPU time per `status` is reported beside its wall time, and the load average,
+and `status` is timed a second time with every host's data system processes paused (SIGSTOP; their ports still
+accept connections, so status finds them healthy), which leaves the shared cores to the status work itself.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -67,6 +70,33 @@ def journal_split(home: Path) -> dict:
     return slowest
 
 
+def status_runs(lab, home: Path, n: int, runs: int, require_healthy: bool = True) -> dict:
+    times, cpu, problems = [], [], set()
+    for _ in range(runs):
+        proc, took = yrpd(lab, home, "status", "--json")
+        report = json.loads(proc.stdout)
+        if require_healthy and not report.get("healthy"):
+            raise RuntimeError(f"status on {n} hosts: not healthy: {proc.stdout[-2000:]}")
+        problems.update(report.get("problems", []))
+        times.append(took)
+        cpu.append(proc.cpu_s)
+    return {"median": round(statistics.median(times), 2), "min": round(min(times), 2), "max": round(max(times), 2),
+            "runs": runs, "controller_cpu_median": round(statistics.median(cpu), 2), "problems": sorted(problems)}
+
+
+def data_system_pids(lab) -> list[int]:
+    """The lab's data system workers and masters (its hosts' processes only: another lab's are left alone)."""
+    found = []
+    for host in lab.hosts:
+        for pid in host.pids():
+            try:
+                if b"datasystem_worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+            except OSError:
+                pass
+    return found
+
+
 def measure(n: int, runs: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="yrpd-cp-"))
     with FakeHostLab(n, work / "lab") as lab:
@@ -91,18 +121,20 @@ def measure(n: int, runs: int) -> dict:
             out["model_s"] = round(model, 1)
             out["cluster_s"] = round(sum(steps.get(s, 0.0) for s in CLUSTER_STEPS), 1)
             out["slowest_steps"] = dict(sorted(steps.items(), key=lambda kv: -kv[1])[:6])
-            times, cpu = [], []
-            for _ in range(runs):
-                proc, took = yrpd(lab, home, "status", "--json")
-                if not json.loads(proc.stdout).get("healthy"):
-                    raise RuntimeError(f"status on {n} hosts: not healthy: {proc.stdout[-2000:]}")
-                times.append(took)
-                cpu.append(proc.cpu_s)
-            out["status_s"] = {"median": round(statistics.median(times), 2), "min": round(min(times), 2),
-                               "max": round(max(times), 2), "runs": runs,
-                               "controller_cpu_median": round(statistics.median(cpu), 2)}
+            out["status_s"] = status_runs(lab, home, n, runs)
             # what the fake hosts had to share: their load while idle (all of them run on this machine's cores)
             out["load_1min"] = os.getloadavg()[0]
+            # the same with every host's data system processes paused (SIGSTOP): the shared cores then serve the
+            # status work itself, as each real host's own cores would (their ports still accept connections)
+            paused = data_system_pids(lab)
+            try:
+                for pid in paused:
+                    os.kill(pid, signal.SIGSTOP)
+                # (a connector may notice its paused worker: such problems are listed, not fatal)
+                out["status_ds_paused_s"] = status_runs(lab, home, n, runs, require_healthy=False)
+            finally:
+                for pid in paused:
+                    os.kill(pid, signal.SIGCONT)
             proc, out["logs_s"] = yrpd(lab, home, "logs", "-n", "5")
             if proc.returncode != 0:
                 raise RuntimeError(f"logs on {n} hosts failed:\n{proc.stderr[-2000:]}")
@@ -126,10 +158,12 @@ def main() -> None:
         results.append(measure(n, args.runs))
         print(json.dumps(results[-1]), flush=True)
     base = results[0]["status_s"]["median"]
+    paused_base = results[0]["status_ds_paused_s"]["median"]
     for r in results:
         print(f"{r['hosts']:>3} hosts: deploy {r['deploy_s']}s (orchestration {r['orchestration_s']}s, model "
               f"{r['model_s']}s, cluster {r['cluster_s']}s{' hidden' if r['cluster_hidden'] else ''}), status median {r['status_s']['median']}s ({r['status_s']['median'] / base:.2f}x "
-              f"of {results[0]['hosts']} host; controller CPU {r['status_s']['controller_cpu_median']}s), "
+              f"of {results[0]['hosts']} host; controller CPU {r['status_s']['controller_cpu_median']}s; data system "
+              f"paused {r['status_ds_paused_s']['median']}s, {r['status_ds_paused_s']['median'] / paused_base:.2f}x), "
               f"logs {r['logs_s']}s, down {r['down_s']}s, load {r['load_1min']:.1f}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
