@@ -12,8 +12,9 @@ Prints exactly one JSON line on stdout:
     {"ok": true, "write": "IP:PORT", "read": "IP:PORT", "key": "...", "bytes": N, "ms": total, ...}
     {"ok": false, "write": ..., "read": ..., "error": "..."}
 and exits 0 on success, 1 on failure, 2 on bad arguments. The key is deleted afterwards
-(a failed delete is reported as "cleanup_error" but does not fail the check). A failed try is tried again (up to
---attempts, 2 s apart): a worker that just started on a host busy loading a model can miss one request's timeout;
+(a failed delete is reported as "cleanup_error" but does not fail the check). A try that fails on the data
+system's side (unreachable, timed out) is tried again, up to --attempts, 2 s apart, none starting after
+--within-s: a worker that just started on a host busy loading a model can miss one request's timeout;
 the errors of the tries before a success are reported as "retried".
 """
 
@@ -50,6 +51,10 @@ def as_bytes(value) -> bytes:
     return bytes(value)
 
 
+class Mismatch(Exception):
+    """The value read back is not the one written: never tried again."""
+
+
 def run_check(write: tuple[str, int], read: tuple[str, int], size: int, timeout_ms: int) -> dict:
     from yr.datasystem import KVClient  # imported late so a wrong venv becomes a JSON error
 
@@ -67,7 +72,7 @@ def run_check(write: tuple[str, int], read: tuple[str, int], size: int, timeout_
         got = reader.get([key])
         t3 = time.perf_counter()
         if not got or as_bytes(got[0]) != value:
-            raise RuntimeError(f"value read back differs from value written ({len(got or [])} values)")
+            raise Mismatch(f"value read back differs from value written ({len(got or [])} values)")
     finally:
         try:
             writer.delete([key])
@@ -90,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=4096, help="value size in bytes (default 4096)")
     parser.add_argument("--timeout-ms", type=int, default=5000, help="connect/request timeout (default 5000)")
     parser.add_argument("--attempts", type=int, default=3, help="tries before it fails (default 3)")
+    parser.add_argument("--within-s", type=float, default=60.0,
+                        help="no try starts after this many seconds (default 60; the deploy step allows 90)")
     parser.add_argument("--env-file", help="KEY=VALUE lines added to the environment first: the client's CURVE keys "
                                            "(DATASYSTEM_CLIENT_PUBLIC_KEY ...), which the client reads from there")
     args = parser.parse_args(argv)
@@ -104,20 +111,28 @@ def main(argv: list[str] | None = None) -> int:
 
     out = {"write": "%s:%d" % args.write, "read": "%s:%d" % args.read}
     errors: list[str] = []
+    checked = None
+    deadline = time.monotonic() + args.within_s
     for attempt in range(max(1, args.attempts)):
         if attempt:
+            if time.monotonic() + 2 >= deadline:
+                break
             time.sleep(2)
         try:
             checked = run_check(args.write, args.read, args.size, args.timeout_ms)
+            break
         except Exception as exc:
             errors.append(f"{type(exc).__name__}: {str(exc).strip()}")
-            continue
+            # the data system client raises RuntimeError for what a retry can cure (unreachable, timed out);
+            # a wrong value or a wrong venv (ImportError) is the answer at once
+            if type(exc) is not RuntimeError:
+                break
+    if checked is not None:
         # keep "ok" first for people reading the line
         out = {"ok": True, **out, **{k: v for k, v in checked.items() if k != "ok"}}
         if errors:
             out["retried"] = errors
         code = 0
-        break
     else:
         out = {"ok": False, **out, "error": errors[-1], "attempts": len(errors)}
         code = 1

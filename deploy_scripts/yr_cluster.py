@@ -72,29 +72,39 @@ def diagnose(names):
     return lines
 
 
-def health():
-    """-> (components, raw); components: name -> {state, pid, restarts}, read from the session.json `yr start` wrote
-    and yr's daemon rewrites on each restart: what `yr health -f` prints, without its interpreter (0.35 s of CPU a
-    host, the larger part of a status). STOPPED when the pid is gone, as `yr health` says."""
+def read_session():
+    """-> (yr's session.json of this deploy as a dict, or None, why not)."""
     if not os.path.isfile(session_file):
-        return {}, "no session.json"
-    for attempt in range(3):  # the daemon may be rewriting it
+        return None, "no session.json"
+    error = ""
+    for attempt in range(3):  # yr's daemon may be rewriting it
         try:
             with open(session_file) as fh:
-                info = json.load(fh)
-            break
+                return json.load(fh), ""
         except ValueError as exc:
             error = f"session.json unreadable: {exc}"
             time.sleep(0.1)
         except OSError as exc:
-            return {}, f"session.json unreadable: {exc}"
-    else:
+            return None, f"session.json unreadable: {exc}"
+    return None, error
+
+
+def health():
+    """-> (components, raw); components: name -> {state, pid, restarts}, read from the session.json `yr start` wrote
+    and yr's daemon rewrites on each restart: what `yr health -f` prints, without its interpreter (0.35 s of CPU a
+    host, the larger part of a status). STOPPED when the pid is gone, as `yr health` says (a zombie is RUNNING
+    there: `snapshot` adds whether it is alive)."""
+    info, error = read_session()
+    if info is None:
         return {}, error
     comps = {}
     for name, c in (info.get("components") or {}).items():
-        pid = c.get("pid")
+        try:
+            pid = int(c.get("pid") or 0)
+        except (TypeError, ValueError):
+            pid = 0
         if pid:
-            comps[name] = {"state": "RUNNING" if signal_ok(pid) else "STOPPED", "pid": int(pid),
+            comps[name] = {"state": "RUNNING" if signal_ok(pid) else "STOPPED", "pid": pid,
                            "restarts": int(c.get("restart_count") or 0)}
     return comps, json.dumps(info)[-400:]
 
@@ -190,10 +200,8 @@ def wait():
 
 def recorded():
     """(daemon pid, component pids) that yr's session.json of this deploy names."""
-    try:
-        with open(session_file) as fh:
-            info = json.load(fh)
-    except (OSError, ValueError):
+    info, _ = read_session()
+    if info is None:
         return None, []
     daemon = (info.get("cluster_info", {}).get("daemon") or info.get("daemon") or {}).get("pid")
     return daemon, [c.get("pid") for c in info.get("components", {}).values() if c.get("pid")]

@@ -2,9 +2,10 @@
 
 A step runs on `all` hosts, the `master`, or the `workers` (every host but the master), in parallel. On each
 host the step's check runs first (exit 0 = already done: skip), in the same round trip as the step itself
-(`checked_command`). Every host's outcome goes into the session journal. The first step that fails on any host
-stops the playbook with one error listing each failed host; a re-run resumes, because finished steps
-are skipped by their checks.
+(`hostgroup.CheckedCommand`). Consecutive `per_host` steps form a chain each host runs at its own pace. Every
+host's outcome goes into the session journal. The first step that fails on any host stops the playbook (a chain
+once its other hosts are through it) with one error listing each failed host; a re-run resumes, because finished
+steps are skipped by their checks.
 """
 
 from __future__ import annotations
@@ -121,9 +122,11 @@ class PlaybookFailed(GroupFailure):
 
 
 class StepFailed(PlaybookFailed):
-    def __init__(self, step: StepSpec, results: dict[str, HostResult]):
+    """`step` failed (the first, when hosts of a per-host chain failed different steps: `label` names them all)."""
+
+    def __init__(self, step: StepSpec, results: dict[str, HostResult], label: str | None = None):
         self.step = step
-        super().__init__(f"step '{step.name}'", results)
+        super().__init__(label or f"step '{step.name}'", results)
 
 
 @dataclass
@@ -162,11 +165,11 @@ class PlaybookRunner:
         for chain in _chains([s for s in playbook.steps if step_enabled(s, self.ctx)], keep_going):
             ran = self.run_chain(chain) if len(chain) > 1 else [self.run_step(chain[0], exclude=failed_hosts)]
             outcomes += ran
+            if not keep_going and any(not o.results.ok for o in ran):
+                raise _chain_failure(ran)
             for outcome in ran:
                 if outcome.results.ok:
                     continue
-                if not keep_going:
-                    raise StepFailed(outcome.step, dict(outcome.results))
                 failed_steps.append(outcome.step)
                 failed_hosts |= {n for n, r in outcome.results.items() if not r.ok}
         if failed_steps:
@@ -176,10 +179,13 @@ class PlaybookRunner:
     def run_chain(self, chain: list[StepSpec]) -> list[StepOutcome]:
         """Each host runs its part of the chain's steps in order, in parallel with the other hosts."""
         hosts = {h.name: h for step in chain for h in step_hosts(step, self.ctx)}
+        if not hosts:  # e.g. a chain of `workers` steps on one host: each step reports it had no host
+            return [self.run_step(step) for step in chain]
         done: list[dict[str, tuple[_Attempt, float, float]]] = [{} for _ in chain]  # host -> attempt, start, end
         members = [{h.name for h in step_hosts(step, self.ctx)} for step in chain]
         stopped: set[str] = set()
         errors: list[BaseException] = []  # a step function that raised: re-raised here, never lost
+        cancelled = threading.Event()  # after such an error or Ctrl-C, no host starts another step
         changed = threading.Condition()
 
         def on_host(name: str) -> None:
@@ -187,6 +193,8 @@ class PlaybookRunner:
                 for i, step in enumerate(chain):
                     if name not in members[i]:
                         continue
+                    if cancelled.is_set():
+                        return
                     started = time.monotonic()
                     attempt = self._attempt(step, [hosts[name]])
                     with changed:
@@ -196,6 +204,7 @@ class PlaybookRunner:
                             return
                         changed.notify_all()
             except BaseException as exc:
+                cancelled.set()
                 with changed:
                     errors.append(exc)
                 raise
@@ -219,6 +228,11 @@ class PlaybookRunner:
                         raise errors[0]
                 seconds = (max(e for _, _, e in parts.values()) - min(b for _, b, _ in parts.values())) if parts else 0.0
                 outcomes.append(self._finish(step, _Attempt.merged(a for a, _, _ in parts.values()), seconds))
+        except BaseException as exc:
+            cancelled.set()
+            if isinstance(exc, KeyboardInterrupt):
+                self.group.close()  # ends the hosts' running commands so their threads can finish
+            raise
         finally:
             pool.shutdown(wait=True)
         return outcomes
@@ -319,6 +333,22 @@ def _chains(steps: list[StepSpec], keep_going: bool) -> list[list[StepSpec]]:
         else:
             chains.append([step])
     return chains
+
+
+def _chain_failure(ran: list[StepOutcome]) -> StepFailed:
+    """The failure of a chain whose hosts may each have stopped at a different step: every failed host with its
+    own step's result, named after the first failed step (where a resume starts)."""
+    failed = [o for o in ran if not o.results.ok]
+    results: dict[str, HostResult] = {}
+    for outcome in ran:
+        for name, result in outcome.results.items():
+            if name not in results or not result.ok:
+                results[name] = result
+    if len(failed) == 1:
+        return StepFailed(failed[0].step, dict(failed[0].results))
+    label = "steps " + ", ".join(f"'{o.step.name}' (on {', '.join(sorted(n for n, r in o.results.items() if not r.ok))})"
+                                 for o in failed)
+    return StepFailed(failed[0].step, results, label=label)
 
 
 def _merge(failed: list[StepSpec], outcomes: list[StepOutcome]) -> PlaybookFailed:

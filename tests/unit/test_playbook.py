@@ -78,17 +78,17 @@ def stamp(ctx, host, dir: str, step: str, slow_on: str = "", fail_on: str = "", 
     return Command(f"{wait}{fail}python3 -c 'import time; print(time.time())' > {dir}/{step}-{host.name}")
 
 
-def _run_two_hosts(steps: list[dict]):
+def _run_two_hosts(steps: list[dict], names: tuple[str, ...] = ("h1", "h2")):
     from yrpd.deployment import inventory_from_json
     from yrpd.placement import make_plan
     from yrpd.spec import build_spec
     from yrpd.steps import StepContext
 
-    spec = build_spec({}, {"hosts": "h1,h2", "device_kind": "cpu", "model": "builtin:tiny-qwen2"})
-    plan = make_plan(spec, inventory_from_json({h: {"kind": "cpu", "devices": [0, 1], "ip": ip}
-                                                for h, ip in (("h1", "127.0.0.1"), ("h2", "127.0.0.2"))}))
+    spec = build_spec({}, {"hosts": ",".join(names), "device_kind": "cpu", "model": "builtin:tiny-qwen2"})
+    plan = make_plan(spec, inventory_from_json({h: {"kind": "cpu", "devices": [0, 1], "ip": f"127.0.0.{i + 1}"}
+                                                for i, h in enumerate(names)}))
     events: list[tuple[str, str]] = []
-    runner = PlaybookRunner(HostGroup([Host(h, "localhost", local=True) for h in ("h1", "h2")]),
+    runner = PlaybookRunner(HostGroup([Host(h, "localhost", local=True) for h in names]),
                             StepContext(spec=spec, plan=plan, session_id="s"),
                             report=lambda event, step, info: events.append((event, step.name)))
     return runner, Playbook.model_validate({"name": "t", "steps": steps}), events
@@ -135,3 +135,26 @@ def test_a_step_function_raising_in_a_chain_is_raised_not_lost(tmp_path: Path):
     runner, playbook, _ = _run_two_hosts(steps)
     with pytest.raises(RuntimeError, match="bug on h1"):
         runner.run(playbook)
+
+
+def test_hosts_failing_different_steps_of_a_chain_are_all_named(tmp_path: Path):
+    here = __name__
+    steps = [{"name": n, "run": f"{here}.stamp", "per_host": True,
+              "with": {"dir": str(tmp_path), "step": n, "fail_on": {"a": "h1", "b": "h2"}[n]}} for n in "ab"]
+    runner, playbook, _ = _run_two_hosts(steps)
+    with pytest.raises(StepFailed) as failed:
+        runner.run(playbook)
+    assert failed.value.step.name == "a"  # where the resume starts
+    assert set(failed.value.failed) == {"h1", "h2"}
+    assert "'a' (on h1)" in str(failed.value) and "'b' (on h2)" in str(failed.value)
+
+
+def test_a_chain_of_steps_with_no_host_reports_them_and_goes_on(tmp_path: Path):
+    """`workers` steps on a one-host plan: nothing to run, and no error."""
+    here = __name__
+    steps = [{"name": n, "run": f"{here}.stamp", "per_host": True, "hosts": "workers",
+              "with": {"dir": str(tmp_path), "step": n}} for n in "ab"]
+    runner, playbook, events = _run_two_hosts(steps, names=("h1",))
+    outcomes = runner.run(playbook)
+    assert [o.step.name for o in outcomes] == ["a", "b"] and all(o.ran == [] for o in outcomes)
+    assert not list(tmp_path.iterdir())
