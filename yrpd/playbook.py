@@ -339,24 +339,25 @@ def _chain_failure(ran: list[StepOutcome]) -> StepFailed:
     """The failure of a chain whose hosts may each have stopped at a different step: every failed host with its
     own step's result, named after the first failed step (where a resume starts)."""
     failed = [o for o in ran if not o.results.ok]
-    results: dict[str, HostResult] = {}
-    for outcome in ran:
-        for name, result in outcome.results.items():
-            if name not in results or not result.ok:
-                results[name] = result
     if len(failed) == 1:
         return StepFailed(failed[0].step, dict(failed[0].results))
     label = "steps " + ", ".join(f"'{o.step.name}' (on {', '.join(sorted(n for n, r in o.results.items() if not r.ok))})"
                                  for o in failed)
-    return StepFailed(failed[0].step, results, label=label)
+    return StepFailed(failed[0].step, _per_host(ran), label=label)
 
 
-def _merge(failed: list[StepSpec], outcomes: list[StepOutcome]) -> PlaybookFailed:
+def _per_host(outcomes: list[StepOutcome]) -> dict[str, HostResult]:
+    """Each host's result across the outcomes: its failure if it had one, else its last result."""
     merged: dict[str, HostResult] = {}
     for outcome in outcomes:
         for name, result in outcome.results.items():
             if name not in merged or not result.ok:
                 merged[name] = result
+    return merged
+
+
+def _merge(failed: list[StepSpec], outcomes: list[StepOutcome]) -> PlaybookFailed:
+    merged = _per_host(outcomes)
     if len(failed) == 1:
         return StepFailed(failed[0], merged)
     return PlaybookFailed("steps " + ", ".join(f"'{s.name}'" for s in failed), merged)
