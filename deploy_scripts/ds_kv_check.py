@@ -6,7 +6,7 @@ Run with the python of the data-system venv (openyuanrong-datasystem), never wit
 LD_LIBRARY_PATH must not point at the `yr` package.
 
     ds_kv_check.py --write 10.0.0.1:31501 --read 10.0.0.2:31501 [--size 4096] [--timeout-ms 5000] [--env-file F]
-                   [--attempts 3]
+                   [--attempts 3] [--within-s 60]
 
 Prints exactly one JSON line on stdout:
     {"ok": true, "write": "IP:PORT", "read": "IP:PORT", "key": "...", "bytes": N, "ms": total, ...}
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-ms", type=int, default=5000, help="connect/request timeout (default 5000)")
     parser.add_argument("--attempts", type=int, default=3, help="tries before it fails (default 3)")
     parser.add_argument("--within-s", type=float, default=60.0,
-                        help="no try starts after this many seconds (default 60; the deploy step allows 90)")
+                        help="no try starts after this many seconds (default 60)")
     parser.add_argument("--env-file", help="KEY=VALUE lines added to the environment first: the client's CURVE keys "
                                            "(DATASYSTEM_CLIENT_PUBLIC_KEY ...), which the client reads from there")
     args = parser.parse_args(argv)

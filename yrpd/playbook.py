@@ -178,11 +178,12 @@ class PlaybookRunner:
 
     def run_chain(self, chain: list[StepSpec]) -> list[StepOutcome]:
         """Each host runs its part of the chain's steps in order, in parallel with the other hosts."""
-        hosts = {h.name: h for step in chain for h in step_hosts(step, self.ctx)}
+        per_step = [step_hosts(step, self.ctx) for step in chain]
+        hosts = {h.name: h for step_members in per_step for h in step_members}
         if not hosts:  # e.g. a chain of `workers` steps on one host: each step reports it had no host
             return [self.run_step(step) for step in chain]
         done: list[dict[str, tuple[_Attempt, float, float]]] = [{} for _ in chain]  # host -> attempt, start, end
-        members = [{h.name for h in step_hosts(step, self.ctx)} for step in chain]
+        members = [{h.name for h in step_members} for step_members in per_step]
         stopped: set[str] = set()
         errors: list[BaseException] = []  # a step function that raised: re-raised here, never lost
         cancelled = threading.Event()  # after such an error or Ctrl-C, no host starts another step
@@ -199,10 +200,9 @@ class PlaybookRunner:
                     attempt = self._attempt(step, [hosts[name]])
                     with changed:
                         done[i][name] = (attempt, started, time.monotonic())
-                        if not attempt.results.ok:
-                            stopped.add(name)
-                            return
                         changed.notify_all()
+                    if not attempt.results.ok:
+                        return  # stopped (below): the host's later steps wait for a resume
             except BaseException as exc:
                 cancelled.set()
                 with changed:
