@@ -1,14 +1,21 @@
 """Cache-aware (prefix) routing against load-only routing, 2 prefill instances, one run each (benchmark, not a test;
 issue 17).
 
-    .venv/bin/python benchmarks/routing.py [--out-dir DIR] [-- extra `yrpd bench run` options]
+    .venv/bin/python benchmarks/routing.py [--decode 1|2] [--workload short|long] [--bound N]
+                                           [--datasystem-mb MB] [--out-dir DIR] [-- extra `yrpd bench run` options]
 
-Three fake hosts (root needed): prefill-0 on h1 (core 0), prefill-1 on h2 (core 1), decode-0 on h3 (core 0), the
-real SmolLM2, max-model-len 2048, `routing: prefix` with `routing_bound` from --bound. Then one `yrpd bench run
---targets pd,pd-load`: `pd` routes by prefix (as the spec says), `pd-load` by requests in flight alone; everything else is the same deployment. The workload is the one
-where routing matters: 8 groups of 4 prompts sharing a 768-token prefix, and each instance's own KV pool (96 MB,
-about 4,200 tokens) holds about half the groups' prefixes: an instance that gets every group evicts and reloads
-them from the data system; one that gets half keeps them. The report (markdown and JSON) lands in --out-dir.
+Fake hosts (root needed), one instance each, the 2 shared cores alternating: prefill-0 on h1 (core 0), prefill-1
+on h2 (core 1), decode-0 on h3 (core 0) and, with --decode 2, decode-1 on h4 (core 1); the real SmolLM2,
+max-model-len 2048, `routing: prefix` with `routing_bound` from --bound. Then one `yrpd bench run --targets
+pd,pd-load`: `pd` routes by prefix (as the spec says), `pd-load` by requests in flight alone; everything else is
+the same deployment. The workload is one where routing matters: 8 groups of 4 prompts sharing a prefix, and each
+instance's own KV pool holds about half the groups' prefixes: an instance that gets every group evicts and
+reloads them from the data system; one that gets half keeps them. `short`: 768-token prefixes, 64-token suffixes,
+96 MB pools (about 4,200 tokens); `long`: 1,536-token prefixes, 16-token suffixes, 160 MB pools (about 7,000
+tokens), where a reload costs more next to the work left after a hit. With one decode instance it gets every
+group under both policies, so only the prefill leg differs. The data system gets --datasystem-mb per host (512:
+it holds every prefix; 64: about 2,800 tokens, it evicts, and a prefix an instance's own pool lost may have to be
+computed again). The report (markdown and JSON) lands in --out-dir.
 """
 
 from __future__ import annotations
@@ -27,14 +34,21 @@ sys.path.insert(0, str(REPO))
 from tests.lab.fakehosts import FakeHostLab  # noqa: E402
 
 ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
-WORKLOAD = ["--groups", "8", "--prompts-per-group", "4", "--prefix-len", "768", "--suffix-len", "64",
-            "--output-len", "4", "--max-concurrency", "2", "--kv-cache-mb", "96", "--datasystem-mb", "512"]
+COMMON = ["--groups", "8", "--prompts-per-group", "4", "--output-len", "4", "--max-concurrency", "2"]
+WORKLOADS = {
+    "short": ["--prefix-len", "768", "--suffix-len", "64", "--kv-cache-mb", "96"],
+    "long": ["--prefix-len", "1536", "--suffix-len", "16", "--kv-cache-mb", "160"],
+}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", type=Path, default=Path("bench-routing"))
     parser.add_argument("--bound", type=int, default=2, help="routing_bound of the pd target [%(default)s]")
+    parser.add_argument("--decode", type=int, choices=(1, 2), default=1, help="decode instances [%(default)s]")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="short", help="[%(default)s]")
+    parser.add_argument("--datasystem-mb", type=int, default=512,
+                        help="data system memory per host; below the working set it evicts [%(default)s]")
     parser.add_argument("extra", nargs="*", help="more `yrpd bench run` options (after --)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="yrpd-route-"))
@@ -45,14 +59,15 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace, work: Path) -> int:
-    with FakeHostLab(3, work / "lab") as lab:
+    hosts = [f"h{i}" for i in range(1, 3 + args.decode)]
+    with FakeHostLab(len(hosts), work / "lab") as lab:
         ssh = lab.cli_ssh_args
         env = {**os.environ, "YRPD_HOME": str(work / "home")}
         config = work / "yrpd.yaml"
-        config.write_text("hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n"
-                          "  - {address: h3, devices: [0]}\n"
-                          f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {ENV_ROOT}\n"
-                          "datasystem_memory_mb: 512\ncluster_mode: ds_only\n"
+        config.write_text("hosts:\n" + "".join(f"  - {{address: {h}, devices: [{i % 2}]}}\n"
+                                                 for i, h in enumerate(hosts))
+                          + f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {ENV_ROOT}\n"
+                          f"datasystem_memory_mb: {args.datasystem_mb}\ncluster_mode: ds_only\n"
                           "engine_args: ['--max-model-len', '2048']\nrouting: prefix\n"
                           f"routing_bound: {args.bound}\n")
 
@@ -61,9 +76,11 @@ def run(args: argparse.Namespace, work: Path) -> int:
                                   stdin=subprocess.DEVNULL).returncode
 
         try:
-            if yrpd("deploy", "--hosts", "h1,h2,h3", "--config", str(config), "--prefill", "2", *ssh):
+            if yrpd("deploy", "--hosts", ",".join(hosts), "--config", str(config), "--prefill", "2",
+                     "--decode", str(args.decode), *ssh):
                 return 1
-            code = yrpd("bench", "run", "--targets", "pd,pd-load", *WORKLOAD, "--no-restore", *args.extra)
+            code = yrpd("bench", "run", "--targets", "pd,pd-load", *COMMON, *WORKLOADS[args.workload],
+                        "--datasystem-mb", str(args.datasystem_mb), "--no-restore", *args.extra)
             reports = sorted((work / "home" / "sessions").glob("*/bench/*"))
             args.out_dir.mkdir(parents=True, exist_ok=True)
             for path in reports:
