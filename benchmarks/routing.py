@@ -11,11 +11,11 @@ pd,pd-load`: `pd` routes by prefix (as the spec says), `pd-load` by requests in 
 the same deployment. The workload is one where routing matters: 8 groups of 4 prompts sharing a prefix, and each
 instance's own KV pool holds about half the groups' prefixes: an instance that gets every group evicts and
 reloads them from the data system; one that gets half keeps them. `short`: 768-token prefixes, 64-token suffixes,
-96 MB pools (about 4,200 tokens); `long`: 1,536-token prefixes, 16-token suffixes, 160 MB pools (about 7,000
-tokens), where a reload costs more next to the work left after a hit. With one decode instance it gets every
+160 MB pools (28 blocks, 3,584 tokens); `long`: 1,536-token prefixes, 16-token suffixes, 300 MB pools (52 blocks),
+where a reload costs more next to the work left after a hit. With one decode instance it gets every
 group under both policies, so only the prefill leg differs. The data system gets --datasystem-mb per host (512:
-it holds every prefix; 64: about 2,800 tokens, it evicts, and a prefix an instance's own pool lost may have to be
-computed again). The report (markdown and JSON) lands in --out-dir.
+it holds every prefix; 64: about 10 blocks, it evicts, and a prefix an instance's own pool lost may have to be
+computed again: then keeping each group on one instance saves whole prefills). The report (markdown and JSON) lands in --out-dir.
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ from tests.lab.fakehosts import FakeHostLab  # noqa: E402
 
 ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
 COMMON = ["--groups", "8", "--prompts-per-group", "4", "--output-len", "4", "--max-concurrency", "2"]
+# Pool sizes for float32 KV (a CPU without bf16, as in the lab: 46 KB per token, 5.9 MB per 128-token block): a
+# pool holds about half the groups' prefixes plus the blocks of the requests running.
 WORKLOADS = {
-    "short": ["--prefix-len", "768", "--suffix-len", "64", "--kv-cache-mb", "96"],
-    "long": ["--prefix-len", "1536", "--suffix-len", "16", "--kv-cache-mb", "160"],
+    "short": ["--prefix-len", "768", "--suffix-len", "64", "--kv-cache-mb", "160"],
+    "long": ["--prefix-len", "1536", "--suffix-len", "16", "--kv-cache-mb", "300"],
 }
 
 
