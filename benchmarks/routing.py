@@ -12,10 +12,11 @@ the same deployment. The workload is one where routing matters: 8 groups of 4 pr
 instance's own KV pool holds about half the groups' prefixes: an instance that gets every group evicts and
 reloads them from the data system; one that gets half keeps them. `short`: 768-token prefixes, 64-token suffixes,
 160 MB pools (28 blocks, 3,584 tokens); `long`: 1,536-token prefixes, 16-token suffixes, 300 MB pools (52 blocks),
-where a reload costs more next to the work left after a hit. With one decode instance it gets every
-group under both policies, so only the prefill leg differs. The data system gets --datasystem-mb per host (512:
-it holds every prefix; 64: about 10 blocks, it evicts, and a prefix an instance's own pool lost may have to be
-computed again: then keeping each group on one instance saves whole prefills). The report (markdown and JSON) lands in --out-dir.
+where a reload costs more next to the work left after a hit. With one decode instance it gets every group under
+both policies, so only the prefill leg differs. The data system gets --datasystem-mb per host (512: it holds
+every prefix; 64: about 10 blocks, it evicts, and a prefix an instance's own pool lost may have to be computed
+again: then keeping each group on one instance saves whole prefills). The report (markdown and JSON) lands in
+--out-dir.
 """
 
 from __future__ import annotations
