@@ -212,7 +212,8 @@ def _log_tails(report: StatusReport) -> list[Text]:
 
 
 def status_verdict(report: StatusReport) -> str:
-    return "[green]healthy[/green]" if report.healthy else "[red]unhealthy[/red]: " + "; ".join(report.problems)
+    verdict = "[green]healthy[/green]" if report.healthy else "[red]unhealthy[/red]: " + "; ".join(report.problems)
+    return "\n".join([verdict, *(f"[yellow]warning[/yellow]: {w}" for w in report.warnings)])
 
 
 def _num(value) -> str:

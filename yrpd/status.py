@@ -138,6 +138,8 @@ class StatusReport:
     instances: list[InstanceStatus]
     proxy: ProxyStatus | None
     cluster: ClusterStatus | None
+    #: what serves but costs time or cache, with its fix; does not make the deployment unhealthy
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         """`yrpd status --json`: the report's fields; an instance's probe fields sit on the instance itself and
@@ -264,8 +266,9 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
             problems.append(f"{plan_host.name}: session directory missing")
         entry.healthy = all(p["alive"] for p in own["processes"])
     live = {(p.host, p.name): p for p in procs}
+    warnings: list[str] = []
     instances = [_instance(deployment, inst, live.get((inst.host, inst.name)), serving.get(inst.name), deployed,
-                           problems) for inst in deployment.plan.instances]
+                           problems, warnings) for inst in deployment.plan.instances]
     proxy = _proxy(deployment, live.get((deployment.plan.proxy_host, PROXY_NAME)), proxy_probe, deployed, problems)
     seen_by_proxy = {i["url"]: i for i in (((proxy_probe or {}).get("status") or {}).get("instances") or [])}
     for row in instances:
@@ -280,7 +283,8 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
             master=f"{master.name} ({master.ip})", etcd=f"{master.ip}:{deployment.spec.ports.etcd}",
             healthy=bool(components) and all(c.healthy for c in components), components=components)
     return StatusReport(session=deployment.session.id, phase=phase, healthy=not problems, problems=problems,
-                        hosts=hosts, processes=procs, instances=instances, proxy=proxy, cluster=cluster_report)
+                        hosts=hosts, processes=procs, instances=instances, proxy=proxy, cluster=cluster_report,
+                        warnings=warnings)
 
 
 def _process_problem(p: ProcessStatus, host: str) -> str:
@@ -294,7 +298,7 @@ def _process_problem(p: ProcessStatus, host: str) -> str:
 
 
 def _instance(deployment: Deployment, inst: InstancePlan, proc: ProcessStatus | None, probe: dict | None,
-              deployed: bool, problems: list[str]) -> InstanceStatus:
+              deployed: bool, problems: list[str], warnings: list[str]) -> InstanceStatus:
     state = "not deployed" if proc is None else proc.condition
     answered = bool(probe and probe.get("healthy"))
     row = InstanceStatus(name=inst.name, role=inst.role, host=inst.host, devices=list(inst.devices), tp=inst.tp,
@@ -308,11 +312,24 @@ def _instance(deployment: Deployment, inst: InstancePlan, proc: ProcessStatus | 
         if counters.get("handoff_refused"):
             problems.append(f"{inst.name} refused {int(counters['handoff_refused'])} KV hand-over(s) computed with "
                             f"another dtype or model (`yrpd logs {inst.name}` says which)")
+        if counters.get("handoff_missed_blocks"):
+            warnings.append(_handoff_missed(deployment, inst, int(counters["handoff_missed_blocks"])))
         row.error = probe.get("error")
     if deployed and state == "running" and not answered:
         problems.append(f"{inst.name} on {inst.host} does not answer /health"
                         + (f" ({probe['error']})" if probe and probe.get("error") else ""))
     return row
+
+
+def _handoff_missed(deployment: Deployment, inst: InstancePlan, blocks: int) -> str:
+    # A data system smaller than the hand-overs in flight evicts them before decode reads them: serving goes on,
+    # but decode computes those prompts again (6x the time to first token in docs/benchmarks.md's 64 MB runs).
+    spec = deployment.spec
+    more = f"give the data system more memory (datasystem_memory_mb, {spec.datasystem_memory_mb} MB a host now)"
+    if not spec.datasystem_spill_mb:
+        more += " or a disk tier (datasystem_spill_mb)"
+    return (f"{inst.name} computed {blocks} KV block(s) again that prefill had handed over (gone from the data "
+            f"system before it read them: evicted, or late): {more}")
 
 
 def _proxy(deployment: Deployment, proc: ProcessStatus | None, probe: dict | None, deployed: bool,

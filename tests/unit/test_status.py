@@ -7,6 +7,7 @@ import subprocess
 
 from yrpd import api
 from yrpd.hostgroup import Command
+from yrpd.render import status_verdict
 from yrpd.session import SessionPhase
 from yrpd.status import query
 
@@ -17,7 +18,7 @@ def test_a_healthy_deployment_reports_every_part(tmp_path):
     deployment = recorded(tmp_path)
     with scripted() as hosts:
         report = api.status(deployment)
-    assert report.healthy and report.problems == []
+    assert report.healthy and report.problems == [] and report.warnings == []
     assert report.phase is SessionPhase.deployed
     assert [(h.name, h.role, h.healthy, h.session_pids) for h in report.hosts] == \
         [("h1", "master", True, 2), ("h2", "worker", True, 1)]
@@ -40,6 +41,19 @@ def test_json_is_the_report_with_probe_fields_on_the_instance(tmp_path):
     assert "probe" not in decode and "error" not in decode
     assert "error" not in data["hosts"][0] and data["hosts"][0]["facts"]["hostname"] == "h1"
     json.dumps(data)  # serialisable as is
+
+
+def test_handed_over_kv_that_decode_computed_again_is_a_warning_naming_the_fix_not_a_problem(tmp_path):
+    deployment = recorded(tmp_path)
+    with scripted(h2={"missed": 12}):
+        report = api.status(deployment)
+    assert report.healthy and report.problems == []
+    [warning] = report.warnings
+    assert warning.startswith("decode-0 computed 12 KV block(s) again that prefill had handed over")
+    assert f"datasystem_memory_mb, {deployment.spec.datasystem_memory_mb} MB a host now" in warning
+    assert "datasystem_spill_mb" in warning  # no disk tier yet: the other fix
+    assert status_verdict(report).splitlines()[1] == f"[yellow]warning[/yellow]: {warning}"
+    assert report.to_json()["warnings"] == [warning]
 
 
 def test_a_dead_instance_an_unanswering_one_and_an_unreachable_host_are_each_one_problem(tmp_path):

@@ -19,7 +19,9 @@ ROWS = [  # (label, metric key in vllm bench serve's result, unit)
     ("completed", "completed", "requests"),
 ]
 COUNTER_ROWS = [("external cache hit tokens", "external_cache_hit_tokens"), ("KV blocks loaded", "loaded_blocks"),
-                ("KV blocks saved", "saved_blocks"), ("data system reads from memory", "ds_hits_memory"),
+                ("KV blocks saved", "saved_blocks"),
+                ("KV blocks handed over but computed again (evicted or late)", "handoff_missed_blocks"),
+                ("data system reads from memory", "ds_hits_memory"),
                 ("data system reads from disk", "ds_hits_disk"), ("data system misses", "ds_misses")]
 
 

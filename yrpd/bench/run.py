@@ -111,12 +111,13 @@ def counters(session_id: str) -> tuple[dict, dict]:
     from yrpd import api
 
     report = api.status(api.open_deployment(session_id))
-    total = {"external_cache_hit_tokens": 0.0, "prompt_tokens": 0.0, "loaded_blocks": 0, "saved_blocks": 0,
+    blocks = ("loaded_blocks", "saved_blocks", "handoff_missed_blocks")
+    total = {"external_cache_hit_tokens": 0.0, "prompt_tokens": 0.0, **{key: 0 for key in blocks},
              **{f"ds_{key}": 0 for key in DS_HITS}}
     for inst in report.instances:
         for key in ("external_cache_hit_tokens", "prompt_tokens"):
             total[key] += inst.probe.get(key) or 0
-        for key in ("loaded_blocks", "saved_blocks"):
+        for key in blocks:
             total[key] += (inst.connector or {}).get(key) or 0
     use = {"memory_mb": 0.0, "memory_limit_mb": 0.0, "disk_mb": 0.0, "disk_limit_mb": 0.0, "objects": 0}
     workers = [c.cache for c in (report.cluster.components if report.cluster else [])

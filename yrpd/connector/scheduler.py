@@ -51,6 +51,7 @@ class _Lookup:
     digests: list  # digests of blocks [0, start + hits)
     checked_at: float = 0.0
     first_at: float = 0.0
+    announced: int = 0  # blocks prefill said it handed over (PD); 0 for a request that came to this instance alone
 
 
 def _request_extra(lora_request: Any, cache_salt: Any, mm_ids: list) -> tuple:
@@ -203,7 +204,7 @@ class ConnectorScheduler(ConnectorHalf):
         self.stats.observe("lookup", (time.perf_counter() - t0) * 1000.0)
         hits = K.leading_hits(present)
         first_at = lk.first_at if lk is not None else now
-        self._lookups[req_id] = _Lookup(start, hits, digests, now, first_at)
+        self._lookups[req_id] = _Lookup(start, hits, digests, now, first_at, announced)
         if start + hits < announced and may_wait(first_at):
             if lk is None:
                 self.stats.inc("lookup_waits")
@@ -238,6 +239,9 @@ class ConnectorScheduler(ConnectorHalf):
         self.stats.inc("lookup_blocks", asked)
         self.stats.inc("lookup_hit_blocks", used)
         self.stats.inc("lookup_miss_blocks", asked - used)
+        # Counted here, once per allocated request (a lookup is repeated while vLLM cannot allocate): blocks prefill
+        # handed over that this instance computes again, because the data system evicted them or they came late.
+        self.stats.inc("handoff_missed_blocks", max(0, lk.announced - lk.start - used))
 
     # -- both roles: the step's metadata ---------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> YuanrongConnectorMetadata:

@@ -195,6 +195,8 @@ def consumer_waits_for_announced_blocks_then_gives_up(env: Env):
         env.ds.store[k] = FakeKVClient.Buf(8)
     time.sleep(0.02)
     assert c.get_num_new_matched_tokens(req, 0) == (7 * BS, False)
+    c.update_state_after_alloc(req, blocks_of(range(8)), 7 * BS)
+    assert c.stats.get("handoff_missed_blocks") == 0  # every announced block was loaded
     # blocks that never show up: wait at most ready_wait_ms, then take what is there
     req2 = request("w2", tokens(900, 6), params)
     t0 = time.monotonic()
@@ -203,6 +205,19 @@ def consumer_waits_for_announced_blocks_then_gives_up(env: Env):
         time.sleep(0.02)
         res = c.get_num_new_matched_tokens(req2, 0)
     assert res == (0, False) and 0.25 < time.monotonic() - t0 < 2.0
+    c.update_state_after_alloc(req2, blocks_of(range(8)), 0)
+    # the leading 3 of 7 there (the rest evicted): 3 loaded, 4 recomputed; one block was computed here already
+    toks4 = tokens(900, 8)
+    for k in K.block_keys(c.connector_scheduler._rank_ns[0], toks4, BS)[:3]:
+        env.ds.store[k] = FakeKVClient.Buf(8)
+    req4 = request("w4", toks4, params)
+    res = c.get_num_new_matched_tokens(req4, BS)
+    while res[0] is None:
+        time.sleep(0.02)
+        res = c.get_num_new_matched_tokens(req4, BS)
+    assert res == (2 * BS, False)
+    c.update_state_after_alloc(req4, blocks_of(range(8)), 2 * BS)
+    assert c.stats.get("handoff_missed_blocks") == 7 + 4, "prefill's KV computed again"
     # params from another namespace never make a request wait
     req3 = request("w3", tokens(900, 7), {"yrpd": {"num_blocks": 7, "ns": "ffff"}})
     assert c.get_num_new_matched_tokens(req3, 0) == (0, False)
