@@ -36,8 +36,9 @@ from tests.lab.fakehosts import FakeHostLab  # noqa: E402
 
 ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
 COMMON = ["--groups", "8", "--prompts-per-group", "4", "--output-len", "4", "--max-concurrency", "2"]
-# Pool sizes for float32 KV (a CPU without bf16, as in the lab: 46 KB per token, 5.9 MB per 128-token block): a
-# pool holds about half the groups' prefixes plus the blocks of the requests running.
+# Pool sizes for float32 KV (a CPU without AVX512-BF16: 46 KB per token, 5.9 MB per 128-token block): a pool holds
+# about half the groups' prefixes plus the blocks of the requests running. Where `auto` picks bfloat16 (23 KB a
+# token) the same pools hold twice that: pass `-- --kv-cache-mb 80` (or 150 for `long`) for the same shape.
 WORKLOADS = {
     "short": ["--prefix-len", "768", "--suffix-len", "64", "--kv-cache-mb", "160"],
     "long": ["--prefix-len", "1536", "--suffix-len", "16", "--kv-cache-mb", "300"],

@@ -374,8 +374,8 @@ class DeploySpec(BaseModel):
     #: how the proxy picks an instance: `load` goes by requests in flight alone; `prefix` sends a request where its
     #: prompt's leading text went before (that instance likely holds the prefix in its own KV pool) unless it has
     #: `routing_bound` more requests in flight than the least busy one. Default load: prefix routing did not win
-    #: where measured (docs/benchmarks.md, "Prefix routing"), since the data system already serves a prefix that
-    #: another instance computed
+    #: where measured (docs/benchmarks.md, "Prefix routing"): a data system that holds the prefixes serves one that
+    #: another instance computed, and where it evicts them prefix routing gained at most a seventh
     routing: Routing = Routing.load
     routing_bound: int = Field(2, ge=1, le=1000)
     #: address the proxy listens on; default the master's cluster address (127.0.0.1 for localhost)

@@ -323,7 +323,7 @@ def _instance(deployment: Deployment, inst: InstancePlan, proc: ProcessStatus | 
 
 def _handoff_missed(deployment: Deployment, inst: InstancePlan, blocks: int) -> str:
     # A data system smaller than the hand-overs in flight evicts them before decode reads them: serving goes on,
-    # but decode computes those prompts again (6x the time to first token in docs/benchmarks.md's 64 MB runs).
+    # answers stay right, but decode computes those prompts again, which is PD's gain lost.
     spec = deployment.spec
     more = f"give the data system more memory (datasystem_memory_mb, {spec.datasystem_memory_mb} MB a host now)"
     if not spec.datasystem_spill_mb:
