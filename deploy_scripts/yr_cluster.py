@@ -171,10 +171,17 @@ def read(path):
 
 def problems_of(snap, expected):
     problems = []
+    # a component absent because the whole file is: say what is wrong with the file
+    if not snap["present"]:
+        absent = f"no {session_file}"
+    elif not snap["components"]:
+        absent = f"{session_file} names no component ({snap['raw'][-160:]})"
+    else:
+        absent = "missing from session.json"
     for name in expected:
         c = snap["components"].get(name)
         if c is None:
-            problems.append((name, "missing from session.json"))
+            problems.append((name, absent))
         elif c["state"] != "RUNNING" or not c["alive"]:
             problems.append((name, f"{c['state'].lower()} (pid {c['pid']}{', exited' if not c['alive'] else ''})"))
         # a restart count is not a problem: openYuanrong's daemon restarts what dies, and that one is back
@@ -183,6 +190,14 @@ def problems_of(snap, expected):
         if not up and component not in {n for n, _ in problems}:
             problems.append((component, f"port {port} ({name}) not listening"))
     return problems
+
+
+def say(problems):
+    """'etcd/ds_master: why; ds_worker: another why': the components that share a reason named once with it."""
+    by_reason = {}
+    for name, problem in problems:
+        by_reason.setdefault(problem, []).append(name)
+    return "; ".join(f"{'/'.join(names)}: {problem}" for problem, names in by_reason.items())
 
 
 def wait():
@@ -251,7 +266,7 @@ def start():
         if not problems:
             return snap, []
         report = [f"openYuanrong's daemon runs on this host but its components are not up: "
-                  + "; ".join(f"{n}: {p}" for n, p in problems)]
+                  + say(problems)]
         return snap, report + diagnose([n for n, _ in problems])
     if os.path.isfile(session_file):
         clear_stale()
@@ -265,7 +280,7 @@ def start():
             return snap, []
     else:
         snap, problems = snapshot(), [("yr start", f"exited {proc.returncode}")]
-    report = [f"openYuanrong did not come up on this host: " + "; ".join(f"{n}: {p}" for n, p in problems)]
+    report = [f"openYuanrong did not come up on this host: " + say(problems)]
     report += [f"last lines of {log}:"] + ["    " + l[-240:] for l in tail(log)]
     report += diagnose([n for n, _ in problems if n != "yr start"] or args.get("expect", []))
     # leave nothing half-started: the yr daemon would restart a failing component forever
@@ -330,8 +345,8 @@ if __name__ == "__main__":
     elif action == "wait":
         snap, problems = wait()
         print(json.dumps(snap))
-        for name, problem in problems:
-            print(f"{name}: {problem}", file=sys.stderr)
+        if problems:
+            print(say(problems), file=sys.stderr)
         if problems:
             for line in diagnose(sorted({n for n, _ in problems})):
                 print(line, file=sys.stderr)

@@ -328,3 +328,14 @@ def test_cluster_status_reads_the_components_from_session_json(tmp_path):
     assert out.returncode == 1
     assert f"ds_worker: stopped (pid {gone.pid}, exited)" in out.stderr
     assert "ds_master: missing from session.json" in out.stderr
+
+
+def test_cluster_status_without_session_json_names_the_file_once_for_every_component(tmp_path):
+    """`yr start` said its components were healthy but left no session.json where we read it: the wait names the
+    file, once for all of them, instead of calling each component missing from a file that is not there."""
+    script = Path(__file__).parents[2] / "deploy_scripts" / "yr_cluster.py"
+    args = {"action": "wait", "deploy": str(tmp_path), "logs": str(tmp_path), "timeout": 0, "host_ip": "127.0.0.1",
+            "expect": ["etcd", "ds_master", "ds_worker"], "ports": {}}
+    out = subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert out.stderr.splitlines()[0] == f"etcd/ds_master/ds_worker: no {tmp_path}/session.json"
