@@ -257,6 +257,68 @@ def clear_stale():
         os.replace(session_file, f"{session_file}.stale-{int(time.time())}")
 
 
+STUCK_GRACE_S = 10  # a healthy session written this long ago, and `yr start` still waits: it is stuck
+
+
+def children(pid):
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
+
+
+def kill(pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def run_yr_start(log):
+    """`yr start`'s exit code, or None when it did not return within the timeout (it is killed then).
+
+    Works around a hang in yr itself (openyuanrong's SystemLauncher._daemonize): the middle process of its double
+    fork ends with sys.exit, and a child forked from a process that runs brpc's bvar sampler and jemalloc's
+    background thread can hang in that exit, while `yr start` waits for it before reading the session. Seen twice
+    in the lab with the model loads starving the cores: daemon and components up, session.json written, `yr
+    start` still waiting at its timeout. So once our own check has passed for STUCK_GRACE_S while `yr start`
+    runs, its children (that middle process; killed by pid, since it leads the session the daemon runs in) are
+    killed, and `yr start` goes on and returns by itself."""
+    timeout = args.get("timeout", 120)
+    deadline = time.monotonic() + timeout
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(args["start"], env=env({"YRPD_SESSION": args["session"]}), stdout=out, stderr=out,
+                                stdin=subprocess.DEVNULL, cwd=deploy, start_new_session=True)
+        healthy_since, freed = None, False
+        while proc.poll() is None:
+            now = time.monotonic()
+            if now > deadline:
+                kill(children(proc.pid) + [proc.pid])
+                proc.wait()
+                return None
+            if not freed and os.path.isfile(session_file):
+                if problems_of(snapshot(), args.get("expect", [])):
+                    healthy_since = None
+                elif healthy_since is None:
+                    healthy_since = now
+                elif now - healthy_since >= STUCK_GRACE_S:
+                    stuck = children(proc.pid)
+                    out.write(f"yrpd: the cluster is up but `yr start` has not returned for {STUCK_GRACE_S} s: "
+                              f"killing its stuck fork {stuck} (a hang in yr's daemonizing)\n".encode())
+                    out.flush()
+                    kill(stuck)
+                    freed = True
+            time.sleep(1)
+        return proc.returncode
+
+
 def start():
     """Converge: a session whose yr daemon runs is waited for, not started again (a second `yr start` would
     collide with its own components' ports); components left without their daemon are stopped first."""
@@ -271,15 +333,15 @@ def start():
     if os.path.isfile(session_file):
         clear_stale()
     log = os.path.join(logs, "yr-start.log")
-    with open(log, "ab") as out:
-        proc = subprocess.run(args["start"], env=env({"YRPD_SESSION": args["session"]}), stdout=out, stderr=out,
-                              stdin=subprocess.DEVNULL, cwd=deploy, start_new_session=True, timeout=args.get("timeout", 120))
-    if proc.returncode == 0:
+    code = run_yr_start(log)
+    if code == 0:
         snap, problems = wait()
         if not problems:
             return snap, []
     else:
-        snap, problems = snapshot(), [("yr start", f"exited {proc.returncode}")]
+        snap = snapshot()
+        problems = [("yr start", f"exited {code}" if code is not None
+                     else f"did not return within {args.get('timeout', 120)} s (killed)")]
     report = [f"openYuanrong did not come up on this host: " + say(problems)]
     report += [f"last lines of {log}:"] + ["    " + l[-240:] for l in tail(log)]
     report += diagnose([n for n, _ in problems if n != "yr start"] or args.get("expect", []))
@@ -347,7 +409,6 @@ if __name__ == "__main__":
         print(json.dumps(snap))
         if problems:
             print(say(problems), file=sys.stderr)
-        if problems:
             for line in diagnose(sorted({n for n, _ in problems})):
                 print(line, file=sys.stderr)
         sys.exit(1 if problems else 0)

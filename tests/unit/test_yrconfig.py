@@ -339,3 +339,73 @@ def test_cluster_status_without_session_json_names_the_file_once_for_every_compo
     out = subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True, text=True)
     assert out.returncode == 1
     assert out.stderr.splitlines()[0] == f"etcd/ds_master/ds_worker: no {tmp_path}/session.json"
+
+
+# A stand-in for `yr start` (not yr: its hang cannot be triggered at will): it double-forks like yr's
+# SystemLauncher._daemonize, the daemon writes session.json naming itself as ds_worker, and the middle process then
+# hangs instead of exiting, which leaves the parent waiting for it, as yr's parent does (os.waitpid).
+STUCK_YR_START = r"""
+import json, os, sys, time
+deploy, parent_hangs = sys.argv[1], sys.argv[2] == "1"
+pid = os.fork()
+if pid:
+    os.waitpid(pid, 0)  # yr's parent waits for the middle process before reading the session
+    while parent_hangs:
+        time.sleep(1)
+    print("parent: middle process gone, session read", flush=True)
+    sys.exit(0)
+os.setsid()
+if os.fork():
+    time.sleep(3600)  # the middle process: where yr's sys.exit hangs
+    os._exit(0)
+with open(os.path.join(deploy, "session.json"), "w") as fh:
+    json.dump({"components": {"ds_worker": {"pid": os.getpid(), "restart_count": 0}}}, fh)
+time.sleep(3600)  # the daemon
+"""
+
+
+def run_start(tmp_path, parent_hangs: bool, timeout: int) -> tuple[subprocess.CompletedProcess, dict]:
+    script = Path(__file__).parents[2] / "deploy_scripts" / "yr_cluster.py"
+    fake = tmp_path / "yr_start.py"
+    fake.write_text(STUCK_YR_START)
+    args = {"action": "start", "deploy": str(tmp_path), "logs": str(tmp_path / "logs"), "session": "s",
+            "timeout": timeout, "host_ip": "127.0.0.1", "expect": ["ds_worker"], "ports": {},
+            "start": [sys.executable, str(fake), str(tmp_path), "1" if parent_hangs else "0"], "force_stop": ["true"]}
+    out = subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True, text=True, timeout=120)
+    daemon = json.loads((tmp_path / "session.json").read_text())["components"]["ds_worker"]["pid"]
+    return out, {"daemon": daemon, "log": (tmp_path / "logs" / "yr-start.log").read_text()}
+
+
+def test_a_yr_start_stuck_after_the_cluster_came_up_is_freed_and_the_start_succeeds(tmp_path):
+    out, got = run_start(tmp_path, parent_hangs=False, timeout=60)
+    try:
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["components"]["ds_worker"]["alive"]
+        assert "killing its stuck fork" in got["log"] and "parent: middle process gone" in got["log"]
+        os.kill(got["daemon"], 0)  # the daemon lives on: only the stuck middle process was killed
+        stuck = [p for p in os.listdir("/proc") if p.isdigit() and str(tmp_path) in _cmdline(p)
+                 and int(p) != got["daemon"]]
+        assert stuck == [], "a process of the stand-in was left"
+    finally:
+        os.kill(got["daemon"], 9)
+
+
+def test_a_yr_start_that_never_returns_is_killed_at_the_timeout_with_one_clear_line(tmp_path):
+    out, got = run_start(tmp_path, parent_hangs=True, timeout=15)
+    try:
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert out.stderr.splitlines()[0] == ("openYuanrong did not come up on this host: yr start: did not return "
+                                              "within 15 s (killed)")
+        left = [p for p in os.listdir("/proc") if p.isdigit() and str(tmp_path) in _cmdline(p)
+                and int(p) != got["daemon"]]
+        assert left == [], "the stuck `yr start` or its fork was left"
+    finally:
+        os.kill(got["daemon"], 9)
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
