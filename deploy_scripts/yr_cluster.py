@@ -127,6 +127,23 @@ def pid_alive(pid):
         return False
 
 
+def parent_of(pid):
+    """The parent pid of a live process, None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def kill(pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def port_open(port):
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -244,12 +261,7 @@ def clear_stale():
     """Components left without their daemon: kill those that are ours, then put session.json aside (yr's forced
     stop would kill every pid it names, whoever has that number now)."""
     daemon, pids = recorded()
-    for pid in [daemon, *pids]:
-        if ours(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+    kill([pid for pid in [daemon, *pids] if ours(pid)])
     deadline = time.monotonic() + 10
     while any(ours(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -261,24 +273,7 @@ STUCK_GRACE_S = 10  # a healthy session written this long ago, and `yr start` st
 
 
 def children(pid):
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found
-
-
-def kill(pids):
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and parent_of(int(e)) == pid]
 
 
 def run_yr_start(log):
@@ -352,13 +347,9 @@ def start():
 
 def ancestors():
     found, pid = set(), os.getpid()
-    while pid > 1 and pid not in found:
+    while pid and pid > 1 and pid not in found:
         found.add(pid)
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                pid = int(fh.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
+        pid = parent_of(pid)
     return found
 
 

@@ -31,7 +31,7 @@ from yrpd.cluster.yrconfig import (
     validate,
 )
 
-
+YR_CLUSTER = Path(__file__).parents[2] / "deploy_scripts" / "yr_cluster.py"
 MASTER_IP, AGENT_IP = "10.0.0.1", "10.0.0.2"
 DEPLOY = "/var/lib/yrpd/yr-session"
 
@@ -178,11 +178,10 @@ def test_data_system_processes_get_their_libraries_then_the_hosts(tmp_path):
 
 
 def test_cluster_driver_moves_the_host_library_path_aside(tmp_path):
-    script = Path(__file__).parents[2] / "deploy_scripts" / "yr_cluster.py"
     probe = ("import json, runpy, sys; sys.argv[1:] = [json.dumps({'deploy': '/d', 'logs': '/l', "
              "'env': {'LD_LIBRARY_PATH': '/yr/pkg'}})]; e = runpy.run_path(%r, run_name='probe')['env'](); "
              "print(e['LD_LIBRARY_PATH'], e['YRPD_INHERITED_LD_LIBRARY_PATH'])")
-    out = subprocess.run([sys.executable, "-c", probe % str(script)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", probe % str(YR_CLUSTER)], capture_output=True, text=True,
                          env={**os.environ, "LD_LIBRARY_PATH": "/cann/lib64"}, check=True).stdout.split()
     assert out == ["/yr/pkg", "/cann/lib64"]
 
@@ -314,14 +313,13 @@ def test_with_a_key_directory_the_master_and_the_workers_require_curve():
 def test_cluster_status_reads_the_components_from_session_json(tmp_path):
     """What `yr health -f` would print, read from the session.json yr's daemon keeps: a live pid is RUNNING with its
     restart count, a dead one STOPPED and not alive, a component missing from the file is a problem by name."""
-    script = Path(__file__).parents[2] / "deploy_scripts" / "yr_cluster.py"
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     (tmp_path / "session.json").write_text(json.dumps({"session_id": "s", "components": {
         "etcd": {"pid": os.getpid(), "restart_count": 2}, "ds_worker": {"pid": gone.pid, "restart_count": 0}}}))
     args = {"action": "wait", "deploy": str(tmp_path), "logs": str(tmp_path), "timeout": 0, "host_ip": "127.0.0.1",
             "expect": ["etcd", "ds_worker", "ds_master"], "ports": {}}
-    out = subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, str(YR_CLUSTER), json.dumps(args)], capture_output=True, text=True)
     snap = json.loads(out.stdout)
     assert snap["components"]["etcd"] == {"state": "RUNNING", "pid": os.getpid(), "restarts": 2, "alive": True}
     assert snap["components"]["ds_worker"]["state"] == "STOPPED" and not snap["components"]["ds_worker"]["alive"]
@@ -333,10 +331,9 @@ def test_cluster_status_reads_the_components_from_session_json(tmp_path):
 def test_cluster_status_without_session_json_names_the_file_once_for_every_component(tmp_path):
     """`yr start` said its components were healthy but left no session.json where we read it: the wait names the
     file, once for all of them, instead of calling each component missing from a file that is not there."""
-    script = Path(__file__).parents[2] / "deploy_scripts" / "yr_cluster.py"
     args = {"action": "wait", "deploy": str(tmp_path), "logs": str(tmp_path), "timeout": 0, "host_ip": "127.0.0.1",
             "expect": ["etcd", "ds_master", "ds_worker"], "ports": {}}
-    out = subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, str(YR_CLUSTER), json.dumps(args)], capture_output=True, text=True)
     assert out.returncode == 1
     assert out.stderr.splitlines()[0] == f"etcd/ds_master/ds_worker: no {tmp_path}/session.json"
 
@@ -365,13 +362,12 @@ time.sleep(3600)  # the daemon
 
 
 def run_start(tmp_path, parent_hangs: bool, timeout: int) -> tuple[subprocess.CompletedProcess, dict]:
-    script = Path(__file__).parents[2] / "deploy_scripts" / "yr_cluster.py"
     fake = tmp_path / "yr_start.py"
     fake.write_text(STUCK_YR_START)
     args = {"action": "start", "deploy": str(tmp_path), "logs": str(tmp_path / "logs"), "session": "s",
             "timeout": timeout, "host_ip": "127.0.0.1", "expect": ["ds_worker"], "ports": {},
             "start": [sys.executable, str(fake), str(tmp_path), "1" if parent_hangs else "0"], "force_stop": ["true"]}
-    out = subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, str(YR_CLUSTER), json.dumps(args)], capture_output=True, text=True, timeout=120)
     daemon = json.loads((tmp_path / "session.json").read_text())["components"]["ds_worker"]["pid"]
     return out, {"daemon": daemon, "log": (tmp_path / "logs" / "yr-start.log").read_text()}
 
@@ -383,9 +379,7 @@ def test_a_yr_start_stuck_after_the_cluster_came_up_is_freed_and_the_start_succe
         assert json.loads(out.stdout)["components"]["ds_worker"]["alive"]
         assert "killing its stuck fork" in got["log"] and "parent: middle process gone" in got["log"]
         os.kill(got["daemon"], 0)  # the daemon lives on: only the stuck middle process was killed
-        stuck = [p for p in os.listdir("/proc") if p.isdigit() and str(tmp_path) in _cmdline(p)
-                 and int(p) != got["daemon"]]
-        assert stuck == [], "a process of the stand-in was left"
+        assert left_besides(tmp_path, got["daemon"]) == [], "a process of the stand-in was left"
     finally:
         os.kill(got["daemon"], 9)
 
@@ -396,16 +390,18 @@ def test_a_yr_start_that_never_returns_is_killed_at_the_timeout_with_one_clear_l
         assert out.returncode == 1 and "Traceback" not in out.stderr
         assert out.stderr.splitlines()[0] == ("openYuanrong did not come up on this host: yr start: did not return "
                                               "within 15 s (killed)")
-        left = [p for p in os.listdir("/proc") if p.isdigit() and str(tmp_path) in _cmdline(p)
-                and int(p) != got["daemon"]]
-        assert left == [], "the stuck `yr start` or its fork was left"
+        assert left_besides(tmp_path, got["daemon"]) == [], "the stuck `yr start` or its fork was left"
     finally:
         os.kill(got["daemon"], 9)
 
 
-def _cmdline(pid: str) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+def left_besides(tmp_path, daemon: int) -> list[int]:
+    """Processes of the stand-in (its paths on their command line) still running, the daemon left out."""
+    def cmdline(pid: str) -> bytes:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                return fh.read()
+        except OSError:
+            return b""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != daemon
+            and str(tmp_path).encode() in cmdline(p)]
