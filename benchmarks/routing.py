@@ -53,6 +53,8 @@ def main() -> int:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="short", help="[%(default)s]")
     parser.add_argument("--datasystem-mb", type=int, default=512,
                         help="data system memory per host; below the working set it evicts [%(default)s]")
+    parser.add_argument("--keep-logs", type=Path, metavar="DIR",
+                        help="copy every host's session logs (proxy, instances, data system) here at the end")
     parser.add_argument("extra", nargs="*", help="more `yrpd bench run` options (after --)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="yrpd-route-"))
@@ -96,6 +98,10 @@ def run(args: argparse.Namespace, work: Path) -> int:
             return code
         finally:
             yrpd("down", *ssh)
+            if args.keep_logs:
+                for host in hosts:  # a fake host's /tmp is its own directory in the lab (tests/lab/fakehosts.py)
+                    for logs in (lab[host].dir / "tmp/yrpd_sessions").glob("*/logs"):
+                        shutil.copytree(logs, args.keep_logs / host / logs.parent.name, dirs_exist_ok=True)
 
 
 if __name__ == "__main__":

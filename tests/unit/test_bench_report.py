@@ -71,3 +71,45 @@ def test_report_shows_the_data_system_size_its_reads_by_tier_and_what_it_held_at
             for line in text.splitlines() if line.startswith("| ")}
     assert rows["data system reads from disk"] == ["12", "0"]
     assert rows["data system disk used at the end (MB)"] == ["480.00", "-"]
+
+
+def test_counters_split_each_roles_prompt_tokens_by_where_their_kv_came_from(monkeypatch):
+    from yrpd import api
+    from yrpd.bench import run
+    from yrpd.session import SessionPhase
+    from yrpd.status import InstanceStatus, StatusReport
+
+    def inst(name, role, computed, cached, loaded):
+        return InstanceStatus(name=name, role=role, host="h1", devices=[0], tp=1, dp=1, port=8100, url="u", pid=1,
+                              state="running", healthy=True,
+                              probe={"prompt_tokens_computed": computed, "prompt_tokens_local_cache": cached,
+                                     "prompt_tokens_loaded": loaded, "prompt_tokens": computed + cached + loaded})
+
+    report = StatusReport(session="s", phase=SessionPhase.deployed, healthy=True, problems=[], hosts=[],
+                          processes=[], proxy=None, cluster=None,
+                          instances=[inst("prefill-0", "prefill", 800, 2300, 0), inst("prefill-1", "prefill", 900, 0, 768),
+                                     inst("decode-0", "decode", 64, 128, 1536)])
+    monkeypatch.setattr(api, "open_deployment", lambda sid: sid)
+    monkeypatch.setattr(api, "status", lambda deployment: report)
+    total, _ = run.counters("s")
+    assert total["prefill_prompt_tokens_computed"] == 1700
+    assert total["prefill_prompt_tokens_local_cache"] == 2300
+    assert total["prefill_prompt_tokens_loaded"] == 768
+    assert total["decode_prompt_tokens_loaded"] == 1536
+    assert total["prompt_tokens"] == 1700 + 2300 + 768 + 64 + 128 + 1536
+
+
+def test_report_shows_where_each_roles_prompt_tokens_came_from_where_the_target_has_that_role():
+    from yrpd.bench.report import markdown
+
+    meta = {"prompts": 32, "groups": 8, "prompts_per_group": 4, "prefix_len": 768, "suffix_len": 64, "seed": 0}
+    results = {"pd": {"description": "PD", "metrics": {"mean_ttft_ms": 500.0}, "data_system": {},
+                      "counters": {"prefill_prompt_tokens_computed": 9000, "prefill_prompt_tokens_local_cache": 17000,
+                                   "prefill_prompt_tokens_loaded": 0, "decode_prompt_tokens_loaded": 24000}},
+               "single": {"description": "one", "metrics": {"mean_ttft_ms": 900.0}, "data_system": {},
+                          "counters": {"single_prompt_tokens_computed": 26000}}}
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
+            for line in markdown(results, meta).splitlines() if line.startswith("| ")}
+    assert rows["prefill prompt tokens from its own prefix cache"] == ["17,000", "-"]
+    assert rows["decode prompt tokens loaded through the connector"] == ["24,000", "-"]
+    assert "prefill prompt tokens loaded through the connector" not in rows  # zero everywhere: nothing to tell

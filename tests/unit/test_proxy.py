@@ -487,3 +487,19 @@ def test_cli_serves_503_without_instances_and_stops_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_log_line_splits_a_slow_first_token_into_the_prefill_leg_and_the_rest(caplog):
+    async def go():
+        async with running() as s:
+            s.prefill[0].delay, s.decode[0].delay = 0.3, 0.1
+            with caplog.at_level("INFO", logger="yrpd.proxy"):
+                body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": True}
+                status, _, _ = await post(s, "/v1/completions", body)
+            assert status == 200
+            [line] = [r.getMessage() for r in caplog.records if "/v1/completions" in r.getMessage()]
+            note = dict(part.split("=", 1) for part in line.split() if "=" in part)
+            assert 300 <= int(note["prefill_ms"]) < int(note["ttft_ms"])
+            assert int(note["ttft_ms"]) - int(note["prefill_ms"]) >= 100  # decode's own wait shows as the rest
+
+    run(go())

@@ -23,6 +23,11 @@ COUNTER_ROWS = [("external cache hit tokens", "external_cache_hit_tokens"), ("KV
                 ("KV blocks handed over but computed again (evicted or late)", "handoff_missed_blocks"),
                 ("data system reads from memory", "ds_hits_memory"),
                 ("data system reads from disk", "ds_hits_disk"), ("data system misses", "ds_misses")]
+# where each role's prompt tokens came from; a row shows only where a target has it (the single targets have no role
+# `prefill`), and only where vLLM counts by source (>= 0.11)
+SOURCE_ROWS = [(f"{role} prompt tokens {how}", f"{role}_prompt_tokens_{key}") for role in ("prefill", "decode")
+               for how, key in (("computed", "computed"), ("from its own prefix cache", "local_cache"),
+                                ("loaded through the connector", "loaded"))]
 
 
 RATIOS = (  # (target, baseline, metric, label); the last is the mixed workload's goal: streams keep their pace
@@ -69,6 +74,10 @@ def markdown(results: dict, meta: dict) -> str:
         lines.append(f"| {label} ({unit}) | " + " | ".join(_fmt(v) for v in values) + " |")
     for label, key in COUNTER_ROWS:
         lines.append(f"| {label} | " + " | ".join(f"{results[n]['counters'].get(key, 0):,.0f}" for n in names) + " |")
+    for label, key in SOURCE_ROWS:
+        values = [results[n]["counters"].get(key) for n in names]
+        if any(values):
+            lines.append(f"| {label} | " + " | ".join("-" if v is None else f"{v:,.0f}" for v in values) + " |")
     if any(results[n].get("data_system") for n in names):
         for label, key in (("data system memory used at the end (MB)", "memory_mb"),
                            ("data system disk used at the end (MB)", "disk_mb")):

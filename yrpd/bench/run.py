@@ -103,6 +103,7 @@ def down(session_id: str) -> None:
 
 
 DS_HITS = ("hits_memory", "hits_disk", "misses")  # the data system workers' own counts of reads, by tier
+TOKEN_SOURCES = ("prompt_tokens_computed", "prompt_tokens_local_cache", "prompt_tokens_loaded")
 
 
 def counters(session_id: str) -> tuple[dict, dict]:
@@ -117,6 +118,9 @@ def counters(session_id: str) -> tuple[dict, dict]:
     for inst in report.instances:
         for key in ("external_cache_hit_tokens", "prompt_tokens"):
             total[key] += inst.probe.get(key) or 0
+        # per role, where each prompt token's KV came from: what routing changes shows on the prefill side
+        for key in TOKEN_SOURCES:
+            total[f"{inst.role}_{key}"] = total.get(f"{inst.role}_{key}", 0.0) + (inst.probe.get(key) or 0)
         for key in blocks:
             total[key] += (inst.connector or {}).get(key) or 0
     use = {"memory_mb": 0.0, "memory_limit_mb": 0.0, "disk_mb": 0.0, "disk_limit_mb": 0.0, "objects": 0}

@@ -277,9 +277,12 @@ class Proxy:
         leg.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_KV))
         if "max_completion_tokens" in leg:
             leg["max_completion_tokens"] = 1
+        t0 = time.monotonic()
         async with self._leg("prefill", "POST", request.path, request, leg, headers) as (inst, resp):
             with request[_CALL].waiting():
                 data = await self._read(inst, resp)
+        # the log line's split of a slow first token: the prefill leg against the rest (decode's queue and tail)
+        request[_CALL].note["prefill_ms"] = round((time.monotonic() - t0) * 1000)
         if resp.status >= 400:
             raise UpstreamAnswer(resp, data)
         try:
