@@ -4,19 +4,26 @@ Run with the host's python3; one JSON argument (built by yrpd/steps/cluster.py):
   {"action": "start"|"wait"|"status"|"stop", "deploy": DIR, "logs": DIR, "session": ID,
    "start": [argv], "stop": [argv], "force_stop": [argv], "env": {..},
    "ports": {name: [component, port]}, "expect": [component], "host_ip": IP, "timeout": s}
+or, where the mode is picked on the host: {"mode_file": PATH, "by_mode": {mode: the object above}} (the mode the
+file names; ds_only without it).
 Prints one JSON line; problems go to stderr, naming the component and the last lines of its log.
 """
 import glob
 import json
 import os
 import signal
-import shutil
 import socket
-import subprocess
 import sys
 import time
 
 args = json.loads(sys.argv[1])
+if "by_mode" in args:
+    try:
+        with open(args["mode_file"]) as fh:
+            picked = fh.read().strip()
+    except OSError:
+        picked = "ds_only"
+    args = args["by_mode"][picked]
 deploy, logs = args["deploy"], args["logs"]
 session_file = os.path.join(deploy, "session.json")
 
@@ -286,6 +293,7 @@ def run_yr_start(log):
     start` still waiting at its timeout. So once our own check has passed for STUCK_GRACE_S while `yr start`
     runs, its children (that middle process; killed by pid, since it leads the session the daemon runs in) are
     killed, and `yr start` goes on and returns by itself."""
+    import subprocess
     timeout = args.get("timeout", 120)
     deadline = time.monotonic() + timeout
     with open(log, "ab") as out:
@@ -317,6 +325,7 @@ def run_yr_start(log):
 def start():
     """Converge: a session whose yr daemon runs is waited for, not started again (a second `yr start` would
     collide with its own components' ports); components left without their daemon are stopped first."""
+    import subprocess
     os.makedirs(logs, exist_ok=True)
     if daemon_pid() is not None:
         snap, problems = wait()
@@ -356,12 +365,14 @@ def ancestors():
 def drop_data():
     """Remove what the stopped cluster kept on disk that no later session reads (the data system's rocksdb state,
     etcd's data, the disk tier under the session): about 0.5 GB per session. Its logs stay."""
+    import shutil  # here and in start/stop: `status`, run on every host at each `yrpd status`, needs neither
     for path in glob.glob(os.path.join(deploy, "ds_*_*", "rocksdb")) + [os.path.join(deploy, "third_party", "etcd"),
                                                                       os.path.join(deploy, "ds-spill")]:
         shutil.rmtree(path, ignore_errors=True)
 
 
 def stop():
+    import subprocess
     report = {"stopped": False, "forced": False}
     daemon, pids = recorded()
     if os.path.isfile(session_file) and not any(ours(p) for p in [daemon, *pids]):

@@ -18,7 +18,7 @@ from yrpd.hostgroup import Command, HostResult
 from yrpd.placement import HostPlan, InstancePlan
 from yrpd.serving import PROXY_NAME, instance_url, proxy_url
 from yrpd.session import SessionPhase
-from yrpd.steps import StepContext, cluster, host_python, processes
+from yrpd.steps import ScriptCall, StepContext, cluster, host_python_parts, processes
 
 #: what an instance's probe reports, copied as is (vLLM's metrics, summed over its ranks)
 PROBE_FIELDS = ("requests_running", "requests_waiting", "prompt_tokens", "external_cache_hit_tokens",
@@ -165,27 +165,20 @@ class StatusReport:
 
 # -- collecting --------------------------------------------------------------------------------------
 
-def _serving_probe(ctx: StepContext, host: HostPlan) -> Command:
+def _serving_call(ctx: StepContext, host: HostPlan) -> ScriptCall:
     instances = [{"name": i.name, "url": instance_url(ctx.plan, i)} for i in ctx.plan.instances if i.host == host.name]
     proxy = {"url": proxy_url(ctx.spec, ctx.plan)} if host.name == ctx.plan.proxy_host and ctx.spec.disaggregated else None
-    return host_python("serving_status.py", {**ctx.layout.for_scripts(), "instances": instances, "proxy": proxy},
-                       timeout=20)
+    return ScriptCall("serving_status.py", {**ctx.layout.for_scripts(), "instances": instances, "proxy": proxy},
+                      timeout=20)
 
 
 def query(ctx: StepContext, host: HostPlan, with_cluster: bool) -> Command:
-    """One round trip per host, answering one JSON object: {"processes": .., "cluster": .. or null, "serving": ..}.
-    Each part is a host script printing one JSON line; its stderr passes through."""
-    parts = {"processes": processes.status(ctx, host), "serving": _serving_probe(ctx, host)}
+    """One round trip and one interpreter per host, answering one JSON object: {"processes": .., "serving": ..,
+    "cluster": .. (only when asked)}, each a host script's JSON line; a part that fails is named on stderr."""
+    parts = {"processes": processes.status_call(ctx, host), "serving": _serving_call(ctx, host)}
     if with_cluster:
-        parts["cluster"] = cluster.status(ctx, host)
-    # each part's last JSON line; a part that fails (pipefail) names itself
-    lines = [f"yrpd_{key}=$(set -o pipefail; {{\n{cmd.script}\n}} | grep '^{{' | tail -n 1) || yrpd_failed={key}"
-             for key, cmd in parts.items()]
-    fields = ", ".join(f'"{key}": %s' for key in ("processes", "cluster", "serving"))
-    values = " ".join(f'"${{yrpd_{key}:-null}}"' for key in ("processes", "cluster", "serving"))
-    lines.append(f"printf '{{{fields}}}\\n' {values}")
-    lines.append('if [ -n "${yrpd_failed:-}" ]; then echo "status query: the $yrpd_failed part failed" >&2; exit 1; fi')
-    return Command("\n".join(lines), timeout=sum(p.timeout for p in parts.values()))
+        parts["cluster"] = cluster.status_call(ctx, host)
+    return host_python_parts(parts)
 
 
 def parse_answer(stdout: str) -> dict:

@@ -18,7 +18,7 @@ aiohttp = pytest.importorskip("aiohttp")
 
 from tests.unit.proxy_fakes import KV, running, until  # noqa: E402
 from yrpd.proxy.pool import Pool  # noqa: E402
-from yrpd.proxy.routing import Routing, chain, prompt_text  # noqa: E402
+from yrpd.proxy.routing import CHUNK_CHARS, Prompt, Routing, chain, prompt_text  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,33 +105,69 @@ def test_pool_prefers_fewest_in_flight_and_rotates_ties_and_skips_down():
     assert pool.of("prefill")[1].url == "http://b"
 
 
-def test_prefix_routing_sends_a_shared_prefix_back_where_it_went_within_the_load_bound():
-    pool = Pool(["http://a", "http://b"], [], Routing.prefix, bound=2)
+def prompt(text):
+    return Prompt.of({"prompt": text})
+
+
+def test_prefix_routing_sends_a_prefill_leg_where_it_costs_least():
+    pool = Pool(["http://a", "http://b"], [], Routing.prefix, bound=3)
     a, b = pool.of("prefill")
     a.up = b.up = True
-    system = "You are a terse assistant. Answer in one line, cite nothing, never apologise. " * 3
-    first = pool.select("prefill", prefix=chain(system + "What is 2+2?"))
-    other = b if first is a else a
-    # the same leading text goes back to the same instance, even when that one is busier (within the bound)
-    first.in_flight = 1
-    for question in ("Name a prime.", "Capital of Peru?"):
-        assert pool.select("prefill", prefix=chain(system + question)) is first
-    assert first.prefix_routed == 2 and other.prefix_routed == 0
-    # a different prompt finds no match: load decides
-    assert pool.select("prefill", prefix=chain("Translate to French: " * 8)) is other
-    # past the bound, load wins and the other instance learns the prefix too
-    first.in_flight = 2
-    assert pool.select("prefill", prefix=chain(system + "Say hi.")) is other
-    assert other.memory.matched(chain(system)) == len(chain(system))
+    system = "You are a terse assistant. Answer in one line, cite nothing, never apologise. " * 8  # 10 chunks
+    first = pool.acquire("prefill", prompt=prompt(system + "What is 2+2?"))
+    home, other = first.instance, (b if first.instance is a else a)
+    assert home.queued == pytest.approx(prompt(system + "What is 2+2?").chunks)
+    pool.release(first)
+    assert home.queued == 0 and home.in_flight == 0
+    # the same leading text goes back where it went, though that instance is busier: only the question is new there
+    busy = pool.acquire("prefill", prompt=prompt(system + "Name a prime."))
+    assert busy.instance is home and busy.work < 1 and home.prefix_routed == 1
+    assert pool.select("prefill", prompt=prompt(system + "Capital of Peru?")) is home
+    # a prompt matching nothing goes where the least work is queued
+    novel = pool.acquire("prefill", prompt=prompt("Translate to French: " * 40))
+    assert novel.instance is other and other.prefix_routed == 0
+    # the home instance busy with more than the prefix saves: computing the prefix again elsewhere is sooner
+    pool.release(novel)
+    home.queued += 50
+    spilled = pool.acquire("prefill", prompt=prompt(system + "Say hi."))
+    assert spilled.instance is other and other.memory.matched(chain(system)) == len(chain(system))
+    # never `bound` more in flight than the least busy instance, whatever the prefix saves
+    pool.release(spilled)
+    home.queued, other.queued, home.in_flight = 0, 100, 3
+    assert pool.select("prefill", prompt=prompt(system + "Q?")) is other
+    home.in_flight = 2
+    assert pool.select("prefill", prompt=prompt(system + "Q?")) is home
     # an instance taken out forgets what it was sent (a restart empties its cache)
-    pool.failed(first, "gone", down=True)
-    assert first.memory.matched(chain(system)) == 0
-    # with load routing the prefix is ignored
+    pool.failed(home, "gone", down=True)
+    assert home.memory.matched(chain(system)) == 0
+    # with load routing the prompt is ignored
     plain = Pool(["http://a", "http://b"], [])
     for i in plain.instances:
         i.up = True
-    picks = {plain.select("prefill", prefix=chain(system)).url for _ in range(4)}
+    picks = {plain.select("prefill", prompt=prompt(system)).url for _ in range(4)}
     assert picks == {"http://a", "http://b"}
+
+
+def test_prefix_routing_balances_decode_legs_by_load_and_breaks_ties_by_prefix():
+    pool = Pool([], ["http://c", "http://d"], Routing.prefix, bound=2)
+    c, d = pool.of("decode")
+    c.up = d.up = True
+    shared = "Context: " + "the quick brown fox jumps over the lazy dog. " * 6
+    first = pool.acquire("decode", prompt=prompt(shared + "Q1"))
+    home, twin = first.instance, (d if first.instance is c else c)
+    pool.release(first)
+    # equal load: the instance that saw the prefix; more load there: the other one, whatever it saw
+    assert {pool.select("decode", prompt=prompt(shared + f"Q{n}")) for n in range(4)} == {home}
+    held = pool.acquire("decode", prompt=prompt(shared + "Q5"))
+    assert held.instance is home and home.queued == 0  # decode legs carry no prefill work
+    assert pool.select("decode", prompt=prompt(shared + "Q6")) is twin
+
+
+def test_a_prompt_longer_than_the_hashed_chunks_still_counts_its_whole_length():
+    text = "x" * (CHUNK_CHARS * 300 + 10)
+    p = prompt(text)
+    assert len(p.chain) == 256 and p.chunks == pytest.approx(300 + 10 / CHUNK_CHARS)
+    assert p.work(256) == pytest.approx(44 + 10 / CHUNK_CHARS) and p.work(10**6) == 0.5
 
 
 def test_the_prompt_text_routing_hashes_covers_completions_chats_and_token_ids():

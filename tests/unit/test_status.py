@@ -6,10 +6,8 @@ import json
 import subprocess
 
 from yrpd import api
-from yrpd.hostgroup import Command
 from yrpd.render import status_verdict
 from yrpd.session import SessionPhase
-from yrpd.status import query
 
 from tests.unit.sessions import recorded, scripted
 
@@ -121,21 +119,29 @@ def test_without_a_started_cluster_it_is_not_asked(tmp_path):
     assert not hosts.ran("h1", "yr_cluster")
 
 
-def test_query_joins_the_parts_into_one_object_and_names_a_failed_part(monkeypatch):
-    """The shell that runs on the host (bash here): each part's last JSON line, keyed; a failing part fails it."""
-    from yrpd import status
+def test_query_parts_run_in_one_interpreter_each_as_its_own_main_and_a_failed_part_is_named(monkeypatch):
+    """The host side of the status query (python3 here): each part's last JSON line, keyed; a failing part fails it."""
+    import yrpd.steps
+    from yrpd.steps import ScriptCall, host_python_parts
 
-    parts = {"processes": "echo starting; echo '{\"a\": 1}'", "cluster": "echo '{\"c\": 2}'",
-             "serving": "echo '{\"s\": 3}'"}
-    monkeypatch.setattr(status.processes, "status", lambda ctx, host: Command(parts["processes"], timeout=1))
-    monkeypatch.setattr(status.cluster, "status", lambda ctx, host: Command(parts["cluster"], timeout=1))
-    monkeypatch.setattr(status, "_serving_probe", lambda ctx, host: Command(parts["serving"], timeout=1))
+    sources = {
+        "a.py": "import json, sys\nprint('starting')\nprint(json.dumps({'a': json.loads(sys.argv[1])['n']}))\n",
+        # a part's module-level names never leak into the next part
+        "b.py": "assert 'json' not in globals()\nif __name__ == '__main__':\n    print('{\"b\": 2}')\n",
+        "exits.py": "print('{\"e\": 3}')\nimport sys\nprint('it broke', file=sys.stderr)\nsys.exit(4)\n",
+        "raises.py": "raise RuntimeError('no such thing')\n",
+    }
+    monkeypatch.setattr(yrpd.steps, "deploy_script", sources.__getitem__)
 
-    def run(with_cluster: bool) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "-c", query(None, None, with_cluster).script], capture_output=True, text=True)
+    def run(**parts: str) -> subprocess.CompletedProcess:
+        cmd = host_python_parts({k: ScriptCall(v, {"n": 1}, timeout=1) for k, v in parts.items()})
+        assert cmd.timeout == len(parts)
+        return subprocess.run(["bash", "-c", cmd.script], capture_output=True, text=True)
 
-    assert json.loads(run(True).stdout) == {"processes": {"a": 1}, "cluster": {"c": 2}, "serving": {"s": 3}}
-    assert json.loads(run(False).stdout)["cluster"] is None
-    parts["serving"] = "echo '{\"s\": 3}'; exit 4"
-    failed = run(False)
-    assert failed.returncode == 1 and "the serving part failed" in failed.stderr
+    ok = run(processes="a.py", serving="b.py")
+    assert ok.returncode == 0 and json.loads(ok.stdout) == {"processes": {"a": 1}, "serving": {"b": 2}}
+    failed = run(processes="a.py", serving="exits.py", cluster="raises.py")
+    assert failed.returncode == 1 and json.loads(failed.stdout) == {"processes": {"a": 1}, "serving": None,
+                                                                    "cluster": None}
+    assert "it broke" in failed.stderr and "raises.py: RuntimeError: no such thing" in failed.stderr
+    assert failed.stderr.strip().endswith("status query: the serving, cluster part failed")

@@ -15,8 +15,8 @@ import aiohttp
 from aiohttp import web
 
 from .metrics import Metrics
-from .pool import ROLES, Instance, Pool
-from .routing import Routing, chain, prompt_text
+from .pool import ROLES, Instance, Lease, Pool
+from .routing import Prompt, Routing
 
 log = logging.getLogger("yrpd.proxy")
 
@@ -43,7 +43,7 @@ class _Call:
     note: dict = field(default_factory=dict)
     client_gone: bool = False
     upstream_s: float = 0.0  # spent waiting for instances, up to the first token: the rest is the proxy's own
-    prefix: list[bytes] | None = None  # the prompt's chunk chain, with prefix routing (yrpd.proxy.routing)
+    prompt: Prompt | None = None  # what prefix routing knows of the prompt (yrpd.proxy.routing)
 
     @contextlib.contextmanager
     def waiting(self):
@@ -72,7 +72,7 @@ class ProxyConfig:
     request_timeout: float = 600.0
     probe_interval: float = 2.0
     routing: Routing = Routing.load
-    #: prefix routing passes over an instance with this many more requests in flight than the least busy one
+    #: routing never picks an instance with this many more requests in flight than the least busy one
     routing_bound: int = 2
 
 
@@ -246,7 +246,7 @@ class Proxy:
             raise ProxyError(400, "the request body must be a JSON object")
         body.pop("kv_transfer_params", None)  # the proxy owns this field on both legs
         if self.config.routing is Routing.prefix:
-            request[_CALL].prefix = chain(prompt_text(body))
+            request[_CALL].prompt = Prompt.of(body)
         if not self.pool.up("decode"):
             # fail before prefill works for nothing: while decode is away (restarting) that work would only slow
             # down its restart and fill the cache with KV nobody loads
@@ -360,36 +360,35 @@ class Proxy:
 
     @contextlib.asynccontextmanager
     async def _leg(self, role: str, method: str, path: str, request: web.Request, body: dict | None, headers: dict):
-        inst, resp = await self._send(role, method, path, request, body, headers)
+        lease, resp = await self._send(role, method, path, request, body, headers)
         try:
-            yield inst, resp
+            yield lease.instance, resp
         except BaseException:
             resp.close()  # an unfinished answer must not go back to the pool; closing also aborts it upstream
             raise
         else:
             resp.release()
         finally:
-            inst.in_flight -= 1
+            self.pool.release(lease)
 
     async def _send(self, role: str, method: str, path: str, request: web.Request, body: dict | None,
-                    headers: dict) -> tuple[Instance, aiohttp.ClientResponse]:
+                    headers: dict) -> tuple[Lease, aiohttp.ClientResponse]:
         """Send to the best up instance; on a connection error or 5xx, once more to another one."""
         tried: list[Instance] = []
         problem = None
         while len(tried) < 2:
-            inst = self.pool.select(role, exclude=tried, prefix=request[_CALL].prefix)
-            if inst is None:
+            lease = self.pool.acquire(role, exclude=tried, prompt=request[_CALL].prompt)
+            if lease is None:
                 break
+            inst = lease.instance
             tried.append(inst)
             request[_CALL].note[role] = inst.url
-            inst.in_flight += 1
-            inst.requests += 1
             try:
                 with request[_CALL].waiting():
                     resp = await self.session.request(method, inst.url + path, json=body, headers=headers,
                                                       timeout=self._timeout)
             except BaseException as exc:
-                inst.in_flight -= 1
+                self.pool.release(lease)
                 if not isinstance(exc, _UPSTREAM_ERRORS):
                     raise
                 if _is_timeout(exc):
@@ -405,13 +404,13 @@ class Proxy:
                 with contextlib.suppress(*_UPSTREAM_ERRORS):
                     detail = await asyncio.wait_for(resp.read(), 5)
                 resp.close()
-                inst.in_flight -= 1
+                self.pool.release(lease)
                 problem = f"{role} instance {inst.url} answered {resp.status} {resp.reason}"
                 if detail:
                     problem += f": {detail[:300].decode(errors='replace')}"
                 self._upstream_error(inst, problem, down=True)
                 continue
-            return inst, resp
+            return lease, resp
         if problem is None:
             raise ProxyError(503, f"no {role} instance is up")
         raise ProxyError(502, problem)

@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from .routing import PrefixMemory, Routing
+from .routing import PrefixMemory, Prompt, Routing
 
 ROLES = ("prefill", "decode")
 
@@ -24,6 +24,8 @@ class Instance:
     last_error_at: float | None = None
     #: requests sent here that share a leading prompt chunk with one sent here before (prefix routing)
     prefix_routed: int = 0
+    #: prompt chunks the prefill legs in flight here are estimated still to compute (prefix routing's queue)
+    queued: float = 0.0
     memory: PrefixMemory = field(default_factory=PrefixMemory, repr=False)
 
     def note_error(self, message: str) -> None:
@@ -33,6 +35,14 @@ class Instance:
         return {"url": self.url, "role": self.role, "up": self.up, "in_flight": self.in_flight,
                 "requests": self.requests, "errors": self.errors, "last_error": self.last_error,
                 "last_error_at": self.last_error_at, "prefix_routed": self.prefix_routed}
+
+
+@dataclass(eq=False)
+class Lease:
+    """One leg in flight on one instance, and the work it was charged there (released when the leg ends)."""
+
+    instance: Instance
+    work: float = 0.0
 
 
 class Pool:
@@ -50,10 +60,35 @@ class Pool:
     def up(self, role: str) -> list[Instance]:
         return [i for i in self.of(role) if i.up]
 
-    def select(self, role: str, exclude: list[Instance] | tuple = (), prefix: list[bytes] | None = None
+    def acquire(self, role: str, exclude: list[Instance] | tuple = (), prompt: Prompt | None = None
+                ) -> Lease | None:
+        """Choose an up instance for one leg (see `select`) and count the leg on it until `release`."""
+        lease = self._choose(role, exclude, prompt)
+        if lease is not None:
+            inst = lease.instance
+            inst.in_flight += 1
+            inst.requests += 1
+            inst.queued += lease.work
+        return lease
+
+    @staticmethod
+    def release(lease: Lease) -> None:
+        inst = lease.instance
+        inst.in_flight -= 1
+        inst.queued = max(0.0, inst.queued - lease.work)
+
+    def select(self, role: str, exclude: list[Instance] | tuple = (), prompt: Prompt | None = None
                ) -> Instance | None:
-        """The up instance with the fewest requests in flight (ties go round robin); with prefix routing, the one
-        that saw most of `prefix` (a yrpd.proxy.routing.chain) while it is at most `bound` busier than that."""
+        """The instance the next leg would go to, without counting a leg there.
+
+        By load: the up instance with the fewest requests in flight (ties round robin). With prefix routing, a
+        prefill leg goes where its prompt costs least (chunks not seen there plus chunks queued there), a decode
+        leg to the least busy instance, the one that saw most of the prompt among equals; neither to an instance
+        `bound` busier than the least busy one."""
+        lease = self._choose(role, exclude, prompt)
+        return lease.instance if lease else None
+
+    def _choose(self, role: str, exclude, prompt: Prompt | None) -> Lease | None:
         members = self.of(role)
         if not members:
             return None
@@ -62,15 +97,19 @@ class Pool:
         rotated = members[start:] + members[:start]
         candidates = [i for i in rotated if i.up and i not in exclude]
         least = min(candidates, key=lambda i: i.in_flight, default=None)
-        if least is None or self.routing is not Routing.prefix or not prefix:
-            return least
-        matched = {i: i.memory.matched(prefix) for i in candidates}  # Instance hashes by identity (eq=False)
-        best = max(candidates, key=lambda i: (matched[i], -i.in_flight))
-        chosen = best if matched[best] > matched[least] and best.in_flight - least.in_flight < self.bound else least
+        if least is None or self.routing is not Routing.prefix or prompt is None or not prompt.chain:
+            return None if least is None else Lease(least)
+        within = [i for i in candidates if i.in_flight - least.in_flight < self.bound]
+        matched = {i: i.memory.matched(prompt.chain) for i in within}  # Instance hashes by identity (eq=False)
+        if role == "prefill":
+            chosen = min(within, key=lambda i: (i.queued + prompt.work(matched[i]), i.in_flight))
+        else:
+            chosen = min(within, key=lambda i: (i.in_flight, -matched[i]))
+        work = prompt.work(matched[chosen]) if role == "prefill" else 0.0
         if matched[chosen]:
             chosen.prefix_routed += 1
-        chosen.memory.remember(prefix)
-        return chosen
+        chosen.memory.remember(prompt.chain)
+        return Lease(chosen, work)
 
     def failed(self, inst: Instance, message: str, *, down: bool) -> None:
         """A request to `inst` failed; a dead-looking instance leaves the rotation until a probe brings it back."""

@@ -1,10 +1,15 @@
-"""Which prefill instance a request goes to: by load alone, or to where its prompt's prefix was sent before.
+"""Which instance a request goes to: by load alone, or by the work it would cost there (cache-aware).
 
 The proxy has no tokenizer, so a prompt's prefix is approximated by its text cut into fixed chunks, each hashed
 together with everything before it (a chain, as the connector's block keys are). An instance remembers the
-chains it was sent (bounded, least recently used out); a request goes to the instance that shares the most leading
-chunks with it, unless that instance has `bound` more requests in flight than the least busy one: then load wins,
-so one popular prefix cannot pile everything onto one instance. A request matching nothing goes by load.
+chains it was sent (bounded, least recently used out), since its own KV pool likely still holds their KV.
+
+`prefix` routing sends a prefill leg to the instance where it costs least: the chunks of the prompt that
+instance has not seen (what it must compute) plus the chunks its prefill legs in flight still have to compute
+(its queue). A prompt whose prefix one instance holds goes there unless that instance is busy with more work than
+the prefix saves; a prompt matching nothing goes to the instance with the least work queued. No instance is
+chosen with `bound` more requests in flight than the least busy one, so one popular prefix cannot pile
+everything onto one instance. Decode legs go by requests in flight, the prefix breaking ties.
 
 Standard library only (see yrpd.proxy).
 """
@@ -14,18 +19,19 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 from enum import Enum
 
 
 class Routing(str, Enum):
     load = "load"  # fewest requests in flight, ties round robin
-    prefix = "prefix"  # most leading prompt chunks sent there before, bounded by load
+    prefix = "prefix"  # least work: prompt chunks not seen there plus the chunks queued there, bounded by load
 
 
 #: characters per chunk: about one 16-token KV block of English text
 CHUNK_CHARS = 64
-#: chunks of a prompt that count; prefixes longer than this all look alike, which is fine for routing
-MAX_CHUNKS = 64
+#: chunks of a prompt that are hashed (16 K characters, about 4 K tokens); past them all prompts look alike
+MAX_CHUNKS = 256
 #: chains an instance remembers (a chain is 8 bytes of digest), about 1,000 prompts of 4 K characters
 MEMORY = 65536
 
@@ -56,6 +62,23 @@ def chain(text: str, chunk: int = CHUNK_CHARS, limit: int = MAX_CHUNKS) -> list[
         h.update(text[start:start + chunk].encode())
         out.append(h.copy().digest())
     return out
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What routing knows of a request's prompt: its chunk chain and its whole length in chunks."""
+
+    chain: list[bytes]
+    chunks: float
+
+    @classmethod
+    def of(cls, body: dict) -> Prompt:
+        text = prompt_text(body)
+        return cls(chain(text), len(text) / CHUNK_CHARS)
+
+    def work(self, matched: int) -> float:
+        """Chunks left to compute where the first `matched` chunks are cached (at least a part of one)."""
+        return max(self.chunks - matched, 0.5)
 
 
 class PrefixMemory:

@@ -26,7 +26,7 @@ from yrpd.cluster.yrconfig import (
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
 from yrpd.spec import ClusterMode, Runtime
-from yrpd.steps import StepContext, host_python, shell_command
+from yrpd.steps import ScriptCall, StepContext, host_python, shell_command
 from yrpd.versions import OPENYUANRONG, OPENYUANRONG_DATASYSTEM, PYTHON_TAG
 
 START_TIMEOUT = 180
@@ -168,19 +168,23 @@ def _driver_args(ctx: StepContext, host: HostPlan, action: str, mode: str, timeo
     }
 
 
-def _driver(ctx: StepContext, host: HostPlan, action: str, timeout: int) -> Command:
-    """yr_cluster.py for the mode the host picked (config.toml's mode); ds_only args as the plan shows them."""
+def _driver_call(ctx: StepContext, host: HostPlan, action: str, timeout: int) -> ScriptCall:
+    """yr_cluster.py for the mode the host picked at configure (its `mode` file), all modes' args in one."""
     per_mode = {m: _driver_args(ctx, host, action, m, timeout) for m in modes(ctx)}
     if len(per_mode) == 1:
-        return host_python("yr_cluster.py", next(iter(per_mode.values())), timeout=timeout + 60)
-    d = shlex.quote(deploy_path(ctx))
-    branches = []
-    for mode, args in per_mode.items():
-        cmd = host_python("yr_cluster.py", args, timeout=timeout + 60)
-        branches.append(f"if [ \"$mode\" = {mode} ]; then\n{cmd.script}\nfi")
-    script = f"mode=$(cat {d}/mode 2>/dev/null || echo ds_only)\n" + "\n".join(branches)
-    shown = host_python("yr_cluster.py", per_mode["ds_only"], timeout=timeout)
-    return Command(script, display=f"{shown.display}  # args for the mode picked at configure", timeout=timeout + 60)
+        return ScriptCall("yr_cluster.py", next(iter(per_mode.values())), timeout=timeout + 60)
+    return ScriptCall("yr_cluster.py", {"mode_file": f"{deploy_path(ctx)}/mode", "by_mode": per_mode},
+                      timeout=timeout + 60)
+
+
+def _driver(ctx: StepContext, host: HostPlan, action: str, timeout: int) -> Command:
+    call = _driver_call(ctx, host, action, timeout)
+    cmd = host_python(call.script, call.args, timeout=call.timeout)
+    if "by_mode" in call.args:  # the plan shows the ds_only args (what the embedded default runs)
+        shown = host_python(call.script, call.args["by_mode"]["ds_only"], timeout=timeout)
+        cmd = Command(cmd.script, display=f"{shown.display}  # args for the mode picked at configure",
+                      timeout=call.timeout)
+    return cmd
 
 
 def start_master(ctx: StepContext, host: HostPlan) -> Command:
@@ -200,8 +204,9 @@ def wait_healthy(ctx: StepContext, host: HostPlan) -> Command:
     return _driver(ctx, host, "wait", HEALTH_TIMEOUT)
 
 
-def status(ctx: StepContext, host: HostPlan) -> Command:
-    return _driver(ctx, host, "status", 30)
+def status_call(ctx: StepContext, host: HostPlan) -> ScriptCall:
+    """The cluster's part of the host's status query (yrpd.status)."""
+    return _driver_call(ctx, host, "status", 30)
 
 
 def stop(ctx: StepContext, host: HostPlan) -> Command:

@@ -15,7 +15,7 @@ import shlex
 from yrpd.assets import deploy_script
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
-from yrpd.steps import NotNeeded, StepContext, host_python, shell_command
+from yrpd.steps import NotNeeded, ScriptCall, StepContext, host_python, shell_command
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 #: variables whose value yrpd puts in front of what the environment already holds
@@ -102,6 +102,6 @@ def stop_all(ctx: StepContext, host: HostPlan, grace: float = 10) -> Command:
     return host_python("session_processes.py", args, timeout=grace + 30)
 
 
-def status(ctx: StepContext, host: HostPlan) -> Command:
-    args = {**ctx.layout.for_scripts(), "id": ctx.session_id, "action": "status"}
-    return host_python("session_processes.py", args, timeout=30)
+def status_call(ctx: StepContext, host: HostPlan) -> ScriptCall:
+    """The processes' part of the host's status query (yrpd.status)."""
+    return ScriptCall("session_processes.py", {**ctx.layout.for_scripts(), "id": ctx.session_id, "action": "status"})
