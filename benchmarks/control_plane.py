@@ -15,8 +15,9 @@ a second), the cluster's start was hidden in that window and `orchestration` is 
 model build and the window; otherwise it is the wall time less the model build and the /health wait only (the
 cluster counted in full). Fake hosts share this machine's cores (each
 idle data system worker takes a few percent of one), so host-side work that would run in parallel on real hosts
-queues here: the controller's own CPU time per `status` is reported beside its wall time, and the load average,
-and `status` is timed a second time with every host's data system processes paused (SIGSTOP; their ports still
+queues here: the controller's own CPU time per `status` is reported beside its wall time, with the load average.
+`status` is timed once the machine's busy cores stop falling after the deploy (`settled`: what the deployment
+costs idle), then again with every host's data system processes paused (SIGSTOP; their ports still
 accept connections, so status finds them healthy), which leaves the shared cores to the status work itself.
 """
 
@@ -69,6 +70,29 @@ def journal_split(home: Path) -> dict:
         if entry.get("seconds") is not None:
             slowest[entry["run"]] = max(slowest.get(entry["run"], 0.0), entry["seconds"])
     return slowest
+
+
+def busy_cores(window: float) -> float:
+    """Cores this machine kept busy (all processes, every fake host's included) over the next `window` seconds."""
+    def busy() -> int:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+
+    before = busy()
+    time.sleep(window)
+    return (busy() - before) / os.sysconf("SC_CLK_TCK") / window
+
+
+def settle(limit_s: float = 90.0, window: float = 3.0, tolerance: float = 0.1) -> dict:
+    """Wait until the deploy's aftermath is over: the busy cores of two windows in a row differ by less than
+    `tolerance` (the idle level of what was deployed), at most `limit_s`."""
+    started, last = time.monotonic(), busy_cores(window)
+    while time.monotonic() - started < limit_s:
+        now = busy_cores(window)
+        if abs(now - last) < tolerance:
+            break
+        last = now
+    return {"waited_s": round(time.monotonic() - started, 1), "busy_cores": round(now, 2)}
 
 
 def status_runs(lab, home: Path, n: int, runs: int, require_healthy: bool = True) -> dict:
@@ -124,6 +148,9 @@ def measure(n: int, runs: int) -> dict:
             out["model_s"] = round(model, 1)
             out["cluster_s"] = round(sum(steps.get(s, 0.0) for s in CLUSTER_STEPS), 1)
             out["slowest_steps"] = dict(sorted(steps.items(), key=lambda kv: -kv[1])[:6])
+            # timed once the machine is back to what the deployment costs idle (the deploy's last steps and the
+            # data system workers' start-up keep the shared cores busy for a while after `deploy` returns)
+            out["settled"] = settle()
             out["status_s"] = status_runs(lab, home, n, runs)
             # what the fake hosts had to share: their load while idle (all of them run on this machine's cores)
             out["load_1min"] = os.getloadavg()[0]
@@ -167,7 +194,8 @@ def main() -> None:
               f"{r['model_s']}s, cluster {r['cluster_s']}s{' hidden' if r['cluster_hidden'] else ''}), status median {r['status_s']['median']}s ({r['status_s']['median'] / base:.2f}x "
               f"of {results[0]['hosts']} host; controller CPU {r['status_s']['controller_cpu_median']}s; data system "
               f"paused {r['status_ds_paused_s']['median']}s, {r['status_ds_paused_s']['median'] / paused_base:.2f}x), "
-              f"logs {r['logs_s']}s, down {r['down_s']}s, load {r['load_1min']:.1f}")
+              f"logs {r['logs_s']}s, down {r['down_s']}s, load {r['load_1min']:.1f}, busy cores idle "
+              f"{r['settled']['busy_cores']} (settled after {r['settled']['waited_s']}s)")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -5,9 +5,10 @@ together with everything before it (a chain, as the connector's block keys are).
 chains it was sent (bounded, least recently used out), since its own KV pool likely still holds their KV.
 
 `prefix` routing sends a prefill leg to the instance where it costs least: the chunks of the prompt that
-instance has not seen (what it must compute) plus the chunks its prefill legs in flight still have to compute
-(its queue). A prompt whose prefix one instance holds goes there unless that instance is busy with more work than
-the prefix saves; a prompt matching nothing goes to the instance with the least work queued. No instance is
+instance has not seen (what it must compute, counted WORK_WEIGHT times) plus the chunks its prefill legs in flight
+still have to compute (its queue). A prompt whose prefix one instance holds goes there unless that instance is
+busy with more work than the prefix saves; a prompt matching nothing goes to the instance with the least work
+queued. No instance is
 chosen with `bound` more requests in flight than the least busy one, so one popular prefix cannot pile
 everything onto one instance. Decode legs go by requests in flight, the prefix breaking ties.
 
@@ -32,6 +33,11 @@ class Routing(str, Enum):
 CHUNK_CHARS = 64
 #: chunks of a prompt that are hashed (16 K characters, about 4 K tokens); past them all prompts look alike
 MAX_CHUNKS = 256
+#: what a chunk of new work costs against a chunk already queued: the queue delays this request only, while the
+#: work it adds also delays every request that comes after it there (and, where instances share cores or a
+#: host's memory bandwidth, elsewhere). So a request waits behind its own prefix being computed rather than
+#: computing it a second time elsewhere.
+WORK_WEIGHT = 2.0
 #: chains an instance remembers (a chain is 8 bytes of digest), about 1,000 prompts of 4 K characters
 MEMORY = 65536
 
