@@ -139,6 +139,12 @@ def test_prefix_routing_sends_a_prefill_leg_where_it_costs_least():
     assert pool.select("prefill", prompt=prompt(system + "Q?")) is other
     home.in_flight = 2
     assert pool.select("prefill", prompt=prompt(system + "Q?")) is home
+    # between idle instances a prompt nobody has seen goes to the one given less work lately: each keeps as many
+    home.in_flight = other.queued = 0
+    assert other.recent > home.recent > 0  # `other` computed two whole prompts, `home` one and a question
+    assert pool.select("prefill", prompt=prompt("Unseen: " * 30)) is home
+    home.recent = other.recent + 1
+    assert pool.select("prefill", prompt=prompt("Also unseen: " * 30)) is other
     # an instance taken out forgets what it was sent (a restart empties its cache)
     pool.failed(home, "gone", down=True)
     assert home.memory.matched(chain(system)) == 0

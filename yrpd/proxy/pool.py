@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from .routing import WORK_WEIGHT, PrefixMemory, Prompt, Routing
+from .routing import RECENT_LEGS, WORK_WEIGHT, PrefixMemory, Prompt, Routing
 
 ROLES = ("prefill", "decode")
 
@@ -26,6 +26,8 @@ class Instance:
     prefix_routed: int = 0
     #: prompt chunks the prefill legs in flight here are estimated still to compute (prefix routing's queue)
     queued: float = 0.0
+    #: prompt chunks given to its prefill legs lately, decaying with every prefill leg routed (prefix routing)
+    recent: float = 0.0
     memory: PrefixMemory = field(default_factory=PrefixMemory, repr=False)
 
     def note_error(self, message: str) -> None:
@@ -69,6 +71,10 @@ class Pool:
             inst.in_flight += 1
             inst.requests += 1
             inst.queued += lease.work
+            if inst.role == "prefill" and self.routing is Routing.prefix:
+                for other in self.of("prefill"):
+                    other.recent *= 1 - 1 / RECENT_LEGS
+                inst.recent += lease.work
         return lease
 
     @staticmethod
@@ -82,7 +88,8 @@ class Pool:
         """The instance the next leg would go to, without counting a leg there.
 
         By load: the up instance with the fewest requests in flight (ties round robin). With prefix routing, a
-        prefill leg goes where its prompt costs least (chunks not seen there, weighted, plus chunks queued there), a decode
+        prefill leg goes where its prompt costs least (chunks not seen there, weighted, plus chunks queued there; among
+        equals, the instance given the least work lately), a decode
         leg to the least busy instance, the one that saw most of the prompt among equals; neither to an instance
         `bound` busier than the least busy one."""
         lease = self._choose(role, exclude, prompt)
@@ -102,7 +109,7 @@ class Pool:
         within = [i for i in candidates if i.in_flight - least.in_flight < self.bound]
         matched = {i: i.memory.matched(prompt.chain) for i in within}  # Instance hashes by identity (eq=False)
         if role == "prefill":
-            chosen = min(within, key=lambda i: (i.queued + WORK_WEIGHT * prompt.work(matched[i]), i.in_flight))
+            chosen = min(within, key=lambda i: (i.queued + WORK_WEIGHT * prompt.work(matched[i]), i.in_flight, i.recent))
         else:
             chosen = min(within, key=lambda i: (i.in_flight, -matched[i]))
         work = prompt.work(matched[chosen]) if role == "prefill" else 0.0

@@ -8,7 +8,8 @@ chains it was sent (bounded, least recently used out), since its own KV pool lik
 instance has not seen (what it must compute, counted WORK_WEIGHT times) plus the chunks its prefill legs in flight
 still have to compute (its queue). A prompt whose prefix one instance holds goes there unless that instance is
 busy with more work than the prefix saves; a prompt matching nothing goes to the instance with the least work
-queued. No instance is
+queued and, among idle ones, to the one given the least work lately (a decaying sum over the last RECENT_LEGS
+prefill legs), so that the prefixes each instance ends up holding are spread evenly. No instance is
 chosen with `bound` more requests in flight than the least busy one, so one popular prefix cannot pile
 everything onto one instance. Decode legs go by requests in flight, the prefix breaking ties.
 
@@ -38,6 +39,8 @@ MAX_CHUNKS = 256
 #: host's memory bandwidth, elsewhere). So a request waits behind its own prefix being computed rather than
 #: computing it a second time elsewhere.
 WORK_WEIGHT = 2.0
+#: prefill legs over which an instance's recent work decays (by 1/e): the horizon of "lately" above
+RECENT_LEGS = 32
 #: chains an instance remembers (a chain is 8 bytes of digest), about 1,000 prompts of 4 K characters
 MEMORY = 65536
 
