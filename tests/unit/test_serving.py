@@ -7,7 +7,7 @@ from yrpd.layout import HostSessionLayout
 from yrpd.placement import HostInventory, make_plan
 from yrpd.serving import HostPaths, instance_launches, launches_on_host, proxy_launch, sample_request
 from yrpd.spec import DeviceKind, build_spec
-from yrpd.steps.vllm_env import MAX_BUNDLE_B64, bundle
+from yrpd.steps.vllm_env import MAX_BUNDLE_B64, bundle, unpack_script
 
 PATHS = HostPaths(env_root="/opt/yrpd/venvs", session=HostSessionLayout("/tmp/yrpd_sessions", "S"), bundle_dir="/opt/yrpd/venvs/lib/yrpd-x")
 
@@ -112,6 +112,26 @@ def test_host_bundle_fits_one_shell_argument_and_carries_only_host_side_code():
     assert not any(n.startswith(("yrpd/cli", "yrpd/steps")) or n in ("yrpd/spec.py", "yrpd/hostgroup.py")
                    for n in names)
     assert bundle() == (digest, encoded)  # reproducible: same code, same hash
+
+
+def test_hosts_sharing_env_root_unpack_the_bundle_at_once_and_all_succeed(tmp_path):
+    """Fake hosts (and NFS-mounted /opt) share env_root: parallel copies of one bundle must not collide."""
+    import subprocess
+
+    target = tmp_path / "lib" / "yrpd-x"
+    script = unpack_script(str(target), bundle()[1])
+
+    def run_many(n: int) -> list[int]:
+        procs = [subprocess.Popen(["bash", "-c", script], stderr=subprocess.PIPE) for _ in range(n)]
+        return [p.wait() for p in procs]
+
+    assert run_many(6) == [0] * 6
+    assert (target / ".complete").is_file() and (target / "yrpd" / "proxy" / "app.py").is_file()
+    assert not list(tmp_path.glob("lib/*.tmp.*")) and not list(target.glob("*.tmp.*"))
+    # a half copy left by an older yrpd (no .complete) is replaced
+    (target / ".complete").unlink()
+    (target / "yrpd" / "proxy" / "app.py").unlink()
+    assert run_many(1) == [0] and (target / "yrpd" / "proxy" / "app.py").is_file() and (target / ".complete").is_file()
 
 
 def test_bench_single_targets_one_plain_instance_and_one_that_keeps_its_kv_in_the_data_system():

@@ -67,8 +67,13 @@ def unpack_script(target_dir: str, encoded: str) -> str:
         f"tmp=$(mktemp -d {target}.tmp.XXXXXX)",
         f"base64 -d > \"$tmp/bundle.tgz\" <<'YRPD_BUNDLE_END'\n{encoded}\nYRPD_BUNDLE_END",
         "tar -xzf \"$tmp/bundle.tgz\" -C \"$tmp\" && rm \"$tmp/bundle.tgz\"",
-        # rename is atomic: a concurrent or interrupted copy never leaves a half bundle at the final path
-        f"chmod 755 \"$tmp\" && rm -rf {target} && mv \"$tmp\" {target} && touch {target}/.complete",
+        # rename is atomic: a concurrent or interrupted copy never leaves a half bundle at the final path. Hosts
+        # that share env_root (NFS; the lab's fake hosts) unpack the same bundle at once: the first rename wins and
+        # the others find its complete copy (same content: the name is its digest) and drop their own
+        "chmod 755 \"$tmp\" && touch \"$tmp/.complete\"",
+        f"if ! mv -T \"$tmp\" {target} 2>/dev/null; then",
+        f"  if [ -f {target}/.complete ]; then rm -rf \"$tmp\"; else rm -rf {target} && mv -T \"$tmp\" {target}; fi",
+        "fi",
     ])
 
 
