@@ -48,10 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe-interval", type=_positive, default=2.0, metavar="S",
                    help="seconds between /health probes of every instance [%(default)g]")
     p.add_argument("--routing", choices=[r.value for r in Routing], default=Routing.load.value,
-                   help="how an instance is chosen: load (fewest requests in flight) or prefix (where the prompt's "
-                        "leading text went before, while that instance is not --routing-bound busier) [%(default)s]")
+                   help="how an instance is chosen: load (fewest requests in flight) or prefix (cache-aware: a prefill "
+                        "leg goes where the prompt's unseen part plus the work queued there is least) [%(default)s]")
     p.add_argument("--routing-bound", type=int, default=2, metavar="N",
-                   help="prefix routing gives way to load when its choice has N more requests in flight [%(default)s]")
+                   help="no leg goes to an instance with N more requests in flight than the least busy one "
+                        "[%(default)s]")
     return p.parse_args(argv)
 
 

@@ -88,10 +88,10 @@ class Pool:
         """The instance the next leg would go to, without counting a leg there.
 
         By load: the up instance with the fewest requests in flight (ties round robin). With prefix routing, a
-        prefill leg goes where its prompt costs least (chunks not seen there, weighted, plus chunks queued there; among
-        equals, the instance given the least work lately), a decode
-        leg to the least busy instance, the one that saw most of the prompt among equals; neither to an instance
-        `bound` busier than the least busy one."""
+        prefill leg goes where its prompt costs least (chunks not seen there, weighted, plus chunks queued there;
+        among equals, the instance given the least work lately), a decode leg to the least busy instance (among
+        equals, the one that saw most of the prompt); neither to an instance `bound` busier than the least busy
+        one."""
         lease = self._choose(role, exclude, prompt)
         return lease.instance if lease else None
 
@@ -109,7 +109,8 @@ class Pool:
         within = [i for i in candidates if i.in_flight - least.in_flight < self.bound]
         matched = {i: i.memory.matched(prompt.chain) for i in within}  # Instance hashes by identity (eq=False)
         if role == "prefill":
-            chosen = min(within, key=lambda i: (i.queued + WORK_WEIGHT * prompt.work(matched[i]), i.in_flight, i.recent))
+            chosen = min(within, key=lambda i: (i.queued + WORK_WEIGHT * prompt.work(matched[i]), i.in_flight,
+                                                i.recent))
         else:
             chosen = min(within, key=lambda i: (i.in_flight, -matched[i]))
         work = prompt.work(matched[chosen]) if role == "prefill" else 0.0
