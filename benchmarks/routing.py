@@ -1,27 +1,27 @@
 """Cache-aware (prefix) routing against load-only routing, 2 prefill instances, one run each (benchmark, not a test;
 issue 17).
 
-    .venv/bin/python benchmarks/routing.py [--decode 1|2] [--workload short|long] [--bound N]
-                                           [--datasystem-mb MB] [--out-dir DIR] [-- extra `yrpd bench run` options]
+    .venv/bin/python benchmarks/routing.py [--decode 1|2] [--workload short|long] [--groups G] [--bound N]
+                                           [--datasystem-mb MB] [--out-dir DIR] [--keep-logs DIR]
+                                           [-- extra `yrpd bench run` options]
 
 Fake hosts (root needed), one instance each, the 2 shared cores alternating: prefill-0 on h1 (core 0), prefill-1
-on h2 (core 1), decode-0 on h3 (core 0) and, with --decode 2, decode-1 on h4 (core 1); the real SmolLM2,
-max-model-len 2048, `routing: prefix` with `routing_bound` from --bound. Then one `yrpd bench run --targets
-pd,pd-load`: `pd` routes by prefix (as the spec says), `pd-load` by requests in flight alone; everything else is
-the same deployment. The workload is one where routing matters: 8 groups of 4 prompts sharing a prefix, and each
-instance's own KV pool holds about half the groups' prefixes: an instance that gets every group evicts and
-reloads them from the data system; one that gets half keeps them. `short`: 768-token prefixes, 64-token suffixes,
-160 MB pools (28 blocks, 3,584 tokens); `long`: 1,536-token prefixes, 16-token suffixes, 300 MB pools (52 blocks),
-where a reload costs more next to the work left after a hit. With one decode instance it gets every group under
-both policies, so only the prefill leg differs. The data system gets --datasystem-mb per host (512: it holds
-every prefix; 64: about 10 blocks, it evicts, and a prefix an instance's own pool lost may have to be computed
-again: then keeping each group on one instance saves whole prefills). The report (markdown and JSON) lands in
---out-dir.
+on h2 (core 1), decode-0 on h3 (core 0) and, with --decode 2 (the default), decode-1 on h4 (core 1); the real
+SmolLM2, max-model-len 2048, `routing: prefix` with `routing_bound` from --bound. Then one `yrpd bench run
+--targets pd,pd-load`: `pd` routes by prefix (as the spec says), `pd-load` by requests in flight alone; everything
+else is the same deployment. The workload: G groups (16) of 4 prompts sharing a prefix, shuffled, concurrency 2;
+`short`: 768-token prefixes, 64-token suffixes; `long`: 1,536-token prefixes, 16-token suffixes. Each instance's
+own KV pool is sized (for the dtype the plan picks) to hold half the groups' prefixes plus the requests running:
+an instance that gets every group evicts; one that gets half keeps its half. The data system gets
+--datasystem-mb per host: 1024 (yrpd's default) holds every prefix, so what load routing costs is a load from
+it; 64 holds fewer prefixes than are reused (the `short` working set is 16 x 17.6 MB in bfloat16), so a prefix
+an instance's own pool lost is often computed again. The report (markdown and JSON) lands in --out-dir.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -35,23 +35,28 @@ sys.path.insert(0, str(REPO))
 from tests.lab.fakehosts import FakeHostLab  # noqa: E402
 
 ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
-COMMON = ["--groups", "8", "--prompts-per-group", "4", "--output-len", "4", "--max-concurrency", "2"]
-# Pool sizes for float32 KV (a CPU without AVX512-BF16: 46 KB per token, 5.9 MB per 128-token block): a pool holds
-# about half the groups' prefixes plus the blocks of the requests running. Where `auto` picks bfloat16 (23 KB a
-# token) the same pools hold twice that: pass `-- --kv-cache-mb 80` (or 150 for `long`) for the same shape.
-WORKLOADS = {
-    "short": ["--prefix-len", "768", "--suffix-len", "64", "--kv-cache-mb", "160"],
-    "long": ["--prefix-len", "1536", "--suffix-len", "16", "--kv-cache-mb", "300"],
-}
+PROMPTS_PER_GROUP, CONCURRENCY = 4, 2
+COMMON = ["--prompts-per-group", str(PROMPTS_PER_GROUP), "--output-len", "4", "--max-concurrency", str(CONCURRENCY)]
+WORKLOADS = {"short": (768, 64), "long": (1536, 16)}  # prefix, suffix tokens
+#: SmolLM2-135M's KV elements per token: 30 layers x 3 KV heads x 64 x 2 (K and V)
+KV_ELEMENTS_PER_TOKEN = 30 * 3 * 64 * 2
+BLOCK = 128  # vLLM CPU's default block size
+
+
+def pool_mb(groups: int, prefix: int, suffix: int, dtype: str) -> int:
+    """An instance's KV pool: half the groups' prefixes, plus the whole prompts of the requests running."""
+    blocks = (groups // 2) * (prefix // BLOCK) + CONCURRENCY * -(-(prefix + suffix) // BLOCK)
+    return -(-blocks * BLOCK * KV_ELEMENTS_PER_TOKEN * (4 if dtype == "float32" else 2) // (1 << 20))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", type=Path, default=Path("bench-routing"))
     parser.add_argument("--bound", type=int, default=2, help="routing_bound of the pd target [%(default)s]")
-    parser.add_argument("--decode", type=int, choices=(1, 2), default=1, help="decode instances [%(default)s]")
+    parser.add_argument("--decode", type=int, choices=(1, 2), default=2, help="decode instances [%(default)s]")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="short", help="[%(default)s]")
-    parser.add_argument("--datasystem-mb", type=int, default=512,
+    parser.add_argument("--groups", type=int, default=16, help="prompt groups sharing a prefix [%(default)s]")
+    parser.add_argument("--datasystem-mb", type=int, default=1024,
                         help="data system memory per host; below the working set it evicts [%(default)s]")
     parser.add_argument("--keep-logs", type=Path, metavar="DIR",
                         help="copy every host's session logs (proxy, instances, data system) here at the end")
@@ -81,11 +86,17 @@ def run(args: argparse.Namespace, work: Path) -> int:
             return subprocess.run([sys.executable, "-m", "yrpd", *argv], env=env, cwd=REPO,
                                   stdin=subprocess.DEVNULL).returncode
 
+        layout = ["--hosts", ",".join(hosts), "--config", str(config), "--prefill", "2", "--decode", str(args.decode)]
+        plan = subprocess.run([sys.executable, "-m", "yrpd", "plan", *layout, "--json", *ssh], env=env, cwd=REPO,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, check=True)
+        dtype = json.loads(plan.stdout)["dtype"]["dtype"]
+        prefix, suffix = WORKLOADS[args.workload]
+        workload = ["--groups", str(args.groups), "--prefix-len", str(prefix), "--suffix-len", str(suffix),
+                    "--kv-cache-mb", str(pool_mb(args.groups, prefix, suffix, dtype))]
         try:
-            if yrpd("deploy", "--hosts", ",".join(hosts), "--config", str(config), "--prefill", "2",
-                     "--decode", str(args.decode), *ssh):
+            if yrpd("deploy", *layout, *ssh):
                 return 1
-            code = yrpd("bench", "run", "--targets", "pd,pd-load", *COMMON, *WORKLOADS[args.workload],
+            code = yrpd("bench", "run", "--targets", "pd,pd-load", *COMMON, *workload,
                         "--datasystem-mb", str(args.datasystem_mb), "--no-restore", *args.extra)
             reports = sorted((work / "home" / "sessions").glob("*/bench/*"))
             args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -371,12 +371,13 @@ class DeploySpec(BaseModel):
     kv_connector: KvConnector = KvConnector.yuanrong
     #: overrides for the connector's kv_connector_extra_config (docs/dev/connector.md lists the keys)
     connector: dict[str, Any] = {}
-    #: how the proxy picks an instance: `load` goes by requests in flight alone; `prefix` sends a request where its
-    #: prompt's leading text went before (that instance likely holds the prefix in its own KV pool) unless it has
-    #: `routing_bound` more requests in flight than the least busy one. Default load: prefix routing did not win
-    #: where measured (docs/benchmarks.md, "Prefix routing"): a data system that holds the prefixes serves one that
-    #: another instance computed, and where it evicts them prefix routing gained at most a seventh
-    routing: Routing = Routing.load
+    #: how the proxy picks an instance: `prefix` (cache-aware) sends a prefill leg where it costs least: the
+    #: prompt's chunks that instance was never sent (counted twice) plus the chunks queued there, so a request goes
+    #: back to the instance that likely holds its prefix unless that one is busy with more than the prefix saves;
+    #: `load` goes by requests in flight alone. Neither sends a leg to an instance `routing_bound` busier than the
+    #: least busy one. Default prefix: measured never slower than load and faster where the data system holds fewer
+    #: prefixes than are reused (docs/benchmarks.md, "Prefix routing")
+    routing: Routing = Routing.prefix
     routing_bound: int = Field(2, ge=1, le=1000)
     #: address the proxy listens on; default the master's cluster address (127.0.0.1 for localhost)
     proxy_host: str | None = None

@@ -87,14 +87,14 @@ def test_proxy_lists_every_instance_and_never_shows_the_key(monkeypatch):
     assert flag(launch.argv, "--api-key-env") == "YRPD_API_KEY" and "s3cret" not in launch.command
     assert "$MY_KEY" in sample_request(spec, plan) and "s3cret" not in sample_request(spec, plan)
     assert shlex.split(sample_request(spec, plan))[2] == "http://10.0.0.1:8000/v1/completions"
-    # the proxy routes by load unless the spec says prefix; bench's pd-load target forces load
-    assert flag(launch.argv, "--routing") == "load" and flag(launch.argv, "--routing-bound") == "2"
+    # the proxy routes cache-aware unless the spec says load; bench's pd-load target forces load
+    assert flag(launch.argv, "--routing") == "prefix" and flag(launch.argv, "--routing-bound") == "2"
     from yrpd.bench.run import variant
 
-    prefixed = build_spec({}, {"hosts": "h1,h2", "model": "/models/qwen", "device_kind": "npu", "ptp": 4, "dtp": 4,
-                               "prefill": 2, "decode": 2, "routing": "prefix"})
-    assert flag(proxy_launch(prefixed, plan, PATHS).argv, "--routing") == "prefix"
-    load = variant(prefixed, "pd-load", DeviceKind.npu)
+    by_load = build_spec({}, {"hosts": "h1,h2", "model": "/models/qwen", "device_kind": "npu", "ptp": 4, "dtp": 4,
+                               "prefill": 2, "decode": 2, "routing": "load"})
+    assert flag(proxy_launch(by_load, plan, PATHS).argv, "--routing") == "load"
+    load = variant(spec, "pd-load", DeviceKind.npu)
     assert flag(proxy_launch(load, make_plan(load, INVENTORY_OF(plan)), PATHS).argv, "--routing") == "load"
 
 

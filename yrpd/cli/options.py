@@ -51,8 +51,8 @@ def spec_options(func: Callable) -> Callable:
                      help="dtype of compute and KV [auto: CPU hosts their fastest, else the model's]"),
         click.option("--proxy-port", type=int, metavar="N", help="proxy port on the master [8000]"),
         click.option("--routing", type=click.Choice(["load", "prefix"]),
-                     help="how the proxy picks an instance: load (fewest requests in flight) or prefix (where the "
-                          "prompt's prefix went before, bounded by load) [load]"),
+                     help="how the proxy picks an instance: prefix (cache-aware: where the prompt's unseen part plus "
+                          "the work queued there is least) or load (fewest requests in flight) [prefix]"),
         click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE", help="extra environment for services (repeatable)"),
         click.option("--env-path", metavar="DIR", help="use an environment already on the hosts; skip installs"),
     ]

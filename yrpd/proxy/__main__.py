@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "[%(default)g]")
     p.add_argument("--probe-interval", type=_positive, default=2.0, metavar="S",
                    help="seconds between /health probes of every instance [%(default)g]")
-    p.add_argument("--routing", choices=[r.value for r in Routing], default=Routing.load.value,
+    p.add_argument("--routing", choices=[r.value for r in Routing], default=Routing.prefix.value,
                    help="how an instance is chosen: load (fewest requests in flight) or prefix (cache-aware: a prefill "
                         "leg goes where the prompt's unseen part plus the work queued there is least) [%(default)s]")
     p.add_argument("--routing-bound", type=int, default=2, metavar="N",

@@ -71,7 +71,7 @@ class ProxyConfig:
     instance_token: str | None = None
     request_timeout: float = 600.0
     probe_interval: float = 2.0
-    routing: Routing = Routing.load
+    routing: Routing = Routing.prefix
     #: routing never picks an instance with this many more requests in flight than the least busy one
     routing_bound: int = 2
 
