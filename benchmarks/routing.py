@@ -1,7 +1,7 @@
 """Cache-aware (prefix) routing against load-only routing, 2 prefill instances, one run each (benchmark, not a test;
 issue 17).
 
-    .venv/bin/python benchmarks/routing.py [--decode 1|2] [--workload short|long] [--groups G] [--bound N]
+    .venv/bin/python benchmarks/routing.py [--decode 1|2] [--workload short|long] [--groups G] [--concurrency C] [--bound N]
                                            [--datasystem-mb MB] [--out-dir DIR] [--keep-logs DIR]
                                            [-- extra `yrpd bench run` options]
 
@@ -9,7 +9,7 @@ Fake hosts (root needed), one instance each, the 2 shared cores alternating: pre
 on h2 (core 1), decode-0 on h3 (core 0) and, with --decode 2 (the default), decode-1 on h4 (core 1); the real
 SmolLM2, max-model-len 2048, `routing: prefix` with `routing_bound` from --bound. Then one `yrpd bench run
 --targets pd,pd-load`: `pd` routes by prefix (as the spec says), `pd-load` by requests in flight alone; everything
-else is the same deployment. The workload: G groups (16) of 4 prompts sharing a prefix, shuffled, concurrency 2;
+else is the same deployment. The workload: G groups (16) of 4 prompts sharing a prefix, shuffled, --concurrency (2);
 `short`: 768-token prefixes, 64-token suffixes; `long`: 1,536-token prefixes, 16-token suffixes. Each instance's
 own KV pool is sized (for the dtype the plan picks) to hold half the groups' prefixes plus the requests running:
 an instance that gets every group evicts; one that gets half keeps its half. The data system gets
@@ -35,17 +35,16 @@ sys.path.insert(0, str(REPO))
 from tests.lab.fakehosts import FakeHostLab  # noqa: E402
 
 ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
-PROMPTS_PER_GROUP, CONCURRENCY = 4, 2
-COMMON = ["--prompts-per-group", str(PROMPTS_PER_GROUP), "--output-len", "4", "--max-concurrency", str(CONCURRENCY)]
+COMMON = ["--prompts-per-group", "4", "--output-len", "4"]
 WORKLOADS = {"short": (768, 64), "long": (1536, 16)}  # prefix, suffix tokens
 #: SmolLM2-135M's KV elements per token: 30 layers x 3 KV heads x 64 x 2 (K and V)
 KV_ELEMENTS_PER_TOKEN = 30 * 3 * 64 * 2
 BLOCK = 128  # vLLM CPU's default block size
 
 
-def pool_mb(groups: int, prefix: int, suffix: int, dtype: str) -> int:
+def pool_mb(groups: int, prefix: int, suffix: int, dtype: str, concurrency: int = 2) -> int:
     """An instance's KV pool: half the groups' prefixes, plus the whole prompts of the requests running."""
-    blocks = (groups // 2) * (prefix // BLOCK) + CONCURRENCY * -(-(prefix + suffix) // BLOCK)
+    blocks = (groups // 2) * (prefix // BLOCK) + concurrency * -(-(prefix + suffix) // BLOCK)
     return -(-blocks * BLOCK * KV_ELEMENTS_PER_TOKEN * (4 if dtype == "float32" else 2) // (1 << 20))
 
 
@@ -56,6 +55,7 @@ def main() -> int:
     parser.add_argument("--decode", type=int, choices=(1, 2), default=2, help="decode instances [%(default)s]")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="short", help="[%(default)s]")
     parser.add_argument("--groups", type=int, default=16, help="prompt groups sharing a prefix [%(default)s]")
+    parser.add_argument("--concurrency", type=int, default=2, help="requests in flight [%(default)s]")
     parser.add_argument("--datasystem-mb", type=int, default=1024,
                         help="data system memory per host; below the working set it evicts [%(default)s]")
     parser.add_argument("--keep-logs", type=Path, metavar="DIR",
@@ -92,7 +92,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
         dtype = json.loads(plan.stdout)["dtype"]["dtype"]
         prefix, suffix = WORKLOADS[args.workload]
         workload = ["--groups", str(args.groups), "--prefix-len", str(prefix), "--suffix-len", str(suffix),
-                    "--kv-cache-mb", str(pool_mb(args.groups, prefix, suffix, dtype))]
+                    "--max-concurrency", str(args.concurrency),
+                    "--kv-cache-mb", str(pool_mb(args.groups, prefix, suffix, dtype, args.concurrency))]
         try:
             if yrpd("deploy", *layout, *ssh):
                 return 1
