@@ -23,6 +23,10 @@ if "by_mode" in args:
             picked = fh.read().strip()
     except OSError:
         picked = "ds_only"
+    if picked not in args["by_mode"]:
+        print(f"{args['mode_file']} names mode {picked!r}; this deployment has "
+              f"{', '.join(sorted(args['by_mode']))} (run `yrpd deploy` again)", file=sys.stderr)
+        sys.exit(2)
     args = args["by_mode"][picked]
 deploy, logs = args["deploy"], args["logs"]
 session_file = os.path.join(deploy, "session.json")
@@ -365,7 +369,7 @@ def ancestors():
 def drop_data():
     """Remove what the stopped cluster kept on disk that no later session reads (the data system's rocksdb state,
     etcd's data, the disk tier under the session): about 0.5 GB per session. Its logs stay."""
-    import shutil  # here and in start/stop: `status`, run on every host at each `yrpd status`, needs neither
+    import shutil  # here, as subprocess in start/stop: `status`, run at each `yrpd status`, needs neither
     for path in glob.glob(os.path.join(deploy, "ds_*_*", "rocksdb")) + [os.path.join(deploy, "third_party", "etcd"),
                                                                       os.path.join(deploy, "ds-spill")]:
         shutil.rmtree(path, ignore_errors=True)

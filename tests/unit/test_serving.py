@@ -132,6 +132,11 @@ def test_hosts_sharing_env_root_unpack_the_bundle_at_once_and_all_succeed(tmp_pa
     (target / ".complete").unlink()
     (target / "yrpd" / "proxy" / "app.py").unlink()
     assert run_many(1) == [0] and (target / "yrpd" / "proxy" / "app.py").is_file() and (target / ".complete").is_file()
+    # a copy that fails half way (here: a corrupt bundle; on a host: a full disk) fails the step and marks nothing
+    broken = tmp_path / "lib" / "yrpd-y"
+    failed = subprocess.run(["bash", "-c", unpack_script(str(broken), "!corrupt!") + "\necho went on"],
+                            capture_output=True, text=True)
+    assert failed.returncode != 0 and "went on" not in failed.stdout and not broken.exists()
 
 
 def test_bench_single_targets_one_plain_instance_and_one_that_keeps_its_kv_in_the_data_system():

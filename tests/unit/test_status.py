@@ -143,5 +143,6 @@ def test_query_parts_run_in_one_interpreter_each_as_its_own_main_and_a_failed_pa
     failed = run(processes="a.py", serving="exits.py", cluster="raises.py")
     assert failed.returncode == 1 and json.loads(failed.stdout) == {"processes": {"a": 1}, "serving": None,
                                                                     "cluster": None}
-    assert "it broke" in failed.stderr and "raises.py: RuntimeError: no such thing" in failed.stderr
+    assert "it broke" in failed.stderr and "RuntimeError: no such thing" in failed.stderr
+    assert 'File "deploy_scripts/raises.py", line 1' in failed.stderr  # the part's own traceback
     assert failed.stderr.strip().endswith("status query: the serving, cluster part failed")

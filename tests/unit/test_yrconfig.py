@@ -338,6 +338,28 @@ def test_cluster_status_without_session_json_names_the_file_once_for_every_compo
     assert out.stderr.splitlines()[0] == f"etcd/ds_master/ds_worker: no {tmp_path}/session.json"
 
 
+def test_the_driver_takes_the_args_of_the_mode_the_host_picked_at_configure(tmp_path):
+    """cluster_mode auto: the status query carries both modes' args, the host's mode file picks one."""
+    full, ds_only = tmp_path / "full", tmp_path / "ds_only"
+    for d in (full, ds_only):
+        d.mkdir()
+    (full / "session.json").write_text(json.dumps({"components": {"etcd": {"pid": os.getpid()}}}))
+    mode_file = tmp_path / "mode"
+    by_mode = {m: {"action": "status", "deploy": str(d), "logs": str(d), "host_ip": "127.0.0.1", "ports": {}}
+               for m, d in (("full", full), ("ds_only", ds_only))}
+
+    def status():
+        args = {"mode_file": str(mode_file), "by_mode": by_mode}
+        return subprocess.run([sys.executable, str(YR_CLUSTER), json.dumps(args)], capture_output=True, text=True)
+
+    assert json.loads(status().stdout)["present"] is False  # no mode file yet: ds_only
+    mode_file.write_text("full\n")
+    assert json.loads(status().stdout)["components"]["etcd"]["alive"]
+    mode_file.write_text("fancy\n")
+    odd = status()
+    assert odd.returncode == 2 and "names mode 'fancy'; this deployment has ds_only, full" in odd.stderr
+
+
 # A stand-in for `yr start` (not yr: its hang cannot be triggered at will): it double-forks like yr's
 # SystemLauncher._daemonize, the daemon writes session.json naming itself as ds_worker, and the middle process then
 # hangs instead of exiting, which leaves the parent waiting for it, as yr's parent does (os.waitpid).

@@ -401,10 +401,12 @@ class Proxy:
                 continue
             if resp.status >= 500:
                 detail = b""
-                with contextlib.suppress(*_UPSTREAM_ERRORS):
-                    detail = await asyncio.wait_for(resp.read(), 5)
-                resp.close()
-                self.pool.release(lease)
+                try:
+                    with contextlib.suppress(*_UPSTREAM_ERRORS):
+                        detail = await asyncio.wait_for(resp.read(), 5)
+                finally:  # also when the client hangs up meanwhile (cancelled)
+                    resp.close()
+                    self.pool.release(lease)
                 problem = f"{role} instance {inst.url} answered {resp.status} {resp.reason}"
                 if detail:
                     problem += f": {detail[:300].decode(errors='replace')}"

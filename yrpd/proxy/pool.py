@@ -36,7 +36,8 @@ class Instance:
     def as_dict(self) -> dict:
         return {"url": self.url, "role": self.role, "up": self.up, "in_flight": self.in_flight,
                 "requests": self.requests, "errors": self.errors, "last_error": self.last_error,
-                "last_error_at": self.last_error_at, "prefix_routed": self.prefix_routed}
+                "last_error_at": self.last_error_at, "prefix_routed": self.prefix_routed,
+                "queued_chunks": round(self.queued, 1)}
 
 
 @dataclass(eq=False)
@@ -45,6 +46,8 @@ class Lease:
 
     instance: Instance
     work: float = 0.0
+    matched: int = 0  # leading prompt chunks the instance was sent before (prefix routing)
+    released: bool = False
 
 
 class Pool:
@@ -66,12 +69,17 @@ class Pool:
                 ) -> Lease | None:
         """Choose an up instance for one leg (see `select`) and count the leg on it until `release`."""
         lease = self._choose(role, exclude, prompt)
-        if lease is not None:
-            inst = lease.instance
-            inst.in_flight += 1
-            inst.requests += 1
-            inst.queued += lease.work
-            if inst.role == "prefill" and self.routing is Routing.prefix:
+        if lease is None:
+            return None
+        inst = lease.instance
+        inst.in_flight += 1
+        inst.requests += 1
+        inst.queued += lease.work
+        if self.routing is Routing.prefix and prompt is not None and prompt.chain:
+            if lease.matched:
+                inst.prefix_routed += 1
+            inst.memory.remember(prompt.chain)
+            if inst.role == "prefill":
                 for other in self.of("prefill"):
                     other.recent *= 1 - 1 / RECENT_LEGS
                 inst.recent += lease.work
@@ -79,13 +87,17 @@ class Pool:
 
     @staticmethod
     def release(lease: Lease) -> None:
+        """End a leg; a second release of the same lease does nothing."""
+        if lease.released:
+            return
+        lease.released = True
         inst = lease.instance
         inst.in_flight -= 1
         inst.queued = max(0.0, inst.queued - lease.work)
 
     def select(self, role: str, exclude: list[Instance] | tuple = (), prompt: Prompt | None = None
                ) -> Instance | None:
-        """The instance the next leg would go to, without counting a leg there.
+        """The instance the next leg would go to; nothing is counted or remembered.
 
         By load: the up instance with the fewest requests in flight (ties round robin). With prefix routing, a
         prefill leg goes where its prompt costs least (chunks not seen there, weighted, plus chunks queued there;
@@ -114,10 +126,7 @@ class Pool:
         else:
             chosen = min(within, key=lambda i: (i.in_flight, -matched[i]))
         work = prompt.work(matched[chosen]) if role == "prefill" else 0.0
-        if matched[chosen]:
-            chosen.prefix_routed += 1
-        chosen.memory.remember(prompt.chain)
-        return Lease(chosen, work)
+        return Lease(chosen, work, matched[chosen])
 
     def failed(self, inst: Instance, message: str, *, down: bool) -> None:
         """A request to `inst` failed; a dead-looking instance leaves the rotation until a probe brings it back."""

@@ -126,7 +126,7 @@ def host_python_parts(parts: dict[str, ScriptCall], python: str = "python3") -> 
     sources = {c.script: deploy_script(c.script) for c in parts.values()}
     calls = {name: [c.script, json.dumps(c.args, sort_keys=True)] for name, c in parts.items()}
     body = (
-        "import contextlib, io, json, sys\n"
+        "import contextlib, io, json, sys, traceback\n"
         f"SOURCES = {sources!r}\n"
         f"CALLS = {calls!r}\n"
         "answers, failed = {}, []\n"
@@ -137,8 +137,10 @@ def host_python_parts(parts: dict[str, ScriptCall], python: str = "python3") -> 
         "            exec(compile(SOURCES[script], 'deploy_scripts/' + script, 'exec'), {'__name__': '__main__'})\n"
         "    except SystemExit as e:\n"
         "        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)\n"
-        "    except Exception as e:\n"
-        "        print(f'{script}: {type(e).__name__}: {e}', file=sys.stderr)\n"
+        "        if not isinstance(e.code, (int, type(None))):\n"
+        "            print(e.code, file=sys.stderr)\n"
+        "    except Exception:\n"
+        "        traceback.print_exc()\n"
         "        code = 1\n"
         "    lines = [l for l in out.getvalue().splitlines() if l.startswith('{')]\n"
         "    answers[name] = json.loads(lines[-1]) if lines and code == 0 else None\n"
@@ -157,6 +159,7 @@ def host_python_parts(parts: dict[str, ScriptCall], python: str = "python3") -> 
         f'command -v {py} >/dev/null 2>&1 || {{ echo "{python} not found (PATH $PATH); install python3 (3.8+)" >&2; '
         "exit 127; }\n"
         f"{py} -S - <<'YRPD_SCRIPT_END'\n{body}YRPD_SCRIPT_END\n"
+        "status=$?; [ $status -eq 0 ] || exit $status\n"
     )
     shown = "; ".join(f"{name}: {python} deploy_scripts/{c.script} {json.dumps(c.args, sort_keys=True)}"
                       for name, c in parts.items())

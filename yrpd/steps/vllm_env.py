@@ -60,21 +60,30 @@ def bundle_archive(files: list[tuple[str, Path]]) -> tuple[str, str]:
 
 
 def unpack_script(target_dir: str, encoded: str) -> str:
-    """Shell lines that unpack a bundle to `target_dir` atomically and mark it complete."""
+    """Shell lines that unpack a bundle to `target_dir` atomically and mark it complete (a subshell: its `set -e`
+    stays inside)."""
     target = shlex.quote(target_dir)
-    return "\n".join([
+    stale = shlex.quote(f"{target_dir}.stale") + ".$$"
+    return "(\n" + "\n".join([
+        "set -e",  # a failed step (disk full) must not leave a bundle marked complete
         f"mkdir -p $(dirname {target})",
         f"tmp=$(mktemp -d {target}.tmp.XXXXXX)",
         f"base64 -d > \"$tmp/bundle.tgz\" <<'YRPD_BUNDLE_END'\n{encoded}\nYRPD_BUNDLE_END",
         "tar -xzf \"$tmp/bundle.tgz\" -C \"$tmp\" && rm \"$tmp/bundle.tgz\"",
         # rename is atomic: a concurrent or interrupted copy never leaves a half bundle at the final path. Hosts
         # that share env_root (NFS; the lab's fake hosts) unpack the same bundle at once: the first rename wins and
-        # the others find its complete copy (same content: the name is its digest) and drop their own
+        # the others keep its complete copy (same content: the name is its digest) and drop their own. A copy
+        # without the mark (an older yrpd's, interrupted) is set aside before ours takes its place.
         "chmod 755 \"$tmp\" && touch \"$tmp/.complete\"",
         f"if ! mv -T \"$tmp\" {target} 2>/dev/null; then",
-        f"  if [ -f {target}/.complete ]; then rm -rf \"$tmp\"; else rm -rf {target} && mv -T \"$tmp\" {target}; fi",
+        f"  if [ ! -f {target}/.complete ]; then",
+        f"    if mv -T {target} {stale} 2>/dev/null; then rm -rf {stale}; fi",
+        f"    mv -T \"$tmp\" {target} 2>/dev/null || true",
+        "  fi",
+        f"  [ -f {target}/.complete ]",
+        "  rm -rf \"$tmp\"",
         "fi",
-    ])
+    ]) + "\n)\nstatus=$?; [ $status -eq 0 ] || exit $status"  # not `|| exit`: bash ignores set -e inside a tested list
 
 
 def paths(ctx: StepContext) -> HostPaths:
