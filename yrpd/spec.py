@@ -375,8 +375,8 @@ class DeploySpec(BaseModel):
     #: prompt's chunks that instance was never sent (counted twice) plus the chunks queued there, so a request goes
     #: back to the instance that likely holds its prefix unless that one is busy with more than the prefix saves;
     #: `load` goes by requests in flight alone. Neither sends a leg to an instance `routing_bound` busier than the
-    #: least busy one. Default prefix: measured never slower than load and faster where the data system holds fewer
-    #: prefixes than are reused (docs/benchmarks.md, "Prefix routing")
+    #: least busy one. Default prefix: measured even with load routing where the data system holds every prefix, and
+    #: with half the prefill work where it holds fewer than are reused (docs/benchmarks.md, "Cache-aware")
     routing: Routing = Routing.prefix
     routing_bound: int = Field(2, ge=1, le=1000)
     #: address the proxy listens on; default the master's cluster address (127.0.0.1 for localhost)
