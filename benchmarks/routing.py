@@ -1,7 +1,8 @@
 """Cache-aware (prefix) routing against load-only routing, 2 prefill instances, one run each (benchmark, not a test;
 issue 17).
 
-    .venv/bin/python benchmarks/routing.py [--decode 1|2] [--workload short|long] [--groups G] [--concurrency C] [--bound N]
+    .venv/bin/python benchmarks/routing.py [--decode 1|2] [--workload short|long] [--groups G] [--concurrency C]
+                                           [--dtype auto|float32|bfloat16] [--bound N]
                                            [--datasystem-mb MB] [--out-dir DIR] [--keep-logs DIR]
                                            [-- extra `yrpd bench run` options]
 
@@ -56,6 +57,8 @@ def main() -> int:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="short", help="[%(default)s]")
     parser.add_argument("--groups", type=int, default=16, help="prompt groups sharing a prefix [%(default)s]")
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight [%(default)s]")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="the instances' dtype (auto: float32 for SmolLM2) [%(default)s]")
     parser.add_argument("--datasystem-mb", type=int, default=1024,
                         help="data system memory per host; below the working set it evicts [%(default)s]")
     parser.add_argument("--keep-logs", type=Path, metavar="DIR",
@@ -77,7 +80,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
         config = work / "yrpd.yaml"
         config.write_text("hosts:\n" + "".join(f"  - {{address: {h}, devices: [{i % 2}]}}\n"
                                                  for i, h in enumerate(hosts))
-                          + f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {ENV_ROOT}\n"
+                          + f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {ENV_ROOT}\ndtype: {args.dtype}\n"
                           f"datasystem_memory_mb: {args.datasystem_mb}\ncluster_mode: ds_only\n"
                           "engine_args: ['--max-model-len', '2048']\nrouting: prefix\n"
                           f"routing_bound: {args.bound}\n")

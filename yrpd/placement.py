@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from yrpd.demo import CPU_DTYPE
 from yrpd.errors import SpecError
 from yrpd.precision import DtypeChoice, choose
 from yrpd.spec import DeploySpec, DeviceKind, KvConnector, format_device_list
@@ -299,7 +300,8 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
             )
         )
     serving = {r.host for i in instances for r in i.ranks}
-    dtype = choose(spec.dtype, kind, {n: inventory[n].cpu_bf16 for n in host_names if n in serving})
+    dtype = choose(spec.dtype, kind, {n: inventory[n].cpu_bf16 for n in host_names if n in serving},
+                   CPU_DTYPE.get(spec.builtin_model or ""))
     return Plan(hosts=tuple(hosts), instances=tuple(instances), proxy_host=master, proxy_port=ports.proxy, dtype=dtype)
 
 

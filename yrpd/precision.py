@@ -29,12 +29,16 @@ class DtypeChoice:
         return self.dtype or "the model's"
 
 
-def choose(requested: Dtype, kind: DeviceKind, cpu_bf16: dict[str, bool | None]) -> DtypeChoice:
-    """`cpu_bf16`: for each host that runs an instance, whether its CPU has bf16 instructions (None: unknown)."""
+def choose(requested: Dtype, kind: DeviceKind, cpu_bf16: dict[str, bool | None],
+           pinned: tuple[str, str] | None = None) -> DtypeChoice:
+    """`cpu_bf16`: for each host that runs an instance, whether its CPU has bf16 instructions (None: unknown);
+    `pinned`: (dtype, why) of a model that must be served in that dtype on CPUs (yrpd.demo.CPU_DTYPE)."""
     if requested is not Dtype.auto:
         return DtypeChoice(requested.value, "set with --dtype")
     if kind is not DeviceKind.cpu:
         return DtypeChoice(None, "auto: the model's own dtype (vLLM's auto)")
+    if pinned is not None:
+        return DtypeChoice(pinned[0], f"auto: the model is served in {pinned[0]} on every CPU: {pinned[1]}")
     lacking = sorted(h for h, has in cpu_bf16.items() if has is False)
     unknown = sorted(h for h, has in cpu_bf16.items() if has is None)
     if lacking:

@@ -115,8 +115,7 @@ def model_path(spec: DeploySpec, paths: HostPaths) -> str:
 
 def builtin_model(spec: DeploySpec) -> str | None:
     """Name of the demo model to build on the hosts, if the spec asks for one."""
-    model = spec.model or (BUILTIN_MODEL if spec.is_embedded_default else None)
-    return model.removeprefix("builtin:") if model and model.startswith("builtin:") else None
+    return spec.builtin_model
 
 
 def host_of(plan: Plan, name: str) -> HostPlan:

@@ -313,7 +313,8 @@ class DeploySpec(BaseModel):
     #: builtin:bench-qwen2 (`--model`)
     model: str | None = None
     #: what the instances compute and keep KV in; auto = on CPU hosts the fastest dtype of their CPUs (float32
-    #: without AVX512-BF16/AMX, else bfloat16), elsewhere the model's own (`--dtype`)
+    #: without AVX512-BF16/AMX, else bfloat16; builtin:smollm2 float32 on every CPU, its answers need it),
+    #: elsewhere the model's own (`--dtype`)
     dtype: Dtype = Dtype.auto
     #: model name clients use; default the model directory's name (`--served-model-name`)
     served_model_name: str | None = None
@@ -435,6 +436,12 @@ class DeploySpec(BaseModel):
         from yrpd.versions import DEFAULT_ENV_ROOT
 
         return (self.env_path or DEFAULT_ENV_ROOT).rstrip("/")
+
+    @property
+    def builtin_model(self) -> str | None:
+        """Name of the built-in model the hosts build and serve, if the spec asks for one."""
+        model = self.model or (BUILTIN_MODEL if self.is_embedded_default else None)
+        return model.removeprefix("builtin:") if model and model.startswith("builtin:") else None
 
     @property
     def is_embedded_default(self) -> bool:

@@ -62,8 +62,20 @@ def test_plan_shows_the_chosen_dtype_and_why(yrpd, yrpd_home, tmp_path):
     """`yrpd plan --hosts localhost` reads this machine's CPU flags (the only probe it makes) and says."""
     flags = open("/proc/cpuinfo").read()
     has_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
-    shown = yrpd("plan", "--hosts", "localhost", check=0).stdout.splitlines()[1]
+    shown = yrpd("plan", "--hosts", "localhost", "--model", "builtin:tiny-qwen2", check=0).stdout.splitlines()[1]
     assert shown.startswith(f"dtype: {'bfloat16' if has_bf16 else 'float32'} - auto: "), shown
     assert shown.endswith("--dtype overrides")
+    embedded = yrpd("plan", "--hosts", "localhost", check=0).stdout.splitlines()[1]
+    assert embedded.startswith("dtype: float32 - auto: the model is served in float32 on every CPU"), embedded
     forced = yrpd("plan", "--hosts", "localhost", "--dtype", "bfloat16", check=0).stdout.splitlines()[1]
     assert forced == "dtype: bfloat16 - set with --dtype"
+
+
+def test_the_embedded_model_is_served_in_float32_on_every_cpu_unless_told():
+    """SmolLM2 in bfloat16 on an Intel CPU with AMX answered "What is the capital of France?" wrong (measured)."""
+    spec, plan = plan_for({"h1": True, "h2": True}, model="builtin:smollm2")
+    assert plan.dtype.dtype == "float32" and "4-bit GGUF" in plan.dtype.reason and dtype_flags(spec, plan) == {"float32"}
+    spec, plan = plan_for({"h1": True, "h2": True}, model="builtin:smollm2", dtype="bfloat16")
+    assert plan.dtype.dtype == "bfloat16"
+    spec, plan = plan_for({"h1": True, "h2": True}, model="builtin:tiny-qwen2")
+    assert plan.dtype.dtype == "bfloat16"  # random weights: nothing to answer right, the CPU's fastest

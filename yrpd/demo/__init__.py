@@ -12,5 +12,11 @@ BUILTIN_MODELS = {
     "bench-qwen2": ("yrpd.demo.tiny_model", "6-layer Qwen2 with random weights sized so CPU prefill dominates "
                                             "(benchmarks)"),
 }
+#: builtin models that `dtype: auto` serves in one dtype on every CPU, and why (else: the CPU's fastest)
+CPU_DTYPE = {
+    "smollm2": ("float32", "its weights come from a 4-bit GGUF, and in bfloat16 on an Intel CPU with AMX its greedy "
+                           "answers changed (\"What is the capital of France?\" was no longer Paris); in float32 it "
+                           "answered alike on every CPU tried"),
+}
 #: the model of the embedded default (`yrpd deploy --hosts localhost` with no --model)
 DEFAULT_BUILTIN = "smollm2"
