@@ -65,6 +65,12 @@ def _wait_counter(server, side: str, name: str, at_least: int, timeout: float = 
     return value
 
 
+def _handed_over_blocks(n: int) -> int:
+    """Blocks decode loads of an n-token prompt prefill handed over: the loadable full ones and the one holding
+    the rest of the prompt but its last token."""
+    return K.loadable_blocks(n, BLOCK_SIZE) + bool(K.handover_tail(n, BLOCK_SIZE))
+
+
 def test_sequential_prompts_match_single_instance(pd, reference):
     stack, ds, prefill, decode = pd
     prompts = make_prompts(SEQ_LENGTHS, seed=11)
@@ -75,12 +81,13 @@ def test_sequential_prompts_match_single_instance(pd, reference):
     for p, exp in zip(prompts, expected):
         got, params = pd_generate(prefill, decode, p, MAX_TOKENS)
         assert params["yrpd"]["num_blocks"] == len(p) // BLOCK_SIZE
+        assert params["yrpd"]["tail"] == K.handover_tail(len(p), BLOCK_SIZE)
         if got != exp:
             mismatches.append((len(p), exp, got))
     assert not mismatches, f"PD output differs from the single instance: {mismatches}"
 
-    # decode took the prompt KV from the external cache, not from recompute
-    want_tokens = sum(K.loadable_blocks(len(p), BLOCK_SIZE) * BLOCK_SIZE for p in prompts)
+    # decode took the prompt KV from the external cache, all but each prompt's last token, and computed that one
+    want_tokens = sum(len(p) - 1 for p in prompts)
     after = decode.metrics()
     hits = metric_sum(after, "vllm:external_prefix_cache_hits_total") - \
         metric_sum(before, "vllm:external_prefix_cache_hits_total")
@@ -88,11 +95,12 @@ def test_sequential_prompts_match_single_instance(pd, reference):
     by_source = metric_sum(after, "vllm:prompt_tokens_cached_by_source_total", source="host") - \
         metric_sum(before, "vllm:prompt_tokens_cached_by_source_total", source="host")
     assert by_source == want_tokens
-    loaded = _wait_counter(decode, "worker", "loaded_blocks", loaded_before + want_tokens // BLOCK_SIZE)
-    assert loaded - loaded_before == want_tokens // BLOCK_SIZE
+    want_blocks = sum(_handed_over_blocks(len(p)) for p in prompts)
+    loaded = _wait_counter(decode, "worker", "loaded_blocks", loaded_before + want_blocks)
+    assert loaded - loaded_before == want_blocks
     assert _counter(decode, "worker", "load_failed_blocks") == 0
     # our own counters also reach vLLM's /metrics
-    assert metric_sum(after, "vllm:yrpd_kv_loaded_blocks_total") >= want_tokens // BLOCK_SIZE
+    assert metric_sum(after, "vllm:yrpd_kv_loaded_blocks_total") >= want_blocks
 
 
 def test_concurrent_prompts_match_single_instance(pd, reference):
@@ -105,7 +113,7 @@ def test_concurrent_prompts_match_single_instance(pd, reference):
         results = [f.result(timeout=600) for f in futures]
     mismatches = [(len(p), exp, got) for p, exp, (got, _) in zip(prompts, expected, results) if got != exp]
     assert not mismatches, f"concurrent PD output differs: {mismatches}"
-    want_blocks = sum(K.loadable_blocks(len(p), BLOCK_SIZE) for p in prompts)
+    want_blocks = sum(_handed_over_blocks(len(p)) for p in prompts)
     loaded = _wait_counter(decode, "worker", "loaded_blocks", loaded_before + want_blocks)
     assert loaded - loaded_before == want_blocks
     assert prefill.healthy() and decode.healthy()

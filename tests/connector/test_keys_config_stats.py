@@ -87,6 +87,36 @@ def test_loadable_blocks_no_off_by_one(n, expected):
     assert expected * BS <= max(0, n - 1)
 
 
+@pytest.mark.parametrize("n,tail", [
+    (0, 0), (1, 0), (2, 1), (BS - 1, BS - 2), (BS, BS - 1),  # a prompt within one block: all but its last token
+    (BS + 1, 0),  # the loadable full block already ends one token short
+    (BS + 2, 1), (2 * BS, BS - 1), (700, 59),
+])
+def test_handover_leaves_exactly_one_prompt_token_to_compute(n, tail):
+    assert K.handover_tail(n, BS) == tail
+    assert K.loadable_blocks(n, BS) * BS + tail == max(0, n - 1)
+
+
+def test_tail_keys_name_exact_prompts_and_never_a_full_block():
+    toks = [random.Random(2).randrange(4096) for _ in range(700)]  # 5 full blocks and 60 tokens
+    chain = K.prefix_digests(toks, BS)
+    tail = K.handover_digest(toks, BS, chain)
+    assert tail == K.tail_digest(toks, BS, chain[-1]) and tail not in chain
+    # any token of the prompt, before or inside the partial block, changes it; so does the count
+    for i in (3, 5 * BS, 699):
+        other = list(toks)
+        other[i] = (other[i] + 1) % 4096
+        assert K.handover_digest(other, BS, K.prefix_digests(other, BS)) != tail
+    assert K.tail_digest(toks[:699], BS, chain[-1]) != tail
+    # a partial block of exactly one block's tokens would be a full block: refused, the full key names it
+    with pytest.raises(ValueError):
+        K.tail_digest(toks[:640], BS, chain[3])
+    assert K.handover_digest(toks[:640], BS, chain) == chain[4]
+    assert K.handover_digest(toks[:641], BS, chain) is None  # nothing of block 5 to take
+    # a prompt shorter than a block chains from the seed, with the request's identity
+    assert K.handover_digest(toks[:50], BS, []) != K.handover_digest(toks[:50], BS, [], extra=(("lora", "a"),))
+
+
 def test_saveable_range_under_chunked_prefill():
     prompt = 1000  # 7 full blocks (896 tokens) + 104 tokens
     chunks = [0, 320, 640, 960, 1000, 1001, 1002]  # budget 320 (chunks end mid-block), then decode steps

@@ -11,10 +11,15 @@ A block key names the KV of one full block of one layer group on one TP rank:
   identity, KV dtype, memory layout, block size, block shape, TP rank/size and layer group.
   Two models or layouts sharing one data system can never read each other's blocks.
 
-Only full blocks get keys. A request of n prompt tokens exposes at most
-`loadable_blocks(n, block_size)` = floor((n - 1) / block_size) blocks to a loader, because the
-engine must compute at least the last prompt token itself to get logits; for
+Full blocks are what any request with the same prefix can reuse. A request of n prompt tokens
+exposes at most `loadable_blocks(n, block_size)` = floor((n - 1) / block_size) of them to a loader,
+because the engine must compute at least the last prompt token itself to get logits; for
 n = k * block_size + 1 that is all k full blocks (no off-by-one).
+
+A prefill-to-decode hand-over also carries the block after those (`handover_tail`): decode takes
+all but the last prompt token from it and computes one token, not up to a block of them. When
+that block is a full one it is stored under its prefix key already; a partial last block gets a
+key of its own (`tail_digest`), made so that it can never equal a full block's.
 """
 
 from __future__ import annotations
@@ -138,6 +143,48 @@ def saveable_range(num_prompt_tokens: int, computed_before: int, computed_after:
     lo = full_blocks(min(computed_before, num_prompt_tokens), block_size)
     hi = full_blocks(min(computed_after, num_prompt_tokens), block_size)
     return range(lo, max(lo, hi))
+
+
+def handover_tail(num_prompt_tokens: int, block_size: int) -> int:
+    """Tokens a hand-over takes from the block after the `loadable_blocks`: every prompt token but the last,
+    so the receiving engine computes exactly one. 0 when the loadable blocks already end one token short."""
+    if num_prompt_tokens <= 1:
+        return 0
+    return (num_prompt_tokens - 1) % block_size
+
+
+def tail_digest(token_ids: Sequence[int], block_size: int, prev_digest: str | None = None,
+                extra: Sequence[object] | None = None) -> str:
+    """Digest of the block holding the prompt's last token, where it is a partial block (len % block_size != 0).
+
+    Chained from the last full block's digest (`prev_digest`, hex; the chain seed when the prompt has none) over
+    the partial block's tokens, behind a domain tag and the token count: a full block's digest hashes exactly
+    block_size token ids behind no tag, so the two never collide, and two prompts share a tail key only if they
+    are equal token for token."""
+    full = len(token_ids) // block_size
+    count = len(token_ids) - full * block_size
+    if count == 0:
+        raise ValueError("the prompt ends on a block boundary: its last block is a full block with a prefix key")
+    prev = bytes.fromhex(prev_digest) if prev_digest is not None else chain_seed(extra)
+    h = hashlib.sha256(b"yrpd-kv-tail-v1")
+    h.update(prev)
+    h.update(struct.pack("<I", count))
+    h.update(struct.pack(f"<{count}q", *token_ids[full * block_size:]))
+    return h.hexdigest()[:PREFIX_HEX]
+
+
+def handover_digest(token_ids: Sequence[int], block_size: int, full_digests: Sequence[str],
+                     extra: Sequence[object] | None = None) -> str | None:
+    """The key digest of the hand-over's last block (see `handover_tail`), or None when it carries none.
+
+    `full_digests`: the prompt's full-block digests so far (at least up to the tail block when it is full)."""
+    n = len(token_ids)
+    if handover_tail(n, block_size) == 0:
+        return None
+    index = (n - 1) // block_size
+    if (index + 1) * block_size <= n:  # the prompt ends on a block boundary: that block is a full one
+        return full_digests[index]
+    return tail_digest(token_ids, block_size, full_digests[index - 1] if index else None, extra)
 
 
 def leading_hits(exists: Iterable[bool]) -> int:

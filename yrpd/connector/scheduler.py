@@ -2,11 +2,13 @@
 
 * Producer: every step, for every scheduled request, the prompt blocks that became complete in this step
   (whatever the chunking) go into the step's metadata as (prefix digest, block id) pairs for the workers to
-  save; `request_finished` announces how many there were.
+  save; for a request prefill hands over to decode, so does the partial block holding the prompt's last token
+  once the prompt is computed (`keys.handover_tail`); `request_finished` announces what was saved.
 * Consumer: `get_num_new_matched_tokens` asks the data system which of the request's loadable blocks exist
   for all TP/PP ranks and promises only the leading run of present ones, waiting (answering None) up to
-  ready_wait_ms for blocks prefill announced but has not finished writing; `update_state_after_alloc` turns
-  the promise into the load plan of the next step's metadata.
+  ready_wait_ms for blocks prefill announced but has not finished writing. Where prefill announced the
+  hand-over's last block, it is promised too, so the engine computes one prompt token, not up to a block of
+  them. `update_state_after_alloc` turns the promise into the load plan of the next step's metadata.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class _ReqState:
     block_ids: list = field(default_factory=list)
     saved_upto: int = 0
     digests: list = field(default_factory=list)
+    tail_saved: bool = False  # the hand-over's partial last block is in a save plan
 
     def digests_upto(self, n: int, block_size: int) -> list:
         if len(self.digests) < n:
@@ -52,6 +55,13 @@ class _Lookup:
     checked_at: float = 0.0
     first_at: float = 0.0
     announced: int = 0  # blocks prefill said it handed over (PD); 0 for a request that came to this instance alone
+    tail: int = 0  # tokens of the hand-over's last block prefill announced (keys.handover_tail); 0: none
+    tail_digest: str | None = None
+    tail_hit: bool = False  # every loadable block and that last block are there (local or in the data system)
+
+    def complete(self) -> bool:
+        """Everything prefill announced is visible (nothing is, when it announced nothing)."""
+        return self.start + self.hits >= self.announced and (not self.tail or self.tail_hit)
 
 
 def _request_extra(lora_request: Any, cache_salt: Any, mm_ids: list) -> tuple:
@@ -94,6 +104,7 @@ class ConnectorScheduler(ConnectorHalf):
         self._states: dict[str, _ReqState] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._loaded_upto: dict[str, int] = {}
+        self._handover: set[str] = set()  # producer: requests whose KV goes on to a decode instance
         self._pending_loads: list[BlockOp] = []
         self._refused_logged: dict[str, float] = {}
         self._rank_ns = [ctx.namespace(t, p).digest for p in range(ctx.pp_size) for t in range(ctx.tp_size)]
@@ -145,23 +156,30 @@ class ConnectorScheduler(ConnectorHalf):
             logger.error("yrpd connector: refusing the KV prefill computed for %s (%s): recomputing the prompt; "
                          "deploy prefill and decode with the same model and --dtype", req_id, mismatch)
 
-    def _announced_blocks(self, request: "Request") -> int:
+    def _announced(self, request: "Request", num_tokens: int) -> tuple[int, int]:
+        """(full blocks, tokens of the last block) prefill said it handed over; (0, 0) when nothing usable."""
         params = getattr(request, "kv_transfer_params", None) or {}
         info = params.get("yrpd") if isinstance(params, dict) else None
         if not isinstance(info, dict):
-            return 0
+            return 0, 0
         mismatch = self._handoff_mismatch(info)
         if mismatch:
             self._refuse_handoff(request.request_id, mismatch)
-            return 0
+            return 0, 0
         if info.get("ns") and info.get("ns") != ",".join(self._rank_ns):
-            return 0  # produced under another namespace: those keys will never show up here
+            return 0, 0  # produced under another namespace: those keys will never show up here
         try:
-            return max(0, int(info.get("num_blocks", 0)))
+            blocks, tail = max(0, int(info.get("num_blocks", 0))), int(info.get("tail", 0))
         except (TypeError, ValueError):
-            return 0
+            return 0, 0
+        # a tail for another prompt length cannot be this request's (a producer without tails sends none)
+        return blocks, tail if tail == K.handover_tail(num_tokens, self.block_size) else 0
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
+        if self._active and self.cfg.is_producer:
+            params = getattr(request, "kv_transfer_params", None)
+            if isinstance(params, dict) and params.get("do_remote_decode"):
+                self._handover.add(request.request_id)
         if not self._loads or self._conn is None:
             return 0, False
         elig = _eligible(request)
@@ -171,20 +189,20 @@ class ConnectorScheduler(ConnectorHalf):
         bs = self.block_size
         n_max = K.loadable_blocks(len(tokens), bs)
         start = num_computed_tokens // bs
-        if n_max <= start:
+        announced, tail = self._announced(request, len(tokens))
+        announced = min(announced, n_max)
+        if n_max < start or (n_max == start and not tail):
             return 0, False
         req_id = request.request_id
         now = time.monotonic()
         lk = self._lookups.get(req_id)
         if lk is not None and lk.start != start:
             lk = None
-        announced = min(self._announced_blocks(request), n_max)
 
         def may_wait(since: float) -> bool:
             return self._can_wait and (now - since) * 1000.0 < self.cfg.ready_wait_ms
 
-        if lk is not None and start + lk.hits < announced and may_wait(lk.first_at) \
-                and now - lk.checked_at < _POLL_S:
+        if lk is not None and not lk.complete() and may_wait(lk.first_at) and now - lk.checked_at < _POLL_S:
             return None, False  # still waiting; do not hammer the data system
         if not self._conn.healthy:
             # the data system is away: recompute, and count it, or status would show no sign of the lost reuse
@@ -192,24 +210,30 @@ class ConnectorScheduler(ConnectorHalf):
             self._lookups.pop(req_id, None)
             return 0, False
         t0 = time.perf_counter()
-        digests = lk.digests if (lk is not None and len(lk.digests) >= n_max) else \
-            K.prefix_digests(tokens, bs, n_max, extra)
+        if lk is not None:
+            digests, tail_digest = lk.digests, lk.tail_digest
+        else:
+            chain = K.prefix_digests(tokens, bs, n_max + 1, extra)  # the hand-over's last block may be a full one
+            digests = chain[:n_max]
+            tail_digest = K.handover_digest(tokens, bs, chain, extra) if tail else None
         try:
-            present = self._exists_all_ranks(digests[start:n_max])
+            present = self._exists_all_ranks(digests[start:n_max] + ([tail_digest] if tail_digest else []))
         except (TransportError, KeyError) as e:
             self.stats.inc("lookup_errors")
             logger.debug("yrpd connector: lookup for %s failed: %s", req_id, e)
             self._lookups.pop(req_id, None)
             return 0, False
         self.stats.observe("lookup", (time.perf_counter() - t0) * 1000.0)
-        hits = K.leading_hits(present)
+        hits = K.leading_hits(present[:n_max - start])
         first_at = lk.first_at if lk is not None else now
-        self._lookups[req_id] = _Lookup(start, hits, digests, now, first_at, announced)
-        if start + hits < announced and may_wait(first_at):
+        new = _Lookup(start, hits, digests, now, first_at, announced, tail, tail_digest,
+                      tail_hit=bool(tail_digest) and start + hits == n_max and present[-1])
+        self._lookups[req_id] = new
+        if not new.complete() and may_wait(first_at):
             if lk is None:
                 self.stats.inc("lookup_waits")
-            return None, False  # prefill announced more blocks than are visible yet: ask again soon
-        return hits * bs, False
+            return None, False  # prefill announced more than is visible yet: ask again soon
+        return hits * bs + (tail if new.tail_hit else 0), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         req_id = request.request_id
@@ -219,29 +243,31 @@ class ConnectorScheduler(ConnectorHalf):
                 self._count_lookup(lk, 0)
             return
         bs = self.block_size
-        n = num_external_tokens // bs
+        n, tail = divmod(num_external_tokens, bs)
         block_ids = list(blocks.get_block_ids()[0])
-        if lk is None or lk.hits < n or num_external_tokens % bs:
+        if lk is None or lk.hits < n or (tail and not (lk.tail_hit and tail == lk.tail and n == lk.hits)):
             # We never promised this: make the worker report the blocks as failed (recompute).
             start = (lk.start if lk is not None else 0)
             logger.warning("yrpd connector: unexpected external load of %d tokens for %s; reporting as failed",
                            num_external_tokens, req_id)
-            self._pending_loads.append(BlockOp(req_id, [], block_ids[start:start + max(1, n)]))
+            self._pending_loads.append(BlockOp(req_id, [], block_ids[start:start + max(1, n + bool(tail))]))
             return
-        self._count_lookup(lk, n)
-        self._pending_loads.append(BlockOp(req_id, lk.digests[lk.start:lk.start + n],
-                                           block_ids[lk.start:lk.start + n]))
+        self._count_lookup(lk, n, bool(tail))
+        # The last block is copied whole: the slots past the tokens taken are rewritten before anything reads them.
+        self._pending_loads.append(BlockOp(req_id, lk.digests[lk.start:lk.start + n] + ([lk.tail_digest] if tail else []),
+                                           block_ids[lk.start:lk.start + n + bool(tail)]))
         self._loaded_upto[req_id] = lk.start + n
 
-    def _count_lookup(self, lk: _Lookup, used: int) -> None:
-        asked = len(lk.digests) - lk.start
+    def _count_lookup(self, lk: _Lookup, used: int, used_tail: bool = False) -> None:
+        asked = len(lk.digests) - lk.start + bool(lk.tail_digest)
         self.stats.inc("lookup_requests")
         self.stats.inc("lookup_blocks", asked)
-        self.stats.inc("lookup_hit_blocks", used)
-        self.stats.inc("lookup_miss_blocks", asked - used)
+        self.stats.inc("lookup_hit_blocks", used + used_tail)
+        self.stats.inc("lookup_miss_blocks", asked - used - used_tail)
         # Counted here, once per allocated request (a lookup is repeated while vLLM cannot allocate): blocks prefill
         # handed over that this instance computes again, because the data system evicted them or they came late.
-        self.stats.inc("handoff_missed_blocks", max(0, lk.announced - lk.start - used))
+        self.stats.inc("handoff_missed_blocks", max(0, lk.announced - lk.start - used)
+                       + (1 if lk.tail and not used_tail else 0))
 
     # -- both roles: the step's metadata ---------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> YuanrongConnectorMetadata:
@@ -262,6 +288,7 @@ class ConnectorScheduler(ConnectorHalf):
             prev = self._states.get(new_req.req_id)
             if prev is not None:
                 st.saved_upto = max(st.saved_upto, prev.saved_upto)
+            st.tail_saved = prev is not None and prev.tail_saved
             self._states[new_req.req_id] = st
             self._emit_saves(st, new_req.num_computed_tokens + num_sched.get(new_req.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -284,25 +311,37 @@ class ConnectorScheduler(ConnectorHalf):
     def _emit_saves(self, st: _ReqState, computed_after: int, meta: YuanrongConnectorMetadata) -> None:
         bs = self.block_size
         rng = K.saveable_range(len(st.token_ids), st.saved_upto * bs, computed_after, bs)
-        if not rng:
-            return
-        hi = min(rng.stop, len(st.block_ids))
-        if hi <= st.saved_upto:
-            return
-        digests = st.digests_upto(hi, bs)
-        meta.saves.append(BlockOp(st.req_id, digests[st.saved_upto:hi], st.block_ids[st.saved_upto:hi]))
-        st.saved_upto = hi
+        hi = min(rng.stop, len(st.block_ids)) if rng else st.saved_upto
+        if hi > st.saved_upto:
+            digests = st.digests_upto(hi, bs)
+            meta.saves.append(BlockOp(st.req_id, digests[st.saved_upto:hi], st.block_ids[st.saved_upto:hi]))
+            st.saved_upto = hi
+        n = len(st.token_ids)
+        index = n // bs  # the partial block holding the last prompt token (a full one was saved above)
+        if (st.req_id in self._handover and not st.tail_saved and K.handover_tail(n, bs) and n % bs
+                and computed_after >= n and st.saved_upto == index and index < len(st.block_ids)):
+            prev = st.digests_upto(index, bs)[-1] if index else None
+            meta.saves.append(BlockOp(st.req_id, [K.tail_digest(st.token_ids, bs, prev, st.extra)],
+                                      [st.block_ids[index]]))
+            st.tail_saved = True
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         req_id = request.request_id
         st = self._states.pop(req_id, None)
         self._lookups.pop(req_id, None)
         self._loaded_upto.pop(req_id, None)
+        self._handover.discard(req_id)
         if not (self._active and self.cfg.is_producer):
             return False, None
         if self.cfg.role == "kv_both" and getattr(request, "kv_transfer_params", None) is None:
             return False, None
         n = st.saved_upto if st is not None else 0
+        tail = 0
+        if st is not None:  # the hand-over's last block: the partial one saved, or the prompt's last full block
+            num_tokens, bs = len(st.token_ids), self.block_size
+            if st.tail_saved or (num_tokens % bs == 0 and n * bs >= num_tokens):
+                tail = K.handover_tail(num_tokens, bs)
         # what the consumer checks before trusting the hand-over (namespaces alone cannot say what differs)
-        return False, {"yrpd": {"num_blocks": n, "block_size": self.block_size, "ns": ",".join(self._rank_ns),
-                                "kv_dtype": self.ctx.kv_dtype, "model": self.ctx.model_identity}}
+        return False, {"yrpd": {"num_blocks": n, "tail": tail, "block_size": self.block_size,
+                                "ns": ",".join(self._rank_ns), "kv_dtype": self.ctx.kv_dtype,
+                                "model": self.ctx.model_identity}}

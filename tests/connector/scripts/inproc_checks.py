@@ -224,6 +224,96 @@ def consumer_waits_for_announced_blocks_then_gives_up(env: Env):
     c.shutdown()
 
 
+@check
+def producer_hands_over_the_partial_last_block(env: Env):
+    c = env.connector("kv_producer", "scheduler")
+    toks = tokens(700, 21)  # 5 full blocks and 60 tokens
+    want = K.prefix_digests(toks, BS)
+    hand = request("t1", toks, {"do_remote_decode": True})
+    assert c.get_num_new_matched_tokens(hand, 0) == (0, False)  # a producer loads nothing; it notes the hand-over
+    m1 = c.build_connector_meta(sched_output(new=[new_req("t1", toks, [1, 2, 3, 4, 5, 6], 0)], num_sched={"t1": 640}))
+    assert [(op.block_ids, op.digests) for op in m1.saves] == [([1, 2, 3, 4, 5], want)]
+    m2 = c.build_connector_meta(sched_output(cached=[("t1", None, 640)], num_sched={"t1": 60}))
+    assert [(op.block_ids, op.digests) for op in m2.saves] == [([6], [K.tail_digest(toks, BS, want[-1])])]
+    assert c.build_connector_meta(sched_output(cached=[("t1", None, 700)], num_sched={"t1": 1})).saves == []
+    _, params = c.request_finished(hand, [])
+    assert params["yrpd"]["num_blocks"] == 5 and params["yrpd"]["tail"] == 59
+    # a request that stays on this instance: its partial block is neither saved nor announced
+    plain = request("t2", toks[:650])
+    c.get_num_new_matched_tokens(plain, 0)
+    m = c.build_connector_meta(sched_output(new=[new_req("t2", toks[:650], range(7, 13), 0)], num_sched={"t2": 650}))
+    assert [op.block_ids for op in m.saves] == [[7, 8, 9, 10, 11]]
+    assert c.request_finished(plain, [])[1]["yrpd"]["tail"] == 0
+    # on a block boundary the hand-over's last block is the last full one: nothing more to save
+    edge = request("t3", toks[:640], {"do_remote_decode": True})
+    c.get_num_new_matched_tokens(edge, 0)
+    m = c.build_connector_meta(sched_output(new=[new_req("t3", toks[:640], range(20, 25), 0)], num_sched={"t3": 640}))
+    assert [op.block_ids for op in m.saves] == [[20, 21, 22, 23, 24]]
+    assert c.request_finished(edge, [])[1]["yrpd"]["tail"] == BS - 1
+    # one token past a boundary: decode computes that token and takes nothing of its block
+    past = request("t4", toks[:641], {"do_remote_decode": True})
+    c.get_num_new_matched_tokens(past, 0)
+    m = c.build_connector_meta(sched_output(new=[new_req("t4", toks[:641], range(30, 36), 0)], num_sched={"t4": 641}))
+    assert [op.block_ids for op in m.saves] == [[30, 31, 32, 33, 34]]
+    assert c.request_finished(past, [])[1]["yrpd"]["tail"] == 0
+    c.shutdown()
+
+
+@check
+def consumer_computes_one_prompt_token_of_a_handed_over_prompt(env: Env):
+    env.ds.store.clear()
+    c = env.connector("kv_consumer", "scheduler", ready_wait_ms=300)
+    sch = c.connector_scheduler
+    ns = sch._rank_ns[0]
+    toks = tokens(700, 22)
+    chain = K.prefix_digests(toks, BS)
+    tail = K.tail_digest(toks, BS, chain[-1])
+    for d in chain:
+        env.ds.store[K.key_for(ns, d)] = FakeKVClient.Buf(8)
+    params = {"yrpd": {"num_blocks": 5, "tail": 59, "ns": ",".join(sch._rank_ns)}}
+    req = request("u1", toks, params)
+    assert c.get_num_new_matched_tokens(req, 0) == (None, False)  # the last block is still being written
+    env.ds.store[K.key_for(ns, tail)] = FakeKVClient.Buf(8)
+    time.sleep(0.02)
+    assert c.get_num_new_matched_tokens(req, 0) == (699, False)
+    c.update_state_after_alloc(req, blocks_of(range(20, 26)), 699)
+    assert [(op.block_ids, op.digests) for op in c.build_connector_meta(sched_output()).loads] == \
+        [(list(range(20, 26)), chain + [tail])]
+    # every full block held here already: only the last block is loaded
+    req2 = request("u2", toks, params)
+    assert c.get_num_new_matched_tokens(req2, 5 * BS) == (59, False)
+    c.update_state_after_alloc(req2, blocks_of(range(30, 36)), 59)
+    assert [(op.block_ids, op.digests) for op in c.build_connector_meta(sched_output()).loads] == [([35], [tail])]
+    # a tail announced for another prompt length is not this request's: not waited for, not loaded
+    odd = {"yrpd": {**params["yrpd"], "tail": 12}}
+    assert c.get_num_new_matched_tokens(request("u3", toks, odd), 0) == (5 * BS, False)
+    # on a block boundary the last full block carries all but its last token
+    edge = {"yrpd": {"num_blocks": 5, "tail": BS - 1, "ns": params["yrpd"]["ns"]}}
+    req4 = request("u4", toks[:640], edge)
+    assert c.get_num_new_matched_tokens(req4, 0) == (639, False)
+    c.update_state_after_alloc(req4, blocks_of(range(40, 45)), 639)
+    assert [(op.block_ids, op.digests) for op in c.build_connector_meta(sched_output()).loads] == \
+        [(list(range(40, 45)), chain)]
+    # a last block that never shows up: after ready_wait_ms the full blocks alone, the last one counted as lost
+    missed = c.stats.get("handoff_missed_blocks")
+    toks5 = tokens(700, 23)
+    for d in K.prefix_digests(toks5, BS):
+        env.ds.store[K.key_for(ns, d)] = FakeKVClient.Buf(8)
+    req5 = request("u5", toks5, params)
+    res = c.get_num_new_matched_tokens(req5, 0)
+    while res[0] is None:
+        time.sleep(0.02)
+        res = c.get_num_new_matched_tokens(req5, 0)
+    assert res == (5 * BS, False)
+    c.update_state_after_alloc(req5, blocks_of(range(50, 56)), 5 * BS)
+    assert c.stats.get("handoff_missed_blocks") == missed + 1
+    assert [op.block_ids for op in c.build_connector_meta(sched_output()).loads] == [list(range(50, 55))]
+    # vLLM allocating a tail the connector did not promise: reported as failed, recomputed
+    c.update_state_after_alloc(request("u6", toks, params), blocks_of(range(60, 66)), 699)
+    assert c.build_connector_meta(sched_output()).loads[0].digests == []
+    c.shutdown()
+
+
 def vllm_0_10(relpath: str):
     """A module of vLLM 0.10.0's own source (the vllm-ascend v0.10 images run it), loaded from its sdist under
     a private name; its imports resolve to the installed vLLM, which has what these modules need."""
