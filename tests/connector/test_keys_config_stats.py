@@ -156,6 +156,9 @@ def test_config_defaults_and_roles():
     assert c.is_producer and c.is_consumer and c.delete_after_load and c.ttl_seconds == 30
     assert c.stats_path("worker", 3) == "/tmp/s-worker-3.json"
     assert parse_config("kv_consumer", {}, env={"YRPD_DS_ADDRESS": "[::1]:9"}).ds_host == "::1"
+    # vLLM's 1 s busy wait is cut to 2 ms on CPU unless told otherwise; negative leaves vLLM's own
+    assert c.cpu_spin_ms == 2.0
+    assert parse_config("kv_both", {"ds_address": "h:1", "cpu_spin_ms": "-1"}, env={}).cpu_spin_ms == -1.0
 
 
 @pytest.mark.parametrize("role,extra", [
@@ -167,6 +170,7 @@ def test_config_defaults_and_roles():
     ("kv_producer", {"ds_address": "h:1", "ttl_seconds": -1}),
     ("kv_producer", {"ds_address": "h:1", "delete_after_load": "maybe"}),
     ("kv_producer", {"ds_address": "h:1", "transport": "rdma"}),
+    ("kv_producer", {"ds_address": "h:1", "cpu_spin_ms": "soon"}),
     ("kv_producer", {"ds_address": "h:1", "max_batch_keys": 5000}),
 ])
 def test_config_rejects_bad_input(role, extra):

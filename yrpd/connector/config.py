@@ -25,6 +25,8 @@ Keys (all optional except the data system address):
                         background writer falls this far behind, further saves are dropped (counted)
   transport             "auto" (default), "host" (KVClient) or "npu" (DsTensorClient)
   device_id             NPU device index for the npu transport (default: the tensor's device)
+  cpu_spin_ms           CPU instances only: how long vLLM's message-queue readers spin after a message before
+                        they sleep (default 2; vLLM's own is 1 s; negative leaves vLLM's; see cpu_spin.py)
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class ConnectorConfig:
     staging_mb: int = 1024
     transport: str = "auto"
     device_id: int | None = None
+    cpu_spin_ms: float = 2.0
     unknown: dict = field(default_factory=dict)
 
     @property
@@ -121,7 +124,7 @@ class ConnectorConfig:
 _KNOWN = {
     "ds_address", "ds_host", "ds_port", "model_id", "namespace", "ttl_seconds", "evictable", "delete_after_load", "save_sync",
     "ready_wait_ms", "connect_timeout_ms", "request_timeout_ms", "retry_backoff_s", "exclusive_connection",
-    "stats_interval_s", "stats_file", "max_batch_keys", "staging_mb", "transport", "device_id",
+    "stats_interval_s", "stats_file", "max_batch_keys", "staging_mb", "transport", "device_id", "cpu_spin_ms",
 }
 
 
@@ -167,6 +170,7 @@ def parse_config(role: str | None, extra: Mapping[str, Any] | None, env: Mapping
         staging_mb=_num(extra.get("staging_mb", 1024), "staging_mb", int, 1),
         transport=transport,
         device_id=(None if extra.get("device_id") is None else _num(extra["device_id"], "device_id", int, 0)),
+        cpu_spin_ms=_num(extra.get("cpu_spin_ms", 2.0), "cpu_spin_ms", float),
         unknown={k: v for k, v in extra.items() if k not in _KNOWN},
     )
     if cfg.max_batch_keys >= 2000:

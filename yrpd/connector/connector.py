@@ -16,13 +16,16 @@ Flow (see docs/dev/connector.md for the design notes):
   are copied out of the paged cache into one staging tensor (a plain memcpy, so the engine may
   reuse the blocks right after) and a background thread writes them to the data system
   (`exist` -> skip present keys -> `mcreate` -> copy -> `mset_buffer`, with a TTL).
-  `request_finished` returns {"yrpd": {"num_blocks": n, "ns": ...}} as kv_transfer_params.
+  A request handed over to decode also saves its partial last block. `request_finished` returns
+  {"yrpd": {"num_blocks": n, "tail": t, "ns": ...}} as kv_transfer_params.
 * Consumer, scheduler side: `get_num_new_matched_tokens` asks the data system which of the
   request's loadable blocks exist (all TP/PP ranks) and promises only the leading run of present
   blocks. If prefill announced more blocks than are visible yet, the request waits (returns None)
   for at most ready_wait_ms. Worker side, `start_load_kv` copies the blocks into the paged cache
   before the forward; any block that cannot be read is reported through
   `get_block_ids_with_load_errors` and vLLM recomputes it (policy forced to "recompute").
+
+On CPU, both halves also cap vLLM's 1 s busy wait after each queue message in their process (cpu_spin.py).
 
 vLLM builds one instance per role, and the two never share state, so this class only holds one half
 (`scheduler.ConnectorScheduler` or `worker.ConnectorWorker`) and hands each hook to it. What depends on
@@ -44,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 # yrpd.connector exports YuanrongConnectorMetadata lazily from this module; BlockOp stays beside it
 from yrpd.connector.common import BlockOp, YuanrongConnectorMetadata  # noqa: F401
 from yrpd.connector.common import ConnectorContext, attach_vllm_logging
+from yrpd.connector.cpu_spin import cap_spin
 from yrpd.connector.scheduler import ConnectorScheduler
 from yrpd.connector.stats import ConnectorStats
 from yrpd.connector.worker import ConnectorWorker
@@ -89,6 +93,15 @@ def can_recompute(base: type) -> bool:
 _CAN_RECOMPUTE = can_recompute(KVConnectorBase_V1)
 
 
+def _on_cpu() -> bool:
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # noqa: BLE001
+        return False
+
+
 class YuanrongConnector(KVConnectorBase_V1):
     """vLLM KV connector storing content-addressed KV blocks in the openYuanrong data system."""
 
@@ -105,6 +118,8 @@ class YuanrongConnector(KVConnectorBase_V1):
         self._last_vllm_stats: dict[str, int] = {}
         self._stats_lock = threading.Lock()
         ctx = ConnectorContext(vllm_config, kv_cache_config)
+        if ctx.cfg.cpu_spin_ms >= 0 and _on_cpu():
+            cap_spin(ctx.cfg.cpu_spin_ms / 1000.0)
         self.connector_scheduler: ConnectorScheduler | None = None
         self.connector_worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -314,6 +314,37 @@ def consumer_computes_one_prompt_token_of_a_handed_over_prompt(env: Env):
     c.shutdown()
 
 
+@check
+def cpu_spin_is_capped_and_an_idle_reader_still_wakes(env: Env):
+    import threading
+
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition
+
+    c = env.connector("kv_consumer", "scheduler")  # vLLM's CPU platform: the connector caps the spin here
+    assert getattr(SpinCondition.wait, "_yrpd_spin_cap_s", None) == 0.002
+    writer = MessageQueue(1, 1)
+    handle = writer.export_handle()
+    got: list = []
+
+    def read():
+        reader = MessageQueue.create_from_handle(handle, 0)
+        reader.wait_until_ready()
+        got.extend(reader.dequeue(timeout=10) for _ in range(2))
+        got.append(reader._spin_condition.busy_loop_s)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    writer.wait_until_ready()
+    writer.enqueue("first")
+    time.sleep(0.3)  # far past the 2 ms cap: the reader sleeps on vLLM's notification socket by now
+    t0 = time.monotonic()
+    writer.enqueue("second")
+    t.join(15)
+    assert got == ["first", "second", 0.002], got  # no message lost, and the reader made before the cap is capped
+    assert time.monotonic() - t0 < 5, "the idle reader was not woken by the write"
+    c.shutdown()
+
+
 def vllm_0_10(relpath: str):
     """A module of vLLM 0.10.0's own source (the vllm-ascend v0.10 images run it), loaded from its sdist under
     a private name; its imports resolve to the installed vLLM, which has what these modules need."""
