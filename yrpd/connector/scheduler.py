@@ -57,11 +57,14 @@ class _Lookup:
     announced: int = 0  # blocks prefill said it handed over (PD); 0 for a request that came to this instance alone
     tail: int = 0  # tokens of the hand-over's last block prefill announced (keys.handover_tail); 0: none
     tail_digest: str | None = None
-    tail_hit: bool = False  # every loadable block and that last block are there (local or in the data system)
+    tail_seen: bool = False  # that last block is in the data system
+    tail_hit: bool = False  # ... and so is every loadable block before it (or this instance holds them)
 
     def complete(self) -> bool:
-        """Everything prefill announced is visible (nothing is, when it announced nothing)."""
-        return self.start + self.hits >= self.announced and (not self.tail or self.tail_hit)
+        """Nothing more of what prefill announced can still appear. Prefill's saver writes a request's blocks in
+        order and its last block last, so once that one is visible a block still missing was evicted or failed,
+        not late: waiting longer would only delay the recompute."""
+        return self.tail_seen or (self.start + self.hits >= self.announced and not self.tail)
 
 
 def _request_extra(lora_request: Any, cache_salt: Any, mm_ids: list) -> tuple:
@@ -226,8 +229,9 @@ class ConnectorScheduler(ConnectorHalf):
         self.stats.observe("lookup", (time.perf_counter() - t0) * 1000.0)
         hits = K.leading_hits(present[:n_max - start])
         first_at = lk.first_at if lk is not None else now
+        seen = bool(tail_digest) and present[-1]
         new = _Lookup(start, hits, digests, now, first_at, announced, tail, tail_digest,
-                      tail_hit=bool(tail_digest) and start + hits == n_max and present[-1])
+                      tail_seen=seen, tail_hit=seen and start + hits == n_max)
         self._lookups[req_id] = new
         if not new.complete() and may_wait(first_at):
             if lk is None:

@@ -308,6 +308,19 @@ def consumer_computes_one_prompt_token_of_a_handed_over_prompt(env: Env):
     c.update_state_after_alloc(req5, blocks_of(range(50, 56)), 5 * BS)
     assert c.stats.get("handoff_missed_blocks") == missed + 1
     assert [op.block_ids for op in c.build_connector_meta(sched_output()).loads] == [list(range(50, 55))]
+    # the last block is there but a block before it is not: prefill writes the last block last, so that one was
+    # evicted, not late; decode takes the blocks before the hole at once instead of waiting ready_wait_ms for it
+    toks7 = tokens(700, 24)
+    chain7 = K.prefix_digests(toks7, BS)
+    for d in chain7[:2] + chain7[3:]:
+        env.ds.store[K.key_for(ns, d)] = FakeKVClient.Buf(8)
+    env.ds.store[K.key_for(ns, K.tail_digest(toks7, BS, chain7[-1]))] = FakeKVClient.Buf(8)
+    missed = c.stats.get("handoff_missed_blocks")
+    req7 = request("u7", toks7, params)
+    assert c.get_num_new_matched_tokens(req7, 0) == (2 * BS, False)
+    c.update_state_after_alloc(req7, blocks_of(range(70, 76)), 2 * BS)
+    assert c.stats.get("handoff_missed_blocks") == missed + 3 + 1  # blocks 2-4 and the last one: computed here
+    c.build_connector_meta(sched_output())
     # vLLM allocating a tail the connector did not promise: reported as failed, recomputed
     c.update_state_after_alloc(request("u6", toks, params), blocks_of(range(60, 66)), 699)
     assert c.build_connector_meta(sched_output()).loads[0].digests == []
