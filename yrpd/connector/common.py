@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from yrpd.connector import keys as K
 from yrpd.connector.config import ConfigError, ConnectorConfig, parse_config
 from yrpd.connector.stats import ConnectorStats, StatsReporter
-from yrpd.connector.transport import DsConnection, kvclient_factory
+from yrpd.connector.transport import DsConnection, kvclient_factory, write_mode  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,18 +36,6 @@ def attach_vllm_logging() -> None:
     if logger.handlers:
         logger.propagate = False
     logger.setLevel(logging.INFO)
-
-
-def write_mode(cfg: ConnectorConfig) -> Any:
-    """The data system's write mode for saved blocks: evictable unless the config says otherwise (a full worker
-    then drops old blocks instead of failing new saves; vllm-ascend's own yuanrong backend writes the same way)."""
-    if not cfg.evictable:
-        return None
-    try:
-        from yr.datasystem.kv_client import WriteMode
-    except ImportError:  # pragma: no cover - a client without write modes: its default
-        return None
-    return getattr(WriteMode, "NONE_L2_CACHE_EVICT", None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ Keys (all optional except the data system address):
                         background writer falls this far behind, further saves are dropped (counted)
   transport             "auto" (default), "host" (KVClient) or "npu" (DsTensorClient)
   device_id             NPU device index for the npu transport (default: the tensor's device)
+  saver                 where the producer's data-system writes run: "process" (default: a child process, as the
+                        data system's client holds the GIL for each call) or "thread" (inside the vLLM worker)
   cpu_spin_ms           CPU instances only: how long vLLM's message-queue readers spin after a message before
                         they sleep (default 2; vLLM's own is 1 s; negative leaves vLLM's; see cpu_spin.py)
 """
@@ -105,6 +107,7 @@ class ConnectorConfig:
     transport: str = "auto"
     device_id: int | None = None
     cpu_spin_ms: float = 2.0
+    saver: str = "process"
     unknown: dict = field(default_factory=dict)
 
     @property
@@ -125,6 +128,7 @@ _KNOWN = {
     "ds_address", "ds_host", "ds_port", "model_id", "namespace", "ttl_seconds", "evictable", "delete_after_load", "save_sync",
     "ready_wait_ms", "connect_timeout_ms", "request_timeout_ms", "retry_backoff_s", "exclusive_connection",
     "stats_interval_s", "stats_file", "max_batch_keys", "staging_mb", "transport", "device_id", "cpu_spin_ms",
+    "saver",
 }
 
 
@@ -146,6 +150,9 @@ def parse_config(role: str | None, extra: Mapping[str, Any] | None, env: Mapping
     else:
         raise ConfigError("no data-system address: set kv_connector_extra_config.ds_address (host:port) "
                           "or YRPD_DS_ADDRESS")
+    saver = str(extra.get("saver", "process")).lower()
+    if saver not in ("process", "thread"):
+        raise ConfigError(f"saver must be process or thread, got {saver!r}")
     transport = str(extra.get("transport", "auto")).lower()
     if transport not in ("auto", "host", "npu"):
         raise ConfigError(f"transport must be auto, host or npu, got {transport!r}")
@@ -171,6 +178,7 @@ def parse_config(role: str | None, extra: Mapping[str, Any] | None, env: Mapping
         transport=transport,
         device_id=(None if extra.get("device_id") is None else _num(extra["device_id"], "device_id", int, 0)),
         cpu_spin_ms=_num(extra.get("cpu_spin_ms", 2.0), "cpu_spin_ms", float),
+        saver=saver,
         unknown={k: v for k, v in extra.items() if k not in _KNOWN},
     )
     if cfg.max_batch_keys >= 2000:

@@ -138,6 +138,19 @@ def device_blob_lists(parts: Sequence[Any], block_ids: Sequence[int], device_id:
     return lists
 
 
+def write_mode(cfg: Any) -> Any:
+    """The data system's write mode for saved blocks (`cfg`: a ConnectorConfig): evictable unless the config says
+    otherwise (a full worker then drops old blocks instead of failing new saves; vllm-ascend's own yuanrong backend
+    writes the same way)."""
+    if not cfg.evictable:
+        return None
+    try:
+        from yr.datasystem.kv_client import WriteMode
+    except ImportError:  # pragma: no cover - a client without write modes: its default
+        return None
+    return getattr(WriteMode, "NONE_L2_CACHE_EVICT", None)
+
+
 def set_param_for(ttl_seconds: int, set_param_cls: Callable, write_mode: Any = None):
     sp = set_param_cls()
     sp.ttl_second = int(ttl_seconds)
@@ -303,6 +316,12 @@ def block_rows_u8(part: Any):
     return rows if rows.dtype == torch.uint8 else rows.view(torch.uint8)
 
 
+def _private_slab(capacity: int, part_nbytes: Sequence[int]) -> list:
+    import torch
+
+    return [torch.empty((capacity, nb), dtype=torch.uint8) for nb in part_nbytes]
+
+
 class StagingPool:
     """Reusable host staging buffers (fresh multi-MB allocations cost a page fault per 4 KiB).
 
@@ -311,16 +330,18 @@ class StagingPool:
     when the pool is exhausted; `release` returns it once the saver has written it.
     """
 
-    def __init__(self, part_nbytes: Sequence[int], max_bytes: int) -> None:
+    def __init__(self, part_nbytes: Sequence[int], max_bytes: int,
+                 slab_factory: Callable[[int, Sequence[int]], Any] | None = None) -> None:
+        """`slab_factory(capacity, part_nbytes)`: the per-part tensors of a new slab (default: private memory;
+        `saver.SharedSlab` puts them in shared memory a writer process can read)."""
         self.part_nbytes = [int(x) for x in part_nbytes]
         self.max_bytes = int(max_bytes)
+        self._factory = slab_factory or _private_slab
         self._free: list = []
         self._total = 0
         self._lock = threading.Lock()
 
     def acquire(self, n: int):
-        import torch
-
         with self._lock:
             best = None
             for slab in self._free:
@@ -340,7 +361,7 @@ class StagingPool:
                 if self._total + size > self.max_bytes:
                     return None
             self._total += size
-        return [torch.empty((cap, nb), dtype=torch.uint8) for nb in self.part_nbytes]
+        return self._factory(cap, self.part_nbytes)
 
     def release(self, slab) -> None:
         if slab is None:
@@ -379,6 +400,34 @@ def values_from_staged(staged: Sequence[Any], which: Sequence[int]) -> list:
     return [[s[i] for s in staged] for i in which]
 
 
+def _pieces(value: Any) -> Sequence[Any]:
+    return value if isinstance(value, (list, tuple)) else (value,)
+
+
+def _nbytes(piece: Any) -> int:
+    return piece.nbytes if isinstance(piece, memoryview) else int(piece.numel())
+
+
+def _fill(dst: memoryview, pieces: Sequence[Any]) -> None:
+    """Write the pieces one after the other into `dst` (a writable byte view of a data-system buffer)."""
+    import ctypes
+
+    off, base = 0, None
+    for x in pieces:
+        n = _nbytes(x)
+        if isinstance(x, memoryview):
+            dst[off:off + n] = x.cast("B") if x.format != "B" else x
+        elif x.device.type == "cpu" and x.is_contiguous():
+            if base is None:
+                base = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+            _memmove(base + off, x.data_ptr(), n)
+        else:
+            import torch
+
+            torch.frombuffer(dst, dtype=torch.uint8)[off:off + n].copy_(x)
+        off += n
+
+
 class HostTransport(Transport):
     """KVClient shared-memory path (CPU tensors)."""
 
@@ -403,32 +452,20 @@ class HostTransport(Transport):
         return out
 
     def save(self, keys: Sequence[str], values: Any, ttl_seconds: int) -> int:
-        """values[i]: a 1-D uint8 tensor (e.g. a row of a 2-D staging tensor) or a list of 1-D
-        uint8 tensors written one after the other (see `values_from_staged`)."""
-        import torch
-
-        def pieces(v):
-            return v if isinstance(v, (list, tuple)) else (v,)
-
+        """values[i]: a 1-D uint8 tensor (e.g. a row of a 2-D staging tensor), a byte memoryview (a row of a shared
+        staging slab, in the writer process, which has no torch), or a list of those written one after the other
+        (see `values_from_staged`)."""
         written = 0
         for lo, hi in self._batches(len(keys)):
             batch = list(keys[lo:hi])
-            sizes = [sum(int(x.numel()) for x in pieces(values[i])) for i in range(lo, hi)]
+            sizes = [sum(_nbytes(x) for x in _pieces(values[i])) for i in range(lo, hi)]
             mode = {} if self.write_mode is None else {"write_mode": self.write_mode}
             bufs = self.conn.call("mcreate", lambda c: c.mcreate(batch, sizes, ttl_second=int(ttl_seconds), **mode))
             for j, buf in enumerate(bufs):
-                dst = torch.frombuffer(memoryview(buf.MutableData()), dtype=torch.uint8)
-                if dst.numel() != sizes[j]:
-                    raise TransportError(f"mcreate gave {dst.numel()} bytes for {batch[j]}, wanted {sizes[j]}")
-                off = 0
-                base = dst.data_ptr()
-                for x in pieces(values[lo + j]):
-                    n = int(x.numel())
-                    if x.device.type == "cpu" and x.is_contiguous():
-                        _memmove(base + off, x.data_ptr(), n)
-                    else:
-                        dst[off:off + n].copy_(x)
-                    off += n
+                dst = memoryview(buf.MutableData()).cast("B")
+                if dst.nbytes != sizes[j]:
+                    raise TransportError(f"mcreate gave {dst.nbytes} bytes for {batch[j]}, wanted {sizes[j]}")
+                _fill(dst, _pieces(values[lo + j]))
             self.conn.call("mset_buffer", lambda c: c.mset_buffer(bufs))
             written += sum(sizes)
         return written

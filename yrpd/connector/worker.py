@@ -4,15 +4,14 @@
   data system into the paged cache; a block that cannot be read is reported back through
   `get_block_ids_with_load_errors` so vLLM recomputes it.
 * Saves (producer): after the forward, the blocks the scheduler planned are copied out of the paged cache
-  into pooled host staging memory (a memcpy, so the engine may reuse the blocks right away) and a
-  background thread writes them (`exist` -> skip present keys -> `mcreate` -> copy -> `mset_buffer`).
+  into pooled host staging memory (a memcpy, so the engine may reuse the blocks right away) and the writer
+  (saver.py: a child process by default, as the data system's client holds the GIL for each call) writes them
+  (`exist` -> skip present keys -> `mcreate` -> copy -> `mset_buffer`).
 """
 
 from __future__ import annotations
 
-import queue
 import re
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -23,10 +22,8 @@ from yrpd.connector.common import (
     ConnectorHalf,
     YuanrongConnectorMetadata,
     logger,
-    write_mode,
 )
-from yrpd.connector.config import ConnectorConfig
-from yrpd.connector.stats import ConnectorStats
+from yrpd.connector.saver import Job, ProcessSaver, Saver, shared_slab_factory
 from yrpd.connector.transport import (
     BlockLayout,
     DsConnection,
@@ -40,7 +37,7 @@ from yrpd.connector.transport import (
     part_block_nbytes,
     split_kv_parts,
     stage_blocks,
-    values_from_staged,
+    write_mode,
 )
 
 if TYPE_CHECKING:
@@ -52,122 +49,6 @@ _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 def _layer_sort_key(name: str):
     m = _LAYER_RE.search(name)
     return (int(m.group(1)) if m else 1 << 30, name)
-
-
-# ---------------------------------------------------------------------------------------------
-# Background saver
-# ---------------------------------------------------------------------------------------------
-
-class _Job:
-    __slots__ = ("kind", "keys", "data", "nbytes", "done", "req_id", "slab")
-
-    def __init__(self, kind: str, keys: list, data: Any = None, nbytes: int = 0, req_id: str = "") -> None:
-        self.kind = kind
-        self.keys = keys
-        self.data = data
-        self.nbytes = nbytes
-        self.req_id = req_id
-        self.slab = None
-        self.done = threading.Event()
-
-
-class _Saver:
-    """Writes staged blocks (and deletes) to the data system off the engine's critical path."""
-
-    def __init__(self, conn: DsConnection, cfg: ConnectorConfig, stats: ConnectorStats,
-                 max_pending_bytes: int, pool: StagingPool | None = None) -> None:
-        self.pool = pool
-        self.conn = conn
-        self.transport = HostTransport(conn, cfg.max_batch_keys, write_mode=write_mode(cfg))
-        self.cfg = cfg
-        self.stats = stats
-        self.max_pending_bytes = max_pending_bytes
-        self._pending_bytes = 0
-        self._lock = threading.Lock()
-        self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="yrpd-kv-saver", daemon=True)
-        self._started = False
-
-    def start(self) -> None:
-        if not self._started:
-            self._started = True
-            self._thread.start()
-
-    def submit(self, job: _Job) -> bool:
-        with self._lock:
-            if job.nbytes and self._pending_bytes + job.nbytes > self.max_pending_bytes:
-                return False
-            self._pending_bytes += job.nbytes
-        self._q.put(job)
-        return True
-
-    def flush(self, timeout_s: float) -> bool:
-        marker = _Job("flush", [])
-        self._q.put(marker)
-        return marker.done.wait(timeout_s)
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        if self._started:
-            self.flush(timeout_s)
-            self._q.put(None)
-            self._thread.join(timeout_s)
-        self.conn.close()
-
-    def _run(self) -> None:
-        self.conn.connect()
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            try:
-                if job.kind == "save":
-                    self._save(job)
-                elif job.kind == "delete":
-                    self._delete(job)
-            except Exception as e:  # noqa: BLE001 - never let the saver die
-                logger.warning("yrpd connector: %s job failed: %s", job.kind, e)
-            finally:
-                with self._lock:
-                    self._pending_bytes -= job.nbytes
-                job.data = None
-                if job.slab is not None and self.pool is not None:
-                    self.pool.release(job.slab)
-                    job.slab = None
-                job.done.set()
-
-    def _save(self, job: _Job) -> None:
-        n = len(job.keys)
-        t0 = time.perf_counter()
-        try:
-            present = self.transport.exists(job.keys)
-            missing = [i for i in range(n) if not present[i]]
-            existing = [job.keys[i] for i in range(n) if present[i]]
-            if existing and self.cfg.ttl_seconds > 0:
-                try:  # keep hot prefixes alive
-                    self.transport.expire(existing, self.cfg.ttl_seconds)
-                except (TransportError, KeyError):
-                    pass
-            written = 0
-            if missing:
-                written = self.transport.save([job.keys[i] for i in missing], values_from_staged(job.data, missing),
-                                              self.cfg.ttl_seconds)
-        except (TransportError, KeyError) as e:
-            self.stats.inc("save_failed_blocks", n)
-            self.stats.inc("ds_errors")
-            logger.debug("yrpd connector: save of %d blocks for %s failed: %s", n, job.req_id, e)
-            return
-        self.stats.inc("saved_blocks", len(missing))
-        self.stats.inc("saved_bytes", written)
-        self.stats.inc("save_skipped_existing", n - len(missing))
-        self.stats.observe("save", (time.perf_counter() - t0) * 1000.0)
-
-    def _delete(self, job: _Job) -> None:
-        try:
-            self.transport.delete(job.keys)
-            self.stats.inc("deleted_blocks", len(job.keys))
-        except (TransportError, KeyError) as e:
-            self.stats.inc("ds_errors")
-            logger.debug("yrpd connector: delete failed: %s", e)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +66,7 @@ class ConnectorWorker(ConnectorHalf):
         self._rows_u8: list = []
         self._layout: BlockLayout | None = None
         self._load_transport: Any = None
-        self._saver: _Saver | None = None
+        self._saver: Saver | None = None
         self._pool: StagingPool | None = None
         self._load_errors: set[int] = set()
         self._bad_reqs: set[str] = set()
@@ -243,10 +124,16 @@ class ConnectorWorker(ConnectorHalf):
             self._conn = self._make_conn(f"worker{self.tp_rank}")
             self._conn.connect()
             self._load_transport = HostTransport(self._conn, c.max_batch_keys)
-            saver_conn = self._make_conn(f"saver{self.tp_rank}")
             budget = c.staging_mb << 20
-            self._pool = StagingPool(self._layout.part_nbytes, budget)
-            self._saver = _Saver(saver_conn, c, self.stats, max_pending_bytes=budget, pool=self._pool)
+            if c.saver == "process":
+                self._pool = StagingPool(self._layout.part_nbytes, budget, slab_factory=shared_slab_factory)
+                extra = dict(getattr(self.ctx.ktc, "kv_connector_extra_config", None) or {})
+                self._saver = ProcessSaver(c.role, extra, c, self.stats, budget, self._pool,
+                                           on_event=self._on_ds_event)
+            else:
+                self._pool = StagingPool(self._layout.part_nbytes, budget)
+                self._saver = Saver(self._make_conn(f"saver{self.tp_rank}"), c, self.stats,
+                                    max_pending_bytes=budget, pool=self._pool)
             self._saver.start()
         self.stats.rank = self.tp_rank
         self._start_reporter(self.tp_rank, self._ns_digest)
@@ -311,7 +198,7 @@ class ConnectorWorker(ConnectorHalf):
         if good and self.cfg.delete_after_load and self.cfg.role == "kv_consumer":
             done = [self._key(d) for d, g in zip(op.digests, ok) if g]
             if self._saver is not None:
-                self._saver.submit(_Job("delete", done, req_id=op.req_id))
+                self._saver.submit(Job("delete", done, req_id=op.req_id))
             elif self._load_transport is not None:
                 try:
                     self._load_transport.delete(done)
@@ -354,7 +241,7 @@ class ConnectorWorker(ConnectorHalf):
             for job in jobs:
                 job.done.wait(max(0.0, deadline - time.monotonic()))
 
-    def _stage(self, op: BlockOp) -> _Job | None:
+    def _stage(self, op: BlockOp) -> Job | None:
         keys = [self._key(d) for d in op.digests]
         if self._npu:  # pragma: no cover - needs NPU: device -> data-system host memory directly
             t0 = time.perf_counter()
@@ -374,7 +261,7 @@ class ConnectorWorker(ConnectorHalf):
             self.stats.inc("save_dropped_blocks", n)  # saver far behind: staging budget exhausted
             return None
         staged = stage_blocks(self._parts, self._rows_u8, op.block_ids, slab)
-        job = _Job("save", keys, staged, n * layout.block_nbytes, op.req_id)
+        job = Job("save", keys, staged, n * layout.block_nbytes, op.req_id)
         job.slab = slab
         if not self._saver.submit(job):
             self._pool.release(slab)

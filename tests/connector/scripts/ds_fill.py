@@ -13,7 +13,7 @@ import sys
 import torch
 
 from yrpd.connector.config import parse_config
-from yrpd.connector.common import write_mode
+from yrpd.connector.transport import write_mode
 from yrpd.connector.transport import BlockLayout, DsConnection, HostTransport, kvclient_factory
 
 

@@ -48,7 +48,9 @@ class Env:
 
         mc = ModelConfig(model=self.model_dir, dtype=dtype, max_model_len=4096)
         ktc = KVTransferConfig(kv_connector="YuanrongConnector", kv_connector_module_path="yrpd.connector",
-                               kv_role=role, kv_connector_extra_config={"ds_address": "127.0.0.1:1", **extra})
+                               kv_role=role,
+                               # the stand-in data system lives in this process: the writer must too
+                               kv_connector_extra_config={"ds_address": "127.0.0.1:1", "saver": "thread", **extra})
         return VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BS), kv_transfer_config=ktc)
 
     def connector(self, role: str, side: str, dtype: str = "bfloat16", **extra):

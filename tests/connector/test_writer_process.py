@@ -1,0 +1,37 @@
+"""The producer's writer process (yrpd/connector/saver.py) against a real data-system worker: staged blocks read
+back bit-exact through another client, a killed writer costs its job (counted) and is started again, and neither
+stop() nor the death of the vLLM worker that started it leaves a writer behind. Runs
+tests/connector/scripts/writer_process.py in the vLLM venv; about 20 s."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.connector.harness import REPO, SCRIPTS, Stack
+
+pytestmark = pytest.mark.e2e
+
+
+def test_writer_process_saves_restarts_and_never_outlives_its_worker(vllm_venv, session_stack, e2e_root):
+    stack = Stack(e2e_root / "writer", venv=vllm_venv, ports=session_stack.ports)
+    try:
+        ds = stack.start_ds(shm_mb=256)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+        env["PYTHONPATH"] = str(REPO)
+        proc = subprocess.run([str(stack.venv / "bin/python"), str(SCRIPTS / "writer_process.py"), ds.address],
+                              capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"measured: writer process {got}")
+        assert got["flushed"] and got["saved"] == 64 and got["bit_exact"], got
+        assert got["failed_after_kill"] == 3, got  # the job the killed writer never answered: counted, not lost
+        assert got["restarts"] == 1 and got["second_pid"] not in (None, got["first_pid"]), got
+        assert got["saved_after_restart"] == 2, got
+        assert got["stopped"], got
+        assert got["orphan_pid"] and got["orphan_gone"], got  # a SIGKILLed worker takes its writer along
+    finally:
+        stack.close()

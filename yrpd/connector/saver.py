@@ -1,0 +1,440 @@
+"""The producer's writer: staged KV blocks go to the data system off the engine's critical path.
+
+The worker half copies the blocks a step completed into staging memory (a memcpy, so vLLM may reuse them at once)
+and hands them to a `Saver`, whose thread writes them in order (`exist` -> skip present keys -> `mcreate` -> copy ->
+`mset_buffer`) and deletes loaded keys for `delete_after_load`.
+
+Where the data system calls run matters: its Python client holds the GIL for the whole of each call (measured: a
+1.35 s `get` on a missing key stopped every other thread of the process for 1.35 s; `mcreate`/`mset_buffer` took
+30-500 ms each on the lab's loaded hosts). In the vLLM worker process that is the model's own Python, so a writer
+thread there stalls the forward of the next step for as long as each save takes. `ProcessSaver` (the default on
+the host path, `kv_connector_extra_config.saver: process`) therefore runs those calls in a child process of its
+own (`python -m yrpd.connector.saver`): the staging slabs are memfd shared memory the child maps through
+/proc/<worker>/fd, each job crosses a pipe as a few hundred bytes, and the worker's thread only waits on that pipe,
+which releases the GIL. The child leaves the worker's CPU pinning (it is I/O, not compute), dies with the worker
+(PDEATHSIG, and EOF on its pipe), and is started again on the next job when it dies (its jobs meanwhile fail and are
+counted). `saver: thread` keeps the calls in the worker process (tests with an in-process stand-in data system).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import pickle
+import queue
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from yrpd.connector.config import ConnectorConfig, parse_config
+from yrpd.connector.stats import ConnectorStats
+from yrpd.connector.transport import (
+    DsConnection,
+    HostTransport,
+    StagingPool,
+    TransportError,
+    kvclient_factory,
+    values_from_staged,
+    write_mode,
+)
+
+logger = logging.getLogger("yrpd.connector")
+
+RESTART_BACKOFF_S = 5.0  # a child that died is started again at most this often
+_HEADER = struct.Struct("<I")
+
+
+class Job:
+    __slots__ = ("kind", "keys", "data", "nbytes", "done", "req_id", "slab")
+
+    def __init__(self, kind: str, keys: list, data: Any = None, nbytes: int = 0, req_id: str = "") -> None:
+        self.kind = kind
+        self.keys = keys
+        self.data = data
+        self.nbytes = nbytes
+        self.req_id = req_id
+        self.slab = None
+        self.done = threading.Event()
+
+
+def write_job(transport: HostTransport, ttl_seconds: int, keys: Sequence[str], values: Sequence[Any]) -> dict:
+    """Save `values[i]` under `keys[i]` unless the key exists (then only its TTL is refreshed: a hot prefix stays).
+    Returns {"saved", "bytes", "skipped"}; raises TransportError/KeyError when the data system fails."""
+    present = transport.exists(keys)
+    missing = [i for i, there in enumerate(present) if not there]
+    existing = [k for k, there in zip(keys, present) if there]
+    if existing and ttl_seconds > 0:
+        try:
+            transport.expire(existing, ttl_seconds)
+        except (TransportError, KeyError):
+            pass
+    written = transport.save([keys[i] for i in missing], [values[i] for i in missing], ttl_seconds) if missing else 0
+    return {"saved": len(missing), "bytes": written, "skipped": len(keys) - len(missing)}
+
+
+class Saver:
+    """A thread that writes staged blocks (and deletes keys) in submission order, with its own data-system
+    connection in this process."""
+
+    def __init__(self, conn: DsConnection | None, cfg: ConnectorConfig, stats: ConnectorStats,
+                 max_pending_bytes: int, pool: StagingPool | None = None) -> None:
+        self.pool = pool
+        self.conn = conn
+        self.transport = HostTransport(conn, cfg.max_batch_keys, write_mode=write_mode(cfg)) if conn else None
+        self.cfg = cfg
+        self.stats = stats
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="yrpd-kv-saver", daemon=True)
+        self._started = False
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._thread.start()
+
+    def submit(self, job: Job) -> bool:
+        with self._lock:
+            if job.nbytes and self._pending_bytes + job.nbytes > self.max_pending_bytes:
+                return False
+            self._pending_bytes += job.nbytes
+        self._q.put(job)
+        return True
+
+    def flush(self, timeout_s: float) -> bool:
+        marker = Job("flush", [])
+        self._q.put(marker)
+        return marker.done.wait(timeout_s)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self._started:
+            self.flush(timeout_s)
+            self._q.put(None)
+            self._thread.join(timeout_s)
+        self._close()
+
+    def _open(self) -> None:
+        self.conn.connect()
+
+    def _close(self) -> None:
+        self.conn.close()
+
+    def _run(self) -> None:
+        self._open()
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                if job.kind == "save":
+                    self._save(job)
+                elif job.kind == "delete":
+                    self._delete(job)
+            except Exception as e:  # noqa: BLE001 - never let the saver die
+                logger.warning("yrpd connector: %s job failed: %s", job.kind, e)
+            finally:
+                with self._lock:
+                    self._pending_bytes -= job.nbytes
+                job.data = None
+                if job.slab is not None and self.pool is not None:
+                    self.pool.release(job.slab)
+                    job.slab = None
+                job.done.set()
+
+    def _count_save(self, n: int, result: dict | None, ms: float, error: str = "") -> None:
+        if result is None:
+            self.stats.inc("save_failed_blocks", n)
+            self.stats.inc("ds_errors")
+            logger.debug("yrpd connector: save of %d blocks failed: %s", n, error)
+            return
+        self.stats.inc("saved_blocks", result["saved"])
+        self.stats.inc("saved_bytes", result["bytes"])
+        self.stats.inc("save_skipped_existing", result["skipped"])
+        self.stats.observe("save", ms)
+
+    def _save(self, job: Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            result = write_job(self.transport, self.cfg.ttl_seconds, job.keys,
+                               values_from_staged(job.data, range(len(job.keys))))
+        except (TransportError, KeyError) as e:
+            self._count_save(len(job.keys), None, 0.0, str(e))
+            return
+        self._count_save(len(job.keys), result, (time.perf_counter() - t0) * 1000.0)
+
+    def _delete(self, job: Job) -> None:
+        try:
+            self.transport.delete(job.keys)
+            self.stats.inc("deleted_blocks", len(job.keys))
+        except (TransportError, KeyError) as e:
+            self.stats.inc("ds_errors")
+            logger.debug("yrpd connector: delete failed: %s", e)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared staging memory
+# ---------------------------------------------------------------------------------------------
+
+class SharedSlab:
+    """A staging slab in memfd shared memory: per part a (capacity, bytes per block) uint8 tensor, one part after
+    the other, so the writer process reads row i of part k at `offsets[k] + i * part_nbytes[k]`.
+
+    The writer maps each slab once, by its id (fd numbers are reused once a dropped slab closes its fd)."""
+
+    _ids = iter(range(1, 1 << 62))
+
+    def __init__(self, capacity: int, part_nbytes: Sequence[int]) -> None:
+        import torch
+
+        self.id = next(SharedSlab._ids)
+        self.capacity = capacity
+        self.part_nbytes = [int(x) for x in part_nbytes]
+        size = capacity * sum(self.part_nbytes)
+        self.fd = os.memfd_create("yrpd-kv-staging", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, size)
+        self._mm = mmap.mmap(self.fd, size)
+        flat = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.offsets, self._parts, off = [], [], 0
+        for nb in self.part_nbytes:
+            self.offsets.append(off)
+            self._parts.append(flat[off:off + capacity * nb].view(capacity, nb))
+            off += capacity * nb
+
+    def __getitem__(self, k: int):
+        return self._parts[k]
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def describe(self) -> dict:
+        return {"id": self.id, "pid": os.getpid(), "fd": self.fd, "capacity": self.capacity,
+                "parts": self.part_nbytes, "offsets": self.offsets}
+
+    def __del__(self) -> None:
+        # the pool dropped it (it only drops free slabs); the mapping goes with the last tensor viewing it
+        try:
+            os.close(self.fd)
+        except (OSError, AttributeError):
+            pass
+
+
+def shared_slab_factory(capacity: int, part_nbytes: Sequence[int]) -> SharedSlab:
+    return SharedSlab(capacity, part_nbytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The writer process
+# ---------------------------------------------------------------------------------------------
+
+def _send(stream, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _recv(stream) -> Any:
+    head = stream.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        raise EOFError("the other side closed the pipe")
+    (size,) = _HEADER.unpack(head)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError("the other side closed the pipe")
+    return pickle.loads(data)
+
+
+class ProcessSaver(Saver):
+    """A Saver whose data-system calls run in a child process (see the module docstring)."""
+
+    def __init__(self, role: str, extra_config: dict, cfg: ConnectorConfig, stats: ConnectorStats,
+                 max_pending_bytes: int, pool: StagingPool, on_event: Callable[[str], None] | None = None,
+                 command: Sequence[str] | None = None) -> None:
+        super().__init__(None, cfg, stats, max_pending_bytes, pool)
+        self._argv = list(command or [sys.executable, "-m", "yrpd.connector.saver"]) + \
+            [role, json.dumps(extra_config, default=str)]
+        self._on_event = on_event or (lambda _e: None)
+        self._proc: subprocess.Popen | None = None
+        self._started_at = -1e9
+        self._last_error = ""
+        self.restarts = 0
+
+    # -- the child -------------------------------------------------------------------------------
+    def _open(self) -> None:
+        self._spawn()
+
+    def _spawn(self) -> bool:
+        now = time.monotonic()
+        if now - self._started_at < RESTART_BACKOFF_S:
+            return False
+        self._started_at = now
+        env = dict(os.environ)
+        # the package this code came from, wherever the worker found it (PYTHONPATH, a bundle, site-packages)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        try:
+            self._proc = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
+                                          close_fds=True, env=env)
+        except OSError as e:
+            self._proc = None
+            logger.error("yrpd connector: cannot start the writer process (%s); saves are dropped until it starts", e)
+            return False
+        return True
+
+    @property
+    def child_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def _close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()  # the child drains nothing more and exits on EOF
+        except OSError:
+            pass
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+    def _call(self, request: dict) -> dict | None:
+        """One request to the child and its answer; None (logged, once per failure) when it is gone."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            if proc is not None:
+                self._child_died(proc)
+            if not self._spawn():
+                return None
+            proc = self._proc
+        try:
+            _send(proc.stdin, request)
+            return _recv(proc.stdout)
+        except (OSError, EOFError, pickle.UnpicklingError) as e:
+            self._child_died(proc, str(e))
+            return None
+
+    def _child_died(self, proc: subprocess.Popen, why: str = "") -> None:
+        code = proc.poll()
+        if code is None:
+            proc.kill()
+            code = proc.wait()
+        if self._proc is proc:
+            self._proc = None
+        self.restarts += 1
+        self.stats.inc("ds_errors")
+        logger.error("yrpd connector: the writer process %d ended (exit %s%s); its saves fail until it is started "
+                     "again (within %.0f s)", proc.pid, code, f": {why}" if why else "", RESTART_BACKOFF_S)
+
+    # -- jobs ------------------------------------------------------------------------------------
+    def _save(self, job: Job) -> None:
+        slab = job.slab
+        answer = self._call({"op": "save", "keys": job.keys, "slab": slab.describe(), "ttl": self.cfg.ttl_seconds})
+        for event in (answer or {}).get("events", ()):
+            self._on_event(event)
+        if answer is None or answer.get("error"):
+            self._count_save(len(job.keys), None, 0.0, (answer or {}).get("error", "writer process gone"))
+            return
+        self._count_save(len(job.keys), answer, answer["ms"])
+
+    def _delete(self, job: Job) -> None:
+        answer = self._call({"op": "delete", "keys": job.keys})
+        for event in (answer or {}).get("events", ()):
+            self._on_event(event)
+        if answer is None or answer.get("error"):
+            self.stats.inc("ds_errors")
+            return
+        self.stats.inc("deleted_blocks", len(job.keys))
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: EOF on stdin still ends it
+
+
+def _unpin() -> None:
+    """Run on any of the host's CPUs: the worker's pinning to its compute cores is inherited, and this is I/O."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (OSError, AttributeError):
+        pass
+
+
+class _SlabViews:
+    """The writer's maps of the worker's staging slabs, opened once each through /proc/<pid>/fd/<fd>; the least
+    recently used are unmapped beyond `keep` (the pool reuses a few slabs, and drops one only to make room)."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self._maps: dict = {}
+        self.keep = keep
+
+    def values(self, slab: dict, n: int) -> list:
+        key = slab["id"]
+        mv = self._maps.pop(key, None)
+        if mv is None:
+            size = slab["capacity"] * sum(slab["parts"])
+            with open(f"/proc/{slab['pid']}/fd/{slab['fd']}", "rb") as f:
+                mv = memoryview(mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ))
+            while len(self._maps) >= self.keep:
+                del self._maps[next(iter(self._maps))]  # unmapped once no view of it is left
+        self._maps[key] = mv
+        return [[mv[off + i * nb: off + (i + 1) * nb] for off, nb in zip(slab["offsets"], slab["parts"])]
+                for i in range(n)]
+
+
+def child_main(argv: Sequence[str]) -> int:
+    """`python -m yrpd.connector.saver ROLE EXTRA_CONFIG_JSON`: serve save/delete requests on stdin until EOF."""
+    _die_with_parent()
+    _unpin()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s (writer %(process)d): %(message)s")
+    role, extra = argv[0], json.loads(argv[1])
+    cfg = parse_config(role, extra)
+    events: list = []
+    conn = DsConnection(kvclient_factory(cfg.ds_host, cfg.ds_port, cfg.connect_timeout_ms, cfg.request_timeout_ms,
+                                         cfg.exclusive_connection), "writer", cfg.retry_backoff_s, events.append)
+    conn.connect()
+    transport = HostTransport(conn, cfg.max_batch_keys, write_mode=write_mode(cfg))
+    slabs = _SlabViews()
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but answers may reach the pipe
+    while True:
+        try:
+            request = _recv(stdin)
+        except EOFError:
+            conn.close()
+            return 0
+        t0 = time.perf_counter()
+        answer: dict = {}
+        try:
+            if request["op"] == "save":
+                answer = write_job(transport, int(request["ttl"]), request["keys"],
+                                   slabs.values(request["slab"], len(request["keys"])))
+            elif request["op"] == "delete":
+                transport.delete(request["keys"])
+            else:
+                answer = {"error": f"unknown request {request['op']!r}"}
+        except (TransportError, KeyError) as e:
+            answer = {"error": str(e)[:300]}
+        except Exception as e:  # noqa: BLE001 - a bad request must not end the writer
+            logger.exception("yrpd connector: writer request failed")
+            answer = {"error": f"{type(e).__name__}: {e}"[:300]}
+        answer["ms"] = (time.perf_counter() - t0) * 1000.0
+        answer["events"], events[:] = list(events), []
+        _send(stdout, answer)
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv[1:]))
