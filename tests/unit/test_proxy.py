@@ -158,6 +158,59 @@ def test_prefix_routing_sends_a_prefill_leg_where_it_costs_least():
     assert picks == {"http://a", "http://b"}
 
 
+def test_a_prefix_another_instance_finished_is_loaded_rather_than_waited_for_while_the_data_system_holds_it():
+    pool = Pool(["http://a", "http://b"], [], Routing.prefix, bound=3)
+    a, b = pool.of("prefill")
+    a.up = b.up = True
+    shared = "Context: " + "the quick brown fox jumps over the lazy dog. " * 30  # 21 chunks
+    first = pool.acquire("prefill", prompt=prompt(shared + "Q1"))
+    home, other = first.instance, (b if first.instance is a else a)
+    pool.release(first)
+    pool.observe(first, 0)  # its KV went to the data system
+    home.queued, home.in_flight = 40.0, 1  # now busy with a cold prompt of another group
+    # the data system has evicted such prefixes lately: computing this one again costs more than the queue
+    pool.loadable_found = 0.05
+    assert pool.select("prefill", prompt=prompt(shared + "Q3")) is home
+    # it has had what others computed: the idle instance loads the prefix instead of queueing behind the cold prompt
+    pool.loadable_found = 0.95
+    moved = pool.acquire("prefill", prompt=prompt(shared + "Q2"))
+    assert moved.instance is other and moved.loadable == len(chain(shared)) == 21
+    assert moved.work < 3  # what it computes is the question; the prefix is loaded
+    pool.release(moved)
+    # what the connector says it loaded teaches that estimate; legs expecting little to load do not
+    pool.loadable_found = 0.5
+    pool.observe(moved, 0)
+    assert pool.loadable_found == pytest.approx(0.4)
+    pool.observe(moved, 6)
+    assert pool.loadable_found == pytest.approx(0.52)
+    pool.observe(moved, None)  # a connector that does not say
+    tiny = pool.acquire("prefill", prompt=prompt("short"))
+    pool.observe(tiny, 0)
+    assert pool.loadable_found == pytest.approx(0.52)
+    # load routing keeps none of this
+    plain = Pool(["http://a"], [], Routing.load)
+    plain.of("prefill")[0].up = True
+    plain.observe(plain.acquire("prefill", prompt=prompt(shared)), 0)
+    assert len(plain.stored) == 0 and plain.routing_state() == {"policy": "load", "bound": 2}
+
+
+def test_the_proxy_learns_from_prefill_answers_how_often_the_data_system_had_a_prefix():
+    async def go():
+        async with running(prefill=2, routing=Routing.prefix) as s:
+            for fake in s.prefill:
+                fake.kv = {"yrpd": {**KV["yrpd"], "loaded": 0}}  # the data system never has what others computed
+            shared = "Background: " + "the quick brown fox jumps over the lazy dog. " * 20
+            assert (await post(s, "/v1/completions", {"prompt": shared + "Q1", "max_tokens": 3}))[0] == 200
+            holder = s.prefill[0] if s.prefill[0].bodies else s.prefill[1]
+            # the holder fails: the retry goes to the other instance, which could have loaded the prefix but did not
+            holder.error = (500, {"error": {"message": "boom"}})
+            assert (await post(s, "/v1/completions", {"prompt": shared + "Q2", "max_tokens": 3}))[0] == 200
+            routing = (await s.status())["routing"]
+            assert routing["policy"] == "prefix" and routing["prompts_stored"] > 0
+            assert routing["data_system_found"] == pytest.approx(0.4)  # from the prior 0.5, one miss
+    run(go())
+
+
 def test_prefix_routing_balances_decode_legs_by_load_and_breaks_ties_by_prefix():
     pool = Pool([], ["http://c", "http://d"], Routing.prefix, bound=2)
     c, d = pool.of("decode")

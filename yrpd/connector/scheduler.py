@@ -108,6 +108,7 @@ class ConnectorScheduler(ConnectorHalf):
         self._lookups: dict[str, _Lookup] = {}
         self._loaded_upto: dict[str, int] = {}
         self._handover: set[str] = set()  # producer: requests whose KV goes on to a decode instance
+        self._loaded_blocks: dict[str, int] = {}  # blocks each request took from the data system (told to the proxy)
         self._pending_loads: list[BlockOp] = []
         self._refused_logged: dict[str, float] = {}
         self._rank_ns = [ctx.namespace(t, p).digest for p in range(ctx.pp_size) for t in range(ctx.tp_size)]
@@ -257,6 +258,7 @@ class ConnectorScheduler(ConnectorHalf):
             self._pending_loads.append(BlockOp(req_id, [], block_ids[start:start + max(1, n + bool(tail))]))
             return
         self._count_lookup(lk, n, bool(tail))
+        self._loaded_blocks[req_id] = n + bool(tail)
         # The last block is copied whole: the slots past the tokens taken are rewritten before anything reads them.
         self._pending_loads.append(BlockOp(req_id, lk.digests[lk.start:lk.start + n] + ([lk.tail_digest] if tail else []),
                                            block_ids[lk.start:lk.start + n + bool(tail)]))
@@ -335,6 +337,7 @@ class ConnectorScheduler(ConnectorHalf):
         self._lookups.pop(req_id, None)
         self._loaded_upto.pop(req_id, None)
         self._handover.discard(req_id)
+        loaded = self._loaded_blocks.pop(req_id, 0)
         if not (self._active and self.cfg.is_producer):
             return False, None
         if self.cfg.role == "kv_both" and getattr(request, "kv_transfer_params", None) is None:
@@ -346,6 +349,8 @@ class ConnectorScheduler(ConnectorHalf):
             if st.tail_saved or (num_tokens % bs == 0 and n * bs >= num_tokens):
                 tail = K.handover_tail(num_tokens, bs)
         # what the consumer checks before trusting the hand-over (namespaces alone cannot say what differs)
-        return False, {"yrpd": {"num_blocks": n, "tail": tail, "block_size": self.block_size,
+        # `loaded`: what this request took from the data system, which tells cache-aware routing how often the data
+        # system still holds prefixes other instances computed (yrpd.proxy.pool.Pool.observe)
+        return False, {"yrpd": {"num_blocks": n, "tail": tail, "loaded": loaded, "block_size": self.block_size,
                                 "ns": ",".join(self._rank_ns), "kv_dtype": self.ctx.kv_dtype,
                                 "model": self.ctx.model_identity}}

@@ -44,6 +44,7 @@ class _Call:
     client_gone: bool = False
     upstream_s: float = 0.0  # spent waiting for instances, up to the first token: the rest is the proxy's own
     prompt: Prompt | None = None  # what prefix routing knows of the prompt (yrpd.proxy.routing)
+    prefill_lease: Lease | None = None  # the prefill leg's instance and what routing expected of it there
 
     @contextlib.contextmanager
     def waiting(self):
@@ -100,6 +101,14 @@ class UpstreamAnswer(ProxyError):
 
     def response(self) -> web.StreamResponse:
         return web.Response(status=self.status, body=self.body, headers={"Content-Type": self.content_type})
+
+
+def _loaded_blocks(kv: object) -> int | None:
+    """Blocks prefill's connector loaded from the data system for this request (yrpd's connector says so in the
+    kv_transfer_params it answers with); None from a connector that does not say."""
+    info = kv.get("yrpd") if isinstance(kv, dict) else None
+    loaded = info.get("loaded") if isinstance(info, dict) else None
+    return loaded if isinstance(loaded, int) and not isinstance(loaded, bool) else None
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -286,11 +295,14 @@ class Proxy:
         if resp.status >= 400:
             raise UpstreamAnswer(resp, data)
         try:
-            return json.loads(data).get("kv_transfer_params")
+            kv = json.loads(data).get("kv_transfer_params")
         except (ValueError, AttributeError):
             message = f"prefill instance {inst.url} answered {resp.status} with a body that is not a JSON object"
             self._upstream_error(inst, message, down=False)
             raise ProxyError(502, message) from None
+        if request[_CALL].prefill_lease is not None:
+            self.pool.observe(request[_CALL].prefill_lease, _loaded_blocks(kv))
+        return kv
 
     async def _decode(self, request: web.Request, body: dict, headers: dict) -> web.StreamResponse:
         async with self._leg("decode", "POST", request.path, request, body, headers) as (inst, resp):
@@ -383,6 +395,8 @@ class Proxy:
             inst = lease.instance
             tried.append(inst)
             request[_CALL].note[role] = inst.url
+            if role == "prefill":
+                request[_CALL].prefill_lease = lease
             try:
                 with request[_CALL].waiting():
                     resp = await self.session.request(method, inst.url + path, json=body, headers=headers,
@@ -456,6 +470,7 @@ class Proxy:
                                   "probe_interval_s": self.config.probe_interval,
                                   "request_timeout_s": self.config.request_timeout,
                                   "instances": [i.as_dict() for i in self.pool.instances], "totals": totals,
+                                  "routing": self.pool.routing_state(),
                                   "own_overhead_ms": self.metrics.own_percentiles()})
 
 

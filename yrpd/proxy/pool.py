@@ -6,7 +6,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from .routing import RECENT_LEGS, WORK_WEIGHT, PrefixMemory, Prompt, Routing
+from .routing import (LEARN_CHUNKS, LEARN_RATE, LOAD_WEIGHT, LOADABLE_PRIOR, RECENT_LEGS, WORK_WEIGHT, PrefixMemory,
+                      Prompt, Routing)
 
 ROLES = ("prefill", "decode")
 
@@ -47,6 +48,8 @@ class Lease:
     instance: Instance
     work: float = 0.0
     matched: int = 0  # leading prompt chunks the instance was sent before (prefix routing)
+    loadable: int = 0  # chunks beyond those that another prefill instance finished: in the data system, likely
+    prompt: Prompt | None = None
     released: bool = False
 
 
@@ -58,6 +61,33 @@ class Pool:
             for url in dict.fromkeys(u.rstrip("/") for u in urls):
                 self.instances.append(Instance(url, role))
         self._turn = {role: itertools.count() for role in ROLES}
+        #: chains whose prefill leg finished: their KV was saved to the data system, where any instance may load it
+        self.stored = PrefixMemory()
+        #: how often a prefill leg that could load such chunks found them in the data system lately (0..1)
+        self.loadable_found = LOADABLE_PRIOR
+
+    def load_weight(self) -> float:
+        """What a chunk another prefill instance finished costs here: a load where the data system still holds it
+        (LOAD_WEIGHT), a computation where it was evicted (WORK_WEIGHT), weighed by how often loads were found."""
+        return self.loadable_found * LOAD_WEIGHT + (1 - self.loadable_found) * WORK_WEIGHT
+
+    def routing_state(self) -> dict:
+        state: dict = {"policy": self.routing.value, "bound": self.bound}
+        if self.routing is Routing.prefix:
+            state.update(prompts_stored=len(self.stored), data_system_found=round(self.loadable_found, 3),
+                         load_weight=round(self.load_weight(), 3))
+        return state
+
+    def observe(self, lease: Lease, loaded_blocks: int | None) -> None:
+        """A prefill leg finished (`loaded_blocks`: what its connector loaded from the data system; None when it
+        did not say): its prompt's KV is in the data system now, and a leg that expected to load there tells how
+        often that works."""
+        if self.routing is not Routing.prefix or lease.prompt is None or lease.instance.role != "prefill":
+            return
+        self.stored.remember(lease.prompt.chain)
+        if loaded_blocks is not None and lease.loadable >= LEARN_CHUNKS:
+            found = 1.0 if loaded_blocks > 0 else 0.0
+            self.loadable_found += LEARN_RATE * (found - self.loadable_found)
 
     def of(self, role: str) -> list[Instance]:
         return [i for i in self.instances if i.role == role]
@@ -120,13 +150,21 @@ class Pool:
             return None if least is None else Lease(least)
         within = [i for i in candidates if i.in_flight - least.in_flight < self.bound]
         matched = {i: i.memory.matched(prompt.chain) for i in within}  # Instance hashes by identity (eq=False)
-        if role == "prefill":
-            chosen = min(within, key=lambda i: (i.queued + WORK_WEIGHT * prompt.work(matched[i]), i.in_flight,
-                                                i.recent))
-        else:
+        if role != "prefill":
             chosen = min(within, key=lambda i: (i.in_flight, -matched[i]))
-        work = prompt.work(matched[chosen]) if role == "prefill" else 0.0
-        return Lease(chosen, work, matched[chosen])
+            return Lease(chosen, 0.0, matched[chosen], prompt=prompt)
+        stored = self.stored.matched(prompt.chain)
+        w_load = self.load_weight()
+
+        def cost(i: Instance) -> float:
+            loadable = max(0, stored - matched[i])
+            return i.queued + WORK_WEIGHT * prompt.work(max(matched[i], stored)) + w_load * loadable
+
+        chosen = min(within, key=lambda i: (cost(i), i.in_flight, i.recent))
+        loadable = max(0, stored - matched[chosen])
+        # charged to its queue: what it is expected to compute (the loadable part where the data system lost it)
+        work = prompt.work(max(matched[chosen], stored)) + (1 - self.loadable_found) * loadable
+        return Lease(chosen, work, matched[chosen], loadable, prompt)
 
     def failed(self, inst: Instance, message: str, *, down: bool) -> None:
         """A request to `inst` failed; a dead-looking instance leaves the rotation until a probe brings it back."""

@@ -6,7 +6,11 @@ chains it was sent (bounded, least recently used out), since its own KV pool lik
 
 `prefix` routing sends a prefill leg to the instance where it costs least: the chunks of the prompt that
 instance has not seen (what it must compute, counted WORK_WEIGHT times) plus the chunks its prefill legs in flight
-still have to compute (its queue). A prompt whose prefix one instance holds goes there unless that instance is
+still have to compute (its queue). Chunks another prefill instance has finished computing are in the data
+system, from which this one can load them for a fraction of computing them, as long as the data system still
+holds them: they count `Pool.load_weight()`, between LOAD_WEIGHT and WORK_WEIGHT by how often such loads were
+found there lately (the connector tells, in the `kv_transfer_params` prefill answers with, how many blocks it
+loaded). A prompt whose prefix one instance holds goes there unless that instance is
 busy with more work than the prefix saves; a prompt matching nothing goes to the instance with the least work
 queued and, among idle ones, to the one given the least work lately (a decaying sum over the last RECENT_LEGS
 prefill legs), so that the prefixes each instance ends up holding are spread evenly. No instance is
@@ -39,6 +43,15 @@ MAX_CHUNKS = 256
 #: host's memory bandwidth, elsewhere). So a request waits behind its own prefix being computed rather than
 #: computing it a second time elsewhere.
 WORK_WEIGHT = 2.0
+#: what a chunk costs that another prefill instance computed and saved, where the data system holds it: a load.
+#: Measured on the CPU lab (SmolLM2, float32): a 768-token prefix loaded from the data system in 150-300 ms
+#: against 1.2-1.5 s to compute it, about a sixth; a quarter of WORK_WEIGHT leaves room for slower networks.
+LOAD_WEIGHT = 0.5
+#: prefill legs that expected to load at least this many chunks teach how often the data system had them
+LEARN_CHUNKS = 8
+#: how much one such leg moves that estimate (an exponential moving average), and where it starts
+LEARN_RATE = 0.2
+LOADABLE_PRIOR = 0.5
 #: prefill legs over which an instance's recent work decays (by 1/e): the horizon of "lately" above
 RECENT_LEGS = 32
 #: chains an instance remembers (a chain is 8 bytes of digest), about 1,000 prompts of 4 K characters

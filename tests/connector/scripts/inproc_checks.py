@@ -360,6 +360,27 @@ def cpu_spin_is_capped_and_an_idle_reader_still_wakes(env: Env):
     c.shutdown()
 
 
+@check
+def prefill_tells_how_many_blocks_it_loaded_from_the_data_system(env: Env):
+    env.ds.store.clear()
+    c = env.connector("kv_both", "scheduler")
+    ns = c.connector_scheduler._rank_ns[0]
+    toks = tokens(700, 25)
+    for k in K.block_keys(ns, toks, BS)[:3]:  # another prefill instance computed the first 3 blocks
+        env.ds.store[k] = FakeKVClient.Buf(8)
+    req = request("p1", toks, {"do_remote_decode": True})
+    assert c.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
+    c.update_state_after_alloc(req, blocks_of(range(6)), 3 * BS)
+    c.build_connector_meta(sched_output())
+    assert c.request_finished(req, [])[1]["yrpd"]["loaded"] == 3  # what cache-aware routing learns from
+    # a prompt it computed alone: 0
+    alone = request("p2", tokens(700, 26), {"do_remote_decode": True})
+    assert c.get_num_new_matched_tokens(alone, 0) == (0, False)
+    c.update_state_after_alloc(alone, blocks_of(range(6)), 0)
+    assert c.request_finished(alone, [])[1]["yrpd"]["loaded"] == 0
+    c.shutdown()
+
+
 def vllm_0_10(relpath: str):
     """A module of vLLM 0.10.0's own source (the vllm-ascend v0.10 images run it), loaded from its sdist under
     a private name; its imports resolve to the installed vLLM, which has what these modules need."""
