@@ -125,7 +125,9 @@ class ConnectorWorker(ConnectorHalf):
             self._conn.connect()
             self._load_transport = HostTransport(self._conn, c.max_batch_keys)
             budget = c.staging_mb << 20
-            if c.saver == "process":
+            if not (c.is_producer or c.delete_after_load):
+                pass  # a consumer that deletes nothing writes nothing: no writer
+            elif c.saver == "process":
                 self._pool = StagingPool(self._layout.part_nbytes, budget, slab_factory=shared_slab_factory)
                 extra = dict(getattr(self.ctx.ktc, "kv_connector_extra_config", None) or {})
                 self._saver = ProcessSaver(c.role, extra, c, self.stats, budget, self._pool,
@@ -134,7 +136,8 @@ class ConnectorWorker(ConnectorHalf):
                 self._pool = StagingPool(self._layout.part_nbytes, budget)
                 self._saver = Saver(self._make_conn(f"saver{self.tp_rank}"), c, self.stats,
                                     max_pending_bytes=budget, pool=self._pool)
-            self._saver.start()
+            if self._saver is not None:
+                self._saver.start()
         self.stats.rank = self.tp_rank
         self._start_reporter(self.tp_rank, self._ns_digest)
         logger.info("yrpd connector (worker rank %d, %s): %d cache parts over %d layers, %d blocks, %d bytes per "

@@ -49,9 +49,11 @@ WORK_WEIGHT = 2.0
 LOAD_WEIGHT = 0.5
 #: prefill legs that expected to load at least this many chunks teach how often the data system had them
 LEARN_CHUNKS = 8
-#: how much one such leg moves that estimate (an exponential moving average), and where it starts
+#: how much one such leg moves that estimate (an exponential moving average), and where it starts: trusting the
+#: data system, since only legs sent to load teach anything (a data system that evicts costs a few recomputes
+#: before the estimate falls: 0.8, 0.64, 0.51 after one, two, three misses)
 LEARN_RATE = 0.2
-LOADABLE_PRIOR = 0.5
+LOADABLE_PRIOR = 1.0
 #: prefill legs over which an instance's recent work decays (by 1/e): the horizon of "lately" above
 RECENT_LEGS = 32
 #: chains an instance remembers (a chain is 8 bytes of digest), about 1,000 prompts of 4 K characters
