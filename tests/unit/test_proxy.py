@@ -183,7 +183,11 @@ def test_a_prefix_another_instance_finished_is_loaded_rather_than_waited_for_whi
     assert pool.loadable_found == pytest.approx(0.4)
     pool.observe(moved, 6)
     assert pool.loadable_found == pytest.approx(0.52)
-    pool.observe(moved, None)  # a connector that does not say
+    pool.observe(moved, None)  # a connector that does not say: it teaches nothing, and its prompt is not taken
+    unsaid = pool.acquire("prefill", prompt=prompt("Another context entirely. " * 30))  # for loadable either
+    pool.release(unsaid)
+    pool.observe(unsaid, None)
+    assert pool.stored.matched(unsaid.prompt.chain) == 0
     tiny = pool.acquire("prefill", prompt=prompt("short"))
     pool.observe(tiny, 0)
     assert pool.loadable_found == pytest.approx(0.52)

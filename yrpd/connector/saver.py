@@ -24,6 +24,7 @@ import mmap
 import os
 import pickle
 import queue
+import select
 import signal
 import struct
 import subprocess
@@ -241,6 +242,7 @@ def _send(stream, obj: Any) -> None:
 
 
 def _recv(stream) -> Any:
+    """One message from a buffered stream (the child's stdin): blocks until it is whole or the pipe closes."""
     head = stream.read(_HEADER.size)
     if len(head) < _HEADER.size:
         raise EOFError("the other side closed the pipe")
@@ -249,6 +251,29 @@ def _recv(stream) -> Any:
     if len(data) < size:
         raise EOFError("the other side closed the pipe")
     return pickle.loads(data)
+
+
+class AnswerTimeout(Exception):
+    pass
+
+
+def _read_exact(fd: int, n: int, deadline: float) -> bytes:
+    """n bytes from a pipe's raw fd by a monotonic deadline (a hung child must not hold the worker's thread)."""
+    got = bytearray()
+    while len(got) < n:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AnswerTimeout(f"no answer within the deadline ({len(got)} of {n} bytes)")
+        chunk = os.read(fd, n - len(got))
+        if not chunk:
+            raise EOFError("the other side closed the pipe")
+        got += chunk
+    return bytes(got)
+
+
+def _recv_by(fd: int, deadline: float) -> Any:
+    (size,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline))
+    return pickle.loads(_read_exact(fd, size, deadline))
 
 
 class ProcessSaver(Saver):
@@ -263,8 +288,8 @@ class ProcessSaver(Saver):
         self._on_event = on_event or (lambda _e: None)
         self._proc: subprocess.Popen | None = None
         self._started_at = -1e9
-        self._last_error = ""
-        self.restarts = 0
+        self._stopping = False
+        self.deaths = 0
 
     # -- the child -------------------------------------------------------------------------------
     def _open(self) -> None:
@@ -272,7 +297,7 @@ class ProcessSaver(Saver):
 
     def _spawn(self) -> bool:
         now = time.monotonic()
-        if now - self._started_at < RESTART_BACKOFF_S:
+        if self._stopping or now - self._started_at < RESTART_BACKOFF_S:
             return False
         self._started_at = now
         env = dict(os.environ)
@@ -280,8 +305,9 @@ class ProcessSaver(Saver):
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         try:
+            # unbuffered: answers are read from the raw fd under a deadline
             self._proc = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
-                                          close_fds=True, env=env)
+                                          close_fds=True, env=env, bufsize=0)
         except OSError as e:
             self._proc = None
             logger.error("yrpd connector: cannot start the writer process (%s); saves are dropped until it starts", e)
@@ -293,6 +319,7 @@ class ProcessSaver(Saver):
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
     def _close(self) -> None:
+        self._stopping = True  # stop() ends here: a thread that outlived its join must not start another child
         proc, self._proc = self._proc, None
         if proc is None:
             return
@@ -306,8 +333,16 @@ class ProcessSaver(Saver):
             proc.kill()
             proc.wait(5)
 
+    def answer_deadline_s(self, n_keys: int) -> float:
+        """How long a job may take in the child: a reconnect, then per batch of keys at most four data-system
+        calls (exist, expire, mcreate, mset_buffer) that each end by the request timeout, and slack for a loaded
+        host. Past it the child is taken for hung."""
+        batches = max(1, -(-n_keys // self.cfg.max_batch_keys))
+        return (self.cfg.connect_timeout_ms + 4 * batches * self.cfg.request_timeout_ms) / 1000.0 + 10.0
+
     def _call(self, request: dict) -> dict | None:
-        """One request to the child and its answer; None (logged, once per failure) when it is gone."""
+        """One request to the child and its answer; None (logged, once per failure) when it is gone, hung or out of
+        step: that child is killed, so the next job starts a new one and the slab is free to reuse."""
         proc = self._proc
         if proc is None or proc.poll() is not None:
             if proc is not None:
@@ -315,11 +350,12 @@ class ProcessSaver(Saver):
             if not self._spawn():
                 return None
             proc = self._proc
+        deadline = time.monotonic() + self.answer_deadline_s(len(request.get("keys", ())))
         try:
             _send(proc.stdin, request)
-            return _recv(proc.stdout)
-        except (OSError, EOFError, pickle.UnpicklingError) as e:
-            self._child_died(proc, str(e))
+            return _recv_by(proc.stdout.fileno(), deadline)
+        except Exception as e:  # noqa: BLE001 - whatever broke the exchange, the pipe is out of step now
+            self._child_died(proc, f"{type(e).__name__}: {e}")
             return None
 
     def _child_died(self, proc: subprocess.Popen, why: str = "") -> None:
@@ -329,7 +365,12 @@ class ProcessSaver(Saver):
             code = proc.wait()
         if self._proc is proc:
             self._proc = None
-        self.restarts += 1
+        for pipe in (proc.stdin, proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+        self.deaths += 1
         self.stats.inc("ds_errors")
         logger.error("yrpd connector: the writer process %d ended (exit %s%s); its saves fail until it is started "
                      "again (within %.0f s)", proc.pid, code, f": {why}" if why else "", RESTART_BACKOFF_S)
@@ -359,7 +400,8 @@ def _die_with_parent() -> None:
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        # KILL: it holds nothing to clean up, and a TERM the worker ignores would be ignored here too
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: EOF on stdin still ends it
 
@@ -373,29 +415,51 @@ def _unpin() -> None:
 
 
 class _SlabViews:
-    """The writer's maps of the worker's staging slabs, opened once each through /proc/<pid>/fd/<fd>; the least
-    recently used are unmapped beyond `keep` (the pool reuses a few slabs, and drops one only to make room)."""
+    """The writer's maps of the worker's staging slabs, opened once each through /proc/<pid>/fd/<fd>.
+
+    A map is dropped as soon as the worker has dropped its slab (the fd is closed, or its number now names another
+    file): the child's map would otherwise keep the pages of memory the worker's staging budget no longer counts.
+    Beyond `keep` live slabs the least recently used are unmapped too."""
 
     def __init__(self, keep: int = 64) -> None:
-        self._maps: dict = {}
+        self._maps: dict = {}  # slab id -> (path, inode, view)
         self.keep = keep
 
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def prune(self) -> None:
+        for key, (path, inode, _) in list(self._maps.items()):
+            try:
+                alive = os.stat(path).st_ino == inode
+            except OSError:
+                alive = False
+            if not alive:
+                del self._maps[key]  # unmapped once no view of it is left
+
     def values(self, slab: dict, n: int) -> list:
+        self.prune()
         key = slab["id"]
-        mv = self._maps.pop(key, None)
-        if mv is None:
+        entry = self._maps.pop(key, None)
+        if entry is None:
             size = slab["capacity"] * sum(slab["parts"])
-            with open(f"/proc/{slab['pid']}/fd/{slab['fd']}", "rb") as f:
-                mv = memoryview(mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ))
+            path = f"/proc/{slab['pid']}/fd/{slab['fd']}"
+            with open(path, "rb") as f:
+                entry = (path, os.fstat(f.fileno()).st_ino, memoryview(mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)))
             while len(self._maps) >= self.keep:
-                del self._maps[next(iter(self._maps))]  # unmapped once no view of it is left
-        self._maps[key] = mv
+                del self._maps[next(iter(self._maps))]
+        self._maps[key] = entry
+        mv = entry[2]
         return [[mv[off + i * nb: off + (i + 1) * nb] for off, nb in zip(slab["offsets"], slab["parts"])]
                 for i in range(n)]
 
 
 def child_main(argv: Sequence[str]) -> int:
     """`python -m yrpd.connector.saver ROLE EXTRA_CONFIG_JSON`: serve save/delete requests on stdin until EOF."""
+    # answers get fd 1 to themselves: whatever else writes to stdout (a native library, an import) goes to stderr
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     _die_with_parent()
     _unpin()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -408,8 +472,7 @@ def child_main(argv: Sequence[str]) -> int:
     conn.connect()
     transport = HostTransport(conn, cfg.max_batch_keys, write_mode=write_mode(cfg))
     slabs = _SlabViews()
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # nothing but answers may reach the pipe
+    stdin = sys.stdin.buffer
     while True:
         try:
             request = _recv(stdin)
@@ -433,7 +496,7 @@ def child_main(argv: Sequence[str]) -> int:
             answer = {"error": f"{type(e).__name__}: {e}"[:300]}
         answer["ms"] = (time.perf_counter() - t0) * 1000.0
         answer["events"], events[:] = list(events), []
-        _send(stdout, answer)
+        _send(answers, answer)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,14 @@ if TYPE_CHECKING:
 _POLL_S = 0.01  # consumer: at most one existence query per waiting request per 10 ms
 
 
+def _count(value) -> int:
+    """A count the producer announced; anything else (absent, null, not a number) is 0, each field on its own."""
+    try:
+        return max(0, int(value or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
 @dataclass
 class _ReqState:
     """Producer-side tracking of one request."""
@@ -172,10 +180,7 @@ class ConnectorScheduler(ConnectorHalf):
             return 0, 0
         if info.get("ns") and info.get("ns") != ",".join(self._rank_ns):
             return 0, 0  # produced under another namespace: those keys will never show up here
-        try:
-            blocks, tail = max(0, int(info.get("num_blocks", 0))), int(info.get("tail", 0))
-        except (TypeError, ValueError):
-            return 0, 0
+        blocks, tail = _count(info.get("num_blocks")), _count(info.get("tail"))
         # a tail for another prompt length cannot be this request's (a producer without tails sends none)
         return blocks, tail if tail == K.handover_tail(num_tokens, self.block_size) else 0
 

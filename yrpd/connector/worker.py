@@ -263,7 +263,12 @@ class ConnectorWorker(ConnectorHalf):
         if slab is None and self._pool is not None:
             self.stats.inc("save_dropped_blocks", n)  # saver far behind: staging budget exhausted
             return None
-        staged = stage_blocks(self._parts, self._rows_u8, op.block_ids, slab)
+        try:
+            staged = stage_blocks(self._parts, self._rows_u8, op.block_ids, slab)
+        except Exception:
+            if self._pool is not None:
+                self._pool.release(slab)  # or the staging budget would shrink for good
+            raise
         job = Job("save", keys, staged, n * layout.block_nbytes, op.req_id)
         job.slab = slab
         if not self._saver.submit(job):

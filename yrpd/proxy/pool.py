@@ -84,8 +84,12 @@ class Pool:
         often that works."""
         if self.routing is not Routing.prefix or lease.prompt is None or lease.instance.role != "prefill":
             return
+        if loaded_blocks is None:
+            # a connector that does not say what it loads (another store, an older yrpd) would never correct the
+            # estimate, so its prompts are not taken for loadable either
+            return
         self.stored.remember(lease.prompt.chain)
-        if loaded_blocks is not None and lease.loadable >= LEARN_CHUNKS:
+        if lease.loadable >= LEARN_CHUNKS:
             found = 1.0 if loaded_blocks > 0 else 0.0
             self.loadable_found += LEARN_RATE * (found - self.loadable_found)
 

@@ -289,6 +289,9 @@ def consumer_computes_one_prompt_token_of_a_handed_over_prompt(env: Env):
     # a tail announced for another prompt length is not this request's: not waited for, not loaded
     odd = {"yrpd": {**params["yrpd"], "tail": 12}}
     assert c.get_num_new_matched_tokens(request("u3", toks, odd), 0) == (5 * BS, False)
+    # a producer that sends no tail (null) still hands over its full blocks
+    untailed = {"yrpd": {**params["yrpd"], "tail": None}}
+    assert c.get_num_new_matched_tokens(request("u3b", toks, untailed), 0) == (5 * BS, False)
     # on a block boundary the last full block carries all but its last token
     edge = {"yrpd": {"num_blocks": 5, "tail": BS - 1, "ns": params["yrpd"]["ns"]}}
     req4 = request("u4", toks[:640], edge)

@@ -57,6 +57,58 @@ def orphan_check(address: str) -> int:
     return 1
 
 
+NOISY_CHILD = """
+import os, sys
+from yrpd.connector import saver as S
+connect = S.DsConnection.connect
+def noisy_connect(self):  # a native library that prints while connecting
+    os.write(1, b"hello from a native library\\n")
+    print("and from Python", flush=True)
+    return connect(self)
+S.DsConnection.connect = noisy_connect
+sys.exit(S.child_main(sys.argv[1:]))
+"""
+
+
+def staging_maps(pid: int) -> int:
+    """How many staging slabs the writer has mapped (memfd files, by inode)."""
+    with open(f"/proc/{pid}/maps") as fh:
+        return len({line.split()[4] for line in fh if "yrpd-kv-staging" in line})
+
+
+def noisy_child_and_dropped_slabs(address: str) -> dict:
+    """A child whose stdout gets stray output still answers in step; a slab the pool drops is unmapped by the
+    child on its next job (the worker's budget no longer counts it)."""
+    cfg = parse_config("kv_producer", {"ds_address": address}, env={})
+    stats = ConnectorStats("worker", cfg.role, 0, "", address)
+    block = sum(PARTS)
+    pool = StagingPool(PARTS, 40 * block, slab_factory=S.shared_slab_factory)  # room for a 16 and a 32 slab only
+    saver = S.ProcessSaver("kv_producer", {"ds_address": address}, cfg, stats, 64 << 20, pool,
+                           command=[sys.executable, "-c", NOISY_CHILD])
+    saver.start()
+    cache = [torch.randint(0, 256, (64, nb), dtype=torch.uint8) for nb in PARTS]
+    rows = [block_rows_u8(p) for p in cache]
+    tag = f"yrpd-writer-noisy-{os.getpid()}"
+
+    def save(block_ids, name):
+        slab = pool.acquire(len(block_ids))
+        job = S.Job("save", [f"{tag}-{name}-{b}" for b in block_ids], stage_blocks(cache, rows, block_ids, slab),
+                    len(block_ids) * block)
+        job.slab = slab
+        assert saver.submit(job)
+        del slab, job
+        assert saver.flush(60)
+
+    save(range(8), "small")  # a 16-block slab
+    maps_first = staging_maps(saver.child_pid)
+    save(range(20), "large")  # a 32-block slab: the pool drops the free 16-block one to make room
+    maps_after_drop = staging_maps(saver.child_pid)
+    out = {"noisy_saved": stats.get("saved_blocks"), "noisy_failed": stats.get("save_failed_blocks"),
+           "noisy_deaths": saver.deaths, "maps_first": maps_first, "maps_after_drop": maps_after_drop}
+    saver.stop(10)
+    return out
+
+
 def main() -> int:
     address = sys.argv[1]
     if len(sys.argv) > 2 and sys.argv[2] == "orphan":
@@ -118,11 +170,25 @@ def main() -> int:
     second_pid = saver.child_pid
     back_c = reader.exists([f"{tag}-c-3", f"{tag}-c-4"])
 
-    # 3. stop() ends the child
-    saver.stop(10)
-    stopped = wait_gone(second_pid) if second_pid else False
+    # 3. a child that hangs (stopped here) is given up at the answer deadline: the job is counted, the child killed,
+    # and the next job starts another
+    os.kill(second_pid, signal.SIGSTOP)
+    saver.answer_deadline_s = lambda n_keys: 2.0
+    failed_before_hang = stats.get("save_failed_blocks")
+    submit([5, 6], "d")
+    hang_flushed = saver.flush(30)
+    failed_by_hang = stats.get("save_failed_blocks") - failed_before_hang
+    hung_gone = wait_gone(second_pid)
+    submit([7], "e")
+    saver.flush(60)
+    third_pid = saver.child_pid
+    back_e = reader.exists([f"{tag}-e-7"])
 
-    # 4. a parent killed outright takes its writer with it
+    # 4. stop() ends the child
+    saver.stop(10)
+    stopped = wait_gone(third_pid) if third_pid else False
+
+    # 5. a parent killed outright takes its writer with it
     env = dict(os.environ)
     proc = subprocess.run([sys.executable, __file__, address, "orphan"], capture_output=True, text=True, timeout=120,
                           env=env, stdin=subprocess.DEVNULL)
@@ -131,9 +197,11 @@ def main() -> int:
     reader.conn.close()
     print(json.dumps({"flushed": flushed, "jobs": len(jobs), "saved": saved, "bit_exact": exact,
                       "longest_stall_ms": round(max(gaps) * 1000, 1), "first_pid": first_pid,
-                      "failed_after_kill": failed_after_kill, "second_pid": second_pid, "restarts": saver.restarts,
+                      "failed_after_kill": failed_after_kill, "second_pid": second_pid, "deaths": saver.deaths,
                       "saved_after_restart": sum(back_c), "stopped": stopped, "orphan_pid": orphan_pid,
-                      "orphan_gone": orphan_gone}))
+                      "orphan_gone": orphan_gone, "hang_flushed": hang_flushed, "failed_by_hang": failed_by_hang,
+                      "hung_gone": hung_gone, "third_pid": third_pid, "saved_after_hang": sum(back_e),
+                      **noisy_child_and_dropped_slabs(address)}))
     return 0
 
 
