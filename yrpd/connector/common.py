@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from yrpd.connector import keys as K
 from yrpd.connector.config import ConfigError, ConnectorConfig, parse_config
 from yrpd.connector.stats import ConnectorStats, StatsReporter
-from yrpd.connector.transport import DsConnection, kvclient_factory, write_mode  # noqa: F401 (re-exported)
+from yrpd.connector.transport import DsConnection, kvclient_factory
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

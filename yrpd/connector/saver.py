@@ -241,29 +241,19 @@ def _send(stream, obj: Any) -> None:
     stream.flush()
 
 
-def _recv(stream) -> Any:
-    """One message from a buffered stream (the child's stdin): blocks until it is whole or the pipe closes."""
-    head = stream.read(_HEADER.size)
-    if len(head) < _HEADER.size:
-        raise EOFError("the other side closed the pipe")
-    (size,) = _HEADER.unpack(head)
-    data = stream.read(size)
-    if len(data) < size:
-        raise EOFError("the other side closed the pipe")
-    return pickle.loads(data)
-
-
 class AnswerTimeout(Exception):
     pass
 
 
-def _read_exact(fd: int, n: int, deadline: float) -> bytes:
-    """n bytes from a pipe's raw fd by a monotonic deadline (a hung child must not hold the worker's thread)."""
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
+    """n bytes from a pipe's raw fd by a monotonic deadline (a hung child must not hold the worker's thread);
+    `deadline` None: as long as it takes (the child waiting for its next job)."""
     got = bytearray()
     while len(got) < n:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise AnswerTimeout(f"no answer within the deadline ({len(got)} of {n} bytes)")
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise AnswerTimeout(f"no answer within the deadline ({len(got)} of {n} bytes)")
         chunk = os.read(fd, n - len(got))
         if not chunk:
             raise EOFError("the other side closed the pipe")
@@ -271,7 +261,7 @@ def _read_exact(fd: int, n: int, deadline: float) -> bytes:
     return bytes(got)
 
 
-def _recv_by(fd: int, deadline: float) -> Any:
+def _recv(fd: int, deadline: float | None = None) -> Any:
     (size,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline))
     return pickle.loads(_read_exact(fd, size, deadline))
 
@@ -353,7 +343,7 @@ class ProcessSaver(Saver):
         deadline = time.monotonic() + self.answer_deadline_s(len(request.get("keys", ())))
         try:
             _send(proc.stdin, request)
-            return _recv_by(proc.stdout.fileno(), deadline)
+            return _recv(proc.stdout.fileno(), deadline)
         except Exception as e:  # noqa: BLE001 - whatever broke the exchange, the pipe is out of step now
             self._child_died(proc, f"{type(e).__name__}: {e}")
             return None
@@ -472,7 +462,7 @@ def child_main(argv: Sequence[str]) -> int:
     conn.connect()
     transport = HostTransport(conn, cfg.max_batch_keys, write_mode=write_mode(cfg))
     slabs = _SlabViews()
-    stdin = sys.stdin.buffer
+    stdin = sys.stdin.fileno()
     while True:
         try:
             request = _recv(stdin)

@@ -124,19 +124,8 @@ class ConnectorWorker(ConnectorHalf):
             self._conn = self._make_conn(f"worker{self.tp_rank}")
             self._conn.connect()
             self._load_transport = HostTransport(self._conn, c.max_batch_keys)
-            budget = c.staging_mb << 20
-            if not (c.is_producer or c.delete_after_load):
-                pass  # a consumer that deletes nothing writes nothing: no writer
-            elif c.saver == "process":
-                self._pool = StagingPool(self._layout.part_nbytes, budget, slab_factory=shared_slab_factory)
-                extra = dict(getattr(self.ctx.ktc, "kv_connector_extra_config", None) or {})
-                self._saver = ProcessSaver(c.role, extra, c, self.stats, budget, self._pool,
-                                           on_event=self._on_ds_event)
-            else:
-                self._pool = StagingPool(self._layout.part_nbytes, budget)
-                self._saver = Saver(self._make_conn(f"saver{self.tp_rank}"), c, self.stats,
-                                    max_pending_bytes=budget, pool=self._pool)
-            if self._saver is not None:
+            if c.is_producer or c.delete_after_load:  # a consumer that deletes nothing writes nothing: no writer
+                self._saver = self._make_saver(c.staging_mb << 20)
                 self._saver.start()
         self.stats.rank = self.tp_rank
         self._start_reporter(self.tp_rank, self._ns_digest)
@@ -243,6 +232,17 @@ class ConnectorWorker(ConnectorHalf):
             deadline = time.monotonic() + self.cfg.request_timeout_ms / 1000.0 * 2
             for job in jobs:
                 job.done.wait(max(0.0, deadline - time.monotonic()))
+
+    def _make_saver(self, budget: int) -> Saver:
+        """The writer and its staging pool: in a child process (`saver: process`) or a thread of this one."""
+        c = self.cfg
+        if c.saver == "process":
+            self._pool = StagingPool(self._layout.part_nbytes, budget, slab_factory=shared_slab_factory)
+            extra = dict(getattr(self.ctx.ktc, "kv_connector_extra_config", None) or {})
+            return ProcessSaver(c.role, extra, c, self.stats, budget, self._pool, on_event=self._on_ds_event)
+        self._pool = StagingPool(self._layout.part_nbytes, budget)
+        return Saver(self._make_conn(f"saver{self.tp_rank}"), c, self.stats, max_pending_bytes=budget,
+                     pool=self._pool)
 
     def _stage(self, op: BlockOp) -> Job | None:
         keys = [self._key(d) for d in op.digests]

@@ -160,15 +160,16 @@ class Pool:
         stored = self.stored.matched(prompt.chain)
         w_load = self.load_weight()
 
+        def loadable(i: Instance) -> int:
+            return max(0, stored - matched[i])
+
         def cost(i: Instance) -> float:
-            loadable = max(0, stored - matched[i])
-            return i.queued + WORK_WEIGHT * prompt.work(max(matched[i], stored)) + w_load * loadable
+            return i.queued + WORK_WEIGHT * prompt.work(max(matched[i], stored)) + w_load * loadable(i)
 
         chosen = min(within, key=lambda i: (cost(i), i.in_flight, i.recent))
-        loadable = max(0, stored - matched[chosen])
         # charged to its queue: what it is expected to compute (the loadable part where the data system lost it)
-        work = prompt.work(max(matched[chosen], stored)) + (1 - self.loadable_found) * loadable
-        return Lease(chosen, work, matched[chosen], loadable, prompt)
+        work = prompt.work(max(matched[chosen], stored)) + (1 - self.loadable_found) * loadable(chosen)
+        return Lease(chosen, work, matched[chosen], loadable(chosen), prompt)
 
     def failed(self, inst: Instance, message: str, *, down: bool) -> None:
         """A request to `inst` failed; a dead-looking instance leaves the rotation until a probe brings it back."""
