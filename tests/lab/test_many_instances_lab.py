@@ -84,6 +84,17 @@ def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache
         token = instance_token(next((home / "sessions").glob("2*")))
         shared = " ".join(_WORDS[4100:4480])  # 782 tokens: 6 full KV blocks
         complete(urls["prefill-0"], shared + " first", token)
+        answered = time.monotonic()
+        # its writer saves after the answer (off the request's path): a prefix still being written is not there yet
+        deadline = time.monotonic() + 60
+        while True:
+            report = json.loads(cli("status", "--json", check=0).stdout)
+            p0 = next(i for i in report["instances"] if i["name"] == "prefill-0")
+            if (p0.get("connector") or {}).get("saved_blocks", 0) >= 6 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert p0["connector"]["saved_blocks"] >= 6, p0["connector"]
+        print(f"measured: prefill-0's prefix counted saved {time.monotonic() - answered:.1f}s after its answer")
         before = next(i for i in report["instances"] if i["name"] == "prefill-1")["prompt_tokens_loaded"] or 0
         complete(urls["prefill-1"], shared + " second", token)
         time.sleep(6)  # connector stats files are rewritten every 5 s

@@ -237,7 +237,9 @@ def shared_slab_factory(capacity: int, part_nbytes: Sequence[int]) -> SharedSlab
 
 def _send(stream, obj: Any) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)) + data)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:  # the worker's end is unbuffered: a write a signal interrupts may take only part of it
+        view = view[stream.write(view):]
     stream.flush()
 
 
