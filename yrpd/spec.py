@@ -43,6 +43,17 @@ class ClusterMode(str, Enum):
     ds_only = "ds_only"
 
 
+class ClusterLauncher(str, Enum):
+    """What starts and keeps the data system (and etcd) running on the hosts."""
+
+    auto = "auto"  # dscli unless cluster_mode is full
+    #: openYuanrong's own vLLM deployment: a plain etcd and one `datasystem_worker` per host with dscli's flags, kept
+    #: by yrpd's supervisor; needs only `openyuanrong-datasystem` (Python 3.11 or 3.12) and etcd
+    dscli = "dscli"
+    #: openYuanrong's `yr` CLI and its daemon (Python 3.10/3.11 only); the only launcher of full mode
+    yr = "yr"
+
+
 class Runtime(str, Enum):
     docker = "docker"
     host = "host"
@@ -216,7 +227,7 @@ class Ports(BaseModel):
     proxy: int = 8000
     #: the data system worker, every host
     datasystem: int = 31501
-    #: the data system master, on the master
+    #: the data system master, on the master (cluster_launcher yr; dscli's workers share the master's work)
     ds_master: int = 12123
     #: etcd client port on the master; etcd+1 is its peer port
     etcd: int = 32379
@@ -336,8 +347,12 @@ class DeploySpec(BaseModel):
     env_path: str | None = None
     #: directory on the hosts with wheel files, for hosts without a package index
     wheels: str | None = None
-    #: openYuanrong mode: full needs the function system; auto picks by what is installed
+    #: openYuanrong mode: full needs the function system; auto picks by what is installed (dscli: ds_only)
     cluster_mode: ClusterMode = ClusterMode.auto
+    #: what starts the data system and etcd: dscli (etcd + one worker per host under yrpd's supervisor, no `yr`
+    #: CLI; Python 3.11 or 3.12), yr (openYuanrong's CLI and daemon, Python 3.10/3.11); auto = dscli unless
+    #: cluster_mode is full
+    cluster_launcher: ClusterLauncher = ClusterLauncher.auto
     #: shared memory of each data system worker (the host-side KV cache), MB
     datasystem_memory_mb: int = Field(1024, ge=64)
     #: disk tier of each data system worker, MB (0: none): what its shared memory cannot hold is spilled here and
@@ -438,6 +453,13 @@ class DeploySpec(BaseModel):
         return (self.env_path or DEFAULT_ENV_ROOT).rstrip("/")
 
     @property
+    def launcher(self) -> ClusterLauncher:
+        """The launcher in effect: auto resolved (yr only where the function system is asked for)."""
+        if self.cluster_launcher is not ClusterLauncher.auto:
+            return self.cluster_launcher
+        return ClusterLauncher.yr if self.cluster_mode is ClusterMode.full else ClusterLauncher.dscli
+
+    @property
     def builtin_model(self) -> str | None:
         """Name of the built-in model the hosts build and serve, if the spec asks for one."""
         model = self.model or (BUILTIN_MODEL if self.is_embedded_default else None)
@@ -471,6 +493,10 @@ class DeploySpec(BaseModel):
         if len({k for k in named.values() if k is not DeviceKind.auto}) > 1:
             described = ", ".join(f"{n}={k.value}" for n, k in named.items())
             raise SpecError("device_kind", f"hosts mix device kinds ({described})", "deploy one kind of device per run")
+        if self.cluster_launcher is ClusterLauncher.dscli and self.cluster_mode is ClusterMode.full:
+            raise SpecError("cluster_launcher", "dscli starts the data system alone; full mode needs openYuanrong's "
+                            "function system, which only the yr CLI starts", "set cluster_launcher: yr (or auto), or "
+                            "cluster_mode: ds_only")
         if self.runtime is Runtime.docker and not self.image:
             raise SpecError("image", "runtime docker needs an image", "pass --image NAME:TAG or use --runtime host")
         self._check_container()
@@ -655,6 +681,7 @@ def _fix_for(loc: str) -> str:
         "runtime": "use docker or host",
         "container_engine": "use docker or podman",
         "cluster_mode": "use auto, full or ds_only",
+        "cluster_launcher": "use auto, dscli or yr",
         "dtype": "use auto, float32, bfloat16 or float16",
     }
     if loc in hints:

