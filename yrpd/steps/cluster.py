@@ -36,6 +36,7 @@ from yrpd.versions import OPENYUANRONG, OPENYUANRONG_DATASYSTEM, PYTHON_TAG
 
 START_TIMEOUT = 180
 HEALTH_TIMEOUT = 60
+ETCD_WAIT_S = 15  # dscli launcher: how long a host waits for etcd to answer before its worker starts
 
 
 def venvs(ctx: StepContext) -> tuple[str, str]:
@@ -261,16 +262,23 @@ def _start_supervised(ctx: StepContext, host: HostPlan) -> Command:
     whose components do not come up is left with nothing of them running."""
     n = node(ctx, host, "ds_only")
     q = shlex.quote
+    names = list(dscli_commands(ctx, host))
+    stop_them = processes.stop(ctx, host, names).script
+    etcd = dsconfig.etcd_endpoint(n)
+    ip, port = etcd.rsplit(":", 1)
+    # a worker that cannot reach etcd waits a minute, exits, and is restarted: say so at once instead
+    why = f"openYuanrong did not come up on this host: etcd at {etcd} does not answer from here (ds_worker not started)"
+    reach = (f"ok=; for i in $(seq {ETCD_WAIT_S * 10}); do if (exec 3<>/dev/tcp/{ip}/{port}) 2>/dev/null; then ok=1; "
+             "break; fi; sleep 0.1; done\n"
+             f"if [ -z \"$ok\" ]; then echo {q(why)} >&2; "
+             f"tail -n 5 {q(ctx.layout.log(dsconfig.ETCD))} 2>/dev/null >&2\n{stop_them}\nexit 1\nfi")
     lines = []
     for name, command in dscli_commands(ctx, host).items():
+        if name == dsconfig.WORKER:
+            lines.append(reach)
         lines.append(processes.start_script(ctx, name, command))
-        if name == dsconfig.ETCD:
-            lines.append(f"for i in $(seq 100); do (exec 3<>/dev/tcp/{n.host_ip}/{n.ports.etcd_client}) 2>/dev/null "
-                         "&& break; sleep 0.1; done")
     wait = host_python("yr_cluster.py", _dscli_args(ctx, host, "wait", START_TIMEOUT), timeout=START_TIMEOUT + 60)
-    names = list(dscli_commands(ctx, host))
-    stop_them = processes.stop(ctx, host, names)
-    lines.append(f"if ! (\n{wait.script}); then\n{stop_them.script}\nexit 1\nfi")
+    lines.append(f"if ! (\n{wait.script}); then\n{stop_them}\nexit 1\nfi")
     shown = "; ".join(f"start {name} under a supervisor: {command}" for name, command in dscli_commands(ctx, host).items())
     return Command("\n".join(lines), display=f"{shown}; then {wait.display} {q('(on failure: stop them)')}",
                    timeout=START_TIMEOUT + 120)
@@ -306,10 +314,13 @@ def stop(ctx: StepContext, host: HostPlan) -> Command:
     clear = _driver(ctx, host, "stop", 40)
     if not dscli(ctx):
         return clear
-    # the supervisors first (they stop their components and restart nothing), then yr_cluster.py drops the state
-    first = processes.stop(ctx, host, list(dscli_commands(ctx, host)))
-    return Command(f"{first.script}\n{clear.script}", display=f"{first.display}; then {clear.display}",
-                   timeout=first.timeout + clear.timeout)
+    # the supervisors first (they stop their components and restart nothing), the worker before etcd: a worker
+    # stopping deregisters itself in etcd and, with etcd gone, waits out its supervisor's grace (20 s against 6 s
+    # in the 2-host lab); then yr_cluster.py drops the state
+    stops = [processes.stop(ctx, host, [name]) for name in reversed(dscli_commands(ctx, host))]
+    return Command("\n".join([*(c.script for c in stops), clear.script]),
+                   display="; then ".join([*(c.display for c in stops), clear.display]),
+                   timeout=sum(c.timeout for c in stops) + clear.timeout)
 
 
 def check_kv(ctx: StepContext, host: HostPlan) -> Command:
