@@ -78,9 +78,15 @@ def plan(spec: DeploySpec, playbook_file: str | Path | None = None) -> PlanView:
     """Touches no host unless devices, the dtype's CPU or (deploying) the architecture must be detected."""
     playbook = _playbook(playbook_file)
     inventory = resolve_inventory(spec)
+    spec = with_runtime(spec, inventory)
     placement = make_plan(spec, inventory)
     ctx = StepContext(spec=spec, plan=placement)
     return PlanView(spec, inventory, placement, _as_run(spec, ctx, describe(playbook, ctx)))
+
+
+def with_runtime(spec: DeploySpec, inventory: dict[str, HostInventory]) -> DeploySpec:
+    """The spec with runtime auto resolved by the hosts' device kinds (DeploySpec.resolve_runtime)."""
+    return spec.resolve_runtime({inv.kind for inv in inventory.values()})
 
 
 def _as_run(spec: DeploySpec, ctx: StepContext, steps: list[PlannedStep]) -> list[PlannedStep]:
@@ -131,14 +137,17 @@ def deploy(spec: DeploySpec, *, playbook_file: str | Path | None = None, new_ses
     """Deploy the spec, or resume the latest session if it has the same spec. Raises StepFailed with the step and
     every host's result (the session is then `failed`: the same call resumes it)."""
     progress = progress or Quiet()
-    actions = check_container_actions(spec, actions)
+    if spec.runtime is not Runtime.auto:  # auto: checked once resolved, before any host is changed
+        actions = check_container_actions(spec, actions)
     started = time.monotonic()
     playbook = _playbook(playbook_file)
     store = SessionStore(resolve_root(spec.session_root))
-    session = None if new_session else reusable_session(store, spec)
-    resumed = session is not None
     with host_group(spec) as group:
         inventory = resolve_inventory(spec, group, deploying=True)
+        spec = with_runtime(spec, inventory)  # before the session lookup: a session holds the resolved spec
+        actions = check_container_actions(spec, actions)
+        session = None if new_session else reusable_session(store, spec)
+        resumed = session is not None
         placement = make_plan(spec, inventory)
         # runtime docker: the wheels the containers get from here, downloaded before any host is changed
         from yrpd.steps.brought import prepare

@@ -39,6 +39,15 @@ _REPO_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*$")
 _IMAGE_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 
+#: the profile whose image NPU hosts run under runtime auto: the newest vllm-ascend release (0.30.0rc2 is a
+#: pre-release; `--image quay.io/ascend/vllm-ascend:v0.30.0rc2` picks its profile)
+DEFAULT_NPU_PROFILE = "vllm-ascend-v0.23.0"
+
+
+def default_npu_image() -> str:
+    return load_profile(DEFAULT_NPU_PROFILE).image
+
+
 def check_image(image: str) -> None:
     """ValueError unless `image` looks like repo[:tag][@sha256:...] (docker's rules, loosely)."""
     name, _, digest = image.partition("@")
@@ -115,10 +124,14 @@ class Profile(BaseModel):
     python: str = "python3"
     #: its version, X.Y: which data-system client wheel yrpd brings into the image for the connector
     python_version: str = "3.11"
-    #: the Python the openYuanrong venvs (the yr CLI, the data system) are made from in the container; default
-    #: `python`. The pinned openyuanrong wheels exist for Python 3.10 and 3.11 only
+    #: the Python the openYuanrong venvs (the data system; the yr CLI under cluster_launcher yr) are made from in
+    #: the container; default `python`. openyuanrong-datasystem has wheels for 3.11 and 3.12, the yr CLI
+    #: (openyuanrong) for 3.10 and 3.11 only
     cluster_python: str | None = None
     cluster_python_version: str | None = None
+    #: the vllm-ascend release the image ships (X.Y.Z, rcN allowed): which of its connectors yrpd may use
+    #: (`kv_connector: ascend-store`) and the compatibility matrix's row
+    vllm_ascend: str | None = None
 
     @field_validator("name")
     @classmethod

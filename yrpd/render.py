@@ -10,7 +10,7 @@ from rich.text import Text
 
 from yrpd.placement import Plan, describe_devices, unit_name
 from yrpd.playbook import PlannedStep
-from yrpd.spec import DeploySpec, Dtype, Runtime
+from yrpd.spec import ClusterLauncher, DeploySpec, Dtype, Runtime
 from yrpd.status import StatusReport
 from yrpd.steps import NotNeeded
 
@@ -48,13 +48,33 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
              if spec.datasystem_spill_mb else "; full memory evicts the oldest KV (no disk tier)")
     lines.append(Text(f"KV cache in the data system: {spec.datasystem_memory_mb} MB shared memory per host{spill}"))
     if spec.runtime is Runtime.docker:
+        lines.append(Text(f"runtime: docker, one container of {spec.image} per host (the default on NPU hosts; "
+                          "--runtime host runs the processes on the hosts)"))
+    else:
+        lines.append(Text("runtime: host, the processes run on the hosts (NPU hosts default to docker with the "
+                          "vllm-ascend image; --runtime docker --image IMAGE elsewhere)"))
+    if spec.runtime is Runtime.docker:
         from yrpd.containers import container_profile
 
         profile = container_profile(spec)
         cluster_py, cluster_version = profile.cluster_interpreter
-        lines.append(Text(f"containers ({profile.name}): instances and proxy run the image's {profile.python} "
-                          f"(Python {profile.python_version}); openYuanrong venvs {spec.env_root}/{{yr,ds}} inside "
-                          f"the container, made from {cluster_py} (Python {cluster_version})"))
+        if spec.launcher is ClusterLauncher.dscli:
+            cluster = (f"the data system (launcher dscli, no yr CLI) in the venv {spec.env_root}/ds made from "
+                       f"{cluster_py} (Python {cluster_version}), etcd's static binary in {spec.env_root}/etcd")
+        else:
+            cluster = (f"openYuanrong venvs {spec.env_root}/{{yr,ds}} (launcher yr) made from {cluster_py} "
+                       f"(Python {cluster_version})")
+        lines.append(Text(f"containers ({profile.name}, vllm-ascend {profile.vllm_ascend or 'unknown'}): instances "
+                          f"and proxy run the image's {profile.python} (Python {profile.python_version}); {cluster}"))
+        from yrpd.steps import StepContext
+        from yrpd.steps.brought import needed
+
+        ctx = StepContext(spec, plan)
+        sets = {ws.key: ws for host in plan.hosts for ws in needed(ctx, host).values()}
+        for ws in sets.values():
+            lines.append(Text(f"  wheels fetched here and copied to the hosts: {' '.join(ws.requirements)} for "
+                              f"cp{ws.python_version.replace('.', '')} {ws.arch}{'' if ws.deps else ' (no dependencies)'}"
+                              f" - {ws.purpose}"))
     from yrpd.exposure import Guard, exposure
 
     ports = Table(title="Who may reach each port", title_justify="left")

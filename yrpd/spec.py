@@ -55,6 +55,7 @@ class ClusterLauncher(str, Enum):
 
 
 class Runtime(str, Enum):
+    auto = "auto"  # docker with the newest vllm-ascend release's image where every host has NPUs, else host
     docker = "docker"
     host = "host"
 
@@ -331,8 +332,9 @@ class DeploySpec(BaseModel):
     served_model_name: str | None = None
     #: container image for runtime docker (`--image`)
     image: str | None = None
-    #: host = processes on the hosts; docker = one container per host (`--runtime`)
-    runtime: Runtime = Runtime.host
+    #: host = processes on the hosts; docker = one container per host; auto = docker on NPU hosts (the vllm-ascend
+    #: image: `image`, default the newest vllm-ascend release's), host elsewhere (`--runtime`)
+    runtime: Runtime = Runtime.auto
     #: runtime docker: a profile in containers/ by name, or a profile file; default: the one made for `image`
     container_profile: str | None = None
     #: runtime docker: the container CLI (podman is documented, not tested)
@@ -493,6 +495,11 @@ class DeploySpec(BaseModel):
         if len({k for k in named.values() if k is not DeviceKind.auto}) > 1:
             described = ", ".join(f"{n}={k.value}" for n, k in named.items())
             raise SpecError("device_kind", f"hosts mix device kinds ({described})", "deploy one kind of device per run")
+        if self.runtime is Runtime.auto and all((h.device_kind or self.device_kind) is DeviceKind.npu for h in self.hosts):
+            # NPU hosts named as such: resolved here, so every check below sees the runtime they get
+            from yrpd.containers import default_npu_image
+
+            self.runtime, self.image = Runtime.docker, self.image or default_npu_image()
         if self.cluster_launcher is ClusterLauncher.dscli and self.cluster_mode is ClusterMode.full:
             raise SpecError("cluster_launcher", "dscli starts the data system alone; full mode needs openYuanrong's "
                             "function system, which only the yr CLI starts", "set cluster_launcher: yr (or auto), or "
@@ -547,7 +554,20 @@ class DeploySpec(BaseModel):
         self._check_serving()
         return self
 
+    def resolve_runtime(self, kinds: set[DeviceKind]) -> "DeploySpec":
+        """runtime auto made concrete once the hosts' device kinds are known: docker where every host has NPUs (the
+        image given, else the newest vllm-ascend release's), host elsewhere. Checked again as resolved."""
+        if self.runtime is not Runtime.auto:
+            return self
+        if kinds == {DeviceKind.npu}:
+            from yrpd.containers import default_npu_image
+
+            return self.model_copy(update={"runtime": Runtime.docker, "image": self.image or default_npu_image()}).check()
+        return self.model_copy(update={"runtime": Runtime.host}).check()
+
     def _check_container(self) -> None:
+        if self.runtime is Runtime.auto:
+            return  # resolve_runtime checks again once the hosts' kinds are known
         if self.runtime is not Runtime.docker:
             if self.container_profile is not None:
                 raise SpecError("container_profile", "is only used with runtime docker",
@@ -559,7 +579,19 @@ class DeploySpec(BaseModel):
             check_image(self.image)
         except ValueError as exc:
             raise SpecError("image", str(exc), "write it as docker does, e.g. quay.io/ascend/vllm-ascend:v0.10.0rc1-openeuler") from None
-        container_profile(self)  # loads and validates it (SpecError naming the profile field)
+        profile = container_profile(self)  # loads and validates it (SpecError naming the profile field)
+        from yrpd.versions import DATASYSTEM_PYTHONS, YR_PYTHONS
+
+        py, version = profile.cluster_interpreter
+        if self.launcher is ClusterLauncher.yr and version not in YR_PYTHONS:
+            raise SpecError("cluster_launcher", f"yr needs Python {' or '.join(YR_PYTHONS)} (openyuanrong's wheels) and "
+                            f"the container's is {version} ({py}, profile {profile.name})",
+                            "use cluster_launcher: dscli (the default), or name a Python 3.11 of the image as "
+                            "cluster_python in a copy of the profile")
+        if self.launcher is ClusterLauncher.dscli and version not in DATASYSTEM_PYTHONS:
+            raise SpecError("container_profile", f"{profile.name}: the data system's wheels exist for Python "
+                            f"{' and '.join(DATASYSTEM_PYTHONS)}, the container's Python is {version} ({py})",
+                            "name a Python 3.11 or 3.12 of the image as cluster_python in a copy of the profile")
 
     def _check_serving(self) -> None:
         owned = ("--port", "--host", "--served-model-name", "--kv-transfer-config", "--tensor-parallel-size",
@@ -678,7 +710,7 @@ def _one_line(exc: ValidationError) -> SpecError:
 def _fix_for(loc: str) -> str:
     hints = {
         "device_kind": "use auto, npu, gpu or cpu",
-        "runtime": "use docker or host",
+        "runtime": "use auto, docker or host",
         "container_engine": "use docker or podman",
         "cluster_mode": "use auto, full or ds_only",
         "cluster_launcher": "use auto, dscli or yr",

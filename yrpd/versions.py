@@ -3,6 +3,8 @@
 OPENYUANRONG = "9.9.9"  # the `yr` CLI and bundled etcd (registry wheel; complete wheels come from openYuanrong's site)
 OPENYUANRONG_DATASYSTEM = "0.8.1"  # dscli, datasystem_worker, KVClient
 PYTHON_TAG = "python3.11"  # the yr launcher's venvs (openyuanrong is cp310/cp311 only)
+#: Pythons openyuanrong (the yr CLI) has wheels for: what the yr launcher runs on
+YR_PYTHONS = ("3.10", "3.11")
 #: Pythons openyuanrong-datasystem has wheels for (x86_64 and aarch64): what the dscli launcher runs on
 DATASYSTEM_PYTHONS = ("3.11", "3.12")
 #: the tag of the openyuanrong wheel the dscli launcher takes etcd from (unpacked, not installed)

@@ -17,7 +17,7 @@ from yrpd.hostgroup import Command
 from yrpd.playbook import PlaybookFailed, StepFailed
 from yrpd.render import outcome_line
 from yrpd.session import Session, SessionPhase, SessionStore
-from yrpd.spec import DeploySpec, build_spec
+from yrpd.spec import DeploySpec, Runtime, build_spec
 from yrpd.testing import ScriptedHosts
 
 from tests.unit.sessions import recorded
@@ -118,7 +118,9 @@ def test_deploy_records_the_session_and_reports_each_step_in_order(tmp_path, pla
     assert not home.exists()  # the spec's session_root, not $YRPD_HOME
     assert not done.resumed and done.endpoint is None  # this playbook starts no proxy
     assert session.phase is SessionPhase.deployed and session.state["playbook"] == str(playbook)
-    assert DeploySpec.model_validate(session.spec_data) == spec
+    # the session holds the spec as deployed: runtime auto resolved (CPU hosts: host)
+    assert spec.runtime is Runtime.auto
+    assert DeploySpec.model_validate(session.spec_data) == spec.model_copy(update={"runtime": Runtime.host})
     assert session.plan_data["inventory"]["h2"] == {"kind": "cpu", "devices": [0, 1, 2, 3], "ip": "10.0.0.2",
                                                     "cpu_bf16": None, "arch": None}
     assert progress.events == [

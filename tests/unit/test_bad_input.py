@@ -69,7 +69,7 @@ CASES = [
     ("docker-missing-profile-file", GOOD + ["--runtime", "docker", "--image", "example.org/my/vllm:1",
                                             "--container-profile", "/nonexistent/p.yaml"], None,
      "container_profile: /nonexistent/p.yaml does not exist"),
-    ("profile-without-docker", GOOD + ["--container-profile", "vllm-ascend-v0.23.0"], None,
+    ("profile-without-docker", GOOD + ["--runtime", "host", "--container-profile", "vllm-ascend-v0.23.0"], None,
      "container_profile: is only used with runtime docker"),
     ("unknown-container-engine", GOOD, "container_engine: lxc\n", "container_engine"),
     ("bad-env", GOOD + ["--env", "NOEQUALS"], None, "--env"),
@@ -126,8 +126,8 @@ def test_cases_are_distinct():
 
 
 DEPLOY_ONLY = [
-    ("recreate-without-docker", GOOD + ["--recreate"], "--recreate: only applies to runtime docker"),
-    ("pull-without-docker", GOOD + ["--pull", "missing"], "--pull: only applies to runtime docker"),
+    ("recreate-without-docker", GOOD + ["--runtime", "host", "--recreate"], "--recreate: only applies to runtime docker"),
+    ("pull-without-docker", GOOD + ["--runtime", "host", "--pull", "missing"], "--pull: only applies to runtime docker"),
     ("pull-unknown-policy", GOOD + ["--runtime", "docker", "--image", "quay.io/ascend/vllm-ascend:v0.10.0rc1-openeuler",
                                     "--pull", "sometimes"], "--pull"),
 ]

@@ -20,7 +20,7 @@ def test_the_proxy_and_the_instances_check_callers_and_what_does_not_is_named(mo
     assert {rows[k].guard for k in (("h1", "31501"), ("h2", "31501"))} == {Guard.curve}
     # the dscli launcher (the default) runs no data system master; the yr launcher's is CURVE-keyed too
     assert ("h1", "12123") not in rows
-    yr = rows_for(api_key_env="YRPD_TEST_KEY", ptp=4, dtp=4, cluster_launcher="yr")
+    yr = rows_for(api_key_env="YRPD_TEST_KEY", ptp=4, dtp=4, cluster_launcher="yr", runtime="host")
     assert yr[("h1", "12123")].guard is Guard.curve and ("h2", "12123") not in yr
     assert {rows[k].guard for k in (("h1", "32379"), ("h1", "32380"))} == {Guard.certificate}
     row = rows[("h2", "61000-61015")]

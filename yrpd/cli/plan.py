@@ -33,7 +33,7 @@ def show_plan(spec, playbook_file: str | None, as_json: bool) -> int:
     from yrpd.render import plan_commands, plan_table
 
     console = out()
-    for renderable in plan_table(spec, view.plan):
+    for renderable in plan_table(view.spec, view.plan):
         console.print(renderable)
     console.print()
     for renderable in plan_commands(view.steps):
