@@ -97,12 +97,18 @@ def test_pd_in_containers_answers_like_one_instance_and_leaves_nothing(standin, 
 
         report = json.loads(cli("status", "--json", check=0).stdout)
         assert report["healthy"], report["problems"]
+        # the data system ran by the dscli launcher (the default): etcd and a worker per container, no yr CLI
+        assert sorted((c["host"], c["component"]) for c in report["cluster"]["components"]) == [
+            ("h1", "ds_worker"), ("h1", "etcd"), ("h2", "ds_worker")]
         decode = next(i for i in report["instances"] if i["role"] == "decode")
         assert decode["host"] == "h2" and decode["prompt_tokens_loaded"] >= 11 * 128  # across hosts, from the cache
         session = report["session"]
         for host in lab.hosts:
             box = json.loads(host.exec(f"docker inspect yrpd-{session}").stdout)[0]
             assert box["State"]["Running"]
+            no_yr = "test ! -e /opt/yrpd/venvs/yr && ! command -v yr && ! python3 -c 'import yr.cli' 2>/dev/null"
+            assert host.exec(f"docker exec yrpd-{session} bash -c {shlex.quote(no_yr + ' && echo none')}",
+                             check=False).stdout.strip() == "none", host.name
             # the instance runs the image's Python, sees the image's PYTHONPATH and the entrypoint's environment
             name = "prefill-0" if host.name == "h1" else "decode-0"
             state = host.exec(f"docker exec yrpd-{session} cat /tmp/yrpd_sessions/{session}/run/{name}.state.json")
