@@ -150,6 +150,8 @@ def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: 
         return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"shared_storage_path": paths.session.kv_files}}
     host = host_of(plan, on or inst.host)
+    if spec.kv_connector is KvConnector.ascend_store:
+        return ascend_store_config(spec, plan, inst)
     extra = {
         "ds_address": f"{host.reach_ip}:{spec.ports.datasystem}",
         "stats_file": paths.stats_file(inst.name),
@@ -163,6 +165,24 @@ def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: 
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
+
+
+#: upstream's roles for the two connectors of its PD recipe (the pool saves on prefill, decode only reads it)
+ASCEND_STORE_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "single": "kv_both"}
+
+
+def ascend_store_config(spec: DeploySpec, plan: Plan, inst: InstancePlan) -> dict:
+    """vllm-ascend's PD recipe on yrpd's data system (yrpd.ascend_store): Mooncake hands KV over between the
+    disaggregated instances, AscendStoreConnector keeps it in the pool."""
+    from yrpd import ascend_store
+
+    handover = None
+    if inst.role != "single":
+        sizes = {role: next({"dp_size": i.dp, "tp_size": i.tp} for i in plan.instances if i.role == role)
+                 for role in ("prefill", "decode")}
+        handover = {"kv_port": spec.ports.mooncake_base + (inst.hccl_port - spec.ports.hccl_base), **sizes}
+    # the lookup socket is named by this port: unique among the host's instances like their kv ports
+    return ascend_store.kv_transfer_config(ASCEND_STORE_ROLES[inst.role], lookup_port=inst.kv_port, handover=handover)
 
 
 def device_env(kind: DeviceKind, devices: tuple[int, ...], tp: int) -> dict[str, str]:
@@ -221,6 +241,10 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
     for h, ranks in by_host.items():
         devices = tuple(d for r in ranks for d in r.devices)
         host_env = {**env, **device_env(host_of(plan, h).kind, devices, inst.tp), "VLLM_HOST_IP": host_of(plan, h).reach_ip}
+        if with_kv and spec.kv_connector is KvConnector.ascend_store:
+            from yrpd import ascend_store
+
+            host_env.update(ascend_store.worker_env(f"{host_of(plan, h).reach_ip}:{spec.ports.datasystem}"))
         host_env.update(spec.env)
         if with_kv:
             kv = json.dumps(kv_transfer_config(spec, plan, inst, paths, on=h), separators=(",", ":"))

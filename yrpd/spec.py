@@ -75,6 +75,9 @@ class KvConnector(str, Enum):
     yuanrong = "yuanrong"  # yrpd's connector: the openYuanrong data system
     example = "example"  # vLLM's reference connector (files on one host): a peer `yrpd bench` compares against
     lmcache = "lmcache"  # LMCache's multi-process server beside each plain instance: another peer of `yrpd bench`
+    #: vllm-ascend's own: AscendStoreConnector (backend yuanrong) as the pool on yrpd's data system, with its
+    #: MooncakeConnectorV1 for the PD hand-over (yrpd.ascend_store); vllm-ascend images 0.19.1rc1 .. 0.26.0rc1
+    ascend_store = "ascend-store"
 
 
 class ContainerEngine(str, Enum):
@@ -240,18 +243,22 @@ class Ports(BaseModel):
     kv_base: int = 8300
     #: the k-th instance gets hccl_base+16k .. +15 for collective communication
     hccl_base: int = 61000
+    #: kv_connector ascend-store: the k-th instance's Mooncake hand-over listens on mooncake_base+16k .. +15
+    mooncake_base: int = 62600
     #: instances a host may run: instance_base and kv_base reserve this many ports, hccl_base 16 each
     span: int = 100
 
     @model_validator(mode="after")
     def _check(self) -> "Ports":
-        for name in ("proxy", "datasystem", "ds_master", "etcd", "lmcache", "instance_base", "kv_base", "hccl_base"):
+        for name in ("proxy", "datasystem", "ds_master", "etcd", "lmcache", "instance_base", "kv_base", "hccl_base",
+                     "mooncake_base"):
             value = getattr(self, name)
             if not 1 <= value <= 65535:
                 raise ValueError(f"{name}: {value} is not in 1-65535")
         if not 1 <= self.span <= 1000:
             raise ValueError(f"span: {self.span} is not in 1-1000")
-        widths = {"instance_base": self.span, "kv_base": self.span, "hccl_base": 16 * self.span}
+        widths = {"instance_base": self.span, "kv_base": self.span, "hccl_base": 16 * self.span,
+                  "mooncake_base": 16 * self.span}
         for name, width in widths.items():
             top = getattr(self, name) + width - 1
             if top > 65535:
@@ -265,6 +272,7 @@ class Ports(BaseModel):
             "instance_base": (self.instance_base, self.instance_base + self.span - 1),
             "kv_base": (self.kv_base, self.kv_base + self.span - 1),
             "hccl_base": (self.hccl_base, self.hccl_base + 16 * self.span - 1),
+            "mooncake_base": (self.mooncake_base, self.mooncake_base + 16 * self.span - 1),
         }
         names = list(ranges)
         for i, a in enumerate(names):
@@ -548,6 +556,10 @@ class DeploySpec(BaseModel):
         if self.kv_connector is KvConnector.example and len(self.hosts) > 1:
             raise SpecError("kv_connector", "example shares KV through files, which only one host can see",
                             "deploy it on one host, or use kv_connector: yuanrong")
+        if self.kv_connector is KvConnector.ascend_store and self.runtime is Runtime.host:
+            raise SpecError("kv_connector", "ascend-store is vllm-ascend's own connector: it runs in the vllm-ascend "
+                            "image", "deploy NPU hosts with runtime docker (the default there), or use kv_connector: "
+                            "yuanrong")
         if self.kv_connector is KvConnector.lmcache and self.disaggregated:
             raise SpecError("kv_connector", "lmcache is a prefix store for plain instances here, not a PD handoff",
                             "set disaggregated: false with it, or use kv_connector: yuanrong")
@@ -580,6 +592,15 @@ class DeploySpec(BaseModel):
         except ValueError as exc:
             raise SpecError("image", str(exc), "write it as docker does, e.g. quay.io/ascend/vllm-ascend:v0.10.0rc1-openeuler") from None
         profile = container_profile(self)  # loads and validates it (SpecError naming the profile field)
+        if self.kv_connector is KvConnector.ascend_store:
+            from yrpd import ascend_store
+
+            ascend_store.check(profile.vllm_ascend, profile.name)
+            for role, tp, dp in (("prefill", self.ptp, self.pdp), ("decode", self.dtp, self.ddp)):
+                if tp * dp > ascend_store.PORT_BLOCK:
+                    raise SpecError("kv_connector", f"ascend-store: a {role} instance of tp {tp} x dp {dp} needs "
+                                    f"{tp * dp} Mooncake handshake ports, yrpd reserves {ascend_store.PORT_BLOCK} an "
+                                    "instance", f"keep tp x dp at most {ascend_store.PORT_BLOCK}, or use kv_connector: yuanrong")
         from yrpd.versions import DATASYSTEM_PYTHONS, YR_PYTHONS
 
         py, version = profile.cluster_interpreter
