@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 
 from yrpd.placement import Plan
-from yrpd.spec import DeploySpec, DeviceKind
+from yrpd.spec import DeploySpec, DeviceKind, KvConnector
 
 
 class Guard(str, Enum):
@@ -52,6 +52,11 @@ def exposure(spec: DeploySpec, plan: Plan) -> list[PortAccess]:
     for inst in plan.instances:
         rows.append(PortAccess(inst.host, str(inst.port), f"{inst.name} (vLLM API)", ip[inst.host], callers,
                                Guard.token))
+        if spec.kv_connector is KvConnector.ascend_store and spec.disaggregated:
+            first = spec.ports.mooncake_base + (inst.hccl_port - spec.ports.hccl_base)
+            rows.append(PortAccess(inst.host, f"{first}-{first + inst.tp * inst.dp - 1}",
+                                   f"{inst.name} Mooncake KV hand-over (vllm-ascend's MooncakeConnectorV1)",
+                                   ip[inst.host], "the other role's instances", _open(ip[inst.host])))
         if inst.spans_hosts:
             rows.append(PortAccess(inst.host, str(inst.kv_port), f"{inst.name} DP coordination (and ports vLLM "
                                    "picks for its engine sockets)", ip[inst.host],

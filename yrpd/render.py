@@ -10,7 +10,7 @@ from rich.text import Text
 
 from yrpd.placement import Plan, describe_devices, unit_name
 from yrpd.playbook import PlannedStep
-from yrpd.spec import ClusterLauncher, DeploySpec, Dtype, Runtime
+from yrpd.spec import ClusterLauncher, DeploySpec, Dtype, KvConnector, Runtime
 from yrpd.status import StatusReport
 from yrpd.steps import NotNeeded
 
@@ -47,6 +47,10 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
     spill = (f", then {spec.datasystem_spill_mb} MB on disk ({spec.datasystem_spill_dir or 'in the session directory'})"
              if spec.datasystem_spill_mb else "; full memory evicts the oldest KV (no disk tier)")
     lines.append(Text(f"KV cache in the data system: {spec.datasystem_memory_mb} MB shared memory per host{spill}"))
+    if spec.kv_connector is KvConnector.ascend_store:
+        lines.append(Text("KV connector: ascend-store, vllm-ascend's AscendStoreConnector (backend yuanrong) keeps KV "
+                          "in the data system" + (", its MooncakeConnectorV1 hands it from prefill to decode"
+                                                  if spec.disaggregated else "")))
     if spec.runtime is Runtime.docker:
         lines.append(Text(f"runtime: docker, one container of {spec.image} per host (the default on NPU hosts; "
                           "--runtime host runs the processes on the hosts)"))

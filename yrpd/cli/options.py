@@ -54,6 +54,11 @@ def spec_options(func: Callable) -> Callable:
         click.option("--routing", type=click.Choice(["load", "prefix"]),
                      help="how the proxy picks an instance: prefix (cache-aware: where the prompt's unseen part plus "
                           "the work queued there is least) or load (fewest requests in flight) [prefix]"),
+        click.option("--kv-connector", type=click.Choice(["yuanrong", "ascend-store", "example", "lmcache"]),
+                     help="what moves KV: yrpd's connector, vllm-ascend's AscendStoreConnector, or a bench peer "
+                          "[yuanrong]"),
+        click.option("--cluster-launcher", type=click.Choice(["auto", "dscli", "yr"]),
+                     help="what runs the data system: dscli (no yr CLI) or yr [auto: dscli unless full mode]"),
         click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE", help="extra environment for services (repeatable)"),
         click.option("--env-path", metavar="DIR", help="use an environment already on the hosts; skip installs"),
     ]
@@ -95,6 +100,8 @@ def spec_from_options(params: dict[str, Any]):
         "served_model_name": params.get("served_model_name"),
         "dtype": params.get("dtype"),
         "routing": params.get("routing"),
+        "kv_connector": params.get("kv_connector"),
+        "cluster_launcher": params.get("cluster_launcher"),
         "env_path": params.get("env_path"),
         "env": env,
         "ports": {"proxy": params.get("proxy_port")},
