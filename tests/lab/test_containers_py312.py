@@ -1,0 +1,115 @@
+"""The data system in containers whose Python is 3.12, as in today's vllm-ascend images (v0.23.0 on), for which the
+`yr` CLI has no wheel: on two fake hosts with a dockerd each, from the 3.12 STAND-IN image
+(scripts/build_standin_py312_image.sh: CPython 3.12 at /usr/local/python3.12.13, no vLLM), yrpd brings the cp312
+wheels from here, makes the data system's venv from the image's Python inside each container and runs etcd and the
+workers by the dscli launcher. The deploy playbook is cut to the cluster's steps (the image serves nothing). What is
+FAKE: no NPU, no CANN, no vLLM in the image."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import run_yrpd
+from tests.lab.test_cluster_lab import MODEL, leftovers, put_model
+
+from .dockerlab import DockerHosts, _under_ci, docker_unavailable
+
+pytestmark = [pytest.mark.lab, pytest.mark.e2e]
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = "/usr/local/python3.12.13/bin/python3"
+CLUSTER_STEPS = ("preflight.check_hosts", "container.preflight", "host_session.create", "container.ensure",
+                 "credentials.ship", "cluster.install", "cluster.configure", "cluster.start_master",
+                 "cluster.start_agent", "cluster.wait_healthy", "cluster.check_kv")
+
+
+def _unavailable(reason: str):
+    if _under_ci():
+        pytest.fail(f"{reason} (CI=true: a missing prerequisite is a failure, not a skip)")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def standin312(fake_lab):
+    reason = docker_unavailable()
+    if reason:
+        _unavailable(reason)
+    proc = subprocess.run([str(REPO / "scripts" / "build_standin_py312_image.sh")], capture_output=True, text=True,
+                          timeout=1800, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        _unavailable(f"building the 3.12 stand-in image failed:\n{proc.stderr[-3000:]}")
+    tag, archive = proc.stdout.strip().splitlines()[-2:]
+    lab = fake_lab(2, docker=True)
+    hosts = DockerHosts(lab)
+    try:
+        hosts.start(0)
+        hosts.load_archive(archive)
+        yield lab, tag
+    finally:
+        hosts.close()
+
+
+def test_the_data_system_runs_from_the_images_python_312_without_the_yr_cli(standin312, tmp_path):
+    lab, image = standin312
+    put_model(*lab.hosts)
+    profile = tmp_path / "py312.yaml"
+    profile.write_text(yaml.safe_dump({
+        "schema": "yrpd.container-profile/1", "name": "standin-py312", "image": image, "shm_size": "4g",
+        "python": PYTHON, "python_version": "3.12", "env_scripts": ["/usr/local/Ascend/ascend-toolkit/set_env.sh"]}))
+    book = yaml.safe_load((REPO / "playbooks" / "deploy.yaml").read_text())
+    book["steps"] = [s for s in book["steps"] if s["run"] in CLUSTER_STEPS]
+    playbook = tmp_path / "cluster.yaml"
+    playbook.write_text(yaml.safe_dump(book))
+    config = tmp_path / "yrpd.yaml"
+    config.write_text("device_kind: cpu\ndatasystem_memory_mb: 256\n")
+    spec = ["--hosts", "h1,h2", "--config", str(config), "--runtime", "docker", "--image", image,
+            "--container-profile", str(profile), "--model", MODEL]
+    env = {"YRPD_HOME": str(tmp_path / "home")}
+
+    def cli(*args, check=None):
+        return run_yrpd(*args, *lab.cli_ssh_args, env=env, check=check, timeout=900)
+
+    plan = cli("plan", *spec, check=0).stdout
+    assert f"the venv /opt/yrpd/venvs/ds made from {PYTHON} (Python 3.12)" in plan
+    assert "openyuanrong-datasystem==0.8.1 for cp312" in plan and "/yr/bin" not in plan
+    try:
+        started = time.monotonic()
+        cli("deploy", *spec, "--playbook", str(playbook), check=0)
+        print(f"measured: the data system in 3.12 containers up on 2 hosts in {time.monotonic() - started:.1f}s")
+        report = json.loads(cli("status", "--json", check=0).stdout)
+        assert report["cluster"]["healthy"], report["problems"]
+        rows = {(c["host"], c["component"]): c for c in report["cluster"]["components"]}
+        assert sorted(rows) == [("h1", "ds_worker"), ("h1", "etcd"), ("h2", "ds_worker")]
+        box = f"yrpd-{report['session']}"
+        for host in lab.hosts:
+            inside = ("/opt/yrpd/venvs/ds/bin/python -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])' && "
+                      "ls -d /opt/yrpd/venvs/ds/lib/python3.12/site-packages/yr/datasystem/datasystem_worker && "
+                      "test ! -e /opt/yrpd/venvs/yr && ! command -v yr && echo no-yr")
+            out = host.exec(f"docker exec {box} bash -c {shlex.quote(inside)}").stdout.split()
+            assert out[0] == "3.12" and out[-1] == "no-yr", (host.name, out)
+
+        # a killed worker is restarted by its supervisor inside the container
+        victim = rows[("h2", "ds_worker")]["pid"]
+        lab.hosts[1].exec(f"docker exec {box} bash -c {shlex.quote(f'kill -9 {victim}')}")
+        deadline = time.monotonic() + 60
+        while True:
+            time.sleep(2)
+            report = json.loads(cli("status", "--json").stdout)
+            worker = next(c for c in report["cluster"]["components"] if (c["host"], c["component"]) == ("h2", "ds_worker"))
+            if (report["cluster"]["healthy"] and worker["restarts"]) or time.monotonic() > deadline:
+                break
+        assert report["cluster"]["healthy"] and worker["restarts"] >= 1 and worker["pid"] != victim, report["problems"]
+
+        cli("down", check=0)
+        for host in lab.hosts:
+            assert host.exec("docker ps -aq").stdout.strip() == "", host.name
+            assert leftovers(host) == ([], []), host.name
+    finally:
+        run_yrpd("down", *lab.cli_ssh_args, env=env, timeout=300)
