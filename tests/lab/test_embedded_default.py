@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def netns():
-    missing = [v for v in ("yr", "ds", "vllm") if not (ENV_ROOT / v / "bin" / "python").exists()]
+    missing = [v for v in ("ds", "vllm") if not (ENV_ROOT / v / "bin" / "python").exists()]
     if missing:
         message = f"venvs {missing} missing under {ENV_ROOT}: run scripts/test.sh (it installs them)"
         if os.environ.get("CI"):

@@ -32,7 +32,7 @@ def complete(base: str, prompt: str, key: str | None = None) -> str:
 def lab_cli(lab, tmp_path, n: int, extra: str = ""):
     """The config (host k gets core (k - 1) % 2: the fake hosts share this machine's two cores, so no core runs more
     than two instances) and a `yrpd` runner for the lab's `n` hosts."""
-    missing = [v for v in ("yr", "ds", "vllm") if not Path(rm.ENV_ROOT, v, "bin", "python").exists()]
+    missing = [v for v in ("ds", "vllm") if not Path(rm.ENV_ROOT, v, "bin", "python").exists()]
     if missing:
         pytest.fail(f"venvs {missing} missing under {rm.ENV_ROOT}: run scripts/test.sh")
     config = tmp_path / "yrpd.yaml"

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.lab, pytest.mark.e2e]
 
 @pytest.fixture(autouse=True)
 def _need_venvs():
-    missing = [v for v in ("yr", "ds", "vllm") if not Path(rm.ENV_ROOT, v, "bin", "python").exists()]
+    missing = [v for v in ("ds", "vllm") if not Path(rm.ENV_ROOT, v, "bin", "python").exists()]
     if missing:
         message = f"venvs {missing} missing under {rm.ENV_ROOT}: run scripts/test.sh (it installs them)"
         if os.environ.get("CI"):
@@ -79,7 +79,7 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
                                      check=False, timeout=60)
             assert json.loads(refused.stdout.strip().splitlines()[-1])["ok"] is False, refused.stdout
         # ... and etcd on h1 lists nothing for a client without the deployment's certificate
-        etcdctl = next(Path(rm.ENV_ROOT, "yr").rglob("third_party/etcd/etcdctl"))
+        etcdctl = Path(rm.ENV_ROOT, "etcd", "etcdctl")
         listed = lab["h3"].exec(f"{etcdctl} --endpoints https://{lab['h1'].address}:32379 --insecure-skip-tls-verify "
                                 "--dial-timeout 3s --command-timeout 5s get / --prefix --keys-only", check=False, timeout=60)
         assert listed.returncode != 0 and "/datasystem/" not in listed.stdout, listed.stdout
