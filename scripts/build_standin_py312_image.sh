@@ -11,6 +11,7 @@
 # CANN set_env.sh. No network inside (the lab's hosts have none). Cached: rebuilt when its inputs change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/standin_python.sh
 
 OUT="${1:-/var/cache/yrpd/standin}"
 TAG="yrpd-lab/vllm-ascend-standin:py312-datasystem"
@@ -24,7 +25,7 @@ SRC_PREFIX="${YRPD_PY312_PREFIX:-$(ls -d /root/.pyenv/versions/3.12.* 2>/dev/nul
     || { echo "build_standin_py312_image: $SRC_PREFIX has no shared libpython (needed to relocate it)" >&2; exit 1; }
 
 rootfs_tar="$(./scripts/build_standin_rootfs.sh "$OUT" | tail -n1)"
-key="$(printf '%s\n' "$(sha256sum "$0" scripts/docker_archive.py | cut -c1-16)" "$(basename "$rootfs_tar")" \
+key="$(printf '%s\n' "$(sha256sum "$0" scripts/docker_archive.py scripts/standin_python.sh | cut -c1-16)" "$(basename "$rootfs_tar")" \
        "$("$SRC_PREFIX/bin/python3.12" -VV)" | sha256sum | cut -c1-12)"
 archive="$OUT/vllm-ascend-standin-py312-$key.tar"
 if [ -s "$archive" ]; then echo "$TAG"; echo "$archive"; exit 0; fi
@@ -39,14 +40,8 @@ root="$tmp/rootfs"
 mkdir -p "$root"
 tar -C "$root" -xf "$rootfs_tar"
 echo "build_standin_py312_image: CPython 3.12 at $PREFIX" >&2
-mkdir -p "$root$PREFIX/bin" "$root$PREFIX/lib"
-cp -a "$SRC_PREFIX/bin/python3.12" "$root$PREFIX/bin/"
-ln -s python3.12 "$root$PREFIX/bin/python3"
-cp -a "$SRC_PREFIX"/lib/libpython3.12.so* "$root$PREFIX/lib/"
-# the standard library with pip and its venv support (ensurepip's bundled wheel), nothing else of site-packages
-tar -C "$SRC_PREFIX/lib" --exclude='python3.12/test' --exclude='python3.12/site-packages/*' \
-    --exclude='__pycache__' -cf - python3.12 | tar -C "$root$PREFIX/lib" -xf -
-echo "$PREFIX/lib" > "$root/etc/ld.so.conf.d/python3.12.conf"
+# the standard library with venv support (ensurepip's bundled pip wheel): what the data system's venv is made from
+relocate_python "$SRC_PREFIX" 3.12 "$root" "$PREFIX"
 ldconfig -r "$root"
 cann="$root/usr/local/Ascend/ascend-toolkit"
 mkdir -p "$cann/latest/lib64"

@@ -99,6 +99,15 @@ def _under_ci() -> bool:
     return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
 
 
+def unavailable(reason: str):
+    """A missing prerequisite of a docker lab test: a skip here, a failure under CI."""
+    import pytest
+
+    if _under_ci():
+        pytest.fail(f"{reason} (CI=true: a missing prerequisite is a failure, not a skip)")
+    pytest.skip(reason)
+
+
 def install_fake_ascend_driver(host: FakeHost, npus: int) -> None:
     """FAKE driver files at the paths the container profiles mount (through the host's /usr and /etc overlays)."""
     smi = FAKE_NPU_SMI.replace("$((FAKE_NPUS - 1))", str(npus - 1))

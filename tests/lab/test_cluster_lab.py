@@ -96,6 +96,18 @@ def leftovers(host):
     return procs, ports
 
 
+def worker_restarted(status, host: str, within_s: float) -> tuple[dict, dict]:
+    """(status report, the host's ds_worker row) once the report is healthy and counts a restart of that worker, or
+    the last ones after `within_s`; `status` returns `yrpd status --json` as a dict."""
+    deadline = time.monotonic() + within_s
+    while True:
+        time.sleep(1)
+        report = status()
+        worker = next(c for c in report["cluster"]["components"] if (c["host"], c["component"]) == (host, "ds_worker"))
+        if (report["healthy"] and worker["restarts"]) or time.monotonic() > deadline:
+            return report, worker
+
+
 def ds_check(*args: str) -> dict:
     """deploy_scripts/ds_kv_check.py run here with the data system venv: a client that is not the deployment's."""
     import subprocess
@@ -194,13 +206,7 @@ def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, 
     # status is healthy again within 20 s,
     # shows the restart and the new pid, and every other component kept its pid
     lab.hosts[1].exec(f"kill -9 {before[('h2', 'ds_worker')]}")
-    deadline = time.monotonic() + 20
-    while True:
-        time.sleep(1)
-        report = json.loads(cli("status", "--json").stdout)
-        worker = next(c for c in report["cluster"]["components"] if (c["host"], c["component"]) == ("h2", "ds_worker"))
-        if (report["healthy"] and worker["restarts"]) or time.monotonic() > deadline:
-            break
+    report, worker = worker_restarted(lambda: json.loads(cli("status", "--json").stdout), "h2", 20)
     assert report["healthy"], report["problems"]
     assert worker["restarts"] >= 1 and worker["pid"] != before[("h2", "ds_worker")]
     after = cluster_pids(report)

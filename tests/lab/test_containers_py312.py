@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from tests.conftest import run_yrpd
-from tests.lab.test_cluster_lab import MODEL, leftovers, put_model
+from tests.lab.test_cluster_lab import MODEL, leftovers, put_model, worker_restarted
 
-from .dockerlab import DockerHosts, _under_ci, docker_unavailable
+from .dockerlab import DockerHosts, docker_unavailable, unavailable
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
 
@@ -30,21 +30,15 @@ CLUSTER_STEPS = ("preflight.check_hosts", "container.preflight", "host_session.c
                  "cluster.start_agent", "cluster.wait_healthy", "cluster.check_kv")
 
 
-def _unavailable(reason: str):
-    if _under_ci():
-        pytest.fail(f"{reason} (CI=true: a missing prerequisite is a failure, not a skip)")
-    pytest.skip(reason)
-
-
 @pytest.fixture
 def standin312(fake_lab):
-    reason = docker_unavailable()
+    reason = dockerunavailable()
     if reason:
-        _unavailable(reason)
+        unavailable(reason)
     proc = subprocess.run([str(REPO / "scripts" / "build_standin_py312_image.sh")], capture_output=True, text=True,
                           timeout=1800, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
-        _unavailable(f"building the 3.12 stand-in image failed:\n{proc.stderr[-3000:]}")
+        unavailable(f"building the 3.12 stand-in image failed:\n{proc.stderr[-3000:]}")
     tag, archive = proc.stdout.strip().splitlines()[-2:]
     lab = fake_lab(2, docker=True)
     hosts = DockerHosts(lab)
@@ -98,14 +92,8 @@ def test_the_data_system_runs_from_the_images_python_312_without_the_yr_cli(stan
         # a killed worker is restarted by its supervisor inside the container
         victim = rows[("h2", "ds_worker")]["pid"]
         lab.hosts[1].exec(f"docker exec {box} bash -c {shlex.quote(f'kill -9 {victim}')}")
-        deadline = time.monotonic() + 60
-        while True:
-            time.sleep(2)
-            report = json.loads(cli("status", "--json").stdout)
-            worker = next(c for c in report["cluster"]["components"] if (c["host"], c["component"]) == ("h2", "ds_worker"))
-            if (report["cluster"]["healthy"] and worker["restarts"]) or time.monotonic() > deadline:
-                break
-        assert report["cluster"]["healthy"] and worker["restarts"] >= 1 and worker["pid"] != victim, report["problems"]
+        report, worker = worker_restarted(lambda: json.loads(cli("status", "--json").stdout), "h2", 60)
+        assert report["healthy"] and worker["restarts"] >= 1 and worker["pid"] != victim, report["problems"]
 
         cli("down", check=0)
         for host in lab.hosts:
