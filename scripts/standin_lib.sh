@@ -1,0 +1,32 @@
+# Sourced by the stand-in image builders (scripts/build_standin_*image.sh).
+
+# standin_begin OUT ARCHIVE TAG ROOTFS_TAR: an archive already built is printed (tag, path) and the builder exits;
+# else, holding OUT's lock, the root file system is unpacked into $root under a temporary directory $tmp (removed
+# when the builder exits)
+standin_begin() {
+    local out="$1" archive="$2" tag="$3" rootfs_tar="$4"
+    if [ -s "$archive" ]; then echo "$tag"; echo "$archive"; exit 0; fi
+    mkdir -p "$out"
+    exec 9>"$out/.image.lock"
+    flock 9
+    if [ -s "$archive" ]; then echo "$tag"; echo "$archive"; exit 0; fi
+    tmp="$(mktemp -d "$out/image.XXXXXX")"
+    trap 'rm -rf "$tmp"' EXIT
+    root="$tmp/rootfs"
+    mkdir -p "$root"
+    tar -C "$root" -xf "$rootfs_tar"
+}
+
+# relocate_python SRC_PREFIX X.Y ROOT PREFIX: a CPython with a shared libpython into the image's root file system
+# under a prefix of its own, as CANN base images build theirs, found through ld.so.conf. Its site-packages stays
+# empty (the builder adds what the image carries).
+relocate_python() {
+    local src="$1" xy="$2" root="$3" prefix="$4"
+    mkdir -p "$root$prefix/bin" "$root$prefix/lib"
+    cp -a "$src/bin/python$xy" "$root$prefix/bin/"
+    ln -s "python$xy" "$root$prefix/bin/python3"
+    cp -a "$src"/lib/libpython"$xy".so* "$root$prefix/lib/"
+    tar -C "$src/lib" --exclude="python$xy/test" --exclude="python$xy/site-packages/*" \
+        --exclude='__pycache__' -cf - "python$xy" | tar -C "$root$prefix/lib" -xf -
+    echo "$prefix/lib" > "$root/etc/ld.so.conf.d/python$xy.conf"
+}
