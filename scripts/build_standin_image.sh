@@ -87,13 +87,7 @@ cann="$root/usr/local/Ascend/ascend-toolkit"
 mkdir -p "$cann/latest/python/site-packages/yrpd_fake_cann"
 echo 'WHAT = "FAKE CANN python package (yrpd stand-in image): importable only through the image ENV PYTHONPATH"' \
     > "$cann/latest/python/site-packages/yrpd_fake_cann/__init__.py"
-cat > "$cann/set_env.sh" <<'EOF'
-# FAKE set_env.sh (yrpd stand-in image): exports what CANN's does, in kind, and a marker the tests look for
-export ASCEND_TOOLKIT_HOME=/usr/local/Ascend/ascend-toolkit/latest
-export LD_LIBRARY_PATH=${ASCEND_TOOLKIT_HOME}/lib64:${LD_LIBRARY_PATH}
-export YRPD_STANDIN_CANN_ENV=sourced
-EOF
-mkdir -p "$cann/latest/lib64"
+fake_cann "$root"
 cat > "$root/usr/local/bin/yrpd-standin-entrypoint.sh" <<'EOF'
 #!/bin/bash
 # FAKE entrypoint (yrpd stand-in image): as CANN images do, source set_env.sh, then run the command

@@ -33,14 +33,7 @@ echo "build_standin_py312_image: CPython 3.12 at $PREFIX" >&2
 # the standard library with venv support (ensurepip's bundled pip wheel): what the data system's venv is made from
 relocate_python "$SRC_PREFIX" 3.12 "$root" "$PREFIX"
 ldconfig -r "$root"
-cann="$root/usr/local/Ascend/ascend-toolkit"
-mkdir -p "$cann/latest/lib64"
-cat > "$cann/set_env.sh" <<'SETENV'
-# FAKE set_env.sh (yrpd stand-in image): exports what CANN's does, in kind, and a marker the tests look for
-export ASCEND_TOOLKIT_HOME=/usr/local/Ascend/ascend-toolkit/latest
-export LD_LIBRARY_PATH=${ASCEND_TOOLKIT_HOME}/lib64:${LD_LIBRARY_PATH}
-export YRPD_STANDIN_CANN_ENV=sourced
-SETENV
+fake_cann "$root"
 rm -rf "$root/root/.cache"
 echo "build_standin_py312_image: docker load archive" >&2
 python3 scripts/docker_archive.py "$root" "$TAG" "$archive" \

@@ -30,3 +30,16 @@ relocate_python() {
         --exclude='__pycache__' -cf - "python$xy" | tar -C "$root$prefix/lib" -xf -
     echo "$prefix/lib" > "$root/etc/ld.so.conf.d/python$xy.conf"
 }
+
+# fake_cann ROOT: a FAKE CANN toolkit directory whose set_env.sh exports what CANN's does, in kind, and a marker the
+# tests look for
+fake_cann() {
+    local cann="$1/usr/local/Ascend/ascend-toolkit"
+    mkdir -p "$cann/latest/lib64"
+    cat > "$cann/set_env.sh" <<'SETENV'
+# FAKE set_env.sh (yrpd stand-in image): exports what CANN's does, in kind, and a marker the tests look for
+export ASCEND_TOOLKIT_HOME=/usr/local/Ascend/ascend-toolkit/latest
+export LD_LIBRARY_PATH=${ASCEND_TOOLKIT_HOME}/lib64:${LD_LIBRARY_PATH}
+export YRPD_STANDIN_CANN_ENV=sourced
+SETENV
+}
