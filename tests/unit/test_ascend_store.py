@@ -76,3 +76,17 @@ def test_what_ascend_store_cannot_serve_is_refused_naming_why(over, said):
     assert str(refused.value).startswith("kv_connector: ") and said in str(refused.value)
     # keyed control: the same spec without the offending setting plans
     launches()
+
+
+def test_the_bench_peer_runs_pd_through_ascend_store_where_it_can_and_is_refused_elsewhere():
+    from yrpd.bench.run import variant
+    from yrpd.spec import DeviceKind as Kind
+
+    npu = build_spec({}, {"hosts": "h1,h2", "model": "/models/m", "device_kind": "npu", "devices": "0-7"})
+    peer = variant(npu, "peer-ascend-store", Kind.npu)
+    assert peer.kv_connector.value == "ascend-store" and peer.disaggregated and peer.image.endswith(":v0.23.0")
+    assert variant(npu, "pd", Kind.npu).kv_connector.value == "yuanrong"  # control: the yrpd target beside it
+    cpu = build_spec({}, {"hosts": "localhost", "device_kind": "cpu", "runtime": "host"})  # as a session stores it
+    with pytest.raises(SpecError) as refused:
+        variant(cpu, "peer-ascend-store", Kind.cpu)
+    assert "it runs in the vllm-ascend image" in str(refused.value)

@@ -112,7 +112,8 @@ def dataset(**params) -> int:
               help="guide: the openYuanrong guide's benchmark (30 x 100 prompts of 2k + 6k tokens, concurrency 8, "
                    "2 output tokens; NPU hosts); cpu: its shape scaled to a small CPU host. Options given beside it win")
 @click.option("--targets", default="pd,pd-noreuse,single", show_default=True,
-              help="comma-separated: pd, pd-noreuse, single, single-yr, peer-example-pd, peer-lmcache")
+              help="comma-separated: pd, pd-noreuse, single, single-yr, peer-example-pd, peer-lmcache, "
+                   "peer-ascend-store (NPU)")
 @click.option("--num-prompts", type=click.IntRange(1), help="default: every prompt of the dataset")
 @click.option("--output-len", type=click.IntRange(1), default=32, show_default=True, help="tokens per answer")
 @click.option("--max-concurrency", type=click.IntRange(1), default=1, show_default=True)
