@@ -21,7 +21,7 @@ from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.playbook import Playbook, PlaybookFailed, PlaybookRunner, PlannedStep, StepFailed, StepOutcome, StepSpec, \
     describe, load_playbook
 from yrpd.session import Session, SessionPhase, SessionStore, default_root, resolve_root
-from yrpd.spec import DeploySpec, Runtime, SshOptions
+from yrpd.spec import DeploySpec, Runtime, SshOptions, stored_spec
 from yrpd.status import StatusReport, collect_status
 from yrpd.steps import NotNeeded, StepContext, spec_fingerprint
 
@@ -207,7 +207,7 @@ def reusable_session(store: SessionStore, spec: DeploySpec) -> Session | None:
     if latest is None or not latest.phase.up:
         return None
     try:
-        previous = DeploySpec.model_validate(latest.spec_data)
+        previous = stored_spec(latest.spec_data)
     except Exception:
         return None
     if spec_fingerprint(previous) == spec_fingerprint(spec):

@@ -12,7 +12,7 @@ from yrpd.errors import SessionError
 from yrpd.hostgroup import GroupResult, Host, HostGroup
 from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.session import Session
-from yrpd.spec import DeploySpec, DeviceKind, Dtype, HostSpec, Runtime
+from yrpd.spec import DeploySpec, DeviceKind, Dtype, HostSpec, Runtime, stored_spec
 from yrpd.steps import StepContext, host_python
 
 
@@ -137,7 +137,7 @@ class Deployment:
 
     @classmethod
     def load(cls, session: Session) -> "Deployment":
-        spec = DeploySpec.model_validate(session.spec_data)
+        spec = stored_spec(session.spec_data)
         plan_data = session.plan_data
         if plan_data is None or "inventory" not in plan_data:
             raise SessionError(f"session {session.id} has no plan.json: the deploy stopped before planning")

@@ -640,6 +640,12 @@ class DeploySpec(BaseModel):
 
 # -- loading -----------------------------------------------------------------------------------
 
+def stored_spec(data: dict[str, Any]) -> DeploySpec:
+    """The spec a session stored. Sessions deployed before `cluster_launcher` existed ran openYuanrong's `yr` CLI:
+    their status and teardown must keep reading it that way."""
+    return DeploySpec.model_validate({"cluster_launcher": ClusterLauncher.yr.value, **data})
+
+
 def load_config_file(path: str | None) -> dict[str, Any]:
     """Read the YAML config. An explicit path must exist; the default yrpd.yaml is optional."""
     if path is None:

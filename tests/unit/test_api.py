@@ -397,3 +397,14 @@ def test_the_secrets_travel_as_private_files_and_no_command_carries_them(tmp_pat
             assert value not in command.script + str(command)
     journal = (done.session.path / "journal.jsonl").read_text()
     assert not any(value in journal for value in secret_values)
+
+
+def test_a_session_stored_before_the_launcher_existed_is_torn_down_as_the_yr_cli_ran_it(tmp_path):
+    """Sessions deployed by an older yrpd ran the yr CLI: their stored spec has no cluster_launcher, and status and
+    down must drive yr's stop for them, not the dscli launcher's supervisors (control: a session stored now)."""
+    from yrpd.spec import ClusterLauncher, stored_spec
+
+    now = spec_for(tmp_path).model_dump(mode="json")
+    assert stored_spec(now).launcher is ClusterLauncher.dscli
+    before = {k: v for k, v in now.items() if k != "cluster_launcher"}
+    assert stored_spec(before).launcher is ClusterLauncher.yr
