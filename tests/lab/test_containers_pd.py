@@ -30,7 +30,7 @@ PROFILE = REPO / "containers" / "standin-cpu.yaml"
 
 @pytest.fixture
 def standin(fake_lab):
-    reason = dockerunavailable()
+    reason = docker_unavailable()
     if reason:
         unavailable(reason)
     if not (rm.VLLM / "bin" / "vllm").exists():

@@ -32,7 +32,7 @@ CLUSTER_STEPS = ("preflight.check_hosts", "container.preflight", "host_session.c
 
 @pytest.fixture
 def standin312(fake_lab):
-    reason = dockerunavailable()
+    reason = docker_unavailable()
     if reason:
         unavailable(reason)
     proc = subprocess.run([str(REPO / "scripts" / "build_standin_py312_image.sh")], capture_output=True, text=True,

@@ -35,7 +35,7 @@ REGISTRATION = 'if "YuanrongConnector" not in KVConnectorFactory._registry:'  # 
 
 @pytest.fixture
 def docker_hosts(fake_lab, tmp_path):
-    reason = dockerunavailable()
+    reason = docker_unavailable()
     if reason:
         unavailable(reason)
     try:
