@@ -315,8 +315,8 @@ def stop(ctx: StepContext, host: HostPlan) -> Command:
     if not dscli(ctx):
         return clear
     # the supervisors first (they stop their components and restart nothing), the worker before etcd: a worker
-    # stopping deregisters itself in etcd and, with etcd gone, waits out its supervisor's grace (teardown 20.4 s against 8.6 s
-    # in the 2-host lab); then yr_cluster.py drops the state
+    # stopping deregisters itself in etcd and, with etcd gone, waits out its supervisor's grace (2-host lab
+    # teardown 20.4 s, against 8.6 s in this order); then yr_cluster.py drops the state
     stops = [processes.stop(ctx, host, [name]) for name in reversed(dscli_commands(ctx, host))]
     return Command("\n".join([*(c.script for c in stops), clear.script]),
                    display="; then ".join([*(c.display for c in stops), clear.display]),
