@@ -2,8 +2,9 @@
 `yr` CLI has no wheel: on two fake hosts with a dockerd each, from the 3.12 STAND-IN image
 (scripts/build_standin_py312_image.sh: CPython 3.12 at /usr/local/python3.12.13, no vLLM), yrpd brings the cp312
 wheels from here, makes the data system's venv from the image's Python inside each container and runs etcd and the
-workers by the dscli launcher. The deploy playbook is cut to the cluster's steps (the image serves nothing). What is
-FAKE: no NPU, no CANN, no vLLM in the image."""
+workers by the dscli launcher, with the deployment's CURVE keys and etcd's client certificates as on hosts. The
+deploy playbook is cut to the cluster's steps (the image serves nothing). What is FAKE: no NPU, no CANN, no vLLM in
+the image."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import yaml
 
 from tests.conftest import run_yrpd
-from tests.lab.test_cluster_lab import MODEL, leftovers, put_model, worker_restarted
+from tests.lab.test_cluster_lab import MODEL, ds_check, etcdctl, leftovers, put_model, worker_restarted
 
 from .dockerlab import DockerHosts, docker_unavailable, unavailable
 
@@ -88,6 +89,20 @@ def test_the_data_system_runs_from_the_images_python_312_without_the_yr_cli(stan
                       "test ! -e /opt/yrpd/venvs/yr && ! command -v yr && echo no-yr")
             out = host.exec(f"docker exec {box} bash -c {shlex.quote(inside)}").stdout.split()
             assert out[0] == "3.12" and out[-1] == "no-yr", (host.name, out)
+
+        # from outside the deployment the data system refuses a client without the deployment's CURVE keys and serves
+        # one with them; etcd refuses plain HTTP and a TLS client without a certificate of the deployment's CA
+        secrets = tmp_path / "home" / "sessions" / report["session"] / "secrets"
+        h1, h2 = (f"{h.address}:31501" for h in lab.hosts)
+        assert not ds_check("--write", h1, "--read", h2, "--timeout-ms", "3000", "--attempts", "1")["ok"]
+        assert ds_check("--write", h1, "--read", h2, "--env-file", str(secrets / "datasystem.env"))["ok"]
+        tls = secrets / "etcd"
+        etcd = f"https://{lab.hosts[0].address}:32379"
+        assert etcdctl(etcd.replace("https", "http")).returncode != 0
+        assert etcdctl(etcd, "--cacert", str(tls / "ca.crt")).returncode != 0
+        listed = etcdctl(etcd, "--cacert", str(tls / "ca.crt"), "--cert", str(tls / "client.crt"), "--key",
+                         str(tls / "client.key"))
+        assert listed.returncode == 0 and "/datasystem/" in listed.stdout, listed.stderr[-500:]
 
         # a killed worker is restarted by its supervisor inside the container
         victim = rows[("h2", "ds_worker")]["pid"]
