@@ -76,8 +76,12 @@ class ConnectorWorker(ConnectorHalf):
 
             self.tp_rank = int(get_tensor_model_parallel_rank())
             self.pp_rank = int(get_pp_group().rank_in_group)
-        except Exception:  # noqa: BLE001 - not initialised (tests) -> single rank
-            self.tp_rank, self.pp_rank = 0, 0
+        except Exception as exc:  # noqa: BLE001 - vLLM's parallel state is not initialised
+            if ctx.tp_size > 1 or ctx.pp_size > 1:
+                # rank 0's keys for every rank would load one rank's KV into another's cache
+                raise RuntimeError(f"yrpd connector: cannot read this worker's tensor/pipeline parallel rank from vLLM "
+                                   f"(tp {ctx.tp_size}, pp {ctx.pp_size}): {exc}") from exc
+            self.tp_rank, self.pp_rank = 0, 0  # a single rank: nothing to tell apart
         self._ns_digest = ctx.namespace(self.tp_rank, self.pp_rank).digest
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:

@@ -672,6 +672,22 @@ def both_constructor_signatures(env: Env):
         impl._NEW_CTOR = orig_flag
 
 
+@check
+def a_worker_under_tp_that_cannot_read_its_rank_refuses_to_start(env: Env):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    # control: one rank needs no rank from vLLM (its parallel state is not initialised in this process either)
+    env.impl.YuanrongConnector(env.config("kv_producer"), KVConnectorRole.WORKER, None).shutdown()
+    cfg = env.config("kv_producer")
+    cfg.parallel_config.tensor_parallel_size = 2
+    try:
+        env.impl.YuanrongConnector(cfg, KVConnectorRole.WORKER, None)
+    except RuntimeError as e:
+        assert "cannot read this worker's tensor/pipeline parallel rank" in str(e) and "tp 2" in str(e), e
+    else:
+        raise AssertionError("a TP 2 worker without its rank started (every rank would write rank 0's keys)")
+
+
 def main() -> int:
     env = Env(sys.argv[1])
     passed, failed = [], {}
