@@ -208,8 +208,12 @@ def reusable_session(store: SessionStore, spec: DeploySpec) -> Session | None:
         return None
     try:
         previous = stored_spec(latest.spec_data)
-    except Exception:
-        return None
+    except Exception as exc:  # noqa: BLE001 - one line for whatever is wrong with the file
+        # it may still run: a second deployment beside it would fight over its ports and devices
+        raise SpecError("deploy", f"session {latest.id} is still {latest.phase} but its stored spec cannot be read "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
+                        f"tear it down with `yrpd down --session {latest.id}` (or remove {latest.path} once its "
+                        "processes are gone), or pass --new-session to deploy alongside it") from None
     if spec_fingerprint(previous) == spec_fingerprint(spec):
         return latest
     old, new = previous.model_dump(mode="json", exclude={"ssh"}), spec.model_dump(mode="json", exclude={"ssh"})

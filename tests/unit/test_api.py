@@ -408,3 +408,17 @@ def test_a_session_stored_before_the_launcher_existed_is_torn_down_as_the_yr_cli
     assert stored_spec(now).launcher is ClusterLauncher.dscli
     before = {k: v for k, v in now.items() if k != "cluster_launcher"}
     assert stored_spec(before).launcher is ClusterLauncher.yr
+
+
+def test_a_deployed_session_whose_stored_spec_cannot_be_read_is_reported_not_deployed_over(tmp_path, playbook):
+    store = SessionStore(tmp_path / "sessions")
+    with FakeHosts() as hosts:
+        first = api.deploy(spec_for(tmp_path), playbook_file=playbook).session
+        assert api.deploy(spec_for(tmp_path), playbook_file=playbook).resumed  # control: readable, so resumed
+        (first.path / "spec.json").write_text('{"hosts": 5}')
+        calls = len(hosts.calls)
+        with pytest.raises(SpecError) as exc:
+            api.deploy(spec_for(tmp_path), playbook_file=playbook)
+        assert f"session {first.id} is still deployed but its stored spec cannot be read" in str(exc.value)
+        assert f"yrpd down --session {first.id}" in str(exc.value)
+        assert len(hosts.calls) == calls and store.all() == [first]  # refused before any host or session
