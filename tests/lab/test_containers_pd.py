@@ -25,7 +25,7 @@ from .dockerlab import DockerHosts, docker_unavailable, unavailable
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILE = REPO / "containers" / "standin-cpu.yaml"
+PROFILE = REPO / "tests" / "lab" / "profiles" / "standin-cpu.yaml"  # a lab fake: not shipped to users
 
 
 @pytest.fixture

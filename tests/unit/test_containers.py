@@ -413,3 +413,13 @@ def test_wheels_and_prepared_environments_are_mounted_where_the_installs_run():
     assert "-v /srv/wheels:/srv/wheels:ro" in ensure and "-v /opt/prepared:/opt/prepared " in ensure
     # without them, nothing of the kind is mounted
     assert "/srv/wheels" not in container.ensure(_ctx("docker"), ctx.plan.hosts[0]).display
+
+
+def test_only_real_vllm_ascend_images_are_offered_by_name_and_the_lab_fake_loads_by_path():
+    from yrpd.containers import load_profile, profile_names
+
+    names = profile_names()
+    assert names and all(load_profile(n).image.startswith("quay.io/ascend/vllm-ascend:") for n in names), names
+    assert "standin-cpu" not in names
+    lab = Path(__file__).parents[1] / "lab" / "profiles" / "standin-cpu.yaml"
+    assert load_profile(str(lab)).image.startswith("yrpd-lab/")  # the tests still reach it, by its path
