@@ -32,3 +32,17 @@ def run_yrpd(*args, cwd=None, env=None, timeout=300, check=None):
 @pytest.fixture
 def yrpd():
     return run_yrpd
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Where every test must run (tests/prereq.py: the README's test command, CI), a skip from anywhere (a plugin, an
+    importorskip, a skip marker) is a failure that names why it would have skipped."""
+    from tests.prereq import must_run
+
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and must_run() and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped where every test must run: {reason}"

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-aiohttp = pytest.importorskip("aiohttp")
-
 from tests.unit.proxy_fakes import KV, running, until  # noqa: E402
 from yrpd.proxy.pool import Pool  # noqa: E402
 from yrpd.proxy.routing import CHUNK_CHARS, Prompt, Routing, chain, prompt_text  # noqa: E402

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.prereq import missing
 from tests.unit import golden_files
 
 from yrpd.cluster.yrconfig import (
@@ -248,7 +249,7 @@ print(json.dumps([ConfigResolver(Path(f), cli_dir).rendered_config for f in sys.
 @pytest.fixture(scope="module")
 def yr_dumps(tmp_path_factory):
     if not (YR / "bin" / "yr").exists():
-        pytest.skip("yr venv not installed (scripts/install_openyuanrong.sh)")
+        missing(f"no yr venv at {YR} (deploy_scripts/install_openyuanrong.sh)")
     tmp = tmp_path_factory.mktemp("yrdump")
     files, nodes = [], []
     for mode, role in CASES:
