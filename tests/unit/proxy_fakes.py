@@ -83,6 +83,9 @@ class FakeVLLM:
                 if n == self.hang_after:
                     await asyncio.sleep(30)
                 if n == self.break_after:
+                    # what was written has left before the connection drops (a reader that comes to a dropped
+                    # connection gets its error, not the data still buffered ahead of it)
+                    await asyncio.sleep(0.2)
                     request.transport.close()
                     return out
                 await out.write(event)

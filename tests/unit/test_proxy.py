@@ -604,3 +604,54 @@ def test_the_log_line_splits_a_slow_first_token_into_the_prefill_leg_and_the_res
             assert int(note["ttft_ms"]) - int(note["prefill_ms"]) >= 100  # decode's own wait shows as the rest
 
     run(go())
+
+
+# -- an instance its probe declares down while a request waits on it (a hung or cut-off host)
+
+
+def test_a_leg_waiting_on_an_instance_its_probe_declares_down_goes_to_another_at_once():
+    async def go():
+        # request_timeout far beyond the client's 10 s: only the probe can end the wait
+        async with running(decode=2, probe_interval=0.2, request_timeout=300) as s:
+            for d in s.decode:
+                d.gate.clear()  # both hold what they get; the one that got it is then declared down
+            task = asyncio.ensure_future(post(s, "/v1/completions", {"prompt": "x"}))
+            await until(lambda: any(d.received.is_set() for d in s.decode))
+            hung = next(d for d in s.decode if d.received.is_set())
+            well = next(d for d in s.decode if d is not hung)
+            well.gate.set()
+            hung.health_status = 503
+            status, _, data = await task
+            assert status == 200 and json.loads(data)["choices"][0]["text"] == f"{well.name} says hi", data
+            assert hung.cancelled.is_set()  # the abandoned request was closed upstream
+            assert "declared down by its health probe" in (await s.instance(hung))["last_error"]
+    run(go())
+
+
+def test_a_slow_instance_that_stays_healthy_is_waited_for():
+    async def go():  # the control: a probe that keeps answering 200 never ends a leg
+        async with running(decode=2, probe_interval=0.2, request_timeout=300) as s:
+            for d in s.decode:
+                d.delay = 1.0
+            status, _, data = await post(s, "/v1/completions", {"prompt": "x"})
+            served = [d for d in s.decode if d.bodies]
+            assert status == 200 and len(served) == 1, data
+            assert json.loads(data)["choices"][0]["text"] == f"{served[0].name} says hi"
+    run(go())
+
+
+def test_a_stream_whose_instance_is_declared_down_after_its_first_token_ends_with_an_error_event():
+    async def go():
+        async with running(probe_interval=0.2, request_timeout=300) as s:
+            s.decode[0].hang_after = 1
+            task = asyncio.ensure_future(post(s, "/v1/completions", {"prompt": "x", "stream": True}))
+            await until(lambda: s.decode[0].received.is_set())
+            await asyncio.sleep(0.3)  # its first event is out
+            s.decode[0].health_status = 503
+            status, ctype, data = await task
+            events = sse_events(data)
+            assert status == 200 and json.loads(events[0])["choices"][0]["text"] == "d0-0 "
+            error = json.loads(events[1])["error"]
+            assert error["code"] == 502 and "declared down by its health probe" in error["message"]
+            assert events[2:] == ["[DONE]"]
+    run(go())

@@ -77,6 +77,15 @@ class ProxyConfig:
     routing_bound: int = 2
 
 
+class InstanceDown(Exception):
+    """The health probe declared a leg's instance down while the leg waited on it (a hung or cut-off instance)."""
+
+    def __init__(self, inst: Instance):
+        super().__init__(f"{inst.role} instance {inst.url} was declared down by its health probe while this request "
+                         "waited on it")
+        self.inst = inst
+
+
 class ProxyError(Exception):
     """Ends a request with an OpenAI-style JSON error."""
 
@@ -133,6 +142,9 @@ class Proxy:
         self.in_flight = 0
         self.started = time.time()
         self._prober: asyncio.Task | None = None
+        #: per instance, set when its probe declares it down: every leg waiting on it then stops waiting (a new
+        #: event for the next time it is up)
+        self._down: dict[str, asyncio.Event] = {}
         wait = config.request_timeout
         # No total limit: a long generation may stream for longer than any sane timeout. What is bounded is
         # silence: waiting for an answer to start, or for the next chunk.
@@ -187,11 +199,14 @@ class Proxy:
                 ok, why = resp.status == 200, f"/health answered {resp.status}"
         except _UPSTREAM_ERRORS as exc:
             ok, why = False, f"/health: {_text(exc)}"
-        if self.pool.probed(inst, ok, why) and announce:
-            if ok:
-                log.info("%s instance %s is up", inst.role, inst.url)
-            else:
-                log.warning("%s instance %s is down (%s)", inst.role, inst.url, why)
+        if self.pool.probed(inst, ok, why):
+            if not ok:
+                self._down.pop(inst.url, asyncio.Event()).set()
+            if announce:
+                if ok:
+                    log.info("%s instance %s is up", inst.role, inst.url)
+                else:
+                    log.warning("%s instance %s is down (%s)", inst.role, inst.url, why)
 
     # -- every request: auth, errors as JSON, metrics, one log line
 
@@ -265,8 +280,8 @@ class Proxy:
         return await self._decode(request, body if kv is None else {**body, "kv_transfer_params": kv}, headers)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        async with self._leg("decode", "GET", "/v1/models", request, None, self._forward_headers(request)) as (i, r):
-            return web.Response(status=r.status, body=await self._read(i, r),
+        async with self._leg("decode", "GET", "/v1/models", request, None, self._forward_headers(request)) as (i, r, d):
+            return web.Response(status=r.status, body=await self._read(i, r, d),
                                 headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
 
     def _forward_headers(self, request: web.Request) -> dict:
@@ -280,16 +295,35 @@ class Proxy:
             headers["Authorization"] = request.headers["Authorization"]
         return headers
 
+    async def _again_if_down(self, leg):
+        """`leg()`, sent once more (to another instance: the probe took this one out of rotation) when the instance
+        it waited on was declared down before anything reached the client; a second such loss is a 502."""
+        try:
+            return await leg()
+        except InstanceDown as lost:
+            log.warning("%s; sending it to another %s instance", lost, lost.inst.role)
+            lost.inst.errors += 1
+            lost.inst.note_error(str(lost))
+        try:
+            return await leg()
+        except InstanceDown as lost:
+            lost.inst.errors += 1
+            lost.inst.note_error(str(lost))
+            raise ProxyError(502, str(lost)) from None
+
     async def _prefill(self, request: web.Request, body: dict, headers: dict) -> dict | None:
+        return await self._again_if_down(lambda: self._prefill_leg(request, body, headers))
+
+    async def _prefill_leg(self, request: web.Request, body: dict, headers: dict) -> dict | None:
         # min_tokens > max_tokens and stream_options without stream are 400s in vLLM.
         leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
         leg.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_KV))
         if "max_completion_tokens" in leg:
             leg["max_completion_tokens"] = 1
         t0 = time.monotonic()
-        async with self._leg("prefill", "POST", request.path, request, leg, headers) as (inst, resp):
+        async with self._leg("prefill", "POST", request.path, request, leg, headers) as (inst, resp, down):
             with request[_CALL].waiting():
-                data = await self._read(inst, resp)
+                data = await self._read(inst, resp, down)
         # the log line's split of a slow first token: the prefill leg against the rest (decode's queue and tail)
         request[_CALL].note["prefill_ms"] = round((time.monotonic() - t0) * 1000)
         if resp.status >= 400:
@@ -305,42 +339,51 @@ class Proxy:
         return kv
 
     async def _decode(self, request: web.Request, body: dict, headers: dict) -> web.StreamResponse:
-        async with self._leg("decode", "POST", request.path, request, body, headers) as (inst, resp):
+        return await self._again_if_down(lambda: self._decode_leg(request, body, headers))
+
+    async def _decode_leg(self, request: web.Request, body: dict, headers: dict) -> web.StreamResponse:
+        async with self._leg("decode", "POST", request.path, request, body, headers) as (inst, resp, down):
             content_type = resp.headers.get("Content-Type", "application/json")
             if body.get("stream") and resp.status == 200:
-                return await self._relay(request, inst, resp, content_type)
+                return await self._relay(request, inst, resp, content_type, down)
             call = request[_CALL]
             with call.waiting():
-                data = await self._read(inst, resp)
+                data = await self._read(inst, resp, down)
             if resp.status == 200:
                 self.metrics.observe_own(call.own_s(time.monotonic()))
             return web.Response(status=resp.status, body=data, headers={"Content-Type": content_type})
 
     async def _relay(self, request: web.Request, inst: Instance, resp: aiohttp.ClientResponse,
-                     content_type: str) -> web.StreamResponse:
+                     content_type: str, down: asyncio.Event) -> web.StreamResponse:
+        call = request[_CALL]
+        # The answer's head goes to the client with its first chunk: until then the request can still go to
+        # another instance (InstanceDown) or end with a plain error status.
+        with call.waiting():
+            chunk = await self._read_chunk(inst, resp, down, "broke off the stream")
+        if not chunk:  # never a 200 with nothing in it
+            message = f"decode instance {inst.url} ended its stream without sending anything"
+            self._upstream_error(inst, message, down=False)
+            raise ProxyError(502, message)
         out = web.StreamResponse(status=resp.status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
         await out.prepare(request)
-        call = request[_CALL]
         sse = content_type.startswith("text/event-stream")
         pending = b""
         first = True
         try:
             while True:
-                try:
-                    if first:
-                        with call.waiting():
-                            chunk = await resp.content.readany()
-                    else:
-                        chunk = await resp.content.readany()
-                except _UPSTREAM_ERRORS as exc:
-                    message = f"decode instance {inst.url} broke off the stream: {_text(exc)}"
-                    self._upstream_error(inst, message, down=not _is_timeout(exc))
-                    call.note["error"] = "stream-broken"
-                    # The 200 is already out: an event in the stream is the only way left to tell the client.
-                    if sse:
-                        await out.write(_sse_error(message, 504 if _is_timeout(exc) else 502))
-                    pending = b""
-                    break
+                if not first:
+                    try:
+                        chunk = await self._read_chunk(inst, resp, down, "broke off the stream")
+                    except (ProxyError, InstanceDown) as exc:
+                        message = str(exc)
+                        if isinstance(exc, InstanceDown):
+                            self._upstream_error(inst, message, down=True)
+                        call.note["error"] = "stream-broken"
+                        # The 200 is already out: an event in the stream is the only way left to tell the client.
+                        if sse:
+                            await out.write(_sse_error(message, exc.status if isinstance(exc, ProxyError) else 502))
+                        pending = b""
+                        break
                 if not chunk:
                     break
                 if first:
@@ -372,20 +415,31 @@ class Proxy:
 
     @contextlib.asynccontextmanager
     async def _leg(self, role: str, method: str, path: str, request: web.Request, body: dict | None, headers: dict):
-        lease, resp = await self._send(role, method, path, request, body, headers)
+        lease, resp, down = await self._send(role, method, path, request, body, headers)
+        watch = asyncio.ensure_future(self._end_when_down(lease.instance, resp, down))
         try:
-            yield lease.instance, resp
+            yield lease.instance, resp, down
         except BaseException:
             resp.close()  # an unfinished answer must not go back to the pool; closing also aborts it upstream
             raise
         else:
             resp.release()
         finally:
+            watch.cancel()
             self.pool.release(lease)
 
+    @staticmethod
+    async def _end_when_down(inst: Instance, resp: aiohttp.ClientResponse, down: asyncio.Event) -> None:
+        """Once the probe declares the leg's instance down, a read waiting on its answer raises InstanceDown (the
+        answer's reader wakes with it; chunks it already holds are not lost before that)."""
+        await down.wait()
+        resp.content.set_exception(InstanceDown(inst))
+        resp.close()
+
     async def _send(self, role: str, method: str, path: str, request: web.Request, body: dict | None,
-                    headers: dict) -> tuple[Lease, aiohttp.ClientResponse]:
-        """Send to the best up instance; on a connection error or 5xx, once more to another one."""
+                    headers: dict) -> tuple[Lease, aiohttp.ClientResponse, asyncio.Event]:
+        """Send to the best up instance; on a connection error, a 5xx, or its probe declaring it down while this
+        waits for the answer to start, once more to another one. Also returns the instance's down event."""
         tried: list[Instance] = []
         problem = None
         while len(tried) < 2:
@@ -397,10 +451,17 @@ class Proxy:
             request[_CALL].note[role] = inst.url
             if role == "prefill":
                 request[_CALL].prefill_lease = lease
+            down = self._down.setdefault(inst.url, asyncio.Event())
             try:
                 with request[_CALL].waiting():
-                    resp = await self.session.request(method, inst.url + path, json=body, headers=headers,
-                                                      timeout=self._timeout)
+                    resp = await self._unless_down(inst, down, self.session.request(
+                        method, inst.url + path, json=body, headers=headers, timeout=self._timeout))
+            except InstanceDown as lost:
+                self.pool.release(lease)
+                problem = str(lost)
+                inst.errors += 1
+                inst.note_error(problem)
+                continue
             except BaseException as exc:
                 self.pool.release(lease)
                 if not isinstance(exc, _UPSTREAM_ERRORS):
@@ -426,18 +487,46 @@ class Proxy:
                     problem += f": {detail[:300].decode(errors='replace')}"
                 self._upstream_error(inst, problem, down=True)
                 continue
-            return lease, resp
+            return lease, resp, down
         if problem is None:
             raise ProxyError(503, f"no {role} instance is up")
         raise ProxyError(502, problem)
 
-    async def _read(self, inst: Instance, resp: aiohttp.ClientResponse) -> bytes:
+    async def _read(self, inst: Instance, resp: aiohttp.ClientResponse, down: asyncio.Event) -> bytes:
+        return await self._read_chunk(inst, resp, down, "broke off its answer", whole=True)
+
+    async def _read_chunk(self, inst: Instance, resp: aiohttp.ClientResponse, down: asyncio.Event, broke: str,
+                          whole: bool = False) -> bytes:
+        """The answer (whole) or its next chunk; ProxyError when the instance broke it off or fell silent,
+        InstanceDown when its probe declared it down meanwhile (_end_when_down)."""
+        if down.is_set():
+            raise InstanceDown(inst)
         try:
-            return await resp.read()
+            return await (resp.read() if whole else resp.content.readany())
         except _UPSTREAM_ERRORS as exc:
-            message = f"{inst.role} instance {inst.url} broke off its answer: {_text(exc)}"
+            message = f"{inst.role} instance {inst.url} {broke}: {_text(exc)}"
             self._upstream_error(inst, message, down=not _is_timeout(exc))
             raise ProxyError(504 if _is_timeout(exc) else 502, message) from None
+
+    @staticmethod
+    async def _unless_down(inst: Instance, down: asyncio.Event, awaitable):
+        """`awaitable`'s result, or InstanceDown as soon as `down` is set (the wait is then abandoned): for the wait
+        for an answer to start, before there is a response whose reader could be woken."""
+        if down.is_set():
+            raise InstanceDown(inst)
+        work = asyncio.ensure_future(awaitable)
+        watch = asyncio.ensure_future(down.wait())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, watch):
+                if not task.done():
+                    task.cancel()
+        if work.done() and not work.cancelled():
+            return work.result()
+        with contextlib.suppress(BaseException):
+            await work
+        raise InstanceDown(inst)
 
     def _upstream_error(self, inst: Instance, message: str, *, down: bool) -> None:
         was_up = inst.up
