@@ -7,6 +7,9 @@ useless to the receiver. On CPU hosts `auto` picks what their CPUs compute faste
   1.2x faster in bfloat16 (memory-bound): float32 serves long prompts far better.
 - AMD EPYC with AVX512-BF16 (Zen 4): prefill 6.3 s in bfloat16 vs 8.6 s in float32, decode 41 vs 64 ms per
   token: bfloat16 wins both.
+- Intel Xeon with AMX: vLLM routes bfloat16 attention to its AMX kernels. On one such machine SmolLM2's greedy answers
+  changed (session 11); on another the decode instance's worker died of an illegal instruction in
+  `cpu_attention_with_kv_cache` on its first request over loaded KV (session 13, faulthandler). float32 there.
 NPU and GPU hosts keep the model's own dtype (vLLM's `auto`).
 """
 
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 
 from yrpd.spec import DeviceKind, Dtype
 
-BF16_FLAGS = "AVX512-BF16 or AMX-BF16"
+BF16_FLAGS = "AVX512-BF16 (without AMX)"
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,10 @@ def choose(requested: Dtype, kind: DeviceKind, cpu_bf16: dict[str, bool | None],
     lacking = sorted(h for h, has in cpu_bf16.items() if has is False)
     unknown = sorted(h for h, has in cpu_bf16.items() if has is None)
     if lacking:
-        return DtypeChoice("float32", f"auto: the CPU of {', '.join(lacking)} has no {BF16_FLAGS}, so bfloat16 is "
-                                      "emulated there: prefill measured 4.8x slower than float32, decode 1.2x faster")
+        return DtypeChoice("float32", f"auto: the CPU of {', '.join(lacking)} has no AVX512-BF16, so bfloat16 is "
+                                      "emulated there (prefill measured 4.8x slower than float32), or it has AMX, "
+                                      "where vLLM's CPU build runs bfloat16 attention in AMX kernels that failed on "
+                                      "every AMX machine measured (wrong answers; an illegal instruction)")
     if unknown:
         return DtypeChoice("float32", f"auto: the CPU features of {', '.join(unknown)} were not detected; float32 is "
                                       "right on every CPU")

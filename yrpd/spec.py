@@ -333,7 +333,7 @@ class DeploySpec(BaseModel):
     #: builtin:bench-qwen2 (`--model`)
     model: str | None = None
     #: what the instances compute and keep KV in; auto = on CPU hosts the fastest dtype of their CPUs (float32
-    #: without AVX512-BF16/AMX, else bfloat16; builtin:smollm2 float32 on every CPU, its answers need it),
+    #: without AVX512-BF16 or with AMX, else bfloat16; builtin:smollm2 float32 on every CPU, its answers need it),
     #: elsewhere the model's own (`--dtype`)
     dtype: Dtype = Dtype.auto
     #: model name clients use; default the model directory's name (`--served-model-name`)

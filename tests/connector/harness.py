@@ -16,6 +16,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -28,8 +29,19 @@ REPO = Path(__file__).resolve().parents[2]
 CONNECTOR = {"kv_connector": "YuanrongConnector", "kv_connector_module_path": "yrpd.connector"}
 # Same engine flags for every instance (reference included): eager, small KV pool, chunked
 # prefill with a budget that is not a multiple of the block size (chunks end mid-block).
+def machine_dtype() -> str:
+    """The dtype yrpd's `auto` gives this machine's CPU (deploy_scripts/inventory.py): the tests run what a deployment
+    here would (bfloat16 crashed vLLM's attention on a CPU with AMX)."""
+    proc = subprocess.run([sys.executable, str(REPO / "deploy_scripts" / "inventory.py"), "{}"], capture_output=True,
+                          text=True, timeout=30, stdin=subprocess.DEVNULL, check=True)
+    return "bfloat16" if json.loads(proc.stdout.strip().splitlines()[-1])["cpu_bf16"] else "float32"
+
+
+DTYPE = machine_dtype()
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}[DTYPE]
 ENGINE_FLAGS = ["--enforce-eager", "--kv-cache-memory-bytes", "268435456", "--block-size", "128",
-                "--max-num-batched-tokens", "320", "--max-model-len", "4096", "--served-model-name", "tiny"]
+                "--max-num-batched-tokens", "320", "--max-model-len", "4096", "--served-model-name", "tiny",
+                "--dtype", DTYPE]
 BLOCK_SIZE = 128
 SPECIAL_TOKENS = 3  # ids 0..2 are special in the tiny tokenizer
 

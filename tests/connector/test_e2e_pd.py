@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.connector.conftest import MAX_TOKENS
-from tests.connector.harness import BLOCK_SIZE, Stack, ds_tool, make_prompts, metric_sum, pd_generate
+from tests.connector.harness import BLOCK_SIZE, DTYPE_BYTES, Stack, ds_tool, make_prompts, metric_sum, pd_generate
 from yrpd.connector import keys as K
 
 pytestmark = pytest.mark.e2e
@@ -130,7 +130,8 @@ def test_delete_after_load_and_expiry_set(pd, reference):
         time.sleep(0.2)
     assert all(ds_tool(stack.venv, ds, "exist", keys)["exist"]), "prefill did not publish its blocks"
     sizes = ds_tool(stack.venv, ds, "sizes", keys)["sizes"]
-    assert set(sizes.values()) == {2 * 2 * BLOCK_SIZE * 64 * 2}  # 2 layers x (2 kv heads, 128, 2x32) bf16
+    # 2 layers x (2 kv heads, 128 tokens, 2 x 32) in the instances' dtype
+    assert set(sizes.values()) == {2 * 2 * BLOCK_SIZE * 64 * DTYPE_BYTES}
     got = decode.complete(prompt, MAX_TOKENS, kv_transfer_params={"yrpd": {"num_blocks": len(keys)}})
     assert got["choices"][0]["token_ids"] == reference.tokens(prompt)
     deadline = time.monotonic() + 10

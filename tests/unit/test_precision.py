@@ -61,7 +61,7 @@ def test_dtype_cannot_be_set_behind_the_plans_back():
 def test_plan_shows_the_chosen_dtype_and_why(yrpd, yrpd_home, tmp_path):
     """`yrpd plan --hosts localhost` reads this machine's CPU flags (the only probe it makes) and says."""
     flags = open("/proc/cpuinfo").read()
-    has_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    has_bf16 = "avx512_bf16" in flags and "amx_bf16" not in flags  # AMX: vLLM's bf16 kernels failed there
     shown = yrpd("plan", "--hosts", "localhost", "--model", "builtin:tiny-qwen2", check=0).stdout.splitlines()[1]
     assert shown.startswith(f"dtype: {'bfloat16' if has_bf16 else 'float32'} - auto: "), shown
     assert shown.endswith("--dtype overrides")
