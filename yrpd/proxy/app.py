@@ -302,13 +302,11 @@ class Proxy:
             return await leg()
         except InstanceDown as lost:
             log.warning("%s; sending it to another %s instance", lost, lost.inst.role)
-            lost.inst.errors += 1
-            lost.inst.note_error(str(lost))
+            self.pool.failed(lost.inst, str(lost), down=False)  # the probe took it out of rotation already
         try:
             return await leg()
         except InstanceDown as lost:
-            lost.inst.errors += 1
-            lost.inst.note_error(str(lost))
+            self.pool.failed(lost.inst, str(lost), down=False)
             raise ProxyError(502, str(lost)) from None
 
     async def _prefill(self, request: web.Request, body: dict, headers: dict) -> dict | None:
@@ -459,8 +457,7 @@ class Proxy:
             except InstanceDown as lost:
                 self.pool.release(lease)
                 problem = str(lost)
-                inst.errors += 1
-                inst.note_error(problem)
+                self.pool.failed(inst, problem, down=False)  # the probe took it out of rotation already
                 continue
             except BaseException as exc:
                 self.pool.release(lease)
