@@ -20,9 +20,16 @@ native client reads itself, as for yrpd's connector.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from packaging.version import Version
 
 from yrpd.errors import SpecError
+from yrpd.placement import HCCL_BLOCK
+
+if TYPE_CHECKING:
+    from yrpd.placement import InstancePlan
+    from yrpd.spec import Ports
 
 CONNECTOR = "AscendStoreConnector"
 MODULE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector"
@@ -46,8 +53,14 @@ WORKER_ENV = "DS_WORKER_ADDR"
 REMOTE_H2D_ENV = "DS_ENABLE_REMOTE_H2D"
 #: the pool's keys embed vLLM's block hashes: every instance must hash alike
 HASH_SEED_ENV = {"PYTHONHASHSEED": "0"}
-#: Mooncake handshake ports per instance (kv_port + dp_rank * tp + tp_rank), counted from ports.mooncake_base
-PORT_BLOCK = 16
+#: Mooncake handshake ports per instance (kv_port + dp_rank * tp + tp_rank), counted from ports.mooncake_base in
+#: the blocks the instance's HCCL ports are counted in
+PORT_BLOCK = HCCL_BLOCK
+
+
+def handover_port(ports: "Ports", inst: "InstancePlan") -> int:
+    """The first of the instance's Mooncake handshake ports (its `kv_port`)."""
+    return ports.mooncake_base + (inst.hccl_port - ports.hccl_base)
 
 
 def check(release: str | None, profile: str) -> None:

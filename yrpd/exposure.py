@@ -53,7 +53,9 @@ def exposure(spec: DeploySpec, plan: Plan) -> list[PortAccess]:
         rows.append(PortAccess(inst.host, str(inst.port), f"{inst.name} (vLLM API)", ip[inst.host], callers,
                                Guard.token))
         if spec.kv_connector is KvConnector.ascend_store and spec.disaggregated:
-            first = spec.ports.mooncake_base + (inst.hccl_port - spec.ports.hccl_base)
+            from yrpd.ascend_store import handover_port
+
+            first = handover_port(spec.ports, inst)
             rows.append(PortAccess(inst.host, f"{first}-{first + inst.tp * inst.dp - 1}",
                                    f"{inst.name} Mooncake KV hand-over (vllm-ascend's MooncakeConnectorV1)",
                                    ip[inst.host], "the other role's instances", _open(ip[inst.host])))

@@ -54,10 +54,6 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
     if spec.runtime is Runtime.docker:
         lines.append(Text(f"runtime: docker, one container of {spec.image} per host (the default on NPU hosts; "
                           "--runtime host runs the processes on the hosts)"))
-    else:
-        lines.append(Text("runtime: host, the processes run on the hosts (NPU hosts default to docker with the "
-                          "vllm-ascend image; --runtime docker --image IMAGE elsewhere)"))
-    if spec.runtime is Runtime.docker:
         from yrpd.containers import container_profile
 
         profile = container_profile(spec)
@@ -79,6 +75,9 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
             lines.append(Text(f"  wheels fetched here and copied to the hosts: {' '.join(ws.requirements)} for "
                               f"cp{ws.python_version.replace('.', '')} {ws.arch}{'' if ws.deps else ' (no dependencies)'}"
                               f" - {ws.purpose}"))
+    else:
+        lines.append(Text("runtime: host, the processes run on the hosts (NPU hosts default to docker with the "
+                          "vllm-ascend image; --runtime docker --image IMAGE elsewhere)"))
     from yrpd.exposure import Guard, exposure
 
     ports = Table(title="Who may reach each port", title_justify="left")

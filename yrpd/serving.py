@@ -180,7 +180,7 @@ def ascend_store_config(spec: DeploySpec, plan: Plan, inst: InstancePlan) -> dic
     if inst.role != "single":
         sizes = {role: next({"dp_size": i.dp, "tp_size": i.tp} for i in plan.instances if i.role == role)
                  for role in ("prefill", "decode")}
-        handover = {"kv_port": spec.ports.mooncake_base + (inst.hccl_port - spec.ports.hccl_base), **sizes}
+        handover = {"kv_port": ascend_store.handover_port(spec.ports, inst), **sizes}
     # the lookup socket is named by this port: unique among the host's instances like their kv ports
     return ascend_store.kv_transfer_config(ASCEND_STORE_ROLES[inst.role], lookup_port=inst.kv_port, handover=handover)
 

@@ -505,9 +505,8 @@ class DeploySpec(BaseModel):
             raise SpecError("device_kind", f"hosts mix device kinds ({described})", "deploy one kind of device per run")
         if self.runtime is Runtime.auto and all((h.device_kind or self.device_kind) is DeviceKind.npu for h in self.hosts):
             # NPU hosts named as such: resolved here, so every check below sees the runtime they get
-            from yrpd.containers import default_npu_image
-
-            self.runtime, self.image = Runtime.docker, self.image or default_npu_image()
+            for key, value in self._auto_on_npus().items():
+                setattr(self, key, value)
         if self.cluster_launcher is ClusterLauncher.dscli and self.cluster_mode is ClusterMode.full:
             raise SpecError("cluster_launcher", "dscli starts the data system alone; full mode needs openYuanrong's "
                             "function system, which only the yr CLI starts", "set cluster_launcher: yr (or auto), or "
@@ -571,11 +570,14 @@ class DeploySpec(BaseModel):
         image given, else the newest vllm-ascend release's), host elsewhere. Checked again as resolved."""
         if self.runtime is not Runtime.auto:
             return self
-        if kinds == {DeviceKind.npu}:
-            from yrpd.containers import default_npu_image
+        on_npus = self._auto_on_npus() if kinds == {DeviceKind.npu} else {"runtime": Runtime.host}
+        return self.model_copy(update=on_npus).check()
 
-            return self.model_copy(update={"runtime": Runtime.docker, "image": self.image or default_npu_image()}).check()
-        return self.model_copy(update={"runtime": Runtime.host}).check()
+    def _auto_on_npus(self) -> dict[str, Any]:
+        """What runtime auto becomes on NPU hosts: docker, with the image given or the newest release's."""
+        from yrpd.containers import default_npu_image
+
+        return {"runtime": Runtime.docker, "image": self.image or default_npu_image()}
 
     def _check_container(self) -> None:
         if self.runtime is Runtime.auto:
