@@ -214,11 +214,46 @@ def stop(grace):
             break
         time.sleep(0.25)
     if not remaining:
+        # a supervisor removes its group's shared memory when it stops it; one that was killed itself could not
+        left = sorted({path for name in managed() for path in supervised(name).get("shm") or []})
+        shm_removed = remove_unheld(left)
         for name in managed():
             for path in (args["pidfile"].format(name=name), args["state"].format(name=name)):
                 if os.path.exists(path):
                     os.unlink(path)
-    return {"stopped": stopped, "killed_after_grace": killed, "remaining": remaining, "ports_listening": ports}
+    return {"stopped": stopped, "killed_after_grace": killed, "remaining": remaining, "ports_listening": ports,
+            "shm_removed": shm_removed if not remaining else []}
+
+
+def remove_unheld(segments):
+    """Unlink the /dev/shm/psm_* segments (of the session's processes, as their supervisors noted them) that no
+    live process maps or has open."""
+    if not segments:
+        return []
+    held = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as fh:
+                held.update(line.split(maxsplit=5)[5].rstrip("\n") for line in fh if " /dev/shm/" in line)
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                held.add(os.readlink(f"/proc/{entry}/fd/{fd}"))
+            except OSError:
+                pass
+    removed = []
+    for path in segments:
+        if path.startswith("/dev/shm/psm_") and path not in held:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
 
 
 def listening_ports():

@@ -4,16 +4,29 @@ Run by yrpd on the host (stdlib only), detached, as the process the session's pi
   {"name": .., "command": a bash command line, "state": path of this process's state file,
    "max_restarts": N (0: never restart), "window_s": seconds, "grace_s": seconds,
    "env_file": optional path of KEY=VALUE lines (the deployment's secrets) added to the command's environment at
-   every start, so they are on no command line}
+   every start, so they are on no command line,
+   "health": optional {"url": an HTTP URL that answers 200 while the command serves, "hang_after_s": N}}
 The command runs in a process group of its own (in this supervisor's unix session). When it exits, the rest of its group is stopped too (a vLLM API
 server killed with -9 leaves its EngineCore and workers behind, holding memory, ports and devices), then it is
 started again after a backoff of 1, 2, 4 .. 30 s, unless it was already restarted max_restarts times within the last
 window_s seconds: then the state file says `failed` with the reason and this supervisor exits (`yrpd deploy` starts
 a new one). TERM or INT: stop the group (TERM, KILL after grace_s) and exit 0, restarting nothing.
 
+A command that is alive but hung (stopped, deadlocked, spinning) never exits, so exits alone do not catch it: given a
+health URL, the supervisor probes it every few seconds once it has answered once (a starting server is not judged;
+any HTTP status is an answer), and watches its group for stopped processes (state T: an engine process stopped
+this way leaves the API server answering). When it has not answered, or a member has stayed stopped, for
+hang_after_s seconds, the whole group is killed and restarted like a crash, with the reason "hung".
+
+Shared memory: the POSIX segments the group maps under /dev/shm (Python's multiprocessing names them psm_*; vLLM's
+message queues between its API server, engine and workers are such segments) are noted while it runs, in the state
+file too; once the group is gone, those no live process maps or holds open are removed. A process killed with -9
+cannot unlink its own segments, and on a host that restarts instances for weeks they would pile up.
+
 This process is a child subreaper: what the command's processes leave behind is re-parented here and reaped, so no
 zombie outlives its group. The state file (JSON, rewritten atomically) holds: state (running | backoff | failed |
-exited | stopped), pid (the command's), restarts (in total), last_exit, reason, since.
+exited | stopped), pid (the command's), restarts (in total), last_exit, reason, since, shm (the segments of the
+current run).
 """
 import ctypes
 import json
@@ -22,13 +35,22 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 args = json.loads(sys.argv[1])
 name, state_path = args["name"], args["state"]
 max_restarts, window_s, grace_s = int(args.get("max_restarts", 3)), float(args.get("window_s", 600)), float(args.get("grace_s", 15))
+health = args.get("health") or {}
+hang_after_s = float(health.get("hang_after_s") or 0) if health.get("url") else 0.0
+# a probe every third of the hang bound (at most 5 s), each given as long to answer
+probe_every = min(5.0, hang_after_s / 3) if hang_after_s else 0.0
+SHM_DIR = "/dev/shm/"
+SHM_PREFIX = SHM_DIR + "psm_"
+SHM_SCAN_S = 10.0
 stopping = False
 state = {"state": "starting", "pid": None, "restarts": 0, "last_exit": None, "reason": None, "since": time.time(),
-         "supervisor": os.getpid()}
+         "supervisor": os.getpid(), "shm": []}
 
 
 def say(text):
@@ -79,6 +101,91 @@ def command_env():
     return env
 
 
+def shm_mapped(pids):
+    """The psm_* segments under /dev/shm the processes map (unlinked ones are skipped: nothing left to remove)."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as fh:
+                for line in fh:
+                    parts = line.rstrip("\n").split(maxsplit=5)
+                    if len(parts) == 6 and parts[5].startswith(SHM_PREFIX) and not parts[5].endswith(" (deleted)"):
+                        found.add(parts[5])
+        except OSError:
+            continue
+    return found
+
+
+def shm_held():
+    """Every /dev/shm path some live process maps or has open: such a segment is in use, whoever made it."""
+    held = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        held |= shm_mapped([entry])
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(SHM_DIR):
+                held.add(target)
+    return held
+
+
+def note_shm(pgid):
+    """Add the segments the group maps now to those of this run (in the state file: `yrpd down` reads them too)."""
+    seen = shm_mapped(group_members(pgid)) - set(state["shm"])
+    if seen:
+        write(shm=sorted(set(state["shm"]) | seen))
+
+
+def remove_shm(segments):
+    """Unlink the segments no live process maps or holds; those still in use stay listed."""
+    if not segments:
+        return
+    held = shm_held()
+    removed = []
+    for path in segments:
+        if path in held or not path.startswith(SHM_PREFIX):
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            removed.append(path)  # its owner unlinked it on a clean exit
+        except OSError:
+            pass
+    left = sorted(set(segments) - set(removed))
+    gone = [p for p in removed if p in state["shm"]]
+    if gone:
+        say(f"removed {len(gone)} shared-memory segments its processes left in {SHM_DIR}")
+    write(shm=left)
+
+
+def probe(url):
+    """True when the URL gives any HTTP answer within probe_every seconds: a 503 ("no decode instance is up") comes
+    from a server that works, and restarting it would not help. No proxy: the URL is this host's own."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=max(1.0, probe_every)):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except Exception:  # refused, reset, timed out: no answer
+        return False
+
+
+def stopped_members(pgid):
+    """Members of the group stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: alive, doing nothing. vLLM's
+    /health is answered by its API server alone, so an engine process stopped this way is seen only here."""
+    return [pid for pid, st, _, group, _ in processes() if group == pgid and st in "Tt"]
+
+
 def reap():
     while True:
         try:
@@ -127,6 +234,7 @@ def main():
         say(f"stopping what is left of its previous run (process group {before['pid']})")
         stop_group(before["pid"])
         state["restarts"] = before.get("restarts", 0)
+    remove_shm(before.get("shm") or [])  # the previous run's, whichever way it ended
     recent = []
     while True:
         if stopping:  # TERM arrived while cleaning up or backing off: start nothing
@@ -143,33 +251,41 @@ def main():
             return 0
         child = subprocess.Popen(["bash", "-c", args["command"]], preexec_fn=os.setpgrp, stdin=subprocess.DEVNULL,
                                  env=env)
-        write(state="running", pid=child.pid)
-        code = wait_for(child)
-        if code is None:
+        write(state="running", pid=child.pid, shm=[])
+        code, hung = wait_for(child)
+        note_shm(child.pid)  # what the survivors map, before they go
+        if code is None and not hung:
             stop_group(child.pid)
+            remove_shm(state["shm"])
             write(state="stopped", pid=None, reason="stopped by yrpd")
             return 0
+        if hung:
+            say(f"{hung}; killing its process group")
+            stop_group(child.pid, grace=0)  # a stopped or deadlocked process would not act on TERM
+            code = -signal.SIGKILL
         left = group_members(child.pid)
         if left:
             say(f"{exit_reason(code)}; stopping what is left of it ({len(left)} processes)")
         # what outlives a dead command is of no use: a short grace, so the restart comes sooner
         stop_group(child.pid, grace=min(grace_s, 3.0))
+        remove_shm(state["shm"])
+        reason = hung or exit_reason(code)
         now = time.monotonic()
         recent = [t for t in recent if now - t < window_s]
         if max_restarts <= 0:
-            say(f"{exit_reason(code)}; automatic restart is off (restart.max 0): `yrpd deploy` starts it again")
-            write(state="exited", pid=None, last_exit=code, reason=exit_reason(code))
+            say(f"{reason}; automatic restart is off (restart.max 0): `yrpd deploy` starts it again")
+            write(state="exited", pid=None, last_exit=code, reason=reason)
             return 0
         if len(recent) >= max_restarts:
-            reason = (f"{exit_reason(code)} after {len(recent)} restarts in {int(window_s)} s; not restarting it "
+            reason = (f"{reason} after {len(recent)} restarts in {int(window_s)} s; not restarting it "
                       f"again (`yrpd deploy` starts it anew once the cause is fixed)")
             say(reason)
             write(state="failed", pid=None, last_exit=code, reason=reason)
             return 0
         delay = min(30.0, 2.0 ** len(recent))
-        say(f"{exit_reason(code)}; restart {len(recent) + 1} of at most {max_restarts} in {int(window_s)} s, "
+        say(f"{reason}; restart {len(recent) + 1} of at most {max_restarts} in {int(window_s)} s, "
             f"in {delay:.0f} s")
-        write(state="backoff", pid=None, last_exit=code, reason=exit_reason(code))
+        write(state="backoff", pid=None, last_exit=code, reason=reason)
         deadline = time.monotonic() + delay
         while time.monotonic() < deadline and not stopping:
             reap()
@@ -182,19 +298,43 @@ def main():
 
 
 def wait_for(child):
-    """The command's exit code (negative: killed by that signal), or None once TERM/INT asks us to stop. Orphans
-    re-parented to us are reaped on the way, without scanning /proc."""
+    """(exit code, None) when the command exits (negative: killed by that signal); (None, None) once TERM/INT asks
+    us to stop; (None, why) when it is alive but has not answered its health probe for hang_after_s. Orphans
+    re-parented to us are reaped on the way; the group's shared memory is noted every SHM_SCAN_S."""
+    now = time.monotonic()
+    next_probe, next_scan = now + probe_every, now + 1.0
+    last_ok = None  # judged only once it has answered: a starting server may take minutes
+    stopped_since = None
     while not stopping:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return child.poll()
-        if pid == 0:
-            time.sleep(0.2)
-        elif pid == child.pid:
+            return child.poll(), None
+        if pid == child.pid:
             child.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            return child.returncode
-    return None
+            return child.returncode, None
+        if pid:
+            continue
+        now = time.monotonic()
+        if now >= next_scan:
+            note_shm(child.pid)
+            next_scan = now + SHM_SCAN_S
+        if probe_every and now >= next_probe:
+            if stopped_members(child.pid):
+                stopped_since = stopped_since or now
+                if now - stopped_since >= hang_after_s:
+                    return None, (f"hung: its processes stopped (state T) for {now - stopped_since:.0f} s "
+                                  f"(restart.hang_after_s {hang_after_s:.0f})")
+            else:
+                stopped_since = None
+            if probe(health["url"]):
+                last_ok = time.monotonic()
+            elif last_ok is not None and time.monotonic() - last_ok >= hang_after_s:
+                return None, (f"hung: alive but no answer from {health['url']} for "
+                              f"{time.monotonic() - last_ok:.0f} s (restart.hang_after_s {hang_after_s:.0f})")
+            next_probe = time.monotonic() + probe_every
+        time.sleep(0.2)
+    return None, None
 
 
 if __name__ == "__main__":

@@ -220,6 +220,10 @@ class RestartPolicy(BaseModel):
     window_s: int = Field(default=600, ge=1)
     #: seconds a stopping process gets after TERM before it and its whole process group are killed
     grace_s: int = Field(default=15, ge=1, le=600)
+    #: seconds an instance or the proxy may go without answering its /health probe, once it has answered, before
+    #: its supervisor takes it for hung (alive, but stopped or deadlocked: it never exits) and restarts it; the
+    #: probe runs every third of this (at most 5 s). 0: no probe
+    hang_after_s: int = Field(default=30, ge=0, le=3600)
 
 
 class Ports(BaseModel):

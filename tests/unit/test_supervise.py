@@ -85,8 +85,11 @@ def test_the_env_file_reaches_the_command_at_every_start_and_never_its_command_l
 def supervised(tmp_path):
     made: list[Supervised] = []
 
-    def make(command: str, **policy) -> Supervised:
-        made.append(Supervised(tmp_path, command, **policy))
+    def make(command: str, where: str | None = None, **policy) -> Supervised:
+        """`where`: a directory of its own under tmp_path, for a second supervisor beside the first"""
+        home = tmp_path / where if where else tmp_path
+        home.mkdir(exist_ok=True)
+        made.append(Supervised(home, command, **policy))
         return made[-1]
 
     yield make
@@ -186,3 +189,125 @@ def test_status_quotes_the_end_of_a_given_up_process_log_without_the_supervisor_
     assert proc["state"] == "failed" and not proc["alive"]
     assert proc["last_log"][-2:] == ["Traceback (most recent call last):", "OSError: no model at /models/x"]
     assert not any(line.startswith("[yrpd supervisor") for line in proc["last_log"])
+
+
+SERVER = """import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        with open(sys.argv[2], "a") as fh:
+            fh.write("probe\\n")
+        self.send_response(int(sys.argv[3]))
+        self.end_headers()
+    def log_message(self, *_):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def health_server(tmp_path: Path, tag: str, status: int, before: str = "") -> tuple[str, dict, Path]:
+    """(command, health policy, file the server appends a line to per probe) of a server answering `status`."""
+    (tmp_path / "server.py").write_text(SERVER)
+    port, probes = free_port(), tmp_path / f"{tag}.probes"
+    command = f"{before}exec {sys.executable} {tmp_path}/server.py {port} {probes} {status}"
+    return command, {"url": f"http://127.0.0.1:{port}/health", "hang_after_s": 3}, probes
+
+
+def probed(probes: Path, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not (probes.exists() and probes.read_text()):
+        assert time.monotonic() < deadline, "the supervisor never probed the server"
+        time.sleep(0.1)
+
+
+def test_a_server_that_stops_answering_is_taken_for_hung_and_restarted(supervised, tmp_path):
+    hung_cmd, hung_health, hung_probes = health_server(tmp_path, "hung", 200)
+    busy_cmd, busy_health, busy_probes = health_server(tmp_path, "busy", 503)
+    hung = supervised(hung_cmd, health=hung_health)
+    busy = supervised(busy_cmd, where="busy", health=busy_health)  # control: answers 503 ("no decode up"): it works, keep it
+    first = hung.wait_for(lambda st: st["state"] == "running")
+    kept = busy.wait_for(lambda st: st["state"] == "running")
+    probed(hung_probes)
+    probed(busy_probes)
+    os.kill(first["pid"], signal.SIGSTOP)  # alive, listening, answering nothing
+    stopped = time.monotonic()
+    again = hung.wait_for(lambda st: st["state"] == "running" and st["pid"] != first["pid"], timeout=30)
+    took = time.monotonic() - stopped
+    assert again["restarts"] == 1 and not alive(first["pid"])
+    assert "hung: " in hung.log.read_text()
+    assert busy.state()["pid"] == kept["pid"] and busy.state()["restarts"] == 0
+    print(f"measured: SIGSTOP to restart with hang_after_s 3: {took:.1f}s")
+
+
+def test_an_engine_process_stopped_behind_an_answering_server_is_restarted_too(supervised, tmp_path):
+    """vLLM's API server answers /health for its EngineCore: a stopped engine is seen by its process state."""
+    spawn = f"sleep 300 & echo $! > {tmp_path}/engine; "
+    cmd, health, probes = health_server(tmp_path, "engine", 200, before=spawn)
+    s = supervised(cmd, health=health)
+    watched_off = supervised(f"sleep 300 & echo $! > {tmp_path}/engine-off; exec sleep 300",
+                             where="off")  # control: no probe
+    first = s.wait_for(lambda st: st["state"] == "running" and (tmp_path / "engine").exists())
+    off = watched_off.wait_for(lambda st: st["state"] == "running" and (tmp_path / "engine-off").exists())
+    probed(probes)
+    os.kill(int((tmp_path / "engine").read_text()), signal.SIGSTOP)
+    os.kill(int((tmp_path / "engine-off").read_text()), signal.SIGSTOP)
+    again = s.wait_for(lambda st: st["state"] == "running" and st["pid"] != first["pid"], timeout=30)
+    assert again["restarts"] == 1 and "processes stopped (state T)" in s.log.read_text()
+    assert watched_off.state()["pid"] == off["pid"] and watched_off.state()["restarts"] == 0
+    os.kill(int((tmp_path / "engine-off").read_text()), signal.SIGCONT)
+
+
+MAKE_SHM = """import mmap, os, sys, time
+maps = []
+for name in sys.argv[1:]:
+    fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    maps.append(mmap.mmap(fd, 4096))
+    os.close(fd)
+time.sleep(300)
+"""
+
+
+def test_shared_memory_left_by_a_killed_group_is_removed_unless_someone_still_maps_it(supervised, tmp_path):
+    import mmap
+    import uuid
+
+    (tmp_path / "make_shm.py").write_text(MAKE_SHM)
+    tag = uuid.uuid4().hex[:8]
+    lost, shared = f"/dev/shm/psm_yrpdtest_{tag}_lost", f"/dev/shm/psm_yrpdtest_{tag}_shared"
+    s = supervised(f"exec {sys.executable} {tmp_path}/make_shm.py {Path(lost).name} {Path(shared).name}",
+                   max_restarts=0)
+    mapping = None
+    try:
+        first = s.wait_for(lambda st: st["state"] == "running" and len(st.get("shm") or []) == 2)
+        assert sorted(first["shm"]) == sorted([lost, shared])
+        with open(shared, "r+b") as fh:  # another process maps this one: it is in use, whoever made it
+            mapping = mmap.mmap(fh.fileno(), 4096)
+        os.kill(first["pid"], signal.SIGKILL)  # as vLLM's processes die: no chance to unlink anything
+        after = s.wait_for(lambda st: st["state"] == "exited")
+        assert not os.path.exists(lost) and os.path.exists(shared)
+        assert after["shm"] == [shared] and "removed 1 shared-memory segments" in s.log.read_text()
+        mapping.close()
+        mapping = None
+        # `yrpd down` finds what the supervisors noted and nobody holds any more
+        (tmp_path / "p.pid").write_text(str(s.proc.pid))
+        args = {"dir": str(tmp_path), "id": "unit", "action": "stop", "grace": 1, "port_wait": 0,
+                "pidfile": f"{tmp_path}/{{name}}.pid", "state": f"{tmp_path}/{{name}}.state.json",
+                "log": f"{tmp_path}/{{name}}.log"}
+        script = SCRIPT.with_name("session_processes.py")
+        report = json.loads(subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True,
+                                           text=True, check=True).stdout)
+        assert report["shm_removed"] == [shared] and not os.path.exists(shared)
+    finally:
+        if mapping is not None:
+            mapping.close()
+        for path in (lost, shared):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -32,9 +32,10 @@ def _alive_test(ctx: StepContext, name: str) -> str:
 
 
 def start_script(ctx: StepContext, name: str, command: str, env: dict | None = None, settle: float = 0.5,
-                 env_file: str | None = None) -> str:
+                 env_file: str | None = None, health_url: str | None = None) -> str:
     """Shell lines that start `command` detached as `name` unless it is already running; `env_file` (secrets)
-    is read by its supervisor, so its values are on no command line."""
+    is read by its supervisor, so its values are on no command line; `health_url` is what its supervisor probes
+    to find it hung (restart.hang_after_s)."""
     if not _NAME_RE.match(name):
         raise ValueError(f"process name {name!r} must be letters, digits, . _ -")
     layout = ctx.layout
@@ -47,7 +48,9 @@ def start_script(ctx: StepContext, name: str, command: str, env: dict | None = N
     policy = ctx.spec.restart
     supervised = json.dumps({"name": name, "command": command, "state": layout.state(name),
                              "max_restarts": policy.max, "window_s": policy.window_s, "grace_s": policy.grace_s,
-                             **({"env_file": env_file} if env_file else {})})
+                             **({"env_file": env_file} if env_file else {}),
+                             **({"health": {"url": health_url, "hang_after_s": policy.hang_after_s}}
+                                if health_url and policy.hang_after_s else {})})
     sup = q(layout.supervisor)
     body = deploy_script("supervise.py")
     assert "YRPD_SUPERVISOR_END" not in body

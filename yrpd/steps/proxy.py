@@ -20,7 +20,8 @@ def start(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
         return NotNeeded("not disaggregated: no proxy")
     display = (f"start {PROXY_NAME} detached: {' '.join(f'{k}={v}' for k, v in launch.env.items())} {launch.command}  "
                f"(secrets from {launch.env_file}; log {ctx.layout.log(PROXY_NAME)})")
-    return Command(start_script(ctx, PROXY_NAME, launch.exec_command, launch.env, env_file=launch.env_file),
+    return Command(start_script(ctx, PROXY_NAME, launch.exec_command, launch.env, env_file=launch.env_file,
+                                health_url=launch.health_url),
                    display=display, timeout=60)
 
 
