@@ -614,6 +614,36 @@ class FakeHostLab:
         self._wait_ready([host])
         return host
 
+    def cut(self, name: str) -> None:
+        """Take the host off the network as a pulled cable would: its end of the bridge goes down, so packets to and
+        from it vanish (nothing is refused or reset), while every process of it runs on."""
+        _ip("link", "set", self[name].veth, "down")
+
+    def mend(self, name: str) -> None:
+        _ip("link", "set", self[name].veth, "up")
+
+    def degrade(self, name: str, delay_ms: int, loss_pct: float) -> dict:
+        """A slow, lossy link for the host: random loss of its packets both ways (iptables' statistic match in its
+        netns), and delay with netem where the kernel has it (sch_netem is a module some kernels lack). Returns
+        what was applied: {"loss_pct", "delay_ms" (None when not), "why" (when not)}."""
+        host = self[name]
+        for chain in ("INPUT", "OUTPUT"):
+            subprocess.run(["ip", "netns", "exec", host.netns, "iptables", "-A", chain, "-m", "statistic", "--mode",
+                            "random", "--probability", str(loss_pct / 100), "-j", "DROP"], check=True,
+                           capture_output=True)
+        netem = subprocess.run(["tc", "qdisc", "replace", "dev", host.veth, "root", "netem", "delay", f"{delay_ms}ms"],
+                               capture_output=True, text=True)
+        applied = {"loss_pct": loss_pct, "delay_ms": delay_ms if netem.returncode == 0 else None}
+        if netem.returncode:
+            applied["why"] = f"tc netem: {netem.stderr.strip()}"
+        return applied
+
+    def restore(self, name: str) -> None:
+        host = self[name]
+        for chain in ("INPUT", "OUTPUT"):
+            subprocess.run(["ip", "netns", "exec", host.netns, "iptables", "-F", chain], capture_output=True)
+        subprocess.run(["tc", "qdisc", "del", "dev", host.veth, "root"], capture_output=True)
+
     def _wait_ready(self, hosts: list[FakeHost] | None = None) -> None:
         deadline = time.monotonic() + _START_TIMEOUT
         pending = list(self.hosts if hosts is None else hosts)

@@ -112,23 +112,34 @@ def pids(report: dict) -> dict[str, int]:
     return out
 
 
-def target_pid(report: dict, target: str) -> tuple[int, int | None]:
-    """(pid to kill, the process group that must be gone afterwards or None)."""
+def restarts(report: dict) -> dict[str, int]:
+    return {**{c["component"]: c["restarts"] for c in report["cluster"]["components"]},
+            **{i["name"]: i["restarts"] for i in report["instances"]}, "proxy": report["proxy"]["restarts"]}
+
+
+def target_pid(report: dict, target: str) -> tuple[int, int]:
+    """(pid to signal, the process group that must be gone afterwards: every supervised command leads its own)."""
     if target in CLUSTER:
-        return pids(report)[target], None
+        return pids(report)[target], pids(report)[target]
     name, _, part = target.partition(":")
     api = state_file(report, name)["pid"]
-    if part == "engine":
+    if part.startswith("engine"):
         [engine] = children(api, "VLLM::EngineCor")
         return engine, api
     return api, api
 
 
-def wait_recovered(d: Deployment, baseline: str, started: float, limit: float) -> tuple[float, list[int]]:
-    """Seconds from the kill to the first good answer; every other answer meanwhile must be a clean 5xx JSON."""
+def shm_segments() -> set[str]:
+    return {f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+
+
+def wait_recovered(d: Deployment, baseline: str, started: float, limit: float,
+                   timeout: float = 30) -> tuple[float, list[int]]:
+    """Seconds from the kill to the first good answer; every other answer meanwhile must be a clean 5xx JSON (0:
+    the client gave up after `timeout` s)."""
     codes = []
     while time.monotonic() - started < limit:
-        status, body = d.ask()
+        status, body = d.ask(timeout)
         codes.append(status)
         if status == 200:
             assert body and text_of(body) == baseline, f"answered 200 with {body[:300]!r}"
@@ -149,6 +160,11 @@ def wait_healthy(d: Deployment, timeout: float = 60) -> dict:
 
 
 def test_every_process_comes_back_by_itself_and_down_is_clean(netns, tmp_path):  # noqa: F811
+    """Each kill: exactly one more restart of what was killed, none of anything else, and nothing left of its
+    process group. An API server or an EngineCore stopped with SIGSTOP (alive, never exiting) is found hung by
+    its supervisor and restarted. The shared memory of every killed instance is gone, and after `down` /dev/shm
+    holds no segment it did not hold before the deploy."""
+    shm_before = shm_segments()
     d = Deployment(netns, tmp_path / "home")
     try:
         d.deploy()
@@ -158,31 +174,44 @@ def test_every_process_comes_back_by_itself_and_down_is_clean(netns, tmp_path): 
         report = wait_healthy(d)
         assert report["healthy"], report["problems"]
         figures = {}
-        for target in (*CLUSTER, "prefill-0", "prefill-0:engine", "decode-0", "decode-0:engine", "proxy"):
-            before = pids(report)
+        targets = (*CLUSTER, "prefill-0", "prefill-0:engine", "decode-0", "decode-0:engine", "proxy",
+                   "decode-0:stop", "prefill-0:engine-stop")
+        for target in targets:
+            before, counted = pids(report), restarts(report)
+            component, _, part = target.partition(":")
+            shm_of_run = set(state_file(report, component)["shm"]) if component not in (*CLUSTER, "proxy") else set()
             pid, group = target_pid(report, target)
-            os.kill(pid, signal.SIGKILL)
+            hang = part.endswith("stop")
+            os.kill(pid, signal.SIGSTOP if hang else signal.SIGKILL)
             started = time.monotonic()
             limit = RECOVERY_S if target in (*CLUSTER, "proxy") else INSTANCE_RECOVERY_S
-            figures[target], codes = wait_recovered(d, baseline, started, limit)
+            # a hung instance holds what reached it until its supervisor's bound (restart.hang_after_s, 30 s):
+            # the client waits longer than that, and must then get an answer, not its own timeout
+            figures[target], codes = wait_recovered(d, baseline, started, limit + (60 if hang else 0),
+                                                    timeout=75 if hang else 30)
+            if component != "proxy":  # with the proxy dead nobody answers: the client's connection is refused
+                assert 0 not in codes, f"{target}: a request hung until the client gave up ({codes})"
             report = wait_healthy(d)
             assert report["healthy"], (target, report["problems"])
             after = pids(report)
-            component = target.partition(":")[0]
             kept = {k: v for k, v in before.items() if k != component}
             assert {k: after[k] for k in kept} == kept, f"{target}: healthy components changed pid"
-            restarts = {**{c["component"]: c["restarts"] for c in report["cluster"]["components"]},
-                        **{i["name"]: i["restarts"] for i in report["instances"]}, "proxy": report["proxy"]["restarts"]}
-            assert restarts[component] >= 1, (target, restarts)
-            if group is not None:
-                assert group_alive(group) == [], f"{target}: processes of the killed group are left"
-            print(f"measured: kill -9 {target}: first good answer after {figures[target]:.1f}s "
-                  f"({len(codes) - 1} clean 5xx answers before)")
+            expected = {**counted, component: counted[component] + 1}
+            assert restarts(report) == expected, (target, counted, restarts(report))
+            assert group_alive(group) == [], f"{target}: processes of the killed group are left"
+            left = shm_of_run & shm_segments()
+            assert not left, f"{target}: its shared memory is left in /dev/shm: {sorted(left)}"
+            if hang:
+                assert "hung: " in d.yrpd("logs", component, "-n", "400").stdout, target
+            print(f"measured: {'SIGSTOP' if hang else 'kill -9'} {target}: first good answer after "
+                  f"{figures[target]:.1f}s ({len(codes) - 1} clean 5xx answers before; "
+                  f"{len(shm_of_run)} shared-memory segments of the killed run removed)")
         # right after a fault, down leaves nothing, first time
         pid, _ = target_pid(report, "decode-0")
         os.kill(pid, signal.SIGKILL)
         down = d.yrpd("down")
         assert "is down" in down.stderr
+        assert shm_segments() - shm_before == set(), "down left shared memory behind"
     finally:
         d.yrpd("down", check=False)
 
@@ -322,20 +351,31 @@ def test_on_two_hosts_kills_heal_and_a_host_that_comes_back_is_rebuilt_alone(fak
         healthy()
         matrix = [("h1", "etcd"), ("h2", "ds_worker"), ("h1", "prefill-0"),
                   ("h1", "prefill-0:engine"), ("h2", "decode-0"), ("h2", "decode-0:engine"), ("h1", "proxy")]
+        def counts(report: dict) -> dict[tuple[str, str], int]:
+            out = {(c["host"], c["component"]): c["restarts"] for c in report["cluster"]["components"]}
+            out.update({(i["host"], i["name"]): i["restarts"] for i in report["instances"]})
+            out[(report["proxy"]["host"], "proxy")] = report["proxy"]["restarts"]
+            return out
+
         for host, what in matrix:
             report = healthy()
+            name, _, part = what.partition(":")
             if what in CLUSTER:
                 pid = next(c["pid"] for c in report["cluster"]["components"]
                            if (c["host"], c["component"]) == (host, what))
             else:
-                name, _, part = what.partition(":")
                 pid = host_pid(host, name)
-                if part:  # the API server's EngineCore, in the host's own pid namespace
-                    pid = int(lab[host].exec(f"pgrep -P {pid} EngineCor").stdout.split()[0])
+            group = pid  # every supervised command leads its own process group, in the host's pid namespace
+            if part:  # the API server's EngineCore
+                pid = int(lab[host].exec(f"pgrep -P {pid} EngineCor").stdout.split()[0])
+            before = counts(report)
             lab[host].exec(f"kill -9 {pid}")
             took, _ = ask_until_good(baseline, INSTANCE_RECOVERY_S)
             print(f"measured: 2 hosts, kill -9 {what} on {host}: first good answer after {took:.1f}s")
-            healthy()
+            after = counts(healthy())
+            assert after == {**before, (host, name): before[(host, name)] + 1}, (what, before, after)
+            left = lab[host].exec(f"pgrep -g {group} || true").stdout.split()
+            assert left == [], f"{what} on {host}: processes of the killed group are left: {left}"
         before = pids(healthy())
 
         lab.restart("h2")  # every process of h2 is gone; its /tmp (the session directory) is kept

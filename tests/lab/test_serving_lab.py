@@ -60,27 +60,54 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
         assert placed == {"prefill-0": ("prefill", "h1"), "decode-0": ("decode", "h2")}
         assert report["healthy"] and report["proxy"]["healthy"] and report["proxy"]["url"] == proxy
 
-        # from h3: the proxy's key is the only way in; each instance answers 401 without the deployment's token
+        # from h3: the proxy's key is the only way in; each instance answers 401 without the deployment's token,
+        # and 200 with it (the keyed control: the instance is reachable from h3, the 401 is the token's doing)
+        secrets = next((home / "sessions").glob("2*")) / "secrets"
+        token = (secrets / "instance.token").read_text().strip()
+
         def from_h3(url, auth=None):
             header = f"-H 'Authorization: Bearer {auth}' " if auth else ""
             return lab["h3"].exec(f"curl -s -o /dev/null -w '%{{http_code}}' {header}{url}", check=False).stdout
         for instance in report["instances"]:
             assert from_h3(f"{instance['url']}/v1/models") == "401", instance["name"]
             assert from_h3(f"{instance['url']}/v1/models", key) == "401"  # the client's key is not the token
+            assert from_h3(f"{instance['url']}/v1/models", token) == "200", instance["name"]
         assert from_h3(f"{proxy}/v1/models") == "401" and from_h3(f"{proxy}/v1/models", key) == "200"
-        # ... and the data system workers of both hosts refuse a client without the deployment's CURVE keys
-        # (the script travels in the command: a fake host's /tmp, where this checkout may be, is its own)
+
+        def put_on_h3(name: str, text: str) -> str:  # a fake host's /tmp is its own: copy through the shell
+            path = f"/tmp/yrpd-lab-keys/{name}"
+            lab["h3"].exec(f"mkdir -p /tmp/yrpd-lab-keys && cat > {path} <<'YRPD_LAB_END'\n{text}YRPD_LAB_END")
+            return path
+        # ... the data system workers of both hosts refuse a client without the deployment's CURVE keys, and serve
+        # one with them from the same host (the script travels in the command, for the same reason)
         script = (Path(__file__).parents[2] / "deploy_scripts" / "ds_kv_check.py").read_text()
+        keys = put_on_h3("datasystem.env", (secrets / "datasystem.env").read_text())
+
+        def ds_from_h3(worker: str, *more: str) -> dict:
+            run = lab["h3"].exec(f"env -u LD_LIBRARY_PATH {rm.ENV_ROOT}/ds/bin/python - --write {worker}:31501 "
+                                 f"--read {worker}:31501 {' '.join(more)} <<'EOF'\n{script}\nEOF",
+                                 check=False, timeout=90)
+            return json.loads(run.stdout.strip().splitlines()[-1])
         for worker in (lab["h1"].address, lab["h2"].address):
-            refused = lab["h3"].exec(f"env -u LD_LIBRARY_PATH {rm.ENV_ROOT}/ds/bin/python - --write {worker}:31501 "
-                                     f"--read {worker}:31501 --timeout-ms 3000 --attempts 1 <<'EOF'\n{script}\nEOF",
-                                     check=False, timeout=60)
-            assert json.loads(refused.stdout.strip().splitlines()[-1])["ok"] is False, refused.stdout
-        # ... and etcd on h1 lists nothing for a client without the deployment's certificate
+            refused = ds_from_h3(worker, "--timeout-ms", "3000", "--attempts", "1")
+            # refused by the data system itself (not a client that failed to import or a bad argument)
+            assert refused["ok"] is False and refused.get("attempts") == 1, refused
+            assert not refused["error"].startswith(("ImportError", "ModuleNotFoundError")), refused
+            served = ds_from_h3(worker, "--env-file", keys)
+            assert served["ok"] is True, served
+        # ... and etcd on h1 refuses a client without the deployment's certificate at the TLS handshake, and lists
+        # the data system's keys for one with it, from the same host
         etcdctl = Path(rm.ENV_ROOT, "etcd", "etcdctl")
-        listed = lab["h3"].exec(f"{etcdctl} --endpoints https://{lab['h1'].address}:32379 --insecure-skip-tls-verify "
-                                "--dial-timeout 3s --command-timeout 5s get / --prefix --keys-only", check=False, timeout=60)
+        ca, cert, client_key = (put_on_h3(n, (secrets / "etcd" / n).read_text())
+                                for n in ("ca.crt", "client.crt", "client.key"))
+        get = f"--dial-timeout 3s --command-timeout 5s get / --prefix --keys-only"
+        endpoint = f"https://{lab['h1'].address}:32379"
+        listed = lab["h3"].exec(f"{etcdctl} --endpoints {endpoint} --cacert {ca} {get}", check=False, timeout=60)
         assert listed.returncode != 0 and "/datasystem/" not in listed.stdout, listed.stdout
+        assert "certificate" in listed.stderr or "tls" in listed.stderr.lower(), listed.stderr[-500:]
+        keyed = lab["h3"].exec(f"{etcdctl} --endpoints {endpoint} --cacert {ca} --cert {cert} --key {client_key} "
+                               f"{get}", check=False, timeout=60)
+        assert keyed.returncode == 0 and "/datasystem/" in keyed.stdout, keyed.stderr[-500:]
 
         reference.wait()
         got = rm.answers(proxy, key)

@@ -1,0 +1,309 @@
+"""Host-level faults on two fake hosts (prefill, the proxy and etcd on h1; decode on h2), the tiny model: what a
+client sees during each fault, how long until the deployment answers again after it, what `yrpd status` says during
+and after, and that nothing was lost (no wrong 200, no process restarted that did not have to be).
+
+- A host's link down (`ip link set` on its end of the bridge: packets vanish, nothing is refused) for
+  YRPD_FAULT_LINK_S seconds (30 in CI), on the hosts named by YRPD_FAULT_HOSTS (h2 in CI; "h1,h2" adds the master).
+- The data system worker on the decode host killed while hand-overs are in flight.
+- Optionally (YRPD_FAULT_LOSSY=1): h2's packets dropped at random (2 %) both ways while a load runs.
+
+Every figure is printed as a `measured:` line and, with YRPD_FAULT_REPORT=PATH, written there as JSON (the
+figures docs/reliability.md quotes come from such runs).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import time
+import urllib.error
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_yrpd
+from tests.lab import real_model as rm
+from tests.lab.test_cluster_lab import leftovers
+from tests.lab.test_deploy_lab import session_processes
+
+pytestmark = [pytest.mark.lab, pytest.mark.e2e]
+
+MODEL = "tiny-qwen2"
+#: a leg to an instance the proxy's probe declares down ends at once: the probe runs every 2 s and waits up to 5 s
+DOWN_BOUND_S = 12
+#: a request that finds no instance of a role up is refused without waiting on anything
+REFUSE_BOUND_S = 3
+#: a prompt of about 1,000 tokens of the tiny model (several KV blocks to hand over)
+LONG = "def handover(block, key, value):\n    return store.put(key, block[value])\n" * 60
+
+
+def _body(prompt: str, max_tokens: int, stream: bool = False, **more) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, **more}
+
+
+class Call(threading.Thread):
+    """One request through the proxy in a thread of its own; records how it ended and when."""
+
+    def __init__(self, base: str, body: dict, timeout: float = 120) -> None:
+        super().__init__(daemon=True)
+        self.base, self.body, self.timeout = base, body, timeout
+        self.status: int | None = None
+        self.chunks = 0  # SSE data events with text, for a stream
+        self.error_event = False  # a stream that ended with an error event
+        self.text = ""
+        self.raw = ""
+        self.failure: str | None = None  # no HTTP answer at all (refused, reset, the client's own timeout)
+        self.started: float | None = None
+        self.ended: float | None = None
+
+    def run(self) -> None:
+        self.started = time.monotonic()
+        host, port = self.base.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=self.timeout)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(self.body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            self.status = resp.status
+            if self.body.get("stream") and resp.status == 200:
+                for line in resp:
+                    line = line.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        self.error_event = True
+                    else:
+                        self.chunks += 1
+                        self.text += event["choices"][0]["text"]
+            else:
+                self.raw = resp.read().decode()
+                if resp.status == 200:
+                    self.text = json.loads(self.raw)["choices"][0]["text"]
+        except Exception as exc:  # noqa: BLE001 - what the client saw is the finding
+            self.failure = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.ended = time.monotonic()
+            conn.close()
+
+    def clean(self) -> bool:
+        """A 200 with its text, a 5xx with a JSON error, or a stream that ended with an error event."""
+        if self.failure or self.status is None:
+            return False
+        if self.status == 200:
+            return self.error_event or bool(self.text)
+        return 500 <= self.status < 600 and "error" in json.loads(self.raw or "{}")
+
+
+class TwoHosts:
+    def __init__(self, lab, tmp_path: Path) -> None:
+        self.lab = lab
+        self.config = tmp_path / "yrpd.yaml"
+        self.config.write_text(
+            "hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n"
+            f"device_kind: cpu\nmodel: builtin:{MODEL}\nenv_path: {rm.ENV_ROOT}\ndatasystem_memory_mb: 256\n"
+            "cluster_mode: ds_only\n")
+        self.env = {"YRPD_HOME": str(tmp_path / "home")}
+        self.proxy = ""
+
+    def cli(self, *args, check=0, timeout=900):
+        return run_yrpd(*args, *self.lab.cli_ssh_args, env=self.env, check=check, timeout=timeout)
+
+    def deploy(self) -> float:
+        started = time.monotonic()
+        out = self.cli("deploy", "--hosts", "h1,h2", "--config", str(self.config), timeout=1500)
+        self.proxy = out.stdout.strip().splitlines()[-1]
+        return time.monotonic() - started
+
+    def status(self) -> tuple[dict, float]:
+        started = time.monotonic()
+        report = json.loads(self.cli("status", "--json", check=None, timeout=120).stdout)
+        return report, time.monotonic() - started
+
+    def healthy(self, within: float = 120) -> tuple[dict, float]:
+        started = time.monotonic()
+        while True:
+            report, _ = self.status()
+            if report["healthy"]:
+                return report, time.monotonic() - started
+            assert time.monotonic() - started < within, report["problems"]
+            time.sleep(1)
+
+    def ask(self, prompt: str, max_tokens: int = 16, timeout: float = 60) -> Call:
+        call = Call(self.proxy, _body(prompt, max_tokens), timeout)
+        call.run()
+        return call
+
+    def first_good(self, expected: dict[str, str], within: float) -> float:
+        """Seconds until every prompt of `expected` is answered right again; meanwhile only clean refusals."""
+        started = time.monotonic()
+        while True:
+            calls = [self.ask(p, timeout=30) for p in expected]
+            for call in calls:
+                assert call.status != 200 or call.text == expected[call.body["prompt"]], call.text
+                assert call.status == 200 or call.clean() or call.failure, (call.status, call.raw[:300])
+            if all(c.status == 200 for c in calls):
+                return time.monotonic() - started
+            assert time.monotonic() - started < within, [(c.status, c.failure, c.raw[:200]) for c in calls]
+            time.sleep(0.5)
+
+
+def restarts(report: dict) -> dict[tuple[str, str], int]:
+    out = {(c["host"], c["component"]): c["restarts"] for c in report["cluster"]["components"]}
+    out.update({(i["host"], i["name"]): i["restarts"] for i in report["instances"]})
+    out[(report["proxy"]["host"], "proxy")] = report["proxy"]["restarts"]
+    return out
+
+
+def loaded_blocks(report: dict) -> int:
+    decode = next(i for i in report["instances"] if i["name"] == "decode-0")
+    return (decode.get("connector") or {}).get("loaded_blocks") or 0
+
+
+def link_down(d: TwoHosts, host: str, seconds: float, expected: dict[str, str], figures: dict) -> None:
+    """`host`'s link goes down for `seconds` while two streams and one plain request are in flight."""
+    before, _ = d.healthy()
+    calls = [Call(d.proxy, _body(LONG, 3000, stream=True, ignore_eos=True), timeout=seconds + 120),
+             Call(d.proxy, _body(f"{LONG}\n# stream two", 3000, stream=True, ignore_eos=True), timeout=seconds + 120),
+             Call(d.proxy, _body(f"{LONG}\n# plain", 3000, ignore_eos=True), timeout=seconds + 120)]
+    for call in calls:
+        call.start()
+    while calls[0].chunks < 3 and calls[0].is_alive():  # the stream is under way
+        time.sleep(0.05)
+    d.lab.cut(host)
+    cut = time.monotonic()
+    try:
+        for call in calls:
+            call.join(max(1.0, DOWN_BOUND_S + cut - time.monotonic()) if host != "h1" else seconds + 5)
+        ends = [round(c.ended - cut, 1) if c.ended else None for c in calls]
+        during_status, status_took = d.status()
+        refused = d.ask("The capital of France is", timeout=30)
+        remaining = seconds - (time.monotonic() - cut)
+        if remaining > 0:
+            time.sleep(remaining)
+    finally:
+        d.lab.mend(host)
+    mended = time.monotonic()
+    for call in calls:
+        call.join(120)
+    back = d.first_good(expected, within=seconds + 120)
+    after, settled = d.healthy()
+    key = f"link_down_{host}_{int(seconds)}s"
+    figures[key] = {
+        "in_flight_ended_s_after_cut": ends,
+        "in_flight": [{"status": c.status, "chunks": c.chunks, "error_event": c.error_event, "failure": c.failure}
+                      for c in calls],
+        "new_request_during": {"status": refused.status, "failure": refused.failure,
+                               "seconds": round(refused.ended - refused.started, 2), "body": (refused.raw or "")[:200]},
+        "status_during_s": round(status_took, 1), "problems_during": during_status["problems"][:6],
+        "first_good_answer_s_after_link_up": round(back, 1), "healthy_s_after_link_up": round(time.monotonic() - mended, 1),
+        "restarts_during": {f"{h}/{n}": restarts(after)[(h, n)] - v for (h, n), v in restarts(before).items()
+                            if restarts(after)[(h, n)] != v},
+    }
+    print(f"measured: {key}: {json.dumps(figures[key])}")
+    assert not during_status["healthy"], "status called the deployment healthy with a host cut off"
+    assert any(host in p for p in during_status["problems"]), during_status["problems"]
+    if host == "h1":  # the endpoint itself is on the host: a client cannot reach it at all
+        assert refused.failure, "the proxy answered from a host that was cut off"
+        return
+    # the endpoint stayed: in-flight requests ended within the bound, cleanly, and new ones were refused at once
+    for call, end in zip(calls, ends):
+        assert end is not None and end <= DOWN_BOUND_S, (ends, call.status, call.failure)
+        assert call.clean() and not (call.status == 200 and not call.error_event), (call.status, call.raw[:300])
+    assert refused.status == 503 and "decode" in refused.raw, (refused.status, refused.raw[:300])
+    assert refused.ended - refused.started <= REFUSE_BOUND_S, figures[key]["new_request_during"]
+    assert figures[key]["restarts_during"] == {}, "a link that came back made something restart"
+
+
+def worker_killed_mid_handover(d: TwoHosts, figures: dict) -> None:
+    """kill -9 the decode host's data-system worker while prompts are being handed over."""
+    before, _ = d.healthy()
+    loaded = loaded_blocks(before)
+    prompts = [f"{LONG}\n# request {i} {os.urandom(4).hex()}" for i in range(4)]
+    calls = [Call(d.proxy, _body(p, 24), timeout=120) for p in prompts]
+    for call in calls:
+        call.start()
+    time.sleep(0.3)
+    worker = next(c["pid"] for c in before["cluster"]["components"] if (c["host"], c["component"]) == ("h2", "ds_worker"))
+    d.lab["h2"].exec(f"kill -9 {worker}")
+    killed = time.monotonic()
+    for call in calls:
+        call.join(120)
+    after, settled = d.healthy(within=180)
+    # the same prompts again, the worker back: their answers are the reference for the ones during the fault
+    again = [d.ask(p, 24, timeout=120) for p in prompts]
+    assert all(c.status == 200 for c in again), [(c.status, c.raw[:200]) for c in again]
+    outcomes = []
+    for call, ref in zip(calls, again):
+        assert call.clean(), (call.status, call.failure, call.raw[:300])
+        assert call.status != 200 or call.text == ref.text, "a wrong answer while the worker was down"
+        outcomes.append(call.status)
+    # new prompts are handed over through the data system again
+    fresh = [d.ask(f"{LONG}\n# after {i} {os.urandom(4).hex()}", 8, timeout=120) for i in range(2)]
+    assert all(c.status == 200 for c in fresh)
+    deadline = time.monotonic() + 30
+    while loaded_blocks(report := d.status()[0]) <= loaded and time.monotonic() < deadline:
+        time.sleep(2)  # the connector's stats files are rewritten every 5 s
+    figures["ds_worker_killed_mid_handover"] = {
+        "answers_during": outcomes, "healthy_s_after_kill": round(time.monotonic() - killed, 1),
+        "worker_restarts": restarts(after)[("h2", "ds_worker")] - restarts(before)[("h2", "ds_worker")],
+        "decode_loaded_blocks_before": loaded, "decode_loaded_blocks_after": loaded_blocks(report)}
+    print(f"measured: ds_worker_killed_mid_handover: {json.dumps(figures['ds_worker_killed_mid_handover'])}")
+    assert loaded_blocks(report) > loaded, "decode loads nothing from the data system after its worker came back"
+
+
+def lossy_link(d: TwoHosts, figures: dict) -> None:
+    before, _ = d.healthy()
+    applied = d.lab.degrade("h2", delay_ms=50, loss_pct=2)
+    try:
+        started = time.monotonic()
+        calls = [Call(d.proxy, _body(f"{LONG}\n# lossy {i} {os.urandom(4).hex()}", 32), timeout=120)
+                 for i in range(8)]
+        for call in calls:
+            call.start()
+            call.join(120)
+        took = time.monotonic() - started
+    finally:
+        d.lab.restore("h2")
+    assert all(c.status == 200 for c in calls), [(c.status, c.failure, c.raw[:200]) for c in calls]
+    after, _ = d.healthy()
+    figures["lossy_link_h2"] = {"applied": applied, "requests": len(calls), "ok": sum(c.status == 200 for c in calls),
+                                "seconds": round(took, 1),
+                                "restarts": sum(restarts(after).values()) - sum(restarts(before).values())}
+    print(f"measured: lossy_link_h2: {json.dumps(figures['lossy_link_h2'])}")
+
+
+def test_host_faults_end_requests_cleanly_and_heal(fake_lab, tmp_path):
+    lab = fake_lab(2)
+    d = TwoHosts(lab, tmp_path)
+    figures: dict = {}
+    seconds = float(os.environ.get("YRPD_FAULT_LINK_S", "30"))
+    hosts = [h for h in os.environ.get("YRPD_FAULT_HOSTS", "h2").split(",") if h]
+    try:
+        figures["deploy_s"] = round(d.deploy(), 1)
+        expected = {p: d.ask(p).text for p in ("The capital of France is", "import os\nimport sys\n")}
+        assert all(expected.values()), expected
+        for host in hosts:
+            link_down(d, host, seconds, expected, figures)
+        worker_killed_mid_handover(d, figures)
+        if os.environ.get("YRPD_FAULT_LOSSY") == "1":
+            lossy_link(d, figures)
+        assert d.first_good(expected, within=60) < 60
+        down = d.cli("down", timeout=300)
+        assert "is down" in down.stderr
+        for host in lab.hosts:
+            assert session_processes(host) == [], host.name
+            procs, ports = leftovers(host)
+            assert procs == [] and ports == [], (host.name, procs, ports)
+    finally:
+        for host in ("h1", "h2"):
+            try:
+                lab.mend(host)
+                lab.restore(host)
+            except Exception:  # noqa: BLE001 - the lab is torn down anyway
+                pass
+        report = os.environ.get("YRPD_FAULT_REPORT")
+        if report:
+            Path(report).write_text(json.dumps(figures, indent=2) + "\n")
+        d.cli("down", check=None, timeout=300)
