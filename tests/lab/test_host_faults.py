@@ -5,7 +5,9 @@ and after, and that nothing was lost (no wrong 200, no process restarted that di
 - A host's link down (`ip link set` on its end of the bridge: packets vanish, nothing is refused) for
   YRPD_FAULT_LINK_S seconds (30 in CI), on the hosts named by YRPD_FAULT_HOSTS (h2 in CI; "h1,h2" adds the master).
 - The data system worker on the decode host killed while hand-overs are in flight.
-- Optionally (YRPD_FAULT_LOSSY=1): h2's packets dropped at random (2 %) both ways while a load runs.
+- h2's packets dropped at random (2 %) both ways, and delayed 50 ms where the kernel has netem, under a load.
+- Prefill's data-system worker filled with entries it may not evict (by another client of the deployment).
+- (a second deployment) every worker's disk tier on a tmpfs far smaller than configured, filled by the load.
 
 Every figure is printed as a `measured:` line and, with YRPD_FAULT_REPORT=PATH, written there as JSON (the
 figures docs/reliability.md quotes come from such runs).
@@ -18,7 +20,6 @@ import json
 import os
 import threading
 import time
-import urllib.error
 from pathlib import Path
 
 import pytest
@@ -253,6 +254,75 @@ def worker_killed_mid_handover(d: TwoHosts, figures: dict) -> None:
     assert loaded_blocks(report) > loaded, "decode loads nothing from the data system after its worker came back"
 
 
+FILL = """import json, os, sys
+for line in open(sys.argv[3]):
+    key, _, value = line.rstrip("\\n").partition("=")
+    if key:
+        os.environ[key] = value
+from yr.datasystem import KVClient
+client = KVClient(host=sys.argv[1], port=int(sys.argv[2]), connect_timeout_ms=5000, req_timeout_ms=5000)
+client.init()
+if sys.argv[4] == "drop":
+    client.delete([f"yrpd-fill-{i}" for i in range(int(sys.argv[5]))])
+    sys.exit(0)
+value, n = os.urandom(1 << 20), 0
+while True:  # the client's default write mode: entries the worker may not evict
+    try:
+        client.set(f"yrpd-fill-{n}", value)
+    except Exception as exc:
+        print(json.dumps({"filled_mb": n, "error": str(exc).strip()[:300]}))
+        break
+    n += 1
+"""
+
+
+def connector_counts(report: dict, name: str) -> dict:
+    inst = next(i for i in report["instances"] if i["name"] == name)
+    return inst.get("connector") or {}
+
+
+def memory_full(d: TwoHosts, figures: dict) -> None:
+    """Prefill's data-system worker (h1) filled with entries it may not evict, by another client of the
+    deployment: prefill's saves fail, decode computes the prompts again; answers stay right. Then the entries
+    are deleted and the hand-overs come back."""
+    before, _ = d.healthy()
+    session = before["session"]
+    ds_python = f"{rm.ENV_ROOT}/ds/bin/python"
+    keys = f"/tmp/yrpd_sessions/{session}/secrets/datasystem.env"
+
+    def filler(*args: str):
+        return d.lab["h1"].exec(f"env -u LD_LIBRARY_PATH {ds_python} - {d.lab['h1'].address} 31501 {keys} "
+                                f"{' '.join(args)} <<'EOF'\n{FILL}\nEOF", timeout=300)
+    fill = filler("fill")
+    filled = json.loads(fill.stdout.strip().splitlines()[-1])
+    saved0 = connector_counts(before, "prefill-0")
+    prompts = [f"{LONG}\n# full {i} {os.urandom(4).hex()}" for i in range(4)]
+    during = [d.ask(p, 16, timeout=120) for p in prompts]
+    time.sleep(6)  # the connector's stats files are rewritten every 5 s
+    report, _ = d.status()
+    saved1 = connector_counts(report, "prefill-0")
+    filler("drop", str(filled["filled_mb"]))
+    again = [d.ask(p, 16, timeout=120) for p in prompts]
+    loaded = loaded_blocks(report)
+    for i in range(2):
+        d.ask(f"{LONG}\n# freed {i} {os.urandom(4).hex()}", 8, timeout=120)
+    deadline = time.monotonic() + 30
+    while loaded_blocks(after := d.status()[0]) <= loaded and time.monotonic() < deadline:
+        time.sleep(2)
+    figures["datasystem_memory_full_not_evictable"] = {
+        "filled": filled, "answers_during": [c.status for c in during],
+        "during_s": [round(c.ended - c.started, 2) for c in during],
+        "prefill_save_failed_blocks_delta": (saved1.get("save_failed_blocks") or 0) - (saved0.get("save_failed_blocks") or 0),
+        "prefill_saved_blocks_delta": (saved1.get("saved_blocks") or 0) - (saved0.get("saved_blocks") or 0),
+        "warnings_during": report.get("warnings", [])[:4], "healthy_during": report["healthy"],
+        "decode_loaded_blocks_after_freeing": loaded_blocks(after) - loaded}
+    print(f"measured: datasystem_memory_full_not_evictable: {json.dumps(figures['datasystem_memory_full_not_evictable'])}")
+    assert filled["filled_mb"] > 0, filled
+    for call, ref in zip(during, again):
+        assert call.status == 200 and ref.status == 200 and call.text == ref.text, (call.status, call.raw[:300])
+    assert loaded_blocks(after) > loaded, "no hand-over after the worker's memory was freed"
+
+
 def lossy_link(d: TwoHosts, figures: dict) -> None:
     before, _ = d.healthy()
     applied = d.lab.degrade("h2", delay_ms=50, loss_pct=2)
@@ -287,8 +357,8 @@ def test_host_faults_end_requests_cleanly_and_heal(fake_lab, tmp_path):
         for host in hosts:
             link_down(d, host, seconds, expected, figures)
         worker_killed_mid_handover(d, figures)
-        if os.environ.get("YRPD_FAULT_LOSSY") == "1":
-            lossy_link(d, figures)
+        lossy_link(d, figures)
+        memory_full(d, figures)
         assert d.first_good(expected, within=60) < 60
         down = d.cli("down", timeout=300)
         assert "is down" in down.stderr
@@ -307,3 +377,47 @@ def test_host_faults_end_requests_cleanly_and_heal(fake_lab, tmp_path):
         if report:
             Path(report).write_text(json.dumps(figures, indent=2) + "\n")
         d.cli("down", check=None, timeout=300)
+
+
+def test_a_full_spill_disk_costs_recomputes_not_answers(fake_lab, tmp_path):
+    """Each worker's disk tier on a 2 MB tmpfs while `datasystem_spill_mb` says 64: more distinct prompts than the
+    64 MB of memory holds go through, so the worker spills until the disk is full. Every answer is still a 200
+    with the same text as when asked again; what status says meanwhile is recorded."""
+    lab = fake_lab(2)
+    for host in lab.hosts:
+        host.exec("mkdir -p /tmp/yrpd-spill && mount -t tmpfs -o size=2m tmpfs /tmp/yrpd-spill")
+    d = TwoHosts(lab, tmp_path)
+    d.config.write_text(d.config.read_text().replace("datasystem_memory_mb: 256", "datasystem_memory_mb: 64")
+                        + "datasystem_spill_mb: 64\ndatasystem_spill_dir: /tmp/yrpd-spill\n")
+    figures: dict = {}
+    try:
+        figures["deploy_s"] = round(d.deploy(), 1)
+        prompts = [f"{LONG}\n# disk {i} {os.urandom(4).hex()}" for i in range(90)]
+        first = []
+        for start in range(0, len(prompts), 4):
+            calls = [Call(d.proxy, _body(p, 8), timeout=120) for p in prompts[start:start + 4]]
+            for call in calls:
+                call.start()
+            for call in calls:
+                call.join(120)
+            first += calls
+        disk = [h.exec("df -k /tmp/yrpd-spill | tail -1").stdout.split()[2:4] for h in lab.hosts]
+        report, _ = d.status()
+        again = [d.ask(p, 8, timeout=120) for p in prompts[-8:]]
+        figures["spill_disk_full"] = {
+            "requests": len(first), "ok": sum(c.status == 200 for c in first),
+            "p50_s": sorted(c.ended - c.started for c in first)[len(first) // 2],
+            "spill_used_free_kb": disk, "healthy": report["healthy"], "problems": report["problems"][:4],
+            "warnings": report.get("warnings", [])[:4],
+            "workers": [{k: c.get(k) for k in ("host", "state", "restarts", "cache")}
+                        for c in report["cluster"]["components"] if c["component"] == "ds_worker"]}
+        print(f"measured: spill_disk_full: {json.dumps(figures['spill_disk_full'])}")
+        assert all(c.status == 200 for c in first), [(c.status, c.raw[:200]) for c in first if c.status != 200]
+        assert [c.text for c in first[-8:]] == [c.text for c in again]
+    finally:
+        report_path = os.environ.get("YRPD_FAULT_REPORT")
+        if report_path:
+            Path(report_path + ".disk.json").write_text(json.dumps(figures, indent=2) + "\n")
+        d.cli("down", check=None, timeout=300)
+        for host in lab.hosts:
+            host.exec("umount /tmp/yrpd-spill", check=False)
