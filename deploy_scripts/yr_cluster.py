@@ -201,12 +201,21 @@ def cache_use():
     try:
         shm, spill = fields[7].split("/"), fields[8].split("/")
         hits = next(f for f in reversed(fields) if f.count("/") == 4 and "." not in f).split("/")
-        return {"at": fields[0], "memory_used": int(shm[0]), "memory_limit": int(shm[2]),
-                "disk_used": int(spill[0]), "disk_limit": int(spill[2]), "objects": int(fields[10]),
-                "hits_memory": int(hits[0]), "hits_disk": int(hits[1]), "hits_remote": int(hits[3]),
-                "misses": int(hits[4])}
+        use = {"at": fields[0], "memory_used": int(shm[0]), "memory_limit": int(shm[2]),
+               "disk_used": int(spill[0]), "disk_limit": int(spill[2]), "objects": int(fields[10]),
+               "hits_memory": int(hits[0]), "hits_disk": int(hits[1]), "hits_remote": int(hits[3]),
+               "misses": int(hits[4])}
     except (IndexError, ValueError, StopIteration):
         return {"error": f"unexpected line in {path}: ...{last[0][-300:]}"}
+    if args.get("spill_dir"):
+        # the worker counts against its own limit only: a filesystem that fills first (other files, a smaller
+        # disk than the limit) makes its spills fail while its figures show room
+        try:
+            fs = os.statvfs(args["spill_dir"])
+            use["disk_free"] = fs.f_bavail * fs.f_frsize
+        except OSError:
+            use["disk_free"] = None
+    return use
 
 
 def snapshot():

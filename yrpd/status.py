@@ -18,6 +18,7 @@ from yrpd.hostgroup import Command, HostResult
 from yrpd.placement import HostPlan, InstancePlan
 from yrpd.serving import PROXY_NAME, instance_url, proxy_url
 from yrpd.session import SessionPhase
+from yrpd.spec import DeploySpec
 from yrpd.steps import ScriptCall, StepContext, cluster, host_python_parts, processes
 
 #: what an instance's probe reports, copied as is (vLLM's metrics, summed over its ranks)
@@ -259,7 +260,7 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
             problems.append(f"{plan_host.name}: session directory missing")
         entry.healthy = all(p["alive"] for p in own["processes"])
     live = {(p.host, p.name): p for p in procs}
-    warnings: list[str] = []
+    warnings: list[str] = [w for w in (_spill_full(deployment.spec, c) for c in components) if w]
     instances = [_instance(deployment, inst, live.get((inst.host, inst.name)), serving.get(inst.name), deployed,
                            problems, warnings) for inst in deployment.plan.instances]
     proxy = _proxy(deployment, live.get((deployment.plan.proxy_host, PROXY_NAME)), proxy_probe, deployed, problems)
@@ -312,6 +313,25 @@ def _instance(deployment: Deployment, inst: InstancePlan, proc: ProcessStatus | 
         problems.append(f"{inst.name} on {inst.host} does not answer /health"
                         + (f" ({probe['error']})" if probe and probe.get("error") else ""))
     return row
+
+
+#: free space under which a disk tier's filesystem counts as full (a few KV blocks of a large model)
+SPILL_FULL_BYTES = 64 << 20
+
+
+def _spill_full(spec: DeploySpec, comp: ComponentStatus) -> str | None:
+    """A warning when the filesystem of a worker's disk tier has less room than the worker may still spill (and
+    under SPILL_FULL_BYTES): its spills fail and what would have gone there is computed again."""
+    cache = comp.cache or {}
+    free = cache.get("disk_free")
+    if free is None or "disk_limit" not in cache:
+        return None
+    if free >= min(cache["disk_limit"] - cache["disk_used"], SPILL_FULL_BYTES):
+        return None
+    where = spec.datasystem_spill_dir or "the session directory"
+    return (f"ds_worker on {comp.host}: the disk tier's filesystem ({where}) has {free >> 10} KiB free, while "
+            f"datasystem_spill_mb allows {(cache['disk_limit'] - cache['disk_used']) >> 20} MB more: spills fail and "
+            f"those KV blocks are computed again; free space there, or lower datasystem_spill_mb to what it holds")
 
 
 def _handoff_missed(deployment: Deployment, inst: InstancePlan, blocks: int) -> str:

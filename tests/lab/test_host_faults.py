@@ -281,27 +281,41 @@ def connector_counts(report: dict, name: str) -> dict:
     return inst.get("connector") or {}
 
 
+class Filler:
+    """Another client of the deployment (its CURVE keys) that fills a worker with 1 MB entries it may not evict."""
+
+    def __init__(self, d: TwoHosts, host: str, session: str) -> None:
+        self.d, self.host = d, host
+        self.keys = f"/tmp/yrpd_sessions/{session}/secrets/datasystem.env"
+        self.filled: dict = {}
+
+    def _run(self, *args: str):
+        h = self.d.lab[self.host]
+        return h.exec(f"env -u LD_LIBRARY_PATH {rm.ENV_ROOT}/ds/bin/python - {h.address} 31501 {self.keys} "
+                      f"{' '.join(args)} <<'EOF'\n{FILL}\nEOF", timeout=300)
+
+    def fill(self) -> dict:
+        self.filled = json.loads(self._run("fill").stdout.strip().splitlines()[-1])
+        return self.filled
+
+    def drop(self) -> None:
+        self._run("drop", str(self.filled["filled_mb"]))
+
+
 def memory_full(d: TwoHosts, figures: dict) -> None:
     """Prefill's data-system worker (h1) filled with entries it may not evict, by another client of the
     deployment: prefill's saves fail, decode computes the prompts again; answers stay right. Then the entries
     are deleted and the hand-overs come back."""
     before, _ = d.healthy()
-    session = before["session"]
-    ds_python = f"{rm.ENV_ROOT}/ds/bin/python"
-    keys = f"/tmp/yrpd_sessions/{session}/secrets/datasystem.env"
-
-    def filler(*args: str):
-        return d.lab["h1"].exec(f"env -u LD_LIBRARY_PATH {ds_python} - {d.lab['h1'].address} 31501 {keys} "
-                                f"{' '.join(args)} <<'EOF'\n{FILL}\nEOF", timeout=300)
-    fill = filler("fill")
-    filled = json.loads(fill.stdout.strip().splitlines()[-1])
+    filler = Filler(d, "h1", before["session"])
+    filled = filler.fill()
     saved0 = connector_counts(before, "prefill-0")
     prompts = [f"{LONG}\n# full {i} {os.urandom(4).hex()}" for i in range(4)]
     during = [d.ask(p, 16, timeout=120) for p in prompts]
     time.sleep(6)  # the connector's stats files are rewritten every 5 s
     report, _ = d.status()
     saved1 = connector_counts(report, "prefill-0")
-    filler("drop", str(filled["filled_mb"]))
+    filler.drop()
     again = [d.ask(p, 16, timeout=120) for p in prompts]
     loaded = loaded_blocks(report)
     for i in range(2):
@@ -380,9 +394,9 @@ def test_host_faults_end_requests_cleanly_and_heal(fake_lab, tmp_path):
 
 
 def test_a_full_spill_disk_costs_recomputes_not_answers(fake_lab, tmp_path):
-    """Each worker's disk tier on a 2 MB tmpfs while `datasystem_spill_mb` says 64: more distinct prompts than the
-    64 MB of memory holds go through, so the worker spills until the disk is full. Every answer is still a 200
-    with the same text as when asked again; what status says meanwhile is recorded."""
+    """Each worker's disk tier on a 2 MB tmpfs while `datasystem_spill_mb` says 64: another client fills prefill's
+    worker (memory, then what it spills) until a write fails. Prompts sent then are all answered, with the same
+    text as when asked again once the entries are gone; what status says meanwhile is recorded."""
     lab = fake_lab(2)
     for host in lab.hosts:
         host.exec("mkdir -p /tmp/yrpd-spill && mount -t tmpfs -o size=2m tmpfs /tmp/yrpd-spill")
@@ -392,28 +406,27 @@ def test_a_full_spill_disk_costs_recomputes_not_answers(fake_lab, tmp_path):
     figures: dict = {}
     try:
         figures["deploy_s"] = round(d.deploy(), 1)
-        prompts = [f"{LONG}\n# disk {i} {os.urandom(4).hex()}" for i in range(90)]
-        first = []
-        for start in range(0, len(prompts), 4):
-            calls = [Call(d.proxy, _body(p, 8), timeout=120) for p in prompts[start:start + 4]]
-            for call in calls:
-                call.start()
-            for call in calls:
-                call.join(120)
-            first += calls
+        before, _ = d.healthy()
+        filler = Filler(d, "h1", before["session"])
+        filled = filler.fill()  # memory first, then the disk tier, until the disk (2 MB) is full
         disk = [h.exec("df -k /tmp/yrpd-spill | tail -1").stdout.split()[2:4] for h in lab.hosts]
+        prompts = [f"{LONG}\n# disk {i} {os.urandom(4).hex()}" for i in range(8)]
+        during = [d.ask(p, 8, timeout=120) for p in prompts]
+        time.sleep(6)  # the connector's stats files are rewritten every 5 s
         report, _ = d.status()
-        again = [d.ask(p, 8, timeout=120) for p in prompts[-8:]]
+        filler.drop()
+        again = [d.ask(p, 8, timeout=120) for p in prompts]
         figures["spill_disk_full"] = {
-            "requests": len(first), "ok": sum(c.status == 200 for c in first),
-            "p50_s": sorted(c.ended - c.started for c in first)[len(first) // 2],
-            "spill_used_free_kb": disk, "healthy": report["healthy"], "problems": report["problems"][:4],
-            "warnings": report.get("warnings", [])[:4],
+            "filled": filled, "spill_used_free_kb": disk, "answers_during": [c.status for c in during],
+            "during_s": [round(c.ended - c.started, 2) for c in during], "healthy": report["healthy"],
+            "problems": report["problems"][:4], "warnings": report.get("warnings", [])[:4],
             "workers": [{k: c.get(k) for k in ("host", "state", "restarts", "cache")}
                         for c in report["cluster"]["components"] if c["component"] == "ds_worker"]}
         print(f"measured: spill_disk_full: {json.dumps(figures['spill_disk_full'])}")
-        assert all(c.status == 200 for c in first), [(c.status, c.raw[:200]) for c in first if c.status != 200]
-        assert [c.text for c in first[-8:]] == [c.text for c in again]
+        assert filled["filled_mb"] > 0 and int(disk[0][1]) == 0, (filled, disk)  # h1's disk tier is full
+        assert any(w.startswith("ds_worker on h1: the disk tier's filesystem") for w in report["warnings"]), report
+        assert all(c.status == 200 for c in during), [(c.status, c.raw[:200]) for c in during if c.status != 200]
+        assert [c.text for c in during] == [c.text for c in again]
     finally:
         report_path = os.environ.get("YRPD_FAULT_REPORT")
         if report_path:

@@ -100,7 +100,7 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
         etcdctl = Path(rm.ENV_ROOT, "etcd", "etcdctl")
         ca, cert, client_key = (put_on_h3(n, (secrets / "etcd" / n).read_text())
                                 for n in ("ca.crt", "client.crt", "client.key"))
-        get = f"--dial-timeout 3s --command-timeout 5s get / --prefix --keys-only"
+        get = "--dial-timeout 3s --command-timeout 5s get / --prefix --keys-only"
         endpoint = f"https://{lab['h1'].address}:32379"
         listed = lab["h3"].exec(f"{etcdctl} --endpoints {endpoint} --cacert {ca} {get}", check=False, timeout=60)
         assert listed.returncode != 0 and "/datasystem/" not in listed.stdout, listed.stdout

@@ -51,7 +51,7 @@ def processes_answer(host: str, names: list[str], dead: tuple[str, ...] = (), re
             "session_pids": [100 + i for i, n in enumerate(names) if n not in dead + failed], "other_pids": []}
 
 
-def cluster_answer(master: bool, restarts: int = 0) -> dict:
+def cluster_answer(master: bool, restarts: int = 0, disk_free: int | None = None) -> dict:
     names = ["etcd", "ds_master", "ds_worker"] if master else ["ds_worker"]
     return {"present": True, "mode": "ds_only",
             "components": {n: {"state": "RUNNING", "pid": 200 + i, "alive": True,
@@ -60,7 +60,8 @@ def cluster_answer(master: bool, restarts: int = 0) -> dict:
             # as deploy_scripts/yr_cluster.py reads the worker's resource.log (a 256 MiB worker with 1 GiB of disk)
             "cache": {"at": "2026-11-23T15:59:31", "memory_used": 200 << 20 if master else 10 << 20,
                       "memory_limit": 256 << 20, "disk_used": 300 << 20 if master else 0, "disk_limit": 1 << 30,
-                      "objects": 42, "hits_memory": 7, "hits_disk": 3, "hits_remote": 1, "misses": 2}}
+                      "objects": 42, "hits_memory": 7, "hits_disk": 3, "hits_remote": 1, "misses": 2,
+                      **({} if disk_free is None else {"disk_free": disk_free})}}
 
 
 def instance_probe(name: str, healthy: bool = True, loaded: int = 0, missed: int = 0) -> dict:
@@ -74,11 +75,12 @@ def instance_probe(name: str, healthy: bool = True, loaded: int = 0, missed: int
 
 
 def answer(host: str, dead=(), restarts=0, unhealthy=(), proxy_ok=True, cluster=True, restarting=(), failed=(),
-           process_restarts=0, missed=0) -> str:
+           process_restarts=0, missed=0, disk_free=None) -> str:
     """What `recorded()`'s host answers to the status query (yrpd.status.query), with the faults asked for:
     `dead` processes, ds_worker `restarts`, instances whose /health does not answer, a proxy that sees decode down,
     processes their supervisor is `restarting` or has given up on (`failed`), earlier `process_restarts`, KV blocks
-    prefill handed over that the host's instance `missed` in the data system."""
+    prefill handed over that the host's instance `missed` in the data system, the bytes free (`disk_free`) on the
+    filesystem of its worker's disk tier."""
     names = {"h1": ["prefill-0", "proxy"], "h2": ["decode-0"]}[host]
     instance = {"h1": "prefill-0", "h2": "decode-0"}[host]
     serving = {"instances": [instance_probe(instance, healthy=instance not in unhealthy,
@@ -89,7 +91,7 @@ def answer(host: str, dead=(), restarts=0, unhealthy=(), proxy_ok=True, cluster=
             {"url": "http://10.0.0.1:8100", "up": True, "in_flight": 1, "requests": 7, "prefix_routed": 3},
             {"url": "http://10.0.0.2:8100", "up": proxy_ok, "in_flight": 0, "requests": 6, "prefix_routed": 0}]}}
     return json.dumps({"processes": processes_answer(host, names, dead, restarting, failed, process_restarts),
-                       "cluster": cluster_answer(host == "h1", restarts) if cluster else None, "serving": serving})
+                       "cluster": cluster_answer(host == "h1", restarts, disk_free) if cluster else None, "serving": serving})
 
 
 def scripted(**faults) -> ScriptedHosts:

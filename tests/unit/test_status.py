@@ -54,6 +54,19 @@ def test_handed_over_kv_that_decode_computed_again_is_a_warning_naming_the_fix_n
     assert report.to_json()["warnings"] == [warning]
 
 
+def test_a_disk_tier_whose_filesystem_is_full_is_a_warning_naming_the_host_and_the_fix(tmp_path):
+    deployment = recorded(tmp_path)
+    # h1's worker may spill 724 MB more (1 GiB limit, 300 MB used) but its filesystem has 1 MiB left; h2's has room
+    with scripted(h1={"disk_free": 1 << 20}, h2={"disk_free": 50 << 30}):
+        report = api.status(deployment)
+    assert report.healthy and report.problems == []
+    [warning] = report.warnings
+    assert warning.startswith("ds_worker on h1: the disk tier's filesystem") and "1024 KiB free" in warning
+    assert "724 MB more" in warning and "lower datasystem_spill_mb" in warning
+    with scripted(h1={"disk_free": 2 << 30}, h2={"disk_free": 50 << 30}):  # control: room on both
+        assert api.status(deployment).warnings == []
+
+
 def test_a_dead_instance_an_unanswering_one_and_an_unreachable_host_are_each_one_problem(tmp_path):
     deployment = recorded(tmp_path)
     with scripted(h1={"dead": ("prefill-0",), "proxy_ok": False}) as hosts:

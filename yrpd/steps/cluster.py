@@ -217,7 +217,13 @@ def _dscli_args(ctx: StepContext, host: HostPlan, action: str, timeout: int) -> 
         "state": {name: ctx.layout.state(name) for name in names},
         "ready": {dsconfig.WORKER: dsconfig.ready_file(n)},
         "ports": {name: list(owner_port) for name, owner_port in dsconfig.listen_ports(n).items()},
+        **_spill(n),
     }
+
+
+def _spill(n) -> dict:
+    """The disk tier's directory, whose filesystem's free space status reports beside the worker's own figures."""
+    return {"spill_dir": n.spill_directory} if n.spill_mb else {}
 
 
 def _driver_args(ctx: StepContext, host: HostPlan, action: str, mode: str, timeout: int) -> dict:
@@ -234,6 +240,7 @@ def _driver_args(ctx: StepContext, host: HostPlan, action: str, mode: str, timeo
         "start": list(start.argv), "stop": list(stop.argv), "force_stop": list(force.argv),
         "env": dict(start.env), "host_ip": n.host_ip, "timeout": timeout, "expect": wanted,
         "ports": {name: [owner.get(name, name), port] for name, port in listen_ports(n).items()},
+        **_spill(n),
     }
 
 
