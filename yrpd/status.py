@@ -330,8 +330,9 @@ def _spill_full(spec: DeploySpec, comp: ComponentStatus) -> str | None:
         return None
     where = spec.datasystem_spill_dir or "the session directory"
     return (f"ds_worker on {comp.host}: the disk tier's filesystem ({where}) has {free >> 10} KiB free, while "
-            f"datasystem_spill_mb allows {(cache['disk_limit'] - cache['disk_used']) >> 20} MB more: spills fail and "
-            f"those KV blocks are computed again; free space there, or lower datasystem_spill_mb to what it holds")
+            f"datasystem_spill_mb allows {(cache['disk_limit'] - cache['disk_used']) >> 20} MB more: spills beyond it "
+            f"fail and those KV blocks are computed again; free space there, or lower datasystem_spill_mb to what it "
+            f"holds")
 
 
 def _handoff_missed(deployment: Deployment, inst: InstancePlan, blocks: int) -> str:

@@ -358,6 +358,22 @@ def lossy_link(d: TwoHosts, figures: dict) -> None:
     print(f"measured: lossy_link_h2: {json.dumps(figures['lossy_link_h2'])}")
 
 
+def write_report(path: str, figures: dict) -> None:
+    """The figures with where they came from: commit (and whether the tree was dirty), CPU, cores, the settings."""
+    import platform
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parents[2]).stdout.strip()
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    settings = {k: v for k, v in os.environ.items() if k.startswith("YRPD_FAULT_")}
+    report = {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain")),
+              "cpu": cpu, "cores": os.cpu_count(), "settings": settings,
+              "command": "pytest -s tests/lab/test_host_faults.py", "figures": figures}
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
 def test_host_faults_end_requests_cleanly_and_heal(fake_lab, tmp_path):
     lab = fake_lab(2)
     d = TwoHosts(lab, tmp_path)
@@ -389,7 +405,7 @@ def test_host_faults_end_requests_cleanly_and_heal(fake_lab, tmp_path):
                 pass
         report = os.environ.get("YRPD_FAULT_REPORT")
         if report:
-            Path(report).write_text(json.dumps(figures, indent=2) + "\n")
+            write_report(report, figures)
         d.cli("down", check=None, timeout=300)
 
 
@@ -430,7 +446,7 @@ def test_a_full_spill_disk_costs_recomputes_not_answers(fake_lab, tmp_path):
     finally:
         report_path = os.environ.get("YRPD_FAULT_REPORT")
         if report_path:
-            Path(report_path + ".disk.json").write_text(json.dumps(figures, indent=2) + "\n")
+            write_report(report_path + ".disk.json", figures)
         d.cli("down", check=None, timeout=300)
         for host in lab.hosts:
             host.exec("umount /tmp/yrpd-spill", check=False)
