@@ -59,11 +59,14 @@ print(json.dumps(out))
 
 
 def sample(lab) -> dict:
-    """{"host/kind/pid": {"rss_kb", "fds"}} plus the psm_* count (the hosts share this machine's /dev/shm)."""
+    """{"host/kind/pid": {"rss_kb", "fds"}} plus the psm_* count (the hosts share this machine's /dev/shm; the
+    count includes what other runs left there before: its slope is the figure)."""
     got = {}
     for host in lab.hosts:
         rows = json.loads(host.exec(f"python3 - <<'EOF'\n{SAMPLE}\nEOF").stdout)
         for pid, cmd, rss, fds in rows:
+            if "supervise.py" in cmd:  # a supervisor's argv carries its command's text: not the process itself
+                continue
             kind = next((k for k, frag in WATCHED.items() if frag in cmd), None)
             if kind:
                 got[f"{host.name}/{kind}/{pid}"] = {"rss_kb": rss, "fds": fds}
