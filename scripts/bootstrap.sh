@@ -9,6 +9,11 @@ APT_PACKAGES=(openssh-server openssh-client iproute2 procps util-linux coreutils
 if [ "${1:-}" != "--no-lab" ]; then
     # the docker lab test: a dockerd inside each fake host, and the stand-in image's root file system
     APT_PACKAGES+=(docker.io debootstrap)
+    # the host-fault lab's link delay where the kernel has no sch_netem: netfilterqueue builds against these
+    APT_PACKAGES+=(libnetfilter-queue-dev gcc python3-dev)
+    EXTRAS=test,lab
+else
+    EXTRAS=test
 fi
 
 missing=()
@@ -38,8 +43,8 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 stamp=.venv/.yrpd-installed
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $EXTRAS"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+    .venv/bin/pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
     echo "$want" > "$stamp"
 fi

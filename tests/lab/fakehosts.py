@@ -66,6 +66,7 @@ import signal
 import socket
 import string
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -101,6 +102,7 @@ HOST_ENV = {
 _SUBNET_SECOND_OCTETS = range(200, 255)
 _MAX_HOSTS = 200  # .11 .. .210; with a 10-char prefix names stay within IFNAMSIZ (15)
 _START_TIMEOUT = 15.0
+_DELAY_QUEUE = 7  # the netfilter queue a degraded host's delayed packets wait in (one per netns)
 
 _LAB_SUFFIX = re.compile(r"h\d+|v\d+|br")  # names are <prefix><suffix>
 
@@ -451,6 +453,7 @@ class FakeHostLab:
         self._state_lock = threading.Lock()
         self._started = False
         self._closed = False
+        self._delayers: dict[str, subprocess.Popen] = {}  # host name -> its netdelay.py
 
     def __enter__(self) -> "FakeHostLab":
         return self.start()
@@ -624,25 +627,47 @@ class FakeHostLab:
 
     def degrade(self, name: str, delay_ms: int, loss_pct: float) -> dict:
         """A slow, lossy link for the host: random loss of its packets both ways (iptables' statistic match in its
-        netns), and delay with netem where the kernel has it (sch_netem is a module some kernels lack). Returns
-        what was applied: {"loss_pct", "delay_ms" (None when not), "why" (when not)}."""
+        netns), and `delay_ms` on the packets it receives: netem on its veth where the kernel has sch_netem, else
+        tests/lab/netdelay.py holding them in a netfilter queue in its netns (this machine's kernel lacks
+        sch_netem). Returns what was applied: {"loss_pct", "delay_ms", "delay_by": "netem" or "nfqueue"}."""
         host = self[name]
         for chain in ("INPUT", "OUTPUT"):
             subprocess.run(["ip", "netns", "exec", host.netns, "iptables", "-A", chain, "-m", "statistic", "--mode",
                             "random", "--probability", str(loss_pct / 100), "-j", "DROP"], check=True,
                            capture_output=True)
+        applied = {"loss_pct": loss_pct, "delay_ms": delay_ms}
         netem = subprocess.run(["tc", "qdisc", "replace", "dev", host.veth, "root", "netem", "delay", f"{delay_ms}ms"],
                                capture_output=True, text=True)
-        applied = {"loss_pct": loss_pct, "delay_ms": delay_ms if netem.returncode == 0 else None}
-        if netem.returncode:
-            applied["why"] = f"tc netem: {netem.stderr.strip()}"
-        return applied
+        if netem.returncode == 0:
+            return {**applied, "delay_by": "netem"}
+        delayer = subprocess.Popen(["ip", "netns", "exec", host.netns, sys.executable,
+                                    str(Path(__file__).with_name("netdelay.py")), "--queue", str(_DELAY_QUEUE),
+                                    "--delay-ms", str(delay_ms)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if delayer.stdout.readline().strip() != "ready":
+            delayer.kill()
+            raise RuntimeError(f"link delay for {name}: tc netem failed ({netem.stderr.strip()}) and "
+                               f"tests/lab/netdelay.py did not start: {delayer.communicate()[1].strip()[-500:]}")
+        self._delayers[name] = delayer
+        # after the loss rules, so a dropped packet is not held first
+        subprocess.run(["ip", "netns", "exec", host.netns, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "NFQUEUE",
+                        "--queue-num", str(_DELAY_QUEUE), "--queue-bypass"], check=True, capture_output=True)
+        return {**applied, "delay_by": "nfqueue"}
 
-    def restore(self, name: str) -> None:
+    def restore(self, name: str) -> dict:
+        """Undo degrade(); returns what the delayer reports ({"packets", "late_ms"}), {} where netem delayed."""
         host = self[name]
         for chain in ("INPUT", "OUTPUT"):
             subprocess.run(["ip", "netns", "exec", host.netns, "iptables", "-F", chain], capture_output=True)
         subprocess.run(["tc", "qdisc", "del", "dev", host.veth, "root"], capture_output=True)
+        delayer = self._delayers.pop(name, None)
+        if delayer is None:
+            return {}
+        delayer.terminate()
+        out, err = delayer.communicate(timeout=10)
+        if delayer.returncode:
+            raise RuntimeError(f"tests/lab/netdelay.py for {name} failed: {err.strip()[-500:]}")
+        return json.loads(out.strip().splitlines()[-1])
 
     def _wait_ready(self, hosts: list[FakeHost] | None = None) -> None:
         deadline = time.monotonic() + _START_TIMEOUT
@@ -673,6 +698,9 @@ class FakeHostLab:
             self._closed = True
         errors = []
         try:
+            for delayer in self._delayers.values():
+                delayer.kill()
+                delayer.wait()
             for host in self.hosts:
                 host._signal_sshd()
             for host in self.hosts:
