@@ -112,7 +112,7 @@ def test_deploy_localhost_alone_serves_reuses_and_tears_down(netns, tmp_path):
         assert "not needed on localhost: runtime host" in after, after
 
         # what the demo ends with: two streamed chat questions sharing a context, and where their KV came from
-        demo = in_ns(netns, sys.executable, "-m", "yrpd.demo.ask", env=env, timeout=300)
+        demo = in_ns(netns, sys.executable, "-m", "yrpd", "ask", env=env, timeout=300)
         print(demo.stdout)
         assert demo.returncode == 0, demo.stderr[-3000:]
         answers = [line for line in demo.stdout.splitlines() if line.startswith("A: ")]
