@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.doc_commands import acts_on_a_deployment, commands, documented_shell, words
-from tests.lab.fakehosts import _kill_and_wait, _ns_key, _pids_in_ns
+from lab.fakehosts import _kill_and_wait, _ns_key, _pids_in_ns
 from tests.prereq import missing as prerequisite
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
