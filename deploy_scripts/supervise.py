@@ -5,7 +5,7 @@ Run by yrpd on the host (stdlib only), detached, as the process the session's pi
    "max_restarts": N (0: never restart), "window_s": seconds, "grace_s": seconds,
    "env_file": optional path of KEY=VALUE lines (the deployment's secrets) added to the command's environment at
    every start, so they are on no command line,
-   "health": optional {"url": an HTTP URL that answers 200 while the command serves, "hang_after_s": N}}
+   "health": optional {"url": an HTTP URL the command answers while it works (any status), "hang_after_s": N}}
 The command runs in a process group of its own (in this supervisor's unix session). When it exits, the rest of its group is stopped too (a vLLM API
 server killed with -9 leaves its EngineCore and workers behind, holding memory, ports and devices), then it is
 started again after a backoff of 1, 2, 4 .. 30 s, unless it was already restarted max_restarts times within the last
