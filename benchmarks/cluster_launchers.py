@@ -27,8 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.lab.fakehosts import FakeHostLab  # noqa: E402
-from tests.lab.test_cluster_lab import MODEL, cluster_playbook, env_root, put_model  # noqa: E402
+from lab.fakehosts import FakeHostLab  # noqa: E402
+from lab.cluster import MODEL, cluster_playbook, env_root, put_model  # noqa: E402
 
 CLUSTER_STEPS = ("cluster.start_master", "cluster.start_agent", "cluster.wait_healthy")
 LAUNCHERS = ("dscli", "yr")

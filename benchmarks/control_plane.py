@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.lab.fakehosts import FakeHostLab  # noqa: E402
+from lab.fakehosts import FakeHostLab  # noqa: E402
 from yrpd.connector.config import ConnectorConfig  # noqa: E402
 
 ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")

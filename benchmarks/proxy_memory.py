@@ -33,7 +33,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.lab.test_host_faults import LONG  # noqa: E402
+from lab.traffic import LONG  # noqa: E402
 from tests.unit.proxy_fakes import FakeVLLM  # noqa: E402
 
 PROMPTS = [f"{LONG}\n# question {i}" for i in range(4)] + [f"import module_{i}\n" * (i + 2) for i in range(4)]

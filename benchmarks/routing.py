@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.lab.fakehosts import FakeHostLab  # noqa: E402
+from lab.fakehosts import FakeHostLab  # noqa: E402
 
 ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
 COMMON = ["--prompts-per-group", "4", "--output-len", "4"]
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
         finally:
             yrpd("down", *ssh)
             if args.keep_logs:
-                for host in hosts:  # a fake host's /tmp is its own directory in the lab (tests/lab/fakehosts.py)
+                for host in hosts:  # a fake host's /tmp is its own directory in the lab (lab/fakehosts.py)
                     for logs in (lab[host].dir / "tmp/yrpd_sessions").glob("*/logs"):
                         shutil.copytree(logs, args.keep_logs / host / logs.parent.name, dirs_exist_ok=True)
 

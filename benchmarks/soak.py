@@ -34,10 +34,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.lab.fakehosts import FakeHostLab  # noqa: E402
-from tests.lab.test_cluster_lab import leftovers  # noqa: E402
-from tests.lab.test_deploy_lab import session_processes  # noqa: E402
-from tests.lab.test_host_faults import LONG, Call, TwoHosts, _body, restarts  # noqa: E402
+from lab.fakehosts import FakeHostLab  # noqa: E402
+from lab.hosts import leftovers, session_processes  # noqa: E402
+from lab.traffic import LONG, Call, TwoHosts, body, restarts  # noqa: E402
 
 KILLS = [("h2", "decode-0", ""), ("h1", "prefill-0", "engine"), ("h2", "ds_worker", ""), ("h1", "proxy", ""),
          ("h1", "etcd", ""), ("h2", "decode-0", "engine")]
@@ -147,7 +146,7 @@ def main() -> None:
             i = n
             while not stop.is_set():
                 prompt = PROMPTS[i % len(PROMPTS)]
-                call = Call(d.proxy, _body(prompt, 16), timeout=120)
+                call = Call(d.proxy, body(prompt, 16), timeout=120)
                 call.run()
                 results.append((call.started - started, call.ended - call.started, call.status,
                                 call.status == 200 and call.text != expected[prompt]))

@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.lab.fakehosts import FakeHostLab  # noqa: E402
+from lab.fakehosts import FakeHostLab  # noqa: E402
 
 PLAYBOOK = REPO / "tests" / "lab" / "playbooks" / "heartbeat.yaml"
 

@@ -5,6 +5,8 @@ import os
 import re
 import shutil
 
+from hostlib import cpu_info
+
 
 def ids(pattern, regex):
     found = []
@@ -19,15 +21,8 @@ def cpu_features():
     """(bf16 that vLLM's CPU build computes right here, model name) from /proc/cpuinfo: AVX512-BF16 makes bf16 math
     native; on a CPU with AMX, vLLM routes bf16 attention to its AMX kernels, which failed on every AMX machine
     measured (wrong greedy answers; an illegal instruction in decode attention over cached KV): not there."""
-    flags, model = set(), ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            if key.strip() == "flags" and not flags:
-                flags = set(value.split())
-            elif key.strip() == "model name" and not model:
-                model = value.strip()
-    except OSError:
+    flags, model = cpu_info()
+    if flags is None:
         return None, ""
     return "avx512_bf16" in flags and "amx_bf16" not in flags, model
 

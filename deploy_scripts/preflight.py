@@ -8,6 +8,8 @@ import shutil
 import socket
 import sys
 
+from hostlib import listening_sockets, proc_cmdline, proc_fd_targets, proc_table
+
 args = json.loads(sys.argv[1])
 problems = []
 facts = {"hostname": os.uname().nodename, "python": sys.version.split()[0]}
@@ -29,36 +31,16 @@ if usage.free < args["min_free_disk_gb"] * 2**30:
     problems.append(f"only {facts['free_disk_gb']} GB free under {where}; need {args['min_free_disk_gb']} GB (min_free_disk_gb)")
 
 
-def listeners():
-    """Map listening TCP port -> socket inode, from /proc/net/tcp{,6}."""
-    found = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = open(table).read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            cols = line.split()
-            if cols[3] == "0A":  # LISTEN
-                found.setdefault(int(cols[1].rsplit(":", 1)[1], 16), cols[9])
-    return found
-
-
 def owner(inode):
     target = f"socket:[{inode}]"
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                    cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-                    cmd = cmd.strip()
-                    return f"pid {pid} ({cmd if len(cmd) <= 100 else cmd[:99] + '…'})"
-        except OSError:
-            continue
+    for pid, *_ in proc_table():
+        if target in proc_fd_targets(pid):
+            cmd = proc_cmdline(pid)
+            return f"pid {pid} ({cmd if len(cmd) <= 100 else cmd[:99] + '…'})"
     return "another process"
 
 
-listening = listeners()
+listening = listening_sockets()
 for port, what in args["ports"]:
     if port in listening:
         problems.append(f"port {port} ({what}) is already in use by {owner(listening[port])}; free it or change the port")

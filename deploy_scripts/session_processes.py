@@ -14,6 +14,9 @@ import signal
 import sys
 import time
 
+from hostlib import DEAD, EXITED, FAILED, RUNNING, UNSUPERVISED, host_load, listening_sockets, proc_alive, \
+    proc_cmdline, proc_environ, proc_rss_mb, proc_stat, proc_table, unlink_unheld
+
 args = json.loads(sys.argv[1])
 session_dir, session_id = args["dir"], args["id"]
 pid_prefix, pid_suffix = args["pidfile"].split("{name}")
@@ -23,28 +26,16 @@ only = {f"YRPD_PROCESS={n}".encode() for n in args.get("names") or []}
 
 
 def environ_has_marker(pid):
-    try:
-        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    except OSError:
+    env = proc_environ(pid)
+    if env is None:
         return False
     return marker in env and (not only or any(o in env for o in only))
 
 
-def cmdline(pid):
-    try:
-        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
 def process_ids(pid):
     """(process group, unix session) of a process, or (None, None)."""
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return None, None
-    fields = stat[stat.rindex(")") + 2:].split()
-    return int(fields[2]), int(fields[3])
+    stat = proc_stat(pid)
+    return (stat[2], stat[3]) if stat else (None, None)
 
 
 def session_pids():
@@ -61,26 +52,12 @@ def session_pids():
         if sup.get("pid") and sup.get("supervisor"):
             orphaned.add((sup["pid"], sup["supervisor"]))
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+    for pid, _, _, group, session in proc_table():
+        if pid == os.getpid():
             continue
-        if environ_has_marker(entry):
-            found.append(int(entry))
-            continue
-        group, session = process_ids(entry)
-        if session in leaders or (group, session) in orphaned:
-            found.append(int(entry))
+        if environ_has_marker(pid) or session in leaders or (group, session) in orphaned:
+            found.append(pid)
     return sorted(found)
-
-
-def rss_mb(pid):
-    try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith("VmRSS:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return None
 
 
 def managed():
@@ -97,15 +74,7 @@ def managed():
 
 
 def host_facts():
-    facts = {"hostname": os.uname().nodename, "session_dir_exists": os.path.isdir(session_dir)}
-    try:
-        facts["load"] = [float(x) for x in open("/proc/loadavg").read().split()[:3]]
-        mem = {l.split(":")[0]: int(l.split()[1]) for l in open("/proc/meminfo") if l.split(":")[0] in ("MemTotal", "MemAvailable")}
-        facts["mem_total_gb"] = round(mem["MemTotal"] / 2**20, 1)
-        facts["mem_available_gb"] = round(mem["MemAvailable"] / 2**20, 1)
-        facts["uptime_s"] = int(float(open("/proc/uptime").read().split()[0]))
-    except (OSError, KeyError, ValueError):
-        pass
+    facts = {"hostname": os.uname().nodename, "session_dir_exists": os.path.isdir(session_dir), **host_load()}
     return facts
 
 
@@ -139,19 +108,19 @@ def status():
         watched = supervisor is not None and supervisor in live
         sup = supervised(name)
         if watched and not sup:  # started before yrpd supervised its processes: the pid file names the process
-            sup = {"pid": supervisor, "state": "running", "restarts": 0}
+            sup = {"pid": supervisor, "state": RUNNING, "restarts": 0}
         pid = sup.get("pid") if watched else None
-        alive = watched and pid is not None and pid in live and sup.get("state") == "running"
-        if not watched and sup.get("state") == "running" and sup.get("pid") in live \
+        alive = watched and pid is not None and pid in live and sup.get("state") == RUNNING
+        if not watched and sup.get("state") == RUNNING and sup.get("pid") in live \
                 and process_ids(sup["pid"]) == (sup["pid"], sup.get("supervisor")):
             # its supervisor was killed, the command runs on (in that supervisor's session): it serves, but
             # nothing would restart it; the next `yrpd deploy` starts a supervisor that takes it over
             pid, alive = sup["pid"], True
-            sup = {**sup, "state": "unsupervised"}
-        processes.append({"name": name, "pid": pid, "alive": alive, "rss_mb": rss_mb(pid) if alive else None,
-                          "command": cmdline(pid) if alive else None, "supervisor": supervisor if watched else None,
-                          "state": sup.get("state") if watched or sup.get("state") in ("failed", "exited", "unsupervised")
-                          else "dead",
+            sup = {**sup, "state": UNSUPERVISED}
+        processes.append({"name": name, "pid": pid, "alive": alive, "rss_mb": proc_rss_mb(pid) if alive else None,
+                          "command": proc_cmdline(pid) if alive else None, "supervisor": supervisor if watched else None,
+                          "state": sup.get("state") if watched or sup.get("state") in (FAILED, EXITED, UNSUPERVISED)
+                          else DEAD,
                           "restarts": sup.get("restarts", 0), "reason": sup.get("reason"),
                           "last_log": None if alive else log_tail(name)})
     leaders = {p["pid"] for p in processes} | {p["supervisor"] for p in processes}
@@ -162,11 +131,7 @@ def status():
 def exited(pid):
     """Gone or a zombie. A killed process whose memory is still being freed has an unreadable environ (so
     session_pids() no longer lists it) but still holds its sockets: only this says it is really gone."""
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return True
-    return stat[stat.rindex(")") + 2] in "ZX"
+    return not proc_alive(pid)
 
 
 def stop(grace):
@@ -204,11 +169,11 @@ def stop(grace):
     while (session_pids() or not all(exited(p) for p in signalled)) and time.monotonic() < deadline:
         time.sleep(0.1)
     still = set(session_pids()) | {p for p in signalled if not exited(p)}
-    remaining = [{"pid": pid, "command": cmdline(pid) or "(exiting)"} for pid in sorted(still)]
+    remaining = [{"pid": pid, "command": proc_cmdline(pid) or "(exiting)"} for pid in sorted(still)]
     # a killed process's sockets close a moment after it is gone: judge the ports after waiting for that
     deadline = time.monotonic() + float(args.get("port_wait", 20))
     while True:
-        listening = listening_ports()
+        listening = set(listening_sockets())
         ports = [{"port": port, "what": what} for port, what in args.get("ports", []) if port in listening]
         if not ports or time.monotonic() > deadline:
             break
@@ -216,57 +181,13 @@ def stop(grace):
     if not remaining:
         # a supervisor removes its group's shared memory when it stops it; one that was killed itself could not
         left = sorted({path for name in managed() for path in supervised(name).get("shm") or []})
-        shm_removed = remove_unheld(left)
+        shm_removed = unlink_unheld(left)
         for name in managed():
             for path in (args["pidfile"].format(name=name), args["state"].format(name=name)):
                 if os.path.exists(path):
                     os.unlink(path)
     return {"stopped": stopped, "killed_after_grace": killed, "remaining": remaining, "ports_listening": ports,
             "shm_removed": shm_removed if not remaining else []}
-
-
-def remove_unheld(segments):
-    """Unlink the /dev/shm/psm_* segments (of the session's processes, as their supervisors noted them) that no
-    live process maps or has open."""
-    if not segments:
-        return []
-    held = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/maps") as fh:
-                held.update(line.split(maxsplit=5)[5].rstrip("\n") for line in fh if " /dev/shm/" in line)
-            fds = os.listdir(f"/proc/{entry}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                held.add(os.readlink(f"/proc/{entry}/fd/{fd}"))
-            except OSError:
-                pass
-    removed = []
-    for path in segments:
-        if path.startswith("/dev/shm/psm_") and path not in held:
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except OSError:
-                pass
-    return removed
-
-
-def listening_ports():
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            for line in open(table).read().splitlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A":
-                    found.add(int(cols[1].rsplit(":", 1)[1], 16))
-        except OSError:
-            pass
-    return found
 
 
 if args["action"] == "status":

@@ -38,6 +38,9 @@ import time
 import urllib.error
 import urllib.request
 
+from hostlib import BACKOFF, EXITED, FAILED, RUNNING, SHM_DIR, STARTING, STOPPED, proc_table, shm_mapped, \
+    unlink_unheld
+
 args = json.loads(sys.argv[1])
 name, state_path = args["name"], args["state"]
 max_restarts, window_s, grace_s = int(args.get("max_restarts", 3)), float(args.get("window_s", 600)), float(args.get("grace_s", 15))
@@ -45,11 +48,9 @@ health = args.get("health") or {}
 hang_after_s = float(health.get("hang_after_s") or 0) if health.get("url") else 0.0
 # a probe every third of the hang bound (at most 5 s), each given as long to answer
 probe_every = min(5.0, hang_after_s / 3) if hang_after_s else 0.0
-SHM_DIR = "/dev/shm/"
-SHM_PREFIX = SHM_DIR + "psm_"
 SHM_SCAN_S = 10.0
 stopping = False
-state = {"state": "starting", "pid": None, "restarts": 0, "last_exit": None, "reason": None, "since": time.time(),
+state = {"state": STARTING, "pid": None, "restarts": 0, "last_exit": None, "reason": None, "since": time.time(),
          "supervisor": os.getpid(), "shm": []}
 
 
@@ -70,21 +71,9 @@ def on_signal(signum, _frame):
     stopping = True
 
 
-def processes():
-    """(pid, state, ppid, pgid, sid) of every process, from /proc/PID/stat."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            yield int(entry), fields[0], int(fields[1]), int(fields[2]), int(fields[3])
-
-
 def group_members(pgid, sid=None):
     """Live processes of the process group (and, given `sid`, of that unix session only)."""
-    return [pid for pid, st, _, group, session in processes()
+    return [pid for pid, st, _, group, session in proc_table()
             if group == pgid and st not in "ZX" and (sid is None or session == sid)]
 
 
@@ -101,42 +90,6 @@ def command_env():
     return env
 
 
-def shm_mapped(pids):
-    """The psm_* segments under /dev/shm the processes map (unlinked ones are skipped: nothing left to remove)."""
-    found = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as fh:
-                for line in fh:
-                    parts = line.rstrip("\n").split(maxsplit=5)
-                    if len(parts) == 6 and parts[5].startswith(SHM_PREFIX) and not parts[5].endswith(" (deleted)"):
-                        found.add(parts[5])
-        except OSError:
-            continue
-    return found
-
-
-def shm_held():
-    """Every /dev/shm path some live process maps or has open: such a segment is in use, whoever made it."""
-    held = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        held |= shm_mapped([entry])
-        try:
-            fds = os.listdir(f"/proc/{entry}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{entry}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith(SHM_DIR):
-                held.add(target)
-    return held
-
-
 def note_shm(pgid):
     """Add the segments the group maps now to those of this run (in the state file: `yrpd down` reads them too)."""
     seen = shm_mapped(group_members(pgid)) - set(state["shm"])
@@ -148,23 +101,11 @@ def remove_shm(segments):
     """Unlink the segments no live process maps or holds; those still in use stay listed."""
     if not segments:
         return
-    held = shm_held()
-    removed = []
-    for path in segments:
-        if path in held or not path.startswith(SHM_PREFIX):
-            continue
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except FileNotFoundError:
-            removed.append(path)  # its owner unlinked it on a clean exit
-        except OSError:
-            pass
-    left = sorted(set(segments) - set(removed))
+    removed = unlink_unheld(segments)
     gone = [p for p in removed if p in state["shm"]]
     if gone:
         say(f"removed {len(gone)} shared-memory segments its processes left in {SHM_DIR}")
-    write(shm=left)
+    write(shm=sorted(set(segments) - set(removed)))
 
 
 def probe(url):
@@ -183,7 +124,7 @@ def probe(url):
 def stopped_members(pgid):
     """Members of the group stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: alive, doing nothing. vLLM's
     /health is answered by its API server alone, so an engine process stopped this way is seen only here."""
-    return [pid for pid, st, _, group, _ in processes() if group == pgid and st in "Tt"]
+    return [pid for pid, st, _, group, _ in proc_table() if group == pgid and st in "Tt"]
 
 
 def reap():
@@ -238,7 +179,7 @@ def main():
     recent = []
     while True:
         if stopping:  # TERM arrived while cleaning up or backing off: start nothing
-            write(state="stopped", pid=None, reason="stopped by yrpd")
+            write(state=STOPPED, pid=None, reason="stopped by yrpd")
             return 0
         # a process group of its own, inside this supervisor's unix session: teardown finds every member by that
         # session even after vLLM's workers overwrite their environment (setproctitle)
@@ -247,17 +188,17 @@ def main():
         except OSError as exc:
             reason = f"cannot read its environment file: {exc}"
             say(reason)
-            write(state="failed", pid=None, reason=reason)
+            write(state=FAILED, pid=None, reason=reason)
             return 0
         child = subprocess.Popen(["bash", "-c", args["command"]], preexec_fn=os.setpgrp, stdin=subprocess.DEVNULL,
                                  env=env)
-        write(state="running", pid=child.pid, shm=[])
+        write(state=RUNNING, pid=child.pid, shm=[])
         code, hung = wait_for(child)
         note_shm(child.pid)  # what the survivors map, before they go
         if code is None and not hung:
             stop_group(child.pid)
             remove_shm(state["shm"])
-            write(state="stopped", pid=None, reason="stopped by yrpd")
+            write(state=STOPPED, pid=None, reason="stopped by yrpd")
             return 0
         if hung:
             say(f"{hung}; killing its process group")
@@ -274,24 +215,24 @@ def main():
         recent = [t for t in recent if now - t < window_s]
         if max_restarts <= 0:
             say(f"{reason}; automatic restart is off (restart.max 0): `yrpd deploy` starts it again")
-            write(state="exited", pid=None, last_exit=code, reason=reason)
+            write(state=EXITED, pid=None, last_exit=code, reason=reason)
             return 0
         if len(recent) >= max_restarts:
             reason = (f"{reason} after {len(recent)} restarts in {int(window_s)} s; not restarting it "
                       f"again (`yrpd deploy` starts it anew once the cause is fixed)")
             say(reason)
-            write(state="failed", pid=None, last_exit=code, reason=reason)
+            write(state=FAILED, pid=None, last_exit=code, reason=reason)
             return 0
         delay = min(30.0, 2.0 ** len(recent))
         say(f"{reason}; restart {len(recent) + 1} of at most {max_restarts} in {int(window_s)} s, "
             f"in {delay:.0f} s")
-        write(state="backoff", pid=None, last_exit=code, reason=reason)
+        write(state=BACKOFF, pid=None, last_exit=code, reason=reason)
         deadline = time.monotonic() + delay
         while time.monotonic() < deadline and not stopping:
             reap()
             time.sleep(0.1)
         if stopping:
-            write(state="stopped", reason="stopped by yrpd")
+            write(state=STOPPED, reason="stopped by yrpd")
             return 0
         recent.append(time.monotonic())
         state["restarts"] += 1

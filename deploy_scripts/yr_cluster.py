@@ -19,6 +19,8 @@ import socket
 import sys
 import time
 
+from hostlib import proc_alive, proc_cmdline, proc_stat, proc_table
+
 args = json.loads(sys.argv[1])
 if "by_mode" in args:
     try:
@@ -160,20 +162,14 @@ def signal_ok(pid):
 
 
 def pid_alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(") ", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    """Alive, not a zombie (a stopped process counts as alive)."""
+    return proc_alive(pid)
 
 
 def parent_of(pid):
     """The parent pid of a live process, None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    stat = proc_stat(pid)
+    return stat[1] if stat else None
 
 
 def kill(pids):
@@ -296,11 +292,7 @@ def ours(pid):
     restart the numbers session.json holds belong to other processes, which must never be signalled."""
     if not pid or not pid_alive(pid):
         return False
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return deploy.encode() in fh.read()
-    except OSError:
-        return False
+    return deploy in proc_cmdline(pid)
 
 
 def daemon_pid():
@@ -325,7 +317,7 @@ STUCK_GRACE_S = 10  # a healthy session written this long ago, and `yr start` st
 
 
 def children(pid):
-    return [int(e) for e in os.listdir("/proc") if e.isdigit() and parent_of(int(e)) == pid]
+    return [child for child, _, parent, _, _ in proc_table() if parent == pid]
 
 
 def run_yr_start(log):
@@ -441,7 +433,7 @@ def stop():
     # only once nothing of it runs (by its paths on a command line, session.json may be gone): a live worker owns
     # its files, and `processes.stop_all` comes next for anything yr's stop left
     mine = ancestors()  # the shell that runs this script names the deploy path on its command line too
-    if not any(ours(int(e)) for e in os.listdir("/proc") if e.isdigit() and int(e) not in mine):
+    if not any(ours(pid) for pid, *_ in proc_table() if pid not in mine):
         drop_data()
         report["data_removed"] = True
     return report

@@ -18,5 +18,5 @@ wait "$yr_install"
 url=$(.venv/bin/yrpd deploy --hosts localhost)
 .venv/bin/yrpd status
 echo "endpoint: $url (OpenAI API, model smollm2)"
-.venv/bin/python -m yrpd.demo.ask
+.venv/bin/python -m yrpd ask
 echo "demo: $(( $(date +%s) - started )) s in all; the deployment stays up until .venv/bin/yrpd down"

@@ -1,13 +1,7 @@
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from lab.cli import REPO, run_yrpd  # noqa: F401 - tests import run_yrpd and REPO from here
 from tests.lab.fixtures import *  # noqa: F401,F403  (fake_lab fixture)
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -16,17 +10,6 @@ def yrpd_home(tmp_path, monkeypatch):
     home = tmp_path / "yrpd-home"
     monkeypatch.setenv("YRPD_HOME", str(home))
     return home
-
-
-def run_yrpd(*args, cwd=None, env=None, timeout=300, check=None):
-    """Run the real CLI in a subprocess, as a user would."""
-    full_env = {**os.environ, **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "yrpd", *map(str, args)], cwd=cwd or REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    if check is not None and proc.returncode != check:
-        raise AssertionError(f"yrpd {' '.join(map(str, args))} exited {proc.returncode}, wanted {check}\n"
-                             f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
-    return proc
 
 
 @pytest.fixture

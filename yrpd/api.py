@@ -16,12 +16,12 @@ from typing import Callable, Protocol
 from yrpd.assets import playbook_path
 from yrpd.deployment import Deployment, host_group, resolve_inventory, runtime_group, save_deployment
 from yrpd.errors import SpecError
-from yrpd.hostgroup import Command, GroupResult
+from yrpd.hostgroup import Command, GroupResult, SshOptions
 from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.playbook import Playbook, PlaybookFailed, PlaybookRunner, PlannedStep, StepFailed, StepOutcome, StepSpec, \
     describe, load_playbook
 from yrpd.session import Session, SessionPhase, SessionStore, default_root, resolve_root
-from yrpd.spec import DeploySpec, Runtime, SshOptions, stored_spec
+from yrpd.spec import DeploySpec, Runtime, stored_spec
 from yrpd.status import StatusReport, collect_status
 from yrpd.steps import NotNeeded, StepContext, spec_fingerprint
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from packaging.version import Version
 
 from yrpd.errors import SpecError
-from yrpd.placement import HCCL_BLOCK
+from yrpd.ports import INSTANCE_PORT_BLOCK
 
 if TYPE_CHECKING:
     from yrpd.placement import InstancePlan
@@ -55,7 +55,7 @@ REMOTE_H2D_ENV = "DS_ENABLE_REMOTE_H2D"
 HASH_SEED_ENV = {"PYTHONHASHSEED": "0"}
 #: Mooncake handshake ports per instance (kv_port + dp_rank * tp + tp_rank), counted from ports.mooncake_base in
 #: the blocks the instance's HCCL ports are counted in
-PORT_BLOCK = HCCL_BLOCK
+PORT_BLOCK = INSTANCE_PORT_BLOCK
 
 
 def handover_port(ports: "Ports", inst: "InstancePlan") -> int:

@@ -23,8 +23,27 @@ def asset_dir(name: str) -> Path:
     raise FileNotFoundError(f"yrpd is installed without its {name}/ directory")
 
 
+#: the host scripts' shared module (deploy_scripts/hostlib.py), and the import line a script takes it with
+HOSTLIB = "hostlib.py"
+_HOSTLIB_IMPORT = "from hostlib import "
+
+
 def deploy_script(name: str) -> str:
-    return (asset_dir("deploy_scripts") / name).read_text()
+    """The script's text as it travels to a host: its `from hostlib import ...` line replaced by hostlib's own text,
+    so it runs as one piece from a here-document (where Python would find no module beside it)."""
+    scripts = asset_dir("deploy_scripts")
+    text = (scripts / name).read_text()
+    if not name.endswith(".py") or _HOSTLIB_IMPORT not in text:
+        return text
+    import ast  # only for the scripts that share hostlib
+
+    spans = [(n.lineno, n.end_lineno) for n in ast.parse(text).body
+             if isinstance(n, ast.ImportFrom) and n.module == "hostlib"]
+    lines = text.splitlines(keepends=True)
+    shared = (scripts / HOSTLIB).read_text()
+    for first, last in reversed(spans):  # the whole statement, continuation lines too
+        lines[first - 1:last] = [f"# --- deploy_scripts/{HOSTLIB} ---\n{shared}# --- end of {HOSTLIB} ---\n"]
+    return "".join(lines)
 
 
 def playbook_path(name: str) -> Path:

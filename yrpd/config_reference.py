@@ -14,7 +14,8 @@ from enum import Enum
 
 from pydantic import BaseModel
 
-from yrpd.spec import DeploySpec, HostSpec, Ports, RestartPolicy, SshOptions
+from yrpd.hostgroup import SshOptions
+from yrpd.spec import DeploySpec, HostSpec, Ports, RestartPolicy
 
 SECTIONS = [("top level (`yrpd.yaml`)", DeploySpec, ""), ("hosts[] entries", HostSpec, "hosts[]."),
             ("ports", Ports, "ports."), ("restart", RestartPolicy, "restart."), ("ssh", SshOptions, "ssh.")]

@@ -30,10 +30,28 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
+from pydantic import BaseModel, ConfigDict
+
 from yrpd.errors import RemoteError
-from yrpd.spec import SshOptions  # the spec's `ssh:` is what connections are made with
 
 STDERR_TAIL_LINES = 20
+
+
+class SshOptions(BaseModel):
+    """How connections are made (the spec's `ssh:` section, and the CLI's ssh flags)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: ssh_config file for host aliases (`--ssh-config`)
+    config_file: str = "~/.ssh/config"
+    #: private key for this host (or, under ssh:, for every host) (`-i`)
+    identity: str | None = None
+    #: host keys are checked against this file (`--known-hosts`)
+    known_hosts: str = "~/.ssh/known_hosts"
+    #: append unknown host keys instead of refusing (`--accept-new-host-keys`)
+    accept_new_host_keys: bool = False
+    #: seconds to wait for an SSH connection
+    connect_timeout: float = 10.0
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 `<remote_session_root>/<session id>/` holds `logs/<process>.log`, `run/<process>.pid` (its supervisor's pid),
 `run/<process>.state.json` (what its supervisor knows), `run/supervise.py`, the connector's stats files
 `run/kv-<instance>-<side>-rank<N>.json`, `tmp/`, `secrets/` (0700: the environment files with the deployment's secrets), and `kv-files/` (KV as files, `kv_connector: example`); `<remote_session_root>/latest` links the newest session.
+`HostPaths` adds where the installed parts live (the venvs, the models, the image's Python) for one session.
 Steps, status and the CLI build their paths here. The host scripts (deploy_scripts/) get the paths they need in
 their JSON arguments, as `{name}` templates from `for_scripts()`, so they spell none of it themselves.
 """
@@ -94,3 +95,44 @@ class HostSessionLayout:
         return {"dir": self.dir, "log": self.log("{name}"), "pidfile": self.pidfile("{name}"),
                 "state": self.state("{name}"),
                 "kv_stats": self.kv_stats("{name}").replace("{side}", "*").replace("{rank}", "*")}
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    """Where things live on a host (the same layout on every host)."""
+
+    env_root: str
+    session: HostSessionLayout | None  # None: paths that belong to no session (the model builder)
+    bundle_dir: str
+    #: the Python that has vLLM when it is not yrpd's venv: a container image's own (its profile's `python`)
+    image_python: str | None = None
+
+    @property
+    def vllm_venv(self) -> str:
+        return f"{self.env_root}/vllm"
+
+    @property
+    def python(self) -> str:
+        return self.image_python or f"{self.vllm_venv}/bin/python"
+
+    @property
+    def vllm(self) -> str:
+        """The `vllm` command installed beside that Python."""
+        return f"{self.python.rsplit('/', 1)[0]}/vllm" if "/" in self.python else "vllm"
+
+    @property
+    def lmcache_venv(self) -> str:
+        """LMCache in a venv of its own that also sees the vLLM venv (`kv_connector: lmcache`)."""
+        return f"{self.env_root}/lmcache"
+
+    @property
+    def models_dir(self) -> str:
+        return f"{self.env_root}/models"
+
+    @property
+    def vllm_cache(self) -> str:
+        # shared by sessions: a second deploy starts from warm caches
+        return f"{self.env_root}/cache/vllm"
+
+    def stats_file(self, instance: str) -> str:
+        return self.session.kv_stats(instance)

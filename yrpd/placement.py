@@ -18,12 +18,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from yrpd.demo import CPU_DTYPE
+from yrpd.models import CPU_DTYPE
 from yrpd.errors import SpecError
+from yrpd.ports import INSTANCE_PORT_BLOCK
 from yrpd.precision import DtypeChoice, choose
 from yrpd.spec import ClusterLauncher, DeploySpec, DeviceKind, KvConnector, format_device_list
-
-HCCL_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -105,6 +104,10 @@ class Plan:
     proxy_host: str
     proxy_port: int
     dtype: DtypeChoice = DtypeChoice(None, "not chosen")
+
+    def serves(self, host: str) -> bool:
+        """Whether the host runs an instance (any of its ranks) or the proxy: both need vLLM's Python there."""
+        return host == self.proxy_host or any(host in i.hosts for i in self.instances)
 
     def to_dict(self) -> dict:
         return {
@@ -269,7 +272,7 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
                 ranks=p.ranks,
                 port=ports.instance_base + slot,
                 kv_port=ports.kv_base + slot,
-                hccl_port=ports.hccl_base + HCCL_BLOCK * slot,
+                hccl_port=ports.hccl_base + INSTANCE_PORT_BLOCK * slot,
             )
         )
     for name, used in slots.items():

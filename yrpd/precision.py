@@ -35,7 +35,7 @@ class DtypeChoice:
 def choose(requested: Dtype, kind: DeviceKind, cpu_bf16: dict[str, bool | None],
            pinned: tuple[str, str] | None = None) -> DtypeChoice:
     """`cpu_bf16`: for each host that runs an instance, whether its CPU has bf16 instructions (None: unknown);
-    `pinned`: (dtype, why) of a model that must be served in that dtype on CPUs (yrpd.demo.CPU_DTYPE)."""
+    `pinned`: (dtype, why) of a model that must be served in that dtype on CPUs (yrpd.models.CPU_DTYPE)."""
     if requested is not Dtype.auto:
         return DtypeChoice(requested.value, "set with --dtype")
     if kind is not DeviceKind.cpu:

@@ -13,6 +13,7 @@ from yrpd.playbook import PlannedStep
 from yrpd.spec import ClusterLauncher, DeploySpec, Dtype, KvConnector, Runtime
 from yrpd.status import StatusReport
 from yrpd.steps import NotNeeded
+from yrpd.tags import Condition, ProcessState
 
 
 def plan_table(spec: DeploySpec, plan: Plan) -> list:
@@ -157,8 +158,8 @@ def status_tables(report: StatusReport) -> list[Table | Text]:
         for column in ("host", "name", "pid", "state", "restarts", "rss MB"):
             procs.add_column(column)
         for p in report.processes:
-            state = yes_no(p.alive, "running", p.condition) if p.condition != "restarting" else "[yellow]restarting[/yellow]"
-            if p.state == "unsupervised":
+            state = yes_no(p.alive, "running", p.condition) if p.condition != Condition.restarting else "[yellow]restarting[/yellow]"
+            if p.state == ProcessState.unsupervised:
                 state = "[yellow]unsupervised[/yellow]"
             procs.add_row(p.host, p.name, str(p.pid or "-"), state, str(p.restarts), str(p.rss_mb or "-"))
         tables.append(procs)
@@ -196,12 +197,12 @@ def status_tables(report: StatusReport) -> list[Table | Text]:
                        "via proxy (prefix)", "KV blocks loaded", "KV blocks saved", "external hit tokens"):
             inst.add_column(column)
         for i in report.instances:
-            if i.state == "running":
+            if i.state == Condition.running:
                 health = yes_no(i.healthy, "healthy", "no answer")
-            elif i.state == "restarting":
+            elif i.state == Condition.restarting:
                 health = "[yellow]restarting[/yellow]"
             else:
-                health = f"[red]{i.state}[/red]" if i.state in ("dead", "failed") else f"[dim]{i.state}[/dim]"
+                health = f"[red]{i.state}[/red]" if i.state in (Condition.dead, Condition.failed) else f"[dim]{i.state}[/dim]"
             conn = i.connector or {}
             running = i.probe.get("requests_running")
             load = f"{_num(running)}/{_num(i.probe.get('requests_waiting'))}" if running is not None else "-"
@@ -228,7 +229,7 @@ def _log_tails(report: StatusReport) -> list[Text]:
     """What a failed or ended process last logged, so the cause is on screen without `yrpd logs`."""
     out = []
     for p in report.processes:
-        if not p.alive and p.last_log and p.condition in ("failed", "dead"):
+        if not p.alive and p.last_log and p.condition in (Condition.failed, Condition.dead):
             out.append(Text(f"{p.name} on {p.host} ({p.condition}), last lines of its log:", style="bold"))
             out.extend(Text(f"  {line}", style="dim") for line in p.last_log)
     return out

@@ -10,7 +10,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 
-from yrpd.layout import HostSessionLayout
+from yrpd.layout import HostPaths
 from yrpd.placement import HostPlan, InstancePlan, Plan
 from yrpd import credentials
 from yrpd.spec import BUILTIN_MODEL, DeploySpec, DeviceKind, KvConnector
@@ -39,47 +39,6 @@ BASE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_S
 NPU_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "HCCL_OP_EXPANSION_MODE": "AIV"}
 
 STATS_INTERVAL_S = 5
-
-
-@dataclass(frozen=True)
-class HostPaths:
-    """Where things live on a host (the same layout on every host)."""
-
-    env_root: str
-    session: HostSessionLayout | None  # None: paths that belong to no session (the model builder)
-    bundle_dir: str
-    #: the Python that has vLLM when it is not yrpd's venv: a container image's own (its profile's `python`)
-    image_python: str | None = None
-
-    @property
-    def vllm_venv(self) -> str:
-        return f"{self.env_root}/vllm"
-
-    @property
-    def python(self) -> str:
-        return self.image_python or f"{self.vllm_venv}/bin/python"
-
-    @property
-    def vllm(self) -> str:
-        """The `vllm` command installed beside that Python."""
-        return f"{self.python.rsplit('/', 1)[0]}/vllm" if "/" in self.python else "vllm"
-
-    @property
-    def lmcache_venv(self) -> str:
-        """LMCache in a venv of its own that also sees the vLLM venv (`kv_connector: lmcache`)."""
-        return f"{self.env_root}/lmcache"
-
-    @property
-    def models_dir(self) -> str:
-        return f"{self.env_root}/models"
-
-    @property
-    def vllm_cache(self) -> str:
-        # shared by sessions: a second deploy starts from warm caches
-        return f"{self.env_root}/cache/vllm"
-
-    def stats_file(self, instance: str) -> str:
-        return self.session.kv_stats(instance)
 
 
 @dataclass(frozen=True)

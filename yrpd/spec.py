@@ -17,8 +17,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from yrpd.demo import BUILTIN_MODELS, DEFAULT_BUILTIN
+from yrpd.models import BUILTIN_MODELS, DEFAULT_BUILTIN
 from yrpd.errors import SpecError
+from yrpd.hostgroup import SshOptions
 from yrpd.proxy.routing import Routing
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -291,21 +292,6 @@ class Ports(BaseModel):
 
 def _fmt_range(r: tuple[int, int]) -> str:
     return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
-
-
-class SshOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    #: ssh_config file for host aliases (`--ssh-config`)
-    config_file: str = "~/.ssh/config"
-    #: private key for this host (or, under ssh:, for every host) (`-i`)
-    identity: str | None = None
-    #: host keys are checked against this file (`--known-hosts`)
-    known_hosts: str = "~/.ssh/known_hosts"
-    #: append unknown host keys instead of refusing (`--accept-new-host-keys`)
-    accept_new_host_keys: bool = False
-    #: seconds to wait for an SSH connection
-    connect_timeout: float = 10.0
 
 
 class DeploySpec(BaseModel):

@@ -20,6 +20,7 @@ from yrpd.serving import PROXY_NAME, instance_url, proxy_url
 from yrpd.session import SessionPhase
 from yrpd.spec import DeploySpec
 from yrpd.steps import ScriptCall, StepContext, cluster, host_python_parts, processes
+from yrpd.tags import Condition, ProcessState
 
 #: what an instance's probe reports, copied as is (vLLM's metrics, summed over its ranks)
 PROBE_FIELDS = ("requests_running", "requests_waiting", "prompt_tokens", "external_cache_hit_tokens",
@@ -50,21 +51,20 @@ class ProcessStatus:
     rss_mb: float | None = None
     command: str | None = None
     supervisor: int | None = None  # None: nothing watches it (not started, stopped, or given up)
-    # running | backoff (restarting) | failed (gave up) | exited (restart off) | stopped | dead | unsupervised
-    # (alive, but its supervisor was killed: nothing would restart it)
-    state: str = "dead"
+    state: str = ProcessState.dead  # a ProcessState value (yrpd.tags)
     restarts: int = 0
     reason: str | None = None  # why it last ended
     last_log: list[str] | None = None  # the last lines its command logged, while it is not running
 
     @property
-    def condition(self) -> str:
-        """running, restarting, failed or dead: what `yrpd status` shows."""
+    def condition(self) -> Condition:
+        """What `yrpd status` shows."""
         if self.alive:
-            return "running"
-        if self.supervisor is not None and self.state in ("backoff", "starting", "running"):
-            return "restarting"
-        return "failed" if self.state == "failed" else "dead"
+            return Condition.running
+        if self.supervisor is not None and self.state in (ProcessState.backoff, ProcessState.starting,
+                                                          ProcessState.running):
+            return Condition.restarting
+        return Condition.failed if self.state == ProcessState.failed else Condition.dead
 
 
 @dataclass
@@ -253,7 +253,7 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
             procs.append(p)
             if not p.alive and phase is not SessionPhase.down:
                 problems.append(_process_problem(p, plan_host.name))
-            elif p.state == "unsupervised" and phase is not SessionPhase.down:
+            elif p.state == ProcessState.unsupervised and phase is not SessionPhase.down:
                 problems.append(f"{p.name} on {plan_host.name} runs without its supervisor (killed?): nothing restarts "
                                 f"it if it dies; `yrpd deploy` puts it under a new one (restarting it)")
         if deployed and not own["host"]["session_dir_exists"]:
@@ -283,9 +283,9 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
 
 def _process_problem(p: ProcessStatus, host: str) -> str:
     condition = p.condition
-    if condition == "restarting":
+    if condition == Condition.restarting:
         return f"{p.name} on {host} is restarting (restart {p.restarts}; {p.reason or 'it ended'})"
-    if condition == "failed":
+    if condition == Condition.failed:
         last = f"; its log ends: {p.last_log[-1]}" if p.last_log else ""
         return f"{p.name} on {host} failed: {p.reason}{last} (`yrpd logs {p.name}` shows more)"
     return f"{p.name} on {host} is not running" + (f" ({p.reason})" if p.reason else "")
@@ -297,7 +297,7 @@ def _instance(deployment: Deployment, inst: InstancePlan, proc: ProcessStatus | 
     answered = bool(probe and probe.get("healthy"))
     row = InstanceStatus(name=inst.name, role=inst.role, host=inst.host, devices=list(inst.devices), tp=inst.tp,
                          dp=inst.dp, port=inst.port, url=instance_url(deployment.plan, inst),
-                         pid=proc.pid if proc else None, state=state, healthy=state == "running" and answered,
+                         pid=proc.pid if proc else None, state=state, healthy=state == Condition.running and answered,
                          restarts=proc.restarts if proc else 0, hosts=list(inst.hosts))
     if probe:
         row.probe = {key: probe.get(key) for key in PROBE_FIELDS}
@@ -309,7 +309,7 @@ def _instance(deployment: Deployment, inst: InstancePlan, proc: ProcessStatus | 
         if counters.get("handoff_missed_blocks"):
             warnings.append(_handoff_missed(deployment, inst, int(counters["handoff_missed_blocks"])))
         row.error = probe.get("error")
-    if deployed and state == "running" and not answered:
+    if deployed and state == Condition.running and not answered:
         problems.append(f"{inst.name} on {inst.host} does not answer /health"
                         + (f" ({probe['error']})" if probe and probe.get("error") else ""))
     return row
@@ -353,12 +353,12 @@ def _proxy(deployment: Deployment, proc: ProcessStatus | None, probe: dict | Non
     state = "not deployed" if proc is None else proc.condition
     row = ProxyStatus(url=proxy_url(deployment.spec, deployment.plan), host=deployment.plan.proxy_host,
                       pid=proc.pid if proc else None, state=state, restarts=proc.restarts if proc else 0,
-                      healthy=state == "running" and bool(probe and probe.get("healthy")))
+                      healthy=state == Condition.running and bool(probe and probe.get("healthy")))
     detail = (probe or {}).get("status") or {}
     if detail:
         row.instances_up = {i["url"]: i["up"] for i in detail.get("instances", [])}
         row.in_flight = sum(i.get("in_flight", 0) for i in detail.get("instances", []))
-    if deployed and state == "running" and not row.healthy:
+    if deployed and state == Condition.running and not row.healthy:
         problems.append(f"proxy at {row.url} is not healthy" + (f" ({probe['error']})" if probe and probe.get("error") else ""))
     return row
 

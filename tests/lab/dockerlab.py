@@ -3,7 +3,7 @@
 Everything here is a stand-in, named as such:
 
 * FAKE NPUs: the lab's private /dev holds ``davinci0..N-1``, ``davinci_manager``, ``devmm_svm`` and ``hisi_hdc``
-  as character devices 1:3 (/dev/null's numbers); see tests/lab/fakehosts.py.
+  as character devices 1:3 (/dev/null's numbers); see lab/fakehosts.py.
 * FAKE driver files (``install_fake_ascend_driver``): an ``npu-smi`` shell script printing an ``npu-smi info``
   table of the fake NPUs, a ``version.info``, empty ``dcmi`` and ``lib64`` directories, an ``hccn_tool`` script,
   ``/etc/ascend_install.info`` and an ``/etc/hccn.conf`` with one address per NPU; written through the host's
@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from .fakehosts import FakeHost, FakeHostLab
+from lab.fakehosts import FakeHost, FakeHostLab
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN_BUILD = REPO / "scripts" / "build_standin_rootfs.sh"

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from .fakehosts import SSHD, FakeHostLab, cleanup_stale
+from lab.fakehosts import SSHD, FakeHostLab, cleanup_stale
 from tests.prereq import missing
 
 __all__ = ["fake_lab"]
@@ -27,7 +27,7 @@ def _lab_unavailable() -> str | None:
 @pytest.fixture
 def fake_lab(tmp_path):
     """Factory: ``make(n, prefix=None, **options)`` starts and returns a FakeHostLab of n hosts
-    (options: fake_npus, overlays, docker; see tests/lab/fakehosts.py).
+    (options: fake_npus, overlays, docker; see lab/fakehosts.py).
 
     Every lab made is closed at teardown, whether the test passed or not.
     """

@@ -9,18 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from lab.cluster import ENV_ROOT, MODEL, cluster_playbook, env_root, put_model
+from lab.hosts import leftovers
 from tests.conftest import run_yrpd
 from tests.prereq import missing as prerequisite
 
 pytestmark = pytest.mark.lab
-
-ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
-MODEL = "/tmp/models/tiny"
-
-
-#: the dscli launcher's env root: the data-system venv and etcd of ENV_ROOT (and its vLLM venv, which the deploy checks
-#: before the cluster starts), nothing of the yr CLI
-NO_YR_ROOT = "/opt/yrpd/lab-no-yr"
 
 
 @pytest.fixture(autouse=True)
@@ -29,34 +23,6 @@ def _need_venvs():
     if missing:
         prerequisite(f"openYuanrong environments missing under {ENV_ROOT} ({', '.join(missing)}): run "
                      "deploy_scripts/install_openyuanrong.sh --etcd ENV_ROOT/etcd ENV_ROOT/yr ENV_ROOT/ds")
-
-
-def env_root(launcher: str) -> str:
-    if launcher == "yr":
-        return ENV_ROOT
-    root = Path(NO_YR_ROOT)
-    root.mkdir(parents=True, exist_ok=True)
-    for name in ("ds", "etcd", "vllm"):
-        link = root / name
-        if not link.is_symlink():
-            link.symlink_to(Path(ENV_ROOT, name))
-    assert not (root / "yr").exists()
-    return str(root)
-
-
-def cluster_playbook(tmp_dir: Path) -> Path:
-    """The real deploy playbook cut after the cluster's cross-host KV check, without the instances' start that comes
-    before the cluster's (no vLLM in these tests)."""
-    import yaml
-
-    from yrpd.assets import playbook_path
-
-    book = yaml.safe_load(playbook_path("deploy").read_text())
-    runs = [step["run"] for step in book["steps"]]
-    book["steps"] = [s for s in book["steps"][: runs.index("cluster.check_kv") + 1] if s["run"] != "instances.start"]
-    path = tmp_dir / "cluster-only.yaml"
-    path.write_text(yaml.safe_dump(book))
-    return path
 
 
 class Cli:
@@ -77,21 +43,8 @@ class Cli:
         return run_yrpd(*args, *self.ssh, env=self.env, check=check, timeout=600)
 
 
-def put_model(*hosts):
-    for host in hosts:
-        host.exec(f"mkdir -p {MODEL} && echo '{{}}' > {MODEL}/config.json")
-
-
 def cluster_pids(report):
     return {(c["host"], c["component"]): c["pid"] for c in report["cluster"]["components"]}
-
-
-def leftovers(host):
-    """Processes and listening TCP ports of the cluster still on the host."""
-    procs = [p for p in host.processes()
-             if any(k in p for k in ("etcd", "datasystem_worker", "yr.cli", "yr start", "supervise.py"))]
-    ports = [p for p in host.exec("ss -ltnH | awk '{print $4}'").stdout.split() if not p.endswith(":22")]  # sshd
-    return procs, ports
 
 
 def worker_restarted(status, host: str, within_s: float) -> tuple[dict, dict]:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import run_yrpd
 from tests.lab import real_model as rm
-from tests.lab.test_cluster_lab import leftovers
+from lab.hosts import leftovers
 
 from .dockerlab import DockerHosts, docker_unavailable, unavailable
 

@@ -18,7 +18,9 @@ import pytest
 import yaml
 
 from tests.conftest import run_yrpd
-from tests.lab.test_cluster_lab import MODEL, ds_check, etcdctl, leftovers, put_model, worker_restarted
+from lab.cluster import MODEL, put_model
+from lab.hosts import leftovers
+from tests.lab.test_cluster_lab import ds_check, etcdctl, worker_restarted
 
 from .dockerlab import DockerHosts, docker_unavailable, unavailable
 

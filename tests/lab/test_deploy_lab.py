@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lab.hosts import session_processes
 from tests.conftest import run_yrpd
 
 pytestmark = pytest.mark.lab
@@ -42,13 +43,6 @@ class Cli:
 
     def __call__(self, *args, check=None):
         return run_yrpd(*args, *self.ssh, env=self.env, check=check)
-
-
-def session_processes(host) -> list[str]:
-    """Command lines of processes inside the fake host that carry a yrpd session marker."""
-    out = host.exec("for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -q '^YRPD_SESSION=' "
-                    "&& tr '\\0' ' ' < $p/cmdline && echo; done; true").stdout
-    return [line for line in out.splitlines() if line.strip()]
 
 
 def journal(home: Path) -> list[dict]:

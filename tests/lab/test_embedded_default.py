@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.doc_commands import acts_on_a_deployment, commands, documented_shell, words
-from tests.lab.fakehosts import _kill_and_wait, _ns_key, _pids_in_ns
+from lab.fakehosts import _kill_and_wait, _ns_key, _pids_in_ns
 from tests.prereq import missing as prerequisite
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
@@ -112,7 +112,7 @@ def test_deploy_localhost_alone_serves_reuses_and_tears_down(netns, tmp_path):
         assert "not needed on localhost: runtime host" in after, after
 
         # what the demo ends with: two streamed chat questions sharing a context, and where their KV came from
-        demo = in_ns(netns, sys.executable, "-m", "yrpd.demo.ask", env=env, timeout=300)
+        demo = in_ns(netns, sys.executable, "-m", "yrpd", "ask", env=env, timeout=300)
         print(demo.stdout)
         assert demo.returncode == 0, demo.stderr[-3000:]
         answers = [line for line in demo.stdout.splitlines() if line.startswith("A: ")]

@@ -15,7 +15,7 @@ import paramiko
 import pytest
 from fabric import Connection
 
-from .fakehosts import HOST_PATH, FakeHostLab, cleanup_stale, ssh_banner
+from lab.fakehosts import HOST_PATH, FakeHostLab, cleanup_stale, ssh_banner
 
 pytestmark = pytest.mark.lab
 
@@ -206,7 +206,7 @@ def test_cleanup_stale_removes_crashed_lab_only(fake_lab, tmp_path):
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
             from pathlib import Path
-            sys.path.insert(0, {str(Path(__file__).parent)!r})
+            sys.path.insert(0, {str(Path(__file__).parents[2] / 'lab')!r})
             import fakehosts
             lab = fakehosts.FakeHostLab(2, Path({str(tmp_path / "crashed")!r})).start()
             pids = [h.sshd_pid for h in lab.hosts] + [h._proc.pid for h in lab.hosts]

@@ -12,8 +12,7 @@ import pytest
 
 from tests.conftest import run_yrpd
 from tests.lab import real_model as rm
-from tests.lab.test_cluster_lab import leftovers
-from tests.lab.test_deploy_lab import session_processes
+from lab.hosts import leftovers, session_processes
 from yrpd.credentials import instance_token
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]

@@ -11,8 +11,7 @@ import pytest
 
 from tests.conftest import run_yrpd
 from tests.lab import real_model as rm
-from tests.lab.test_cluster_lab import leftovers
-from tests.lab.test_deploy_lab import session_processes
+from lab.hosts import leftovers, session_processes
 from tests.prereq import missing as prerequisite
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]

@@ -10,7 +10,8 @@ import zipfile
 import pytest
 
 from yrpd import versions
-from yrpd.demo import BUILTIN_MODELS, DEFAULT_BUILTIN, smollm2
+from yrpd.demo import smollm2
+from yrpd.models import BUILTIN_MODELS, DEFAULT_BUILTIN
 from yrpd.placement import HostInventory, make_plan
 from yrpd.spec import DeviceKind, build_spec
 from yrpd.steps import NotNeeded, StepContext

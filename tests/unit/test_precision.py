@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from yrpd.layout import HostSessionLayout
+from yrpd.layout import HostPaths, HostSessionLayout
 from yrpd.errors import SpecError
 from yrpd.placement import HostInventory, make_plan
 from yrpd.precision import choose
-from yrpd.serving import HostPaths, instance_launches
+from yrpd.serving import instance_launches
 from yrpd.spec import DeviceKind, Dtype, build_spec
 
 PATHS = HostPaths(env_root="/opt/yrpd/venvs", session=HostSessionLayout("/tmp/yrpd_sessions", "S"), bundle_dir="/b")

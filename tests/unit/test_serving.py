@@ -3,9 +3,9 @@
 import json
 import shlex
 
-from yrpd.layout import HostSessionLayout
+from yrpd.layout import HostPaths, HostSessionLayout
 from yrpd.placement import HostInventory, make_plan
-from yrpd.serving import HostPaths, instance_launches, launches_on_host, proxy_launch, sample_request
+from yrpd.serving import instance_launches, launches_on_host, proxy_launch, sample_request
 from yrpd.spec import DeviceKind, build_spec
 from yrpd.steps.vllm_env import MAX_BUNDLE_B64, bundle, unpack_script
 

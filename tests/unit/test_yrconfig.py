@@ -179,10 +179,12 @@ def test_data_system_processes_get_their_libraries_then_the_hosts(tmp_path):
 
 
 def test_cluster_driver_moves_the_host_library_path_aside(tmp_path):
-    probe = ("import json, runpy, sys; sys.argv[1:] = [json.dumps({'deploy': '/d', 'logs': '/l', "
+    # the script's own directory on the path, as when it is run by its path (it imports deploy_scripts/hostlib.py)
+    probe = ("import json, runpy, sys; sys.path.insert(0, %r); sys.argv[1:] = [json.dumps({'deploy': '/d', 'logs': '/l', "
              "'env': {'LD_LIBRARY_PATH': '/yr/pkg'}})]; e = runpy.run_path(%r, run_name='probe')['env'](); "
              "print(e['LD_LIBRARY_PATH'], e['YRPD_INHERITED_LD_LIBRARY_PATH'])")
-    out = subprocess.run([sys.executable, "-c", probe % str(YR_CLUSTER)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", probe % (str(YR_CLUSTER.parent), str(YR_CLUSTER))],
+                         capture_output=True, text=True,
                          env={**os.environ, "LD_LIBRARY_PATH": "/cann/lib64"}, check=True).stdout.split()
     assert out == ["/yr/pkg", "/cann/lib64"]
 

@@ -120,3 +120,37 @@ def write(prompts: list, meta: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(p if isinstance(p, dict) else {"prompt": p}) + "\n" for p in prompts))
     out.with_name(out.name + ".meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class DatasetOptions:
+    """What `yrpd bench dataset` and `yrpd bench run` generate: a prefix-shared workload (groups of prompts that share
+    a prefix) or a mixed one (long unique prompts arriving while short prompts stream long answers)."""
+    workload: str = "prefix"  # prefix | mixed
+    groups: int = 4
+    prompts_per_group: int = 4
+    prefix_len: int = 1536
+    suffix_len: int = 256
+    streams: int = 8
+    stream_prompt_len: int = 64
+    stream_output_len: int = 128
+    long_prompts: int = 8
+    seed: int = 0
+
+    @classmethod
+    def from_params(cls, params: dict) -> "DatasetOptions":
+        return cls(**{f: params[f] for f in cls.__dataclass_fields__ if f in params})
+
+
+def make(options: DatasetOptions, tokenizer_dir: Path, out: Path) -> dict:
+    """Generate the workload the options describe with the model's tokenizer, write it to `out`; its metadata."""
+    if options.workload == "mixed":
+        mixed = MixedSpec(options.streams, options.stream_prompt_len, options.stream_output_len,
+                          options.long_prompts, options.prefix_len + options.suffix_len, options.seed)
+        prompts, meta = generate_mixed(mixed, load_tokenizer(tokenizer_dir))
+    else:
+        spec = DatasetSpec(options.groups, options.prompts_per_group, options.prefix_len, options.suffix_len,
+                           options.seed)
+        prompts, meta = generate(spec, load_tokenizer(tokenizer_dir))
+    write(prompts, meta, out)
+    return meta

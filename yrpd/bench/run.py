@@ -32,8 +32,11 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from yrpd.bench.dataset import DatasetOptions, make
+from yrpd.errors import SpecError
 from yrpd.serving import STATS_INTERVAL_S
 from yrpd.spec import DeploySpec, DeviceKind
 
@@ -164,19 +167,120 @@ def bench_serve(vllm_venv: Path, url: str, model: str, tokenizer: Path, dataset:
     return json.loads((out_dir / f"{name}.json").read_text())
 
 
-def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str], dataset: Path, out_dir: Path,
-                vllm_venv: Path, tokenizer: Path, num_prompts: int, output_len: int, concurrency: int, seed: int,
-                restore: bool, log=print, progress=None, kv_cache_mb: int | None = None,
-                datasystem_mb: int | None = None, datasystem_spill_mb: int | None = None) -> dict:
+@dataclass(frozen=True)
+class BenchRequest:
+    """One `yrpd bench run`: the targets, the workload (a saved dataset file, or options to generate one), how the
+    load is sent, and the sizes every target's deployment gets."""
+    targets: tuple[str, ...]
+    dataset: DatasetOptions = DatasetOptions()
+    #: a JSONL from `yrpd bench dataset` (with its .meta.json beside it); None: generate one from `dataset`
+    dataset_file: Path | None = None
+    #: the deployed model's tokenizer.json directory; None: the deployed model's, if it is on this machine
+    tokenizer: Path | None = None
+    num_prompts: int | None = None  # None: every prompt of the dataset
+    output_len: int = 32
+    max_concurrency: int = 1
+    kv_cache_mb: int | None = None
+    datasystem_mb: int | None = None
+    datasystem_spill_mb: int | None = None
+    #: a local venv with vLLM for `vllm bench serve`; None: <env_root>/vllm
+    vllm_venv: Path | None = None
+    restore: bool = True  # deploy the original spec again afterwards
+
+
+@dataclass(frozen=True)
+class BenchOutcome:
+    out_dir: Path  # results.json, report.md, the plot, each target's raw result and log
+    report: str  # the report, as markdown
+
+
+def deployed_tokenizer(deployment) -> Path:
+    """The deployed model's directory, when it is on this machine (it holds tokenizer.json)."""
+    from yrpd.serving import model_path
+    from yrpd.steps.vllm_env import paths
+
+    local = Path(model_path(deployment.spec, paths(deployment.context())))
+    if not (local / "tokenizer.json").is_file():
+        raise SpecError("--tokenizer", f"the deployed model {local} is not on this machine",
+                        "pass --tokenizer DIR with a local copy of its tokenizer.json")
+    return local
+
+
+def bench(session_id: str | None, request: BenchRequest, log=print, progress=None) -> BenchOutcome:
+    """Run the benchmark against a PD deployment (the latest, or `session_id`) and its baselines; every target's
+    spec is checked before the first is deployed. Results land in the session's bench/<time>/."""
+    from yrpd import api
+    from yrpd.bench.report import write_report
+    from yrpd.session import SessionPhase
+
+    unknown = [t for t in request.targets if t not in TARGETS]
+    if unknown or not request.targets:
+        raise SpecError("--targets", f"unknown target(s) {', '.join(unknown) or '(none)'}",
+                        f"use a comma-separated subset of {', '.join(TARGETS)}")
+    deployment = api.open_deployment(session_id)
+    session = deployment.session
+    if session.phase is not SessionPhase.deployed:
+        raise SpecError("bench", f"session {session.id} is {session.phase}", "deploy first: yrpd deploy ...")
+    if not deployment.spec.disaggregated:
+        raise SpecError("bench", f"session {session.id} is not a PD deployment", "bench a PD deployment")
+    kind = deployment.plan.hosts[0].kind
+    for target in request.targets:
+        try:
+            variant(deployment.spec, target, kind, request.kv_cache_mb, request.datasystem_mb,
+                    request.datasystem_spill_mb)
+        except SpecError as e:
+            raise SpecError("--targets", f"{target} cannot run on session {session.id} ({e.field}: {e.problem})",
+                            "leave it out of --targets") from None
+    tokenizer = request.tokenizer or deployed_tokenizer(deployment)
+    vllm_venv = request.vllm_venv or Path(deployment.spec.env_root) / "vllm"
+    if not (vllm_venv / "bin" / "vllm").exists():
+        raise SpecError("--vllm-venv", f"{vllm_venv}/bin/vllm not found", "pass a local venv with vLLM installed")
+    out_dir = session.path / "bench" / time.strftime("%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True)
+    if request.dataset_file:
+        dataset_file = request.dataset_file
+        meta_file = dataset_file.with_name(dataset_file.name + ".meta.json")
+        meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+        meta.setdefault("prompts", sum(1 for _ in dataset_file.open()))
+    else:
+        dataset_file = out_dir / "dataset.jsonl"
+        meta = make(request.dataset, tokenizer, dataset_file)
+    load = Load(dataset_file, tokenizer, vllm_venv, request.num_prompts or meta["prompts"],
+                -1 if meta.get("workload") == "mixed" else request.output_len, request.max_concurrency,
+                request.dataset.seed)
+    results = run_targets(session, deployment.spec, kind, request, load, out_dir, log=log, progress=progress)
+    meta["kv_cache_mb_per_instance"] = request.kv_cache_mb
+    meta["datasystem_mb"] = request.datasystem_mb or deployment.spec.datasystem_memory_mb
+    meta["datasystem_spill_mb"] = (deployment.spec.datasystem_spill_mb if request.datasystem_spill_mb is None
+                                   else request.datasystem_spill_mb)
+    return BenchOutcome(out_dir, write_report(results, meta, out_dir))
+
+
+@dataclass(frozen=True)
+class Load:
+    """What `vllm bench serve` sends to each target (the same for all)."""
+    dataset: Path
+    tokenizer: Path
+    vllm_venv: Path
+    num_prompts: int
+    output_len: int  # -1: each prompt's own (the mixed workload)
+    concurrency: int
+    seed: int
+
+
+def run_targets(session, spec: DeploySpec, kind: DeviceKind, request: BenchRequest, load: Load, out_dir: Path,
+                log=print, progress=None) -> dict:
+    from yrpd import api
     from yrpd.serving import endpoint_url
     from yrpd.steps import spec_fingerprint
 
-    current: str | None = session.id  # deployed (the CLI checked); None while no target is up
+    current: str | None = session.id  # deployed (checked by bench()); None while no target is up
     original = spec
     results: dict[str, dict] = {}
     try:
-        for target in targets:
-            want = variant(original, target, kind, kv_cache_mb, datasystem_mb, datasystem_spill_mb)
+        for target in request.targets:
+            want = variant(original, target, kind, request.kv_cache_mb, request.datasystem_mb,
+                           request.datasystem_spill_mb)
             live = current is not None and spec_fingerprint(want) == spec_fingerprint(spec)
             if not live:
                 if current is not None:
@@ -186,15 +290,14 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str],
                 log(f"bench: deploying the {target} target ({TARGETS[target]})")
                 current = deploy(want, target, progress)
                 spec = want
-            from yrpd import api
-
             deployed = api.open_deployment(current)
             url = endpoint_url(deployed.spec, deployed.plan)
             before, _ = counters(current)
-            log(f"bench: {target}: vllm bench serve against {url} ({num_prompts} prompts)")
+            log(f"bench: {target}: vllm bench serve against {url} ({load.num_prompts} prompts)")
             started = time.monotonic()
-            raw = bench_serve(vllm_venv, url, deployed.spec.model_name, tokenizer, dataset, out_dir, target,
-                              num_prompts, output_len, concurrency, seed, deployed.endpoint_key())
+            raw = bench_serve(load.vllm_venv, url, deployed.spec.model_name, load.tokenizer, load.dataset, out_dir,
+                              target, load.num_prompts, load.output_len, load.concurrency, load.seed,
+                              deployed.endpoint_key())
             time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the last land
             after, use = counters(current)
             results[target] = {
@@ -206,7 +309,7 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, targets: list[str],
                 "data_system": use,  # at the end of the run; empty where no worker reported
             }
     finally:
-        if restore and spec_fingerprint(spec) != spec_fingerprint(original):
+        if request.restore and spec_fingerprint(spec) != spec_fingerprint(original):
             if current is not None:
                 down(current)
             log("bench: deploying the original spec again")

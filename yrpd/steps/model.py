@@ -1,5 +1,5 @@
 """The model on the hosts: a user's model is a path that preflight already checked; a built-in model
-(yrpd.demo.BUILTIN_MODELS) is made on each host that serves it, with that host's vLLM Python, into
+(yrpd.models.BUILTIN_MODELS) is made on each host that serves it, with that host's vLLM Python, into
 `<env_root>/models/<name>`. Hosts sharing the env root take turns and reuse one result."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ from __future__ import annotations
 import shlex
 
 from yrpd import versions
-from yrpd.demo import BUILTIN_MODELS
+from yrpd.models import BUILTIN_MODELS
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
-from yrpd.serving import HostPaths, builtin_model, model_path
+from yrpd.layout import HostPaths
+from yrpd.serving import builtin_model, model_path
 from yrpd.steps import NotNeeded, StepContext, shell_command
 from yrpd.steps.vllm_env import paths
 

