@@ -5,7 +5,8 @@
 The 30-minute soak saw the proxy's RSS rise about 4 MB over 20 minutes (about 16,000 requests), too few to tell a
 leak from the allocator settling. This drives many more requests through the real proxy (`python -m yrpd.proxy`, a
 process of its own, as deployed) in front of stand-in instances (tests/unit/proxy_fakes.py: they answer at once, so
-the proxy is the only thing being exercised) and samples the proxy's RSS every `--every` requests.
+the proxy is the only thing being exercised, or after `--latency` seconds, so that as many
+connections stay open as under the soak) and samples the proxy's RSS every `--every` requests.
 
 The load is the soak's: its 8 prompts (half sharing a long prefix), greedy, 16 tokens; a quarter streamed, a quarter
 chat; and, as in the soak, faults: every 10th sample window the decode instance answers 503 to /health for a few
@@ -23,6 +24,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -63,8 +65,8 @@ def free_port() -> int:
 
 
 async def run(args) -> dict:
-    prefill = await FakeVLLM("p0", "prefill", chunks=16).start()
-    decode = await FakeVLLM("d0", "decode", chunks=16).start()
+    prefill = await FakeVLLM("p0", "prefill", chunks=16, delay=args.latency).start()
+    decode = await FakeVLLM("d0", "decode", chunks=16, delay=args.latency).start()
     port = free_port()
     proxy = subprocess.Popen([sys.executable, "-m", "yrpd.proxy", "--host", "127.0.0.1", "--port", str(port),
                               "--prefill", prefill.url, "--decode", decode.url, "--served-model-name", "tiny",
@@ -144,8 +146,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=60_000)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--every", type=int, default=2000)
+    p.add_argument("--latency", type=float, default=0.0,
+                   help="seconds each stand-in takes before it answers (0: at once; the soak's instances took ~0.1)")
     p.add_argument("--out")
     args = p.parse_args()
+    # SIGTERM ends the run through its `finally`, which stops the proxy it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = asyncio.run(run(args))
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
