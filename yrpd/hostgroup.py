@@ -170,8 +170,14 @@ class CheckedCommand(Command):
 
     @classmethod
     def of(cls, check: Command, step: Command) -> "CheckedCommand":
-        script = (f"if {wrap_timeout(check.script, check.timeout)} >/dev/null 2>&1; then "
-                  f"echo {shlex.quote(ALREADY_DONE)}; exit 0; fi\n{step.script}")
+        # the check travels as a here-document into a file, not quoted into the line: quoting it for `bash -c`
+        # inside a command that is quoted again for the host's shell grows every ' in it fivefold, twice, and the
+        # whole command is one exec argument, which Linux bounds (MAX_ARG_STRLEN, 128 KiB)
+        assert "YRPD_CHECK_END" not in check.script
+        script = (f"yrpd_check=$(mktemp) && cat > \"$yrpd_check\" <<'YRPD_CHECK_END'\n{check.script}\nYRPD_CHECK_END\n"
+                  f"if timeout -k 10 {int(max(1, check.timeout))} bash \"$yrpd_check\" >/dev/null 2>&1; then "
+                  f"rm -f \"$yrpd_check\"; echo {shlex.quote(ALREADY_DONE)}; exit 0; fi\n"
+                  f"rm -f \"$yrpd_check\"\n{step.script}")
         return cls(script, step.display or step.script, step.timeout + check.timeout, step.on_host, step.uploads,
                    step.fresh_uploads, check, step)
 

@@ -117,6 +117,40 @@ def describe(playbook: Playbook, ctx: StepContext) -> list[PlannedStep]:
     return [PlannedStep(step, step_actions(step, ctx)) for step in playbook.steps if step_enabled(step, ctx)]
 
 
+@dataclass(frozen=True)
+class RoundTrips:
+    """What a step sends each host: `sent` (its command, behind its check where `together`), `separate` (checks
+    that go first, on their own), and `not_needed` (why a host gets nothing)."""
+
+    sent: dict[str, Command]
+    separate: dict[str, Command]
+    together: set[str]
+    not_needed: dict[str, str]
+
+
+def round_trips(step: StepSpec, ctx: StepContext, hosts: list[HostPlan]) -> RoundTrips:
+    names = {h.name for h in hosts}
+    actions = step_actions(step, ctx, hosts)
+    not_needed = {n: a.reason for n, a in actions.items() if isinstance(a, NotNeeded) and n in names}
+    commands = {n: a for n, a in actions.items() if isinstance(a, Command) and n in names}
+    checks: dict[str, Command] = {}
+    if step.check:
+        check = resolve(step.check)
+        by_name = {h.name: h for h in hosts}
+        for name in list(commands):
+            wanted = check(ctx, by_name[name], **step.args)
+            if isinstance(wanted, Command):
+                checks[name] = wanted
+            else:  # nothing to check there: the step has nothing to do there
+                not_needed[name] = wanted.reason if isinstance(wanted, NotNeeded) else "nothing to do"
+                del commands[name]
+    # one round trip a host: the check, and the step where it fails. A step that copies files first keeps its
+    # check apart (a resume would pay for the copies' size checks), as does one whose check runs elsewhere
+    together = {n for n in checks if not commands[n].uploads and checks[n].on_host == commands[n].on_host}
+    sent = {n: CheckedCommand.of(checks[n], c) if n in together else c for n, c in commands.items()}
+    return RoundTrips(sent, {n: checks[n] for n in checks if n not in together}, together, not_needed)
+
+
 class PlaybookFailed(GroupFailure):
     """One or more steps failed; carries every host's outcome across the steps that ran."""
 
@@ -247,26 +281,8 @@ class PlaybookRunner:
     def _attempt(self, step: StepSpec, hosts: list[HostPlan]) -> "_Attempt":
         """The step on these hosts: skipped where its check passes, run where it fails."""
         group = self.group.subset(h.name for h in hosts)
-        names = {h.name for h in hosts}
-        actions = step_actions(step, self.ctx, hosts)
-        not_needed = {n: a.reason for n, a in actions.items() if isinstance(a, NotNeeded) and n in names}
-        commands = {n: a for n, a in actions.items() if isinstance(a, Command) and n in names}
-        checks: dict[str, Command] = {}
-        if step.check:
-            check = resolve(step.check)
-            by_name = {h.name: h for h in hosts}
-            for name in list(commands):
-                wanted = check(self.ctx, by_name[name], **step.args)
-                if isinstance(wanted, Command):
-                    checks[name] = wanted
-                else:  # nothing to check there: the step has nothing to do there
-                    not_needed[name] = wanted.reason if isinstance(wanted, NotNeeded) else "nothing to do"
-                    del commands[name]
-        # one round trip a host: the check, and the step where it fails. A step that copies files first keeps its
-        # check apart (a resume would pay for the copies' size checks), as does one whose check runs elsewhere
-        together = {n for n in checks if not commands[n].uploads and checks[n].on_host == commands[n].on_host}
-        sent = {n: CheckedCommand.of(checks[n], c) if n in together else c for n, c in commands.items()}
-        separate = {n: checks[n] for n in checks if n not in together}
+        trips = round_trips(step, self.ctx, hosts)
+        not_needed, sent, separate, together = trips.not_needed, trips.sent, trips.separate, trips.together
         results = GroupResult()
         skipped: list[str] = []
         if separate:

@@ -65,3 +65,58 @@ def test_the_controllers_python_environment_does_not_reach_a_local_host(ctx, mon
     env = started_env(ctx, "true", {"PYTHONPATH": "/b/yrpd-x"})
     assert env["PYTHONPATH"] == "/b/yrpd-x" and "VIRTUAL_ENV" not in env
     assert os.environ["PYTHONPATH"] == "/where/yrpd/itself/runs"  # the controller itself is untouched
+
+
+# -- what one command may weigh
+
+#: Linux refuses an exec whose single argument is longer than this (MAX_ARG_STRLEN): `bash -c SCRIPT` over SSH, or
+#: `docker exec ... bash -c SCRIPT` inside the container, fails with "Argument list too long" before anything runs
+ONE_ARGUMENT = 131072
+#: what a step may use of it here: the rest is room for a real deployment's longer names, paths and spec
+HEADROOM = 7 / 8
+
+
+#: the longest session root the spec takes (DeploySpec's check: vLLM's socket paths below it must fit)
+LONGEST_ROOT = "/" + "r" * 42
+BUSY = {  # four instances on each host, under yr (NPU) or under dscli with etcd (CPU, the lab's and demo's)
+    "npu": {"hosts": "h1,h2", "devices": "0-7", "device_kind": "npu", "model": "/data/models/m", "prefill": 4,
+            "decode": 4, "ptp": 2, "dtp": 2},
+    "cpu-dscli": {"hosts": "h1,h2", "devices": "0-7", "device_kind": "cpu", "model": "builtin:tiny-qwen2",
+                  "prefill": 4, "decode": 4, "cluster_mode": "ds_only"},
+}
+
+
+@pytest.mark.parametrize("case,runtime", [("npu", "host"), ("npu", "docker"), ("cpu-dscli", "host")])
+@pytest.mark.parametrize("playbook", ["deploy", "teardown"])
+def test_every_step_of_a_busy_host_fits_in_one_exec_argument(case, runtime, playbook):
+    """Four instances and the whole data system on a host, each under its supervisor: what the host's shell is given
+    for any step (its check in the same round trip, inside the container under runtime docker, under `timeout`) is
+    under the kernel's limit for one argument, with room to spare."""
+    from yrpd.assets import playbook_path
+    from yrpd.containers import container_name, container_profile
+    from yrpd.deployment import inventory_from_json
+    from yrpd.hostgroup import as_run_in, env_preamble, wrap_timeout
+    from yrpd.playbook import load_playbook, round_trips, step_enabled, step_hosts
+
+    spec = build_spec({}, {**BUSY[case], "runtime": runtime, "remote_session_root": LONGEST_ROOT,
+                           "image": "quay.io/ascend/vllm-ascend:v0.10.0rc1-openeuler" if runtime == "docker" else None})
+    kind = BUSY[case]["device_kind"]
+    inventory = inventory_from_json({h: {"kind": kind, "devices": list(range(8)), "ip": f"10.0.0.{i + 1}"}
+                                     for i, h in enumerate(("h1", "h2"))})
+    ctx = StepContext(spec=spec, plan=make_plan(spec, inventory), session_id="20261126-000000-abcdef")
+    if runtime == "docker":
+        preamble = env_preamble(container_profile(spec).env_scripts)
+        inside = lambda c: as_run_in(c, container_name(ctx.session_id), preamble=preamble)  # noqa: E731
+    else:
+        inside = lambda c: c  # noqa: E731
+    sizes = {}
+    for step in load_playbook(playbook_path(playbook)).steps:
+        if step_enabled(step, ctx):
+            trips = round_trips(step, ctx, step_hosts(step, ctx))
+            for host, cmd in {**trips.sent, **trips.separate}.items():
+                sent = inside(cmd)
+                sizes[(step.name, host)] = max(sizes.get((step.name, host), 0),
+                                               len(wrap_timeout(sent.script, sent.timeout).encode()))
+    assert sizes, "no step had a command"
+    biggest = max(sizes, key=sizes.get)
+    assert sizes[biggest] < ONE_ARGUMENT * HEADROOM, (biggest, sizes[biggest])

@@ -270,7 +270,8 @@ def _start_supervised(ctx: StepContext, host: HostPlan) -> Command:
     n = node(ctx, host, "ds_only")
     q = shlex.quote
     names = list(dscli_commands(ctx, host))
-    stop_them = processes.stop(ctx, host, names).script
+    # a shell function: its body (a host script) is in the command once, however often it is called
+    stop_them = f"yrpd_stop_started() {{\n{processes.stop(ctx, host, names).script}\n}}"
     etcd = dsconfig.etcd_endpoint(n)
     ip, port = etcd.rsplit(":", 1)
     # a worker that cannot reach etcd waits a minute, exits, and is restarted: say so at once instead
@@ -278,14 +279,14 @@ def _start_supervised(ctx: StepContext, host: HostPlan) -> Command:
     reach = (f"ok=; for i in $(seq {ETCD_WAIT_S * 10}); do if (exec 3<>/dev/tcp/{ip}/{port}) 2>/dev/null; then ok=1; "
              "break; fi; sleep 0.1; done\n"
              f"if [ -z \"$ok\" ]; then echo {q(why)} >&2; "
-             f"tail -n 5 {q(ctx.layout.log(dsconfig.ETCD))} 2>/dev/null >&2\n{stop_them}\nexit 1\nfi")
-    lines = []
+             f"tail -n 5 {q(ctx.layout.log(dsconfig.ETCD))} 2>/dev/null >&2\nyrpd_stop_started\nexit 1\nfi")
+    lines = [stop_them, processes.supervisor_install(ctx)]
     for name, command in dscli_commands(ctx, host).items():
         if name == dsconfig.WORKER:
             lines.append(reach)
-        lines.append(processes.start_script(ctx, name, command))
+        lines.append(processes.start_script(ctx, name, command, installed=True))
     wait = host_python("yr_cluster.py", _dscli_args(ctx, host, "wait", START_TIMEOUT), timeout=START_TIMEOUT + 60)
-    lines.append(f"if ! (\n{wait.script}); then\n{stop_them}\nexit 1\nfi")
+    lines.append(f"if ! (\n{wait.script}); then\nyrpd_stop_started\nexit 1\nfi")
     shown = "; ".join(f"start {name} under a supervisor: {command}" for name, command in dscli_commands(ctx, host).items())
     return Command("\n".join(lines), display=f"{shown}; then {wait.display} {q('(on failure: stop them)')}",
                    timeout=START_TIMEOUT + 120)

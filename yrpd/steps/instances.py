@@ -10,7 +10,7 @@ from yrpd.placement import HostPlan
 from yrpd.serving import launches_on_host
 from yrpd.spec import KvConnector
 from yrpd.steps import NotNeeded, StepContext, host_python, shell_command
-from yrpd.steps.processes import _alive_test, start_script
+from yrpd.steps.processes import _alive_test, start_scripts
 from yrpd.steps.processes import stop as stop_processes
 from yrpd.steps.vllm_env import paths
 
@@ -23,8 +23,8 @@ def start(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     launches = _launches(ctx, host)
     if not launches:
         return NotNeeded("no instance on this host")
-    script = "\n".join(start_script(ctx, launch.name, launch.exec_command, launch.env, settle=1.0,
-                                    env_file=launch.env_file, health_url=launch.health_url) for launch in launches)
+    script = start_scripts(ctx, [dict(name=launch.name, command=launch.exec_command, env=launch.env, settle=1.0,
+                                      env_file=launch.env_file, health_url=launch.health_url) for launch in launches])
     display = "\n".join(f"start {launch.name} detached: {' '.join(f'{k}={v}' for k, v in launch.env.items())} "
                         f"{launch.command}  (secrets from {launch.env_file}; log {ctx.layout.log(launch.name)})" for launch in launches)
     return Command(script, display=display, timeout=60)

@@ -31,11 +31,29 @@ def _alive_test(ctx: StepContext, name: str) -> str:
     )
 
 
+def supervisor_install(ctx: StepContext) -> str:
+    """Shell lines that write the session's supervisor script (deploy_scripts/supervise.py) into place, atomically:
+    a supervisor already running keeps the code it loaded."""
+    q = shlex.quote
+    sup = q(ctx.layout.supervisor)
+    body = deploy_script("supervise.py")
+    assert "YRPD_SUPERVISOR_END" not in body
+    return (f"mkdir -p {' '.join(q(x) for x in ctx.layout.dirs)}\n"
+            f"cat > {sup}.$$ <<'YRPD_SUPERVISOR_END' && mv -f {sup}.$$ {sup}\n{body}\nYRPD_SUPERVISOR_END")
+
+
+def start_scripts(ctx: StepContext, starts: list[dict]) -> str:
+    """Several start_script()s in one command, the supervisor written once: a host's shell takes the whole command
+    as one argument, which Linux bounds (MAX_ARG_STRLEN, 128 KiB), and the supervisor is most of each start."""
+    return "\n".join([supervisor_install(ctx), *(start_script(ctx, installed=True, **start) for start in starts)])
+
+
 def start_script(ctx: StepContext, name: str, command: str, env: dict | None = None, settle: float = 0.5,
-                 env_file: str | None = None, health_url: str | None = None) -> str:
+                 env_file: str | None = None, health_url: str | None = None, installed: bool = False) -> str:
     """Shell lines that start `command` detached as `name` unless it is already running; `env_file` (secrets)
     is read by its supervisor, so its values are on no command line; `health_url` is what its supervisor probes
-    to find it hung (restart.hang_after_s)."""
+    to find it hung (restart.hang_after_s). `installed`: the command wrote the supervisor already
+    (supervisor_install), else these lines write it when they start the process."""
     if not _NAME_RE.match(name):
         raise ValueError(f"process name {name!r} must be letters, digits, . _ -")
     layout = ctx.layout
@@ -52,12 +70,11 @@ def start_script(ctx: StepContext, name: str, command: str, env: dict | None = N
                              **({"health": {"url": health_url, "hang_after_s": policy.hang_after_s}}
                                 if health_url and policy.hang_after_s else {})})
     sup = q(layout.supervisor)
-    body = deploy_script("supervise.py")
-    assert "YRPD_SUPERVISOR_END" not in body
+    install = [] if installed else ["  " + supervisor_install(ctx).split("\n", 1)[1]]  # its mkdir is the first line
     return "\n".join([
         f"mkdir -p {' '.join(q(x) for x in layout.dirs)}",
         f"if {_alive_test(ctx, name)}; then echo '{name} already running (pid '$pid')'; else",
-        f"  cat > {sup}.$$ <<'YRPD_SUPERVISOR_END' && mv -f {sup}.$$ {sup}\n{body}\nYRPD_SUPERVISOR_END",
+        *install,
         # only the supervisor goes to the background: $! is its pid, and nothing else holds our stdout
         f"  (cd {q(d)} || exit 1",
         f"   env {env_words} setsid nohup python3 -I {sup} {q(supervised)} >> {log} 2>&1 < /dev/null &",
