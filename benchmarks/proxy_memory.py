@@ -9,8 +9,9 @@ the proxy is the only thing being exercised, or after `--latency` seconds, so th
 connections stay open as under the soak) and samples the proxy's RSS every `--every` requests.
 
 The load is the soak's: its 8 prompts (half sharing a long prefix), greedy, 16 tokens; a quarter streamed, a quarter
-chat; and, as in the soak, faults: every 10th sample window the decode instance answers 503 to /health for a few
-probe rounds (the proxy refuses with 503 meanwhile), and 1 request in 50 is cut by the client before it ends.
+chat; and, as in the soak, faults: in every 10 sample windows the decode instance answers 503 to /health for a few
+probe rounds once (the proxy refuses with 503 meanwhile) and drops its connections mid-answer for 2 s once (as a
+killed instance does), and 1 request in 50 is cut by the client before it ends.
 
 Reported: RSS per sample, the slope per 10,000 requests over the first and over the second half of the run (a leak
 keeps its slope; a settling allocator's second-half slope is near zero), errors by status. Provenance: commit,
@@ -121,9 +122,13 @@ async def run(args) -> dict:
                         for fake in (prefill, decode):  # the stand-ins record every body; not what is measured
                             fake.bodies.clear()
                             fake.auth.clear()
+                        loop = asyncio.get_running_loop()
                         if (i // args.every) % 10 == 5:  # decode looks down for a few probe rounds
                             decode.health_status = 503
-                            asyncio.get_running_loop().call_later(2.0, setattr, decode, "health_status", 200)
+                            loop.call_later(2.0, setattr, decode, "health_status", 200)
+                        elif (i // args.every) % 10 == 8:  # decode drops its connections mid-answer, as if killed
+                            decode.break_after = 1
+                            loop.call_later(2.0, setattr, decode, "break_after", None)
                     await one(i)
 
             started = time.monotonic()
