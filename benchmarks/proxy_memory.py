@@ -1,6 +1,7 @@
 """Does the proxy's memory grow with the requests it has served? (benchmark, not a test; issue 32)
 
-    .venv/bin/python benchmarks/proxy_memory.py [--requests 60000] [--concurrency 8] [--every 2000] [--out FILE.json]
+    .venv/bin/python benchmarks/proxy_memory.py [--requests 60000] [--minutes M] [--latency S] [--concurrency 8]
+                                                [--every 2000] [--out FILE.json]
 
 The 30-minute soak saw the proxy's RSS rise about 4 MB over 20 minutes (about 16,000 requests), too few to tell a
 leak from the allocator settling. This drives many more requests through the real proxy (`python -m yrpd.proxy`, a
@@ -112,7 +113,7 @@ async def run(args) -> dict:
                 nonlocal done
                 while True:
                     async with lock:
-                        if done >= args.requests:
+                        if done >= args.requests or (args.minutes and time.monotonic() - started > args.minutes * 60):
                             return
                         i = done
                         done += 1
@@ -151,6 +152,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=60_000)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--every", type=int, default=2000)
+    p.add_argument("--minutes", type=float, default=0.0,
+                   help="stop after this long even if --requests are not all sent (0: no limit)")
     p.add_argument("--latency", type=float, default=0.0,
                    help="seconds each stand-in takes before it answers (0: at once; the soak's instances took ~0.1)")
     p.add_argument("--out")
