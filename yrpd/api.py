@@ -18,12 +18,12 @@ from yrpd.deployment import Deployment, host_group, resolve_inventory, runtime_g
 from yrpd.errors import SpecError
 from yrpd.hostgroup import Command, GroupResult, SshOptions
 from yrpd.placement import HostInventory, Plan, make_plan
-from yrpd.playbook import Playbook, PlaybookFailed, PlaybookRunner, PlannedStep, StepFailed, StepOutcome, StepSpec, \
-    describe, load_playbook
+from yrpd.playbook import Playbook, PlaybookFailed, PlaybookRunner, PlannedStep, StepEnded, StepFailed, StepOutcome, \
+    StepSpec, StepStarted, describe, load_playbook
 from yrpd.session import Session, SessionPhase, SessionStore, default_root, resolve_root
 from yrpd.spec import DeploySpec, Runtime, stored_spec
 from yrpd.status import StatusReport, collect_status
-from yrpd.steps import NotNeeded, StepContext, spec_fingerprint
+from yrpd.steps import NotNeeded, RunOptions, StepContext, spec_fingerprint
 
 
 class Progress(Protocol):
@@ -165,7 +165,7 @@ def deploy(spec: DeploySpec, *, playbook_file: str | Path | None = None, new_ses
         master = next(h for h in placement.hosts if h.is_master)
         secrets = credentials.ensure(session.path, spec.proxy_key(), etcd_ips=[master.reach_ip])
         ctx = StepContext(spec=spec, plan=placement, session_id=session.id,
-                          options={"recreate": actions.recreate, "pull": actions.pull, "secrets_dir": str(secrets)})
+                          options=RunOptions(recreate=actions.recreate, pull=actions.pull, secrets_dir=str(secrets)))
         try:
             outcomes = _run(playbook, runtime_group(group, spec, session.id), ctx, session, progress)
         except StepFailed as failure:
@@ -188,11 +188,11 @@ def _run(playbook: Playbook, group, ctx: StepContext, session: Session, progress
          keep_going: bool = False) -> list[StepOutcome]:
     steps = playbook.steps
 
-    def report(event: str, step: StepSpec, info: dict) -> None:
-        if event == "start":
-            progress.step_started(steps.index(step) + 1, len(steps), step)
+    def report(event: StepStarted | StepEnded) -> None:
+        if isinstance(event, StepStarted):
+            progress.step_started(steps.index(event.step) + 1, len(steps), event.step)
         else:
-            progress.step_finished(step, info["outcome"])
+            progress.step_finished(event.step, event.outcome)
 
     return PlaybookRunner(group, ctx, session, report).run(playbook, keep_going=keep_going)
 
@@ -262,7 +262,7 @@ def down(deployment: Deployment, *, purge: bool = False, progress: Progress | No
     # docker runtime: a container that is gone or stopped has nothing of the session running in it
     with deployment.group(absent_ok=True) as group:
         try:
-            _run(playbook, group, deployment.context(purge=purge), session, progress, keep_going=True)
+            _run(playbook, group, deployment.context(RunOptions(purge=purge)), session, progress, keep_going=True)
         except PlaybookFailed as failure:
             session.set_state(SessionPhase.down_failed)
             failure.args = (f"{failure}\nfix the cause (or bring the host back) and run `yrpd down` again",)

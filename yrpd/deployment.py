@@ -13,7 +13,7 @@ from yrpd.hostgroup import GroupResult, Host, HostGroup
 from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.session import Session
 from yrpd.spec import DeploySpec, DeviceKind, Dtype, HostSpec, Runtime, stored_spec
-from yrpd.steps import StepContext, host_python
+from yrpd.steps import RunOptions, StepContext, host_python
 
 
 def host_group(spec: DeploySpec) -> HostGroup:
@@ -144,8 +144,8 @@ class Deployment:
         inventory = inventory_from_json(plan_data["inventory"])
         return cls(session, spec, inventory, make_plan(spec, inventory))
 
-    def context(self, **options) -> StepContext:
-        return StepContext(spec=self.spec, plan=self.plan, session_id=self.session.id, options=options)
+    def context(self, options: RunOptions | None = None) -> StepContext:
+        return StepContext(spec=self.spec, plan=self.plan, session_id=self.session.id, options=options or RunOptions())
 
     def group(self, absent_ok: bool = False) -> HostGroup:
         return runtime_group(host_group(self.spec), self.spec, self.session.id, absent_ok)

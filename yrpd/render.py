@@ -19,9 +19,9 @@ from yrpd.tags import Condition, ProcessState
 def plan_table(spec: DeploySpec, plan: Plan) -> list:
     kinds = {h.kind for h in plan.hosts}
     units = unit_name(kinds.pop()) if len(kinds) == 1 else "devices"
-    summary = Text(f"Placement: {spec.prefill} prefill x (dp {spec.pdp}, tp {spec.ptp}), "
-                   f"{spec.decode} decode x (dp {spec.ddp}, tp {spec.dtp}); proxy on {plan.proxy_host}:{plan.proxy_port}",
-                   style="bold")
+    (ptp, pdp), (dtp, ddp) = spec.parallelism("prefill"), spec.parallelism("decode")
+    summary = Text(f"Placement: {spec.prefill} prefill x (dp {pdp}, tp {ptp}), {spec.decode} decode x (dp {ddp}, tp {dtp}); "
+                   f"proxy on {plan.proxy_host}:{plan.proxy_port}", style="bold")
     table = Table()
     for column in ("host", "instance", "role", units, "http port", "dp rpc port", "hccl ports"):
         table.add_column(column)

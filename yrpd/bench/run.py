@@ -82,12 +82,13 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
         data.update(disaggregated=True, prefix_reuse=False)
     elif target in ("single", "single-yr", "peer-lmcache"):
         data.update(single_kv_store=target == "single-yr")
-        devices = spec.prefill * spec.ptp * spec.pdp + spec.decode * spec.dtp * spec.ddp
-        data.update(disaggregated=False, prefill=1, pdp=1, decode=1, ddp=1)
+        devices = sum(n * tp * dp for n, (tp, dp) in ((spec.prefill, spec.parallelism("prefill")),
+                                                      (spec.decode, spec.parallelism("decode"))))
+        data.update(disaggregated=False, prefill=1, prefill_data_parallel_size=1, decode=1, decode_data_parallel_size=1)
         if kind is DeviceKind.cpu:  # one TP rank binding every core the PD pair used
-            data.update(ptp=1, cores_per_rank=devices * spec.cores_per_rank)
+            data.update(prefill_tensor_parallel_size=1, cores_per_rank=devices * spec.cores_per_rank)
         else:
-            data.update(ptp=devices)
+            data.update(prefill_tensor_parallel_size=devices)
     else:
         raise ValueError(target)
     return DeploySpec.model_validate(data).check()

@@ -51,7 +51,7 @@ def hccl_across_hosts(ctx: StepContext) -> bool:
 
 
 def pull_policy(ctx: StepContext) -> str:
-    return ctx.options.get("pull") or "never"
+    return ctx.options.pull
 
 
 def deployment_mounts(ctx: StepContext) -> list[Mount]:
@@ -148,7 +148,7 @@ def ensure(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     p = profile(ctx)
     mounts = [[m.source, m.create, m.purpose] for m in [*p.mounts_for(hccl_across_hosts(ctx)), *deployment_mounts(ctx)]]
     args = _runtime_args(ctx, "ensure", argv=run.argv[1:], image_index=run.image_index - 1, spec=run.spec,
-                         spec_hash=run.spec_hash, recreate=bool(ctx.options.get("recreate")),
+                         spec_hash=run.spec_hash, recreate=ctx.options.recreate,
                          pull=pull_policy(ctx), mounts=mounts)
     cmd = host_python("container_runtime.py", args, timeout=900 if pull_policy(ctx) == "never" else 3900)
     shown = " ".join("yrpd.args=<the spec as JSON>" if w.startswith("yrpd.args=") else shlex.quote(w) for w in run.argv)
