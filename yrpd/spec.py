@@ -21,6 +21,9 @@ from yrpd.models import BUILTIN_MODELS, DEFAULT_BUILTIN
 from yrpd.errors import SpecError
 from yrpd.hostgroup import SshOptions
 from yrpd.proxy.routing import Routing
+from yrpd import ascend_store
+from yrpd.containers import check_image, container_profile, default_npu_image
+from yrpd.versions import DATASYSTEM_PYTHONS, DEFAULT_ENV_ROOT, YR_PYTHONS
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 BUILTIN_MODEL = f"builtin:{DEFAULT_BUILTIN}"
@@ -447,8 +450,6 @@ class RuntimeSection(BaseModel):
     @property
     def env_root(self) -> str:
         """Where the environments (yr, ds, vllm venvs) live on the hosts."""
-        from yrpd.versions import DEFAULT_ENV_ROOT
-
         return (self.env_path or DEFAULT_ENV_ROOT).rstrip("/")
 
     def resolve_runtime(self, kinds: set[DeviceKind]) -> "DeploySpec":
@@ -461,8 +462,6 @@ class RuntimeSection(BaseModel):
 
     def _auto_on_npus(self) -> dict[str, Any]:
         """What runtime auto becomes on NPU hosts: docker, with the image given or the newest release's."""
-        from yrpd.containers import default_npu_image
-
         return {"runtime": Runtime.docker, "image": self.image or default_npu_image()}
 
     def _check_runtime(self) -> None:
@@ -502,24 +501,18 @@ class RuntimeSection(BaseModel):
                 raise SpecError("container_profile", "is only used with runtime docker",
                                 "drop it, or pass --runtime docker --image NAME:TAG")
             return
-        from yrpd.containers import check_image, container_profile
-
         try:
             check_image(self.image)
         except ValueError as exc:
             raise SpecError("image", str(exc), "write it as docker does, e.g. quay.io/ascend/vllm-ascend:v0.10.0rc1-openeuler") from None
         profile = container_profile(self)  # loads and validates it (SpecError naming the profile field)
         if self.kv_connector is KvConnector.ascend_store:
-            from yrpd import ascend_store
-
             ascend_store.check(profile.vllm_ascend, profile.name)
             for role, tp, dp in (("prefill", self.prefill_tensor_parallel_size, self.prefill_data_parallel_size), ("decode", self.decode_tensor_parallel_size, self.decode_data_parallel_size)):
                 if tp * dp > ascend_store.PORT_BLOCK:
                     raise SpecError("kv_connector", f"ascend-store: a {role} instance of tp {tp} x dp {dp} needs "
                                     f"{tp * dp} Mooncake handshake ports, yrpd reserves {ascend_store.PORT_BLOCK} an "
                                     "instance", f"keep tp x dp at most {ascend_store.PORT_BLOCK}, or use kv_connector: yuanrong")
-        from yrpd.versions import DATASYSTEM_PYTHONS, YR_PYTHONS
-
         py, version = profile.cluster_interpreter
         if self.launcher is ClusterLauncher.yr and version not in YR_PYTHONS:
             raise SpecError("cluster_launcher", f"yr needs Python {' or '.join(YR_PYTHONS)} (openyuanrong's wheels) and "

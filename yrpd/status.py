@@ -19,7 +19,7 @@ from yrpd.placement import HostPlan, InstancePlan
 from yrpd.serving import PROXY_NAME, instance_url, proxy_url
 from yrpd.session import SessionPhase
 from yrpd.spec import DeploySpec
-from yrpd.steps import ScriptCall, StepContext, cluster, host_python_parts, processes
+from yrpd.steps import ScriptCall, StepContext, cluster, host_python_parts, processes, resolve
 from yrpd.tags import ComponentState, Condition, ProcessState
 
 #: what an instance's probe reports, copied as is (vLLM's metrics, summed over its ranks)
@@ -195,8 +195,6 @@ def cluster_started(deployment: Deployment) -> bool:
 
 
 def _runs(ref: str | None, functions: tuple) -> bool:
-    from yrpd.steps import resolve
-
     try:
         return ref is not None and resolve(ref) in functions
     except (ValueError, ImportError):

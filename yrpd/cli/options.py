@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+# the spec model is imported inside the functions: `yrpd <cmd> --help` loads none of it (pydantic, yaml)
+
 from functools import wraps
 from typing import Any, Callable
 
