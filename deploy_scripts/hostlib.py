@@ -12,6 +12,21 @@ STARTING, RUNNING, BACKOFF, FAILED, EXITED, STOPPED = "starting", "running", "ba
 #: what session_processes.py adds: nothing watches it and it is gone / its supervisor was killed, it runs on
 DEAD, UNSUPERVISED = "dead", "unsupervised"
 STATES = (STARTING, RUNNING, BACKOFF, FAILED, EXITED, STOPPED, DEAD, UNSUPERVISED)
+#: a data-system component's state in the cluster snapshot, in `yr health`'s words (the dscli launcher's
+#: components say the same, from their supervisors: a supervisor state not named here is upper-cased)
+UP, COMING_UP, DOWN = "RUNNING", "STARTING", "STOPPED"
+COMPONENT_STATES = (UP, COMING_UP, DOWN)
+#: a process in the session's status reply, key by key (yrpd.status.ProcessStatus takes them as fields)
+PROCESS_KEYS = ("name", "pid", "alive", "rss_mb", "command", "supervisor", "state", "restarts", "reason", "last_log")
+
+
+def shaped(keys, **values):
+    """A record of a reply, refused unless it has exactly `keys`: a key renamed on one side only fails here, on the
+    host, by name, instead of as a missing field on the controller."""
+    if set(values) != set(keys):
+        raise KeyError(f"reply record: missing {sorted(set(keys) - set(values))}, "
+                       f"unexpected {sorted(set(values) - set(keys))}")
+    return {k: values[k] for k in keys}
 
 
 def proc_stat(pid):

@@ -14,8 +14,8 @@ import signal
 import sys
 import time
 
-from hostlib import DEAD, EXITED, FAILED, RUNNING, UNSUPERVISED, host_load, listening_sockets, proc_alive, \
-    proc_cmdline, proc_environ, proc_rss_mb, proc_stat, proc_table, unlink_unheld
+from hostlib import DEAD, EXITED, FAILED, PROCESS_KEYS, RUNNING, UNSUPERVISED, host_load, listening_sockets, \
+    proc_alive, proc_cmdline, proc_environ, proc_rss_mb, proc_stat, proc_table, shaped, unlink_unheld
 
 args = json.loads(sys.argv[1])
 session_dir, session_id = args["dir"], args["id"]
@@ -117,12 +117,11 @@ def status():
             # nothing would restart it; the next `yrpd deploy` starts a supervisor that takes it over
             pid, alive = sup["pid"], True
             sup = {**sup, "state": UNSUPERVISED}
-        processes.append({"name": name, "pid": pid, "alive": alive, "rss_mb": proc_rss_mb(pid) if alive else None,
-                          "command": proc_cmdline(pid) if alive else None, "supervisor": supervisor if watched else None,
-                          "state": sup.get("state") if watched or sup.get("state") in (FAILED, EXITED, UNSUPERVISED)
-                          else DEAD,
-                          "restarts": sup.get("restarts", 0), "reason": sup.get("reason"),
-                          "last_log": None if alive else log_tail(name)})
+        processes.append(shaped(
+            PROCESS_KEYS, name=name, pid=pid, alive=alive, rss_mb=proc_rss_mb(pid) if alive else None,
+            command=proc_cmdline(pid) if alive else None, supervisor=supervisor if watched else None,
+            state=sup.get("state") if watched or sup.get("state") in (FAILED, EXITED, UNSUPERVISED) else DEAD,
+            restarts=sup.get("restarts", 0), reason=sup.get("reason"), last_log=None if alive else log_tail(name)))
     leaders = {p["pid"] for p in processes} | {p["supervisor"] for p in processes}
     others = [pid for pid in live if pid not in leaders]
     return {"host": host_facts(), "processes": processes, "session_pids": sorted(live), "other_pids": others}

@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 
-from hostlib import proc_alive, proc_cmdline, proc_stat, proc_table
+from hostlib import COMING_UP, DOWN, RUNNING, UP, proc_alive, proc_cmdline, proc_stat, proc_table
 
 args = json.loads(sys.argv[1])
 if "by_mode" in args:
@@ -121,10 +121,10 @@ def supervised():
             continue
         states[name] = st.get("state")
         pid = int(st.get("pid") or 0)
-        running = st.get("state") == "running" and pid and signal_ok(pid)
+        running = st.get("state") == RUNNING and pid and signal_ok(pid)
         ready = args.get("ready", {}).get(name)
-        state = "RUNNING" if running and (not ready or os.path.exists(ready)) else \
-            "STARTING" if running else str(st.get("state") or "unknown").upper()
+        state = UP if running and (not ready or os.path.exists(ready)) else \
+            COMING_UP if running else str(st.get("state") or "unknown").upper()
         comps[name] = {"state": state, "pid": pid or None, "restarts": int(st.get("restarts") or 0)}
     return comps, json.dumps(states)
 
@@ -146,7 +146,7 @@ def health():
         except (TypeError, ValueError):
             pid = 0
         if pid:
-            comps[name] = {"state": "RUNNING" if signal_ok(pid) else "STOPPED", "pid": pid,
+            comps[name] = {"state": UP if signal_ok(pid) else DOWN, "pid": pid,
                            "restarts": int(c.get("restart_count") or 0)}
     return comps, json.dumps(info)[-400:]
 
@@ -247,7 +247,7 @@ def problems_of(snap, expected):
         c = snap["components"].get(name)
         if c is None:
             problems.append((name, absent))
-        elif c["state"] != "RUNNING" or not c["alive"]:
+        elif c["state"] != UP or not c["alive"]:
             problems.append((name, f"{c['state'].lower()} (pid {c['pid']}{', exited' if not c['alive'] else ''})"))
         # a restart count is not a problem: openYuanrong's daemon restarts what dies, and that one is back
     for name, up in snap["ports"].items():

@@ -16,14 +16,19 @@ from typing import Callable, Protocol
 from yrpd.assets import playbook_path
 from yrpd.deployment import Deployment, host_group, resolve_inventory, runtime_group, save_deployment
 from yrpd.errors import SpecError
-from yrpd.hostgroup import Command, GroupResult, SshOptions
+from yrpd.hostgroup import Command, GroupResult, SshOptions, as_run_in, env_preamble
 from yrpd.placement import HostInventory, Plan, make_plan
-from yrpd.playbook import Playbook, PlaybookFailed, PlaybookRunner, PlannedStep, StepFailed, StepOutcome, StepSpec, \
-    describe, load_playbook
+from yrpd.playbook import Playbook, PlaybookFailed, PlaybookRunner, PlannedStep, StepEnded, StepFailed, StepOutcome, \
+    StepSpec, StepStarted, describe, load_playbook
 from yrpd.session import Session, SessionPhase, SessionStore, default_root, resolve_root
 from yrpd.spec import DeploySpec, Runtime, stored_spec
 from yrpd.status import StatusReport, collect_status
-from yrpd.steps import NotNeeded, StepContext, spec_fingerprint
+from yrpd.steps import NotNeeded, RunOptions, StepContext, proxy, spec_fingerprint
+from yrpd import credentials
+from yrpd.containers import container_name, container_profile
+from yrpd.exposure import exposure
+from yrpd.logtail import TailSplitter, tail_script
+from yrpd.serving import endpoint_url
 
 
 class Progress(Protocol):
@@ -64,8 +69,6 @@ class PlanView:
         data = self.plan.to_dict()
         data["steps"] = [{"name": s.step.name, "hosts": {host: str(cmd) for host, cmd in s.actions.items()}}
                          for s in self.steps]
-        from yrpd.exposure import exposure
-
         data["ports"] = [row.to_dict() for row in exposure(self.spec, self.plan)]
         return data
 
@@ -93,9 +96,6 @@ def _as_run(spec: DeploySpec, ctx: StepContext, steps: list[PlannedStep]) -> lis
     """Runtime docker: the commands as deploy runs them, inside the container (`docker exec`)."""
     if spec.runtime is not Runtime.docker:
         return steps
-    from yrpd.containers import container_name, container_profile
-    from yrpd.hostgroup import as_run_in, env_preamble
-
     name, engine = container_name(ctx.session_id), spec.container_engine.value
     preamble = env_preamble(container_profile(spec).env_scripts)
     return [PlannedStep(s.step, {host: cmd if isinstance(cmd, NotNeeded) else as_run_in(cmd, name, engine,
@@ -160,12 +160,10 @@ def deploy(spec: DeploySpec, *, playbook_file: str | Path | None = None, new_ses
             progress.message(f"resuming session {session.id}: finished steps are skipped")
         save_deployment(session, spec, inventory, placement)
         session.set_state(SessionPhase.deploying, playbook=str(playbook_file or "deploy"))
-        from yrpd import credentials
-
         master = next(h for h in placement.hosts if h.is_master)
         secrets = credentials.ensure(session.path, spec.proxy_key(), etcd_ips=[master.reach_ip])
         ctx = StepContext(spec=spec, plan=placement, session_id=session.id,
-                          options={"recreate": actions.recreate, "pull": actions.pull, "secrets_dir": str(secrets)})
+                          options=RunOptions(recreate=actions.recreate, pull=actions.pull, secrets_dir=str(secrets)))
         try:
             outcomes = _run(playbook, runtime_group(group, spec, session.id), ctx, session, progress)
         except StepFailed as failure:
@@ -175,9 +173,6 @@ def deploy(spec: DeploySpec, *, playbook_file: str | Path | None = None, new_ses
             raise
     session.set_state(SessionPhase.deployed, failed_step=None)
     endpoint = None
-    from yrpd.serving import endpoint_url
-    from yrpd.steps import proxy
-
     if any(step.function is proxy.start for step in playbook.steps):
         endpoint = endpoint_url(spec, placement) + "/v1"
     return Deployed(session, Deployment(session, spec, inventory, placement), endpoint, resumed,
@@ -188,11 +183,11 @@ def _run(playbook: Playbook, group, ctx: StepContext, session: Session, progress
          keep_going: bool = False) -> list[StepOutcome]:
     steps = playbook.steps
 
-    def report(event: str, step: StepSpec, info: dict) -> None:
-        if event == "start":
-            progress.step_started(steps.index(step) + 1, len(steps), step)
+    def report(event: StepStarted | StepEnded) -> None:
+        if isinstance(event, StepStarted):
+            progress.step_started(steps.index(event.step) + 1, len(steps), event.step)
         else:
-            progress.step_finished(step, info["outcome"])
+            progress.step_finished(event.step, event.outcome)
 
     return PlaybookRunner(group, ctx, session, report).run(playbook, keep_going=keep_going)
 
@@ -262,13 +257,11 @@ def down(deployment: Deployment, *, purge: bool = False, progress: Progress | No
     # docker runtime: a container that is gone or stopped has nothing of the session running in it
     with deployment.group(absent_ok=True) as group:
         try:
-            _run(playbook, group, deployment.context(purge=purge), session, progress, keep_going=True)
+            _run(playbook, group, deployment.context(RunOptions(purge=purge)), session, progress, keep_going=True)
         except PlaybookFailed as failure:
             session.set_state(SessionPhase.down_failed)
             failure.args = (f"{failure}\nfix the cause (or bring the host back) and run `yrpd down` again",)
             raise
-    from yrpd import credentials
-
     credentials.remove(session.path)  # the hosts' copies went with the teardown
     session.set_state(SessionPhase.down, purged=purge)
     return Down(session, [h.name for h in deployment.plan.hosts], time.monotonic() - started, was_down)
@@ -279,8 +272,6 @@ def logs(deployment: Deployment, emit: Callable[[str, str, str], None], *, name:
     """Tail the session's log files on the hosts; `emit(host, log name, line)` per line as it arrives, one call
     at a time. Returns each host's result (tail's exit status; 130/143 when interrupted)."""
     import threading
-
-    from yrpd.logtail import TailSplitter, tail_script
 
     known = [h.name for h in deployment.plan.hosts]
     for host in hosts or []:

@@ -15,10 +15,16 @@ from enum import Enum
 from pydantic import BaseModel
 
 from yrpd.hostgroup import SshOptions
-from yrpd.spec import DeploySpec, HostSpec, Ports, RestartPolicy
+from yrpd.spec import DataSystemSection, HostSpec, Ports, RestartPolicy, RuntimeSection, ServingSection, \
+    TopologySection
 
-SECTIONS = [("top level (`yrpd.yaml`)", DeploySpec, ""), ("hosts[] entries", HostSpec, "hosts[]."),
-            ("ports", Ports, "ports."), ("restart", RestartPolicy, "restart."), ("ssh", SshOptions, "ssh.")]
+#: DeploySpec's own sections are all top-level keys of yrpd.yaml, one flat mapping
+SECTIONS = [("top level (`yrpd.yaml`): topology", TopologySection, ""),
+            ("top level: runtime", RuntimeSection, ""),
+            ("top level: data system", DataSystemSection, ""),
+            ("top level: serving", ServingSection, ""),
+            ("hosts[] entries", HostSpec, "hosts[]."), ("ports", Ports, "ports."), ("restart", RestartPolicy, "restart."),
+            ("ssh", SshOptions, "ssh.")]
 
 
 def field_comments(model: type[BaseModel]) -> dict[str, str]:
@@ -29,7 +35,7 @@ def field_comments(model: type[BaseModel]) -> dict[str, str]:
         if stripped.startswith("#:"):
             pending.append(stripped[2:].strip())
             continue
-        match = re.match(r"^\s{4}([a-z_]+): ", line)
+        match = re.match(r"^\s{4}([a-z_]+): ", line)  # a field (a long one's Field(...) may run on)
         if match:
             trailing = line.split("#", 1)[1].strip() if "  # " in line else ""
             text = " ".join(pending) or trailing
@@ -76,7 +82,9 @@ def render() -> str:
         comments = field_comments(model)
         out += [f"## {title}", "", "| key | type | default | limits | meaning |", "|---|---|---|---|---|"]
         for name, field in model.model_fields.items():
-            out.append(f"| `{prefix}{name}` | {type_name(field.annotation)} | {default_text(field)} | "
+            short = [a for a in getattr(field.validation_alias, "choices", []) if a != name]
+            key = f"`{prefix}{name}`" + "".join(f" (or `{a}`)" for a in short)
+            out.append(f"| {key} | {type_name(field.annotation)} | {default_text(field)} | "
                        f"{bounds(field) or '-'} | {comments.get(name, '')} |")
         out.append("")
     return "\n".join(out)

@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from yrpd.errors import SpecError
+from yrpd.assets import container_profiles_dir
 
 PROFILE_SCHEMA = "yrpd.container-profile/1"
 FIELD = "container_profile"
@@ -226,8 +227,6 @@ class Profile(BaseModel):
 # -- loading ---------------------------------------------------------------------------------------
 
 def profiles_dir() -> Path:
-    from yrpd.assets import container_profiles_dir
-
     return container_profiles_dir()
 
 

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from yrpd.errors import SessionError
-from yrpd.hostgroup import GroupResult, Host, HostGroup
+from yrpd.hostgroup import GroupResult, Host, HostGroup, env_preamble
 from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.session import Session
 from yrpd.spec import DeploySpec, DeviceKind, Dtype, HostSpec, Runtime, stored_spec
-from yrpd.steps import StepContext, host_python
+from yrpd.steps import RunOptions, StepContext, host_python
+from yrpd import credentials
+from yrpd.containers import container_name, container_profile
 
 
 def host_group(spec: DeploySpec) -> HostGroup:
@@ -29,9 +31,6 @@ def runtime_group(group: HostGroup, spec: DeploySpec, session_id: str, absent_ok
     host's container of the session (except those marked on_host); `absent_ok` for teardown."""
     if spec.runtime is not Runtime.docker:
         return group
-    from yrpd.containers import container_name, container_profile
-    from yrpd.hostgroup import env_preamble
-
     name = container_name(session_id)
     return group.in_containers({h.name: name for h in group.hosts}, spec.container_engine.value, absent_ok,
                                env_preamble(container_profile(spec).env_scripts))
@@ -144,8 +143,8 @@ class Deployment:
         inventory = inventory_from_json(plan_data["inventory"])
         return cls(session, spec, inventory, make_plan(spec, inventory))
 
-    def context(self, **options) -> StepContext:
-        return StepContext(spec=self.spec, plan=self.plan, session_id=self.session.id, options=options)
+    def context(self, options: RunOptions | None = None) -> StepContext:
+        return StepContext(spec=self.spec, plan=self.plan, session_id=self.session.id, options=options or RunOptions())
 
     def group(self, absent_ok: bool = False) -> HostGroup:
         return runtime_group(host_group(self.spec), self.spec, self.session.id, absent_ok)
@@ -153,8 +152,6 @@ class Deployment:
     def endpoint_key(self) -> str | None:
         """What a client of the endpoint sends as its bearer token: the proxy's key (from the variable the spec
         names, here), or, without a proxy, the token the instances require."""
-        from yrpd import credentials
-
         if self.spec.disaggregated:
             return self.spec.proxy_key()
         return credentials.instance_token(self.session.path)

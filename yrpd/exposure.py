@@ -14,6 +14,7 @@ from enum import Enum
 
 from yrpd.placement import Plan
 from yrpd.spec import DeploySpec, DeviceKind, KvConnector
+from yrpd.ascend_store import handover_port
 
 
 class Guard(str, Enum):
@@ -53,8 +54,6 @@ def exposure(spec: DeploySpec, plan: Plan) -> list[PortAccess]:
         rows.append(PortAccess(inst.host, str(inst.port), f"{inst.name} (vLLM API)", ip[inst.host], callers,
                                Guard.token))
         if spec.kv_connector is KvConnector.ascend_store and spec.disaggregated:
-            from yrpd.ascend_store import handover_port
-
             first = handover_port(spec.ports, inst)
             rows.append(PortAccess(inst.host, f"{first}-{first + inst.tp * inst.dp - 1}",
                                    f"{inst.name} Mooncake KV hand-over (vllm-ascend's MooncakeConnectorV1)",

@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from yrpd.errors import YrpdError
+from yrpd import __version__
+from yrpd.assets import patches_dir
 
 SERIES_SCHEMA = "yrpd.patch-series/1"
 RECORD_SCHEMA = "yrpd.patch-record/1"
@@ -314,8 +316,6 @@ def load_all(root: Path) -> list[Series]:
 
 
 def default_root() -> Path:
-    from yrpd.assets import patches_dir
-
     return patches_dir()
 
 
@@ -712,6 +712,4 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def _yrpd_version() -> str:
-    from yrpd import __version__
-
     return f"yrpd {__version__}"

@@ -181,9 +181,9 @@ class PlacedInstance:
 
 def role_requests(spec: DeploySpec) -> list[RoleRequest]:
     if spec.disaggregated:
-        return [RoleRequest("prefill", spec.prefill, spec.ptp, spec.pdp, "ptp"),
-                RoleRequest("decode", spec.decode, spec.dtp, spec.ddp, "dtp")]
-    return [RoleRequest("single", spec.prefill, spec.ptp, spec.pdp, "ptp")]
+        return [RoleRequest("prefill", spec.prefill, *spec.parallelism("prefill"), "prefill_tensor_parallel_size (--ptp)"),
+                RoleRequest("decode", spec.decode, *spec.parallelism("decode"), "decode_tensor_parallel_size (--dtp)")]
+    return [RoleRequest("single", spec.prefill, *spec.parallelism("single"), "prefill_tensor_parallel_size (--ptp)")]
 
 
 def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from yrpd.errors import SpecError
 from yrpd.hostgroup import CheckedCommand, Command, GroupFailure, GroupResult, HostGroup, HostResult
 from yrpd.placement import HostPlan
 from yrpd.session import Session
-from yrpd.steps import NotNeeded, StepContext, resolve
+from yrpd.steps import NotNeeded, RunOptions, StepContext, resolve
 
 
 class StepSpec(BaseModel):
@@ -35,9 +35,16 @@ class StepSpec(BaseModel):
     run: str
     check: str | None = None
     args: dict[str, Any] = Field(default_factory=dict, alias="with")
-    when: str | None = None  # an option name (e.g. purge): the step runs only when it is set
+    when: str | None = None  # a flag of RunOptions (e.g. purge): the step runs only when it is set
     #: on a host it needs only that host's earlier steps: a host goes on to it without waiting for the others
     per_host: bool = False
+
+    @field_validator("when")
+    @classmethod
+    def _known_flag(cls, value: str | None) -> str | None:
+        if value is not None and value not in RunOptions.flags():
+            raise ValueError(f"when: {value!r} is no run option; use one of {', '.join(sorted(RunOptions.flags()))}")
+        return value
 
     @property
     def id(self) -> str:
@@ -86,7 +93,7 @@ def step_hosts(step: StepSpec, ctx: StepContext) -> list[HostPlan]:
 
 
 def step_enabled(step: StepSpec, ctx: StepContext) -> bool:
-    return step.when is None or bool(ctx.options.get(step.when))
+    return step.when is None or bool(getattr(ctx.options, step.when))
 
 
 def step_actions(step: StepSpec, ctx: StepContext,
@@ -173,7 +180,20 @@ class StepOutcome:
     not_needed: dict[str, str] = field(default_factory=dict)  # host -> why the step has nothing to do there
 
 
-Reporter = Callable[[str, StepSpec, dict], None]
+@dataclass(frozen=True)
+class StepStarted:
+    step: StepSpec
+    hosts: list[str]
+
+
+@dataclass(frozen=True)
+class StepEnded:
+    step: StepSpec
+    outcome: StepOutcome
+
+
+#: told of each step as it starts and as it ends on all its hosts
+Reporter = Callable[[StepStarted | StepEnded], None]
 
 
 class PlaybookRunner:
@@ -182,7 +202,7 @@ class PlaybookRunner:
         self.group = group
         self.ctx = ctx
         self.session = session
-        self.report = report or (lambda event, step, info: None)
+        self.report = report or (lambda event: None)
 
     def run(self, playbook: Playbook, keep_going: bool = False) -> list[StepOutcome]:
         """Run every enabled step; raise StepFailed at the first failing one.
@@ -253,7 +273,7 @@ class PlaybookRunner:
             for name in hosts:
                 pool.submit(on_host, name)
             for i, step in enumerate(chain):
-                self.report("start", step, {"hosts": sorted(members[i])})
+                self.report(StepStarted(step, sorted(members[i])))
                 with changed:
                     # ended on every host of the step, but for those that stopped before it
                     changed.wait_for(lambda: all(n in done[i] or n in stopped for n in members[i]))
@@ -274,7 +294,7 @@ class PlaybookRunner:
     def run_step(self, step: StepSpec, exclude: set[str] = frozenset()) -> StepOutcome:
         started = time.monotonic()
         hosts = [h for h in step_hosts(step, self.ctx) if h.name not in exclude]
-        self.report("start", step, {"hosts": [h.name for h in hosts]})
+        self.report(StepStarted(step, [h.name for h in hosts]))
         attempt = self._attempt(step, hosts)
         return self._finish(step, attempt, time.monotonic() - started)
 
@@ -308,7 +328,7 @@ class PlaybookRunner:
             self._journal(step, name, "done" if result.ok else ("unreachable" if not result.reachable else "failed"), result)
         ran = sorted(n for n, r in attempt.results.items() if r.reachable)
         outcome = StepOutcome(step, ran, sorted(attempt.skipped), attempt.results, seconds, attempt.not_needed)
-        self.report("end", step, {"outcome": outcome})
+        self.report(StepEnded(step, outcome))
         return outcome
 
     def _journal(self, step: StepSpec, host: str, outcome: str, result: HostResult | None, **extra: Any) -> None:

@@ -12,16 +12,19 @@ from yrpd.placement import Plan, describe_devices, unit_name
 from yrpd.playbook import PlannedStep
 from yrpd.spec import ClusterLauncher, DeploySpec, Dtype, KvConnector, Runtime
 from yrpd.status import StatusReport
-from yrpd.steps import NotNeeded
+from yrpd.steps import NotNeeded, StepContext
 from yrpd.tags import Condition, ProcessState
+from yrpd.containers import container_profile
+from yrpd.exposure import Guard, exposure
+from yrpd.steps.brought import needed
 
 
 def plan_table(spec: DeploySpec, plan: Plan) -> list:
     kinds = {h.kind for h in plan.hosts}
     units = unit_name(kinds.pop()) if len(kinds) == 1 else "devices"
-    summary = Text(f"Placement: {spec.prefill} prefill x (dp {spec.pdp}, tp {spec.ptp}), "
-                   f"{spec.decode} decode x (dp {spec.ddp}, tp {spec.dtp}); proxy on {plan.proxy_host}:{plan.proxy_port}",
-                   style="bold")
+    (ptp, pdp), (dtp, ddp) = spec.parallelism("prefill"), spec.parallelism("decode")
+    summary = Text(f"Placement: {spec.prefill} prefill x (dp {pdp}, tp {ptp}), {spec.decode} decode x (dp {ddp}, tp {dtp}); "
+                   f"proxy on {plan.proxy_host}:{plan.proxy_port}", style="bold")
     table = Table()
     for column in ("host", "instance", "role", units, "http port", "dp rpc port", "hccl ports"):
         table.add_column(column)
@@ -55,8 +58,6 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
     if spec.runtime is Runtime.docker:
         lines.append(Text(f"runtime: docker, one container of {spec.image} per host (the default on NPU hosts; "
                           "--runtime host runs the processes on the hosts)"))
-        from yrpd.containers import container_profile
-
         profile = container_profile(spec)
         cluster_py, cluster_version = profile.cluster_interpreter
         if spec.launcher is ClusterLauncher.dscli:
@@ -67,9 +68,6 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
                        f"(Python {cluster_version})")
         lines.append(Text(f"containers ({profile.name}, vllm-ascend {profile.vllm_ascend or 'unknown'}): instances "
                           f"and proxy run the image's {profile.python} (Python {profile.python_version}); {cluster}"))
-        from yrpd.steps import StepContext
-        from yrpd.steps.brought import needed
-
         ctx = StepContext(spec, plan)
         sets = {ws.key: ws for host in plan.hosts for ws in needed(ctx, host).values()}
         for ws in sets.values():
@@ -79,8 +77,6 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
     else:
         lines.append(Text("runtime: host, the processes run on the hosts (NPU hosts default to docker with the "
                           "vllm-ascend image; --runtime docker --image IMAGE elsewhere)"))
-    from yrpd.exposure import Guard, exposure
-
     ports = Table(title="Who may reach each port", title_justify="left")
     for column in ("host", "port", "what", "listens on", "needed by", "a caller must present"):
         ports.add_column(column)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from yrpd.layout import HostPaths
 from yrpd.placement import HostPlan, InstancePlan, Plan
-from yrpd import credentials
+from yrpd import ascend_store, credentials
 from yrpd.spec import BUILTIN_MODEL, DeploySpec, DeviceKind, KvConnector
 
 #: role -> connector role; with prefix reuse, prefill also loads prefixes other requests stored
@@ -133,8 +133,6 @@ ASCEND_STORE_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "single
 def ascend_store_config(spec: DeploySpec, plan: Plan, inst: InstancePlan) -> dict:
     """vllm-ascend's PD recipe on yrpd's data system (yrpd.ascend_store): Mooncake hands KV over between the
     disaggregated instances, AscendStoreConnector keeps it in the pool."""
-    from yrpd import ascend_store
-
     handover = None
     if inst.role != "single":
         sizes = {role: next({"dp_size": i.dp, "tp_size": i.tp} for i in plan.instances if i.role == role)
@@ -201,8 +199,6 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
         devices = tuple(d for r in ranks for d in r.devices)
         host_env = {**env, **device_env(host_of(plan, h).kind, devices, inst.tp), "VLLM_HOST_IP": host_of(plan, h).reach_ip}
         if with_kv and spec.kv_connector is KvConnector.ascend_store:
-            from yrpd import ascend_store
-
             host_env.update(ascend_store.worker_env(f"{host_of(plan, h).reach_ip}:{spec.ports.datasystem}"))
         host_env.update(spec.env)
         if with_kv:

@@ -15,12 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from yrpd.models import BUILTIN_MODELS, DEFAULT_BUILTIN
 from yrpd.errors import SpecError
 from yrpd.hostgroup import SshOptions
 from yrpd.proxy.routing import Routing
+from yrpd import ascend_store
+from yrpd.containers import check_image, container_profile, default_npu_image
+from yrpd.versions import DATASYSTEM_PYTHONS, DEFAULT_ENV_ROOT, YR_PYTHONS
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 BUILTIN_MODEL = f"builtin:{DEFAULT_BUILTIN}"
@@ -294,10 +297,19 @@ def _fmt_range(r: tuple[int, int]) -> str:
     return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
 
 
-class DeploySpec(BaseModel):
-    """Everything a deployment needs; serialised into the session so status/logs/down can reuse it."""
+#: the parallelism fields' short names, kept as aliases (flags and config files): field -> short name
+PARALLEL_ALIASES = {"prefill_tensor_parallel_size": "ptp", "decode_tensor_parallel_size": "dtp",
+                    "prefill_data_parallel_size": "pdp", "decode_data_parallel_size": "ddp"}
 
-    model_config = ConfigDict(extra="forbid")
+
+def _parallel_size(field: str) -> Any:
+    """A parallelism field: 1 to 64, read under its own name or its short one."""
+    return Field(1, ge=1, le=64, validation_alias=AliasChoices(field, PARALLEL_ALIASES[field]))
+
+
+class TopologySection(BaseModel):
+    """Where the deployment runs and how it is cut into instances: hosts, devices, instances and their
+    parallelism."""
 
     #: hosts: names, user@host:port, ssh_config aliases, or entries with per-host settings (`--hosts`)
     hosts: list[HostSpec]
@@ -311,28 +323,98 @@ class DeploySpec(BaseModel):
     prefill: int = Field(1, ge=1, le=64)
     #: decode instances, the guide's DECODE_INS_NUM (`--decode`)
     decode: int = Field(1, ge=1, le=64)
-    #: tensor parallel size of each prefill instance (`--ptp`)
-    ptp: int = Field(1, ge=1, le=64)
-    #: tensor parallel size of each decode instance (`--dtp`)
-    dtp: int = Field(1, ge=1, le=64)
-    #: data parallel ranks of each prefill instance (`--pdp`)
-    pdp: int = Field(1, ge=1, le=64)
-    #: data parallel ranks of each decode instance (`--ddp`)
-    ddp: int = Field(1, ge=1, le=64)
-    #: absolute model directory on the hosts, or builtin:smollm2 (the embedded default's) / builtin:tiny-qwen2 /
-    #: builtin:bench-qwen2 (`--model`)
-    model: str | None = None
-    #: what the instances compute and keep KV in; auto = on CPU hosts the fastest dtype of their CPUs (float32
-    #: without AVX512-BF16 or with AMX, else bfloat16; builtin:smollm2 float32 on every CPU, its answers need it),
-    #: elsewhere the model's own (`--dtype`)
-    dtype: Dtype = Dtype.auto
-    #: model name clients use; default the model directory's name (`--served-model-name`)
-    served_model_name: str | None = None
-    #: container image for runtime docker (`--image`)
-    image: str | None = None
+    #: tensor parallel size of each prefill instance (`--prefill-tensor-parallel-size` or `--ptp`)
+    prefill_tensor_parallel_size: int = _parallel_size("prefill_tensor_parallel_size")
+    #: tensor parallel size of each decode instance (`--decode-tensor-parallel-size` or `--dtp`)
+    decode_tensor_parallel_size: int = _parallel_size("decode_tensor_parallel_size")
+    #: data parallel ranks of each prefill instance (`--prefill-data-parallel-size` or `--pdp`)
+    prefill_data_parallel_size: int = _parallel_size("prefill_data_parallel_size")
+    #: data parallel ranks of each decode instance (`--decode-data-parallel-size` or `--ddp`)
+    decode_data_parallel_size: int = _parallel_size("decode_data_parallel_size")
+    #: CPU hosts only: cores each TP rank binds (devices are cores there)
+    cores_per_rank: int = Field(1, ge=1, le=256)
+    #: prefill/decode instances behind the proxy; false = `prefill` plain vLLM instances ("single-N", no
+    #: connector, no proxy): the non-disaggregated baseline `yrpd bench` compares against
+    disaggregated: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_each(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for field, short in PARALLEL_ALIASES.items():
+                if field in data and short in data:
+                    raise SpecError(field, f"given twice, as {field} and as {short}", "keep one of them")
+        return data
+
+    @field_validator("hosts", mode="before")
+    @classmethod
+    def _hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [h for h in value.split(",")]
+        if not isinstance(value, list):
+            return value
+        return [{"address": h} if isinstance(h, str) else h for h in value]
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices(cls, value: Any) -> Any:
+        return parse_device_list(value, "devices") if value is not None else None
+
+    @property
+    def master_host(self) -> HostSpec:
+        name = self.master or self.hosts[0].name
+        for host in self.hosts:
+            if host.name == name or host.address == name:
+                return host
+        raise AssertionError("validated in check()")  # pragma: no cover
+
+    def host(self, name: str) -> HostSpec:
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise KeyError(name)
+
+    def parallelism(self, role: str) -> tuple[int, int]:
+        """(tensor, data) parallel size of each instance of `role`: prefill, decode, or single (plain instances,
+        which take prefill's)."""
+        if role == "decode":
+            return self.decode_tensor_parallel_size, self.decode_data_parallel_size
+        return self.prefill_tensor_parallel_size, self.prefill_data_parallel_size
+
+    def _check_topology(self) -> None:
+        if not self.hosts:
+            raise SpecError("hosts", "no hosts given", "pass --hosts h1,h2 or list hosts: in yrpd.yaml")
+        seen: dict[str, int] = {}
+        for i, host in enumerate(self.hosts):
+            parse_host_address(host.address, f"hosts[{i}]")
+            if host.name in seen:
+                raise SpecError(
+                    f"hosts[{i}]", f"{host.name} is listed twice (also hosts[{seen[host.name]}])", "list each host once"
+                )
+            seen[host.name] = i
+            if host.ip is not None:
+                try:
+                    ipaddress.ip_address(host.ip)
+                except ValueError:
+                    raise SpecError(f"hosts[{i}].ip", f"{host.ip!r} is not an IP address", "give the host's IP address") from None
+        if self.master is not None and not any(self.master in (h.name, h.address) for h in self.hosts):
+            names = ",".join(h.name for h in self.hosts)
+            raise SpecError("master", f"{self.master!r} is not one of the hosts ({names})", "pick one of the hosts")
+        named = {h.name: h.device_kind or self.device_kind for h in self.hosts}
+        if len({k for k in named.values() if k is not DeviceKind.auto}) > 1:
+            described = ", ".join(f"{n}={k.value}" for n, k in named.items())
+            raise SpecError("device_kind", f"hosts mix device kinds ({described})", "deploy one kind of device per run")
+
+
+class RuntimeSection(BaseModel):
+    """How yrpd reaches the hosts and runs processes there: container or not, environments, ports, restarts, session
+    directories."""
+
     #: host = processes on the hosts; docker = one container per host; auto = docker on NPU hosts (the vllm-ascend
     #: image: `image`, default the newest vllm-ascend release's), host elsewhere (`--runtime`)
     runtime: Runtime = Runtime.auto
+    #: container image for runtime docker (`--image`)
+    image: str | None = None
     #: runtime docker: a profile in containers/ by name, or a profile file; default: the one made for `image`
     container_profile: str | None = None
     #: runtime docker: the container CLI (podman is documented, not tested)
@@ -347,6 +429,105 @@ class DeploySpec(BaseModel):
     env_path: str | None = None
     #: directory on the hosts with wheel files, for hosts without a package index
     wheels: str | None = None
+    #: local session directories (or $YRPD_HOME/sessions)
+    session_root: str = "~/.yrpd/sessions"
+    #: session directories on the hosts (logs, pid files, cluster state)
+    remote_session_root: str = "/tmp/yrpd_sessions"
+    #: how yrpd reaches the hosts (see the ssh section)
+    ssh: SshOptions = SshOptions()
+    #: preflight: free disk needed under remote_session_root
+    min_free_disk_gb: float = Field(2.0, ge=0)
+    #: how long deploy waits for an instance to answer /health
+    startup_timeout_s: int = Field(900, ge=10)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {str(k): "" if v is None else str(v) for k, v in value.items()}
+        return value
+
+    @property
+    def env_root(self) -> str:
+        """Where the environments (yr, ds, vllm venvs) live on the hosts."""
+        return (self.env_path or DEFAULT_ENV_ROOT).rstrip("/")
+
+    def resolve_runtime(self, kinds: set[DeviceKind]) -> "DeploySpec":
+        """runtime auto made concrete once the hosts' device kinds are known: docker where every host has NPUs (the
+        image given, else the newest vllm-ascend release's), host elsewhere. Checked again as resolved."""
+        if self.runtime is not Runtime.auto:
+            return self
+        on_npus = self._auto_on_npus() if kinds == {DeviceKind.npu} else {"runtime": Runtime.host}
+        return self.model_copy(update=on_npus).check()
+
+    def _auto_on_npus(self) -> dict[str, Any]:
+        """What runtime auto becomes on NPU hosts: docker, with the image given or the newest release's."""
+        return {"runtime": Runtime.docker, "image": self.image or default_npu_image()}
+
+    def _check_runtime(self) -> None:
+        if self.runtime is Runtime.auto and all((h.device_kind or self.device_kind) is DeviceKind.npu for h in self.hosts):
+            # NPU hosts named as such: resolved here, so every check after this sees the runtime they get
+            for key, value in self._auto_on_npus().items():
+                setattr(self, key, value)
+        if self.runtime is Runtime.docker and not self.image:
+            raise SpecError("image", "runtime docker needs an image", "pass --image NAME:TAG or use --runtime host")
+        self._check_container()
+        for key in self.env:
+            if not _ENV_NAME_RE.match(key):
+                raise SpecError(f"env.{key}", "is not a valid environment variable name", "use letters, digits and _")
+        for field, path in (("ssh.identity", self.ssh.identity), *((f"hosts[{i}].identity", h.identity) for i, h in enumerate(self.hosts))):
+            if path and not Path(path).expanduser().is_file():
+                raise SpecError(field, f"identity file {path} does not exist", "pass an existing private key with -i")
+        if self.ssh.config_file != "~/.ssh/config" and not Path(self.ssh.config_file).expanduser().is_file():
+            raise SpecError("ssh.config_file", f"{self.ssh.config_file} does not exist", "pass an existing file to --ssh-config")
+        for field, path in (("env_path", self.env_path), ("wheels", self.wheels)):
+            if path is not None and not path.startswith("/"):
+                raise SpecError(field, f"{path!r} is not an absolute path", "give the directory's absolute path on the hosts")
+        if not self.remote_session_root.startswith("/"):
+            raise SpecError("remote_session_root", "must be an absolute path", "e.g. /tmp/yrpd_sessions")
+        # vLLM binds IPC sockets at $TMPDIR/<uuid4> and TMPDIR is <root>/<session id>/tmp; a unix socket
+        # path longer than 107 bytes fails deep inside engine start-up
+        longest = len(self.remote_session_root.rstrip("/")) + len("/20261122-181524-3086ce/tmp/") + 36
+        if longest > 107:
+            raise SpecError("remote_session_root", f"is too long ({len(self.remote_session_root)} characters): vLLM's "
+                            f"IPC socket paths under it would exceed the 107-byte limit of unix sockets",
+                            f"use a path of at most {107 - longest + len(self.remote_session_root)} characters")
+
+    def _check_container(self) -> None:
+        if self.runtime is Runtime.auto:
+            return  # resolve_runtime checks again once the hosts' kinds are known
+        if self.runtime is not Runtime.docker:
+            if self.container_profile is not None:
+                raise SpecError("container_profile", "is only used with runtime docker",
+                                "drop it, or pass --runtime docker --image NAME:TAG")
+            return
+        try:
+            check_image(self.image)
+        except ValueError as exc:
+            raise SpecError("image", str(exc), "write it as docker does, e.g. quay.io/ascend/vllm-ascend:v0.10.0rc1-openeuler") from None
+        profile = container_profile(self)  # loads and validates it (SpecError naming the profile field)
+        if self.kv_connector is KvConnector.ascend_store:
+            ascend_store.check(profile.vllm_ascend, profile.name)
+            for role, tp, dp in (("prefill", self.prefill_tensor_parallel_size, self.prefill_data_parallel_size), ("decode", self.decode_tensor_parallel_size, self.decode_data_parallel_size)):
+                if tp * dp > ascend_store.PORT_BLOCK:
+                    raise SpecError("kv_connector", f"ascend-store: a {role} instance of tp {tp} x dp {dp} needs "
+                                    f"{tp * dp} Mooncake handshake ports, yrpd reserves {ascend_store.PORT_BLOCK} an "
+                                    "instance", f"keep tp x dp at most {ascend_store.PORT_BLOCK}, or use kv_connector: yuanrong")
+        py, version = profile.cluster_interpreter
+        if self.launcher is ClusterLauncher.yr and version not in YR_PYTHONS:
+            raise SpecError("cluster_launcher", f"yr needs Python {' or '.join(YR_PYTHONS)} (openyuanrong's wheels) and "
+                            f"the container's is {version} ({py}, profile {profile.name})",
+                            "use cluster_launcher: dscli (the default), or name a Python 3.11 of the image as "
+                            "cluster_python in a copy of the profile")
+        if self.launcher is ClusterLauncher.dscli and version not in DATASYSTEM_PYTHONS:
+            raise SpecError("container_profile", f"{profile.name}: the data system's wheels exist for Python "
+                            f"{' and '.join(DATASYSTEM_PYTHONS)}, the container's Python is {version} ({py})",
+                            "name a Python 3.11 or 3.12 of the image as cluster_python in a copy of the profile")
+
+
+class DataSystemSection(BaseModel):
+    """openYuanrong: its mode, what starts it, and the data system's memory and disk tiers."""
+
     #: openYuanrong mode: full needs the function system; auto picks by what is installed (dscli: ds_only)
     cluster_mode: ClusterMode = ClusterMode.auto
     #: what starts the data system and etcd: dscli (etcd + one worker per host under yrpd's supervisor, no `yr`
@@ -360,22 +541,36 @@ class DeploySpec(BaseModel):
     datasystem_spill_mb: int = Field(0, ge=0)
     #: where the disk tier lives on the hosts (a local SSD); default: the session directory (removed by `down`)
     datasystem_spill_dir: str | None = None
-    #: local session directories (or $YRPD_HOME/sessions)
-    session_root: str = "~/.yrpd/sessions"
-    #: session directories on the hosts (logs, pid files, cluster state)
-    remote_session_root: str = "/tmp/yrpd_sessions"
-    #: how yrpd reaches the hosts (see the ssh section)
-    ssh: SshOptions = SshOptions()
-    #: preflight: free disk needed under remote_session_root
-    min_free_disk_gb: float = Field(2.0, ge=0)
-    #: prefill/decode instances behind the proxy; false = `prefill` plain vLLM instances ("single-N", no
-    #: connector, no proxy): the non-disaggregated baseline `yrpd bench` compares against
-    disaggregated: bool = True
     #: with `disaggregated: false`: the instances keep their KV in the data system too (connector kv_both), a
     #: prefix store beyond their own memory (the `single-yr` target of `yrpd bench`)
     single_kv_store: bool = False
-    #: CPU hosts only: cores each TP rank binds (devices are cores there)
-    cores_per_rank: int = Field(1, ge=1, le=256)
+
+    @property
+    def launcher(self) -> ClusterLauncher:
+        """The launcher in effect: auto resolved (yr only where the function system is asked for)."""
+        if self.cluster_launcher is not ClusterLauncher.auto:
+            return self.cluster_launcher
+        return ClusterLauncher.yr if self.cluster_mode is ClusterMode.full else ClusterLauncher.dscli
+
+    def _check_data_system(self) -> None:
+        if self.cluster_launcher is ClusterLauncher.dscli and self.cluster_mode is ClusterMode.full:
+            raise SpecError("cluster_launcher", "dscli starts the data system alone; full mode needs openYuanrong's "
+                            "function system, which only the yr CLI starts", "set cluster_launcher: yr (or auto), or "
+                            "cluster_mode: ds_only")
+
+
+class ServingSection(BaseModel):
+    """What is served and how: the model, the vLLM instances' settings, the KV connector, the proxy."""
+
+    #: absolute model directory on the hosts, or builtin:smollm2 (the embedded default's) / builtin:tiny-qwen2 /
+    #: builtin:bench-qwen2 (`--model`)
+    model: str | None = None
+    #: what the instances compute and keep KV in; auto = on CPU hosts the fastest dtype of their CPUs (float32
+    #: without AVX512-BF16 or with AMX, else bfloat16; builtin:smollm2 float32 on every CPU, its answers need it),
+    #: elsewhere the model's own (`--dtype`)
+    dtype: Dtype = Dtype.auto
+    #: model name clients use; default the model directory's name (`--served-model-name`)
+    served_model_name: str | None = None
     #: prefill instances also load prefixes stored earlier (connector role kv_both instead of kv_producer)
     prefix_reuse: bool = True
     #: extra `vllm serve` arguments, after yrpd's own (the last occurrence of a flag wins)
@@ -399,44 +594,6 @@ class DeploySpec(BaseModel):
     proxy_host: str | None = None
     #: name of an environment variable (read where yrpd runs) holding the proxy's API key
     api_key_env: str | None = None
-    #: how long deploy waits for an instance to answer /health
-    startup_timeout_s: int = Field(900, ge=10)
-
-    @field_validator("hosts", mode="before")
-    @classmethod
-    def _hosts(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = [h for h in value.split(",")]
-        if not isinstance(value, list):
-            return value
-        return [{"address": h} if isinstance(h, str) else h for h in value]
-
-    @field_validator("devices", mode="before")
-    @classmethod
-    def _devices(cls, value: Any) -> Any:
-        return parse_device_list(value, "devices") if value is not None else None
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env(cls, value: Any) -> Any:
-        if isinstance(value, dict):
-            return {str(k): "" if v is None else str(v) for k, v in value.items()}
-        return value
-
-    # -- derived views -------------------------------------------------------------------------
-    @property
-    def master_host(self) -> HostSpec:
-        name = self.master or self.hosts[0].name
-        for host in self.hosts:
-            if host.name == name or host.address == name:
-                return host
-        raise AssertionError("validated in check()")  # pragma: no cover
-
-    def host(self, name: str) -> HostSpec:
-        for host in self.hosts:
-            if host.name == name:
-                return host
-        raise KeyError(name)
 
     @property
     def model_name(self) -> str:
@@ -444,20 +601,6 @@ class DeploySpec(BaseModel):
             return self.served_model_name
         model = self.model or BUILTIN_MODEL
         return model.rstrip("/").rsplit("/", 1)[-1].removeprefix("builtin:")
-
-    @property
-    def env_root(self) -> str:
-        """Where the environments (yr, ds, vllm venvs) live on the hosts."""
-        from yrpd.versions import DEFAULT_ENV_ROOT
-
-        return (self.env_path or DEFAULT_ENV_ROOT).rstrip("/")
-
-    @property
-    def launcher(self) -> ClusterLauncher:
-        """The launcher in effect: auto resolved (yr only where the function system is asked for)."""
-        if self.cluster_launcher is not ClusterLauncher.auto:
-            return self.cluster_launcher
-        return ClusterLauncher.yr if self.cluster_mode is ClusterMode.full else ClusterLauncher.dscli
 
     @property
     def builtin_model(self) -> str | None:
@@ -474,36 +617,7 @@ class DeploySpec(BaseModel):
         """The proxy's API key, read where yrpd runs from the variable `api_key_env` names (None: no key)."""
         return (os.environ.get(self.api_key_env) or None) if self.api_key_env else None
 
-    # -- cross-field checks (raise SpecError: one line, field + fix) ---------------------------
-    def check(self) -> "DeploySpec":
-        if not self.hosts:
-            raise SpecError("hosts", "no hosts given", "pass --hosts h1,h2 or list hosts: in yrpd.yaml")
-        seen: dict[str, int] = {}
-        for i, host in enumerate(self.hosts):
-            parse_host_address(host.address, f"hosts[{i}]")
-            if host.name in seen:
-                raise SpecError(
-                    f"hosts[{i}]", f"{host.name} is listed twice (also hosts[{seen[host.name]}])", "list each host once"
-                )
-            seen[host.name] = i
-        if self.master is not None and not any(self.master in (h.name, h.address) for h in self.hosts):
-            names = ",".join(h.name for h in self.hosts)
-            raise SpecError("master", f"{self.master!r} is not one of the hosts ({names})", "pick one of the hosts")
-        named = {h.name: h.device_kind or self.device_kind for h in self.hosts}
-        if len({k for k in named.values() if k is not DeviceKind.auto}) > 1:
-            described = ", ".join(f"{n}={k.value}" for n, k in named.items())
-            raise SpecError("device_kind", f"hosts mix device kinds ({described})", "deploy one kind of device per run")
-        if self.runtime is Runtime.auto and all((h.device_kind or self.device_kind) is DeviceKind.npu for h in self.hosts):
-            # NPU hosts named as such: resolved here, so every check below sees the runtime they get
-            for key, value in self._auto_on_npus().items():
-                setattr(self, key, value)
-        if self.cluster_launcher is ClusterLauncher.dscli and self.cluster_mode is ClusterMode.full:
-            raise SpecError("cluster_launcher", "dscli starts the data system alone; full mode needs openYuanrong's "
-                            "function system, which only the yr CLI starts", "set cluster_launcher: yr (or auto), or "
-                            "cluster_mode: ds_only")
-        if self.runtime is Runtime.docker and not self.image:
-            raise SpecError("image", "runtime docker needs an image", "pass --image NAME:TAG or use --runtime host")
-        self._check_container()
+    def _check_serving(self) -> None:
         if self.model is None and not self.is_embedded_default:
             raise SpecError(
                 "model", "no model path given", "pass --model /path/on/hosts or set model: in yrpd.yaml"
@@ -516,32 +630,6 @@ class DeploySpec(BaseModel):
             raise SpecError("model", f"{self.model!r} is not an absolute path", "give the model directory's absolute path on the hosts")
         if self.served_model_name is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$", self.served_model_name):
             raise SpecError("served_model_name", f"{self.served_model_name!r} is not a usable name", "use letters, digits, . _ - /")
-        for key in self.env:
-            if not _ENV_NAME_RE.match(key):
-                raise SpecError(f"env.{key}", "is not a valid environment variable name", "use letters, digits and _")
-        for field, path in (("ssh.identity", self.ssh.identity), *((f"hosts[{i}].identity", h.identity) for i, h in enumerate(self.hosts))):
-            if path and not Path(path).expanduser().is_file():
-                raise SpecError(field, f"identity file {path} does not exist", "pass an existing private key with -i")
-        if self.ssh.config_file != "~/.ssh/config" and not Path(self.ssh.config_file).expanduser().is_file():
-            raise SpecError("ssh.config_file", f"{self.ssh.config_file} does not exist", "pass an existing file to --ssh-config")
-        for field, path in (("env_path", self.env_path), ("wheels", self.wheels)):
-            if path is not None and not path.startswith("/"):
-                raise SpecError(field, f"{path!r} is not an absolute path", "give the directory's absolute path on the hosts")
-        for i, host in enumerate(self.hosts):
-            if host.ip is not None:
-                try:
-                    ipaddress.ip_address(host.ip)
-                except ValueError:
-                    raise SpecError(f"hosts[{i}].ip", f"{host.ip!r} is not an IP address", "give the host's IP address") from None
-        if not self.remote_session_root.startswith("/"):
-            raise SpecError("remote_session_root", "must be an absolute path", "e.g. /tmp/yrpd_sessions")
-        # vLLM binds IPC sockets at $TMPDIR/<uuid4> and TMPDIR is <root>/<session id>/tmp; a unix socket
-        # path longer than 107 bytes fails deep inside engine start-up
-        longest = len(self.remote_session_root.rstrip("/")) + len("/20261122-181524-3086ce/tmp/") + 36
-        if longest > 107:
-            raise SpecError("remote_session_root", f"is too long ({len(self.remote_session_root)} characters): vLLM's "
-                            f"IPC socket paths under it would exceed the 107-byte limit of unix sockets",
-                            f"use a path of at most {107 - longest + len(self.remote_session_root)} characters")
         if self.kv_connector is KvConnector.example and len(self.hosts) > 1:
             raise SpecError("kv_connector", "example shares KV through files, which only one host can see",
                             "deploy it on one host, or use kv_connector: yuanrong")
@@ -552,61 +640,6 @@ class DeploySpec(BaseModel):
         if self.kv_connector is KvConnector.lmcache and self.disaggregated:
             raise SpecError("kv_connector", "lmcache is a prefix store for plain instances here, not a PD handoff",
                             "set disaggregated: false with it, or use kv_connector: yuanrong")
-        self._check_serving()
-        return self
-
-    def resolve_runtime(self, kinds: set[DeviceKind]) -> "DeploySpec":
-        """runtime auto made concrete once the hosts' device kinds are known: docker where every host has NPUs (the
-        image given, else the newest vllm-ascend release's), host elsewhere. Checked again as resolved."""
-        if self.runtime is not Runtime.auto:
-            return self
-        on_npus = self._auto_on_npus() if kinds == {DeviceKind.npu} else {"runtime": Runtime.host}
-        return self.model_copy(update=on_npus).check()
-
-    def _auto_on_npus(self) -> dict[str, Any]:
-        """What runtime auto becomes on NPU hosts: docker, with the image given or the newest release's."""
-        from yrpd.containers import default_npu_image
-
-        return {"runtime": Runtime.docker, "image": self.image or default_npu_image()}
-
-    def _check_container(self) -> None:
-        if self.runtime is Runtime.auto:
-            return  # resolve_runtime checks again once the hosts' kinds are known
-        if self.runtime is not Runtime.docker:
-            if self.container_profile is not None:
-                raise SpecError("container_profile", "is only used with runtime docker",
-                                "drop it, or pass --runtime docker --image NAME:TAG")
-            return
-        from yrpd.containers import check_image, container_profile
-
-        try:
-            check_image(self.image)
-        except ValueError as exc:
-            raise SpecError("image", str(exc), "write it as docker does, e.g. quay.io/ascend/vllm-ascend:v0.10.0rc1-openeuler") from None
-        profile = container_profile(self)  # loads and validates it (SpecError naming the profile field)
-        if self.kv_connector is KvConnector.ascend_store:
-            from yrpd import ascend_store
-
-            ascend_store.check(profile.vllm_ascend, profile.name)
-            for role, tp, dp in (("prefill", self.ptp, self.pdp), ("decode", self.dtp, self.ddp)):
-                if tp * dp > ascend_store.PORT_BLOCK:
-                    raise SpecError("kv_connector", f"ascend-store: a {role} instance of tp {tp} x dp {dp} needs "
-                                    f"{tp * dp} Mooncake handshake ports, yrpd reserves {ascend_store.PORT_BLOCK} an "
-                                    "instance", f"keep tp x dp at most {ascend_store.PORT_BLOCK}, or use kv_connector: yuanrong")
-        from yrpd.versions import DATASYSTEM_PYTHONS, YR_PYTHONS
-
-        py, version = profile.cluster_interpreter
-        if self.launcher is ClusterLauncher.yr and version not in YR_PYTHONS:
-            raise SpecError("cluster_launcher", f"yr needs Python {' or '.join(YR_PYTHONS)} (openyuanrong's wheels) and "
-                            f"the container's is {version} ({py}, profile {profile.name})",
-                            "use cluster_launcher: dscli (the default), or name a Python 3.11 of the image as "
-                            "cluster_python in a copy of the profile")
-        if self.launcher is ClusterLauncher.dscli and version not in DATASYSTEM_PYTHONS:
-            raise SpecError("container_profile", f"{profile.name}: the data system's wheels exist for Python "
-                            f"{' and '.join(DATASYSTEM_PYTHONS)}, the container's Python is {version} ({py})",
-                            "name a Python 3.11 or 3.12 of the image as cluster_python in a copy of the profile")
-
-    def _check_serving(self) -> None:
         owned = ("--port", "--host", "--served-model-name", "--kv-transfer-config", "--tensor-parallel-size",
                  "--data-parallel-size", "--headless", "--dtype")
         for arg in self.engine_args:
@@ -628,6 +661,24 @@ class DeploySpec(BaseModel):
             if not self.proxy_key():
                 raise SpecError("api_key_env", f"${self.api_key_env} is not set or empty here",
                                 f"export {self.api_key_env}=<key> before running yrpd")
+
+
+
+class DeploySpec(TopologySection, RuntimeSection, DataSystemSection, ServingSection):
+    """Everything a deployment needs; serialised into the session so status/logs/down can reuse it. Its settings
+    come in sections (one flat mapping in a config file); each section checks its own, in this order, each seeing
+    what the earlier ones settled (raise SpecError: one line, field + fix)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    def check(self) -> "DeploySpec":
+        self._check_topology()
+        self._check_data_system()
+        self._check_runtime()
+        self._check_serving()
+        return self
+
+
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -697,6 +748,9 @@ def build_spec(config: dict[str, Any], overrides: dict[str, Any]) -> DeploySpec:
             data[key] = {**base, **{k: v for k, v in nested.items() if v is not None}}
     if "env" in flags:
         data["env"] = {**(data.get("env") or {}), **flags.pop("env")}
+    for field, short in PARALLEL_ALIASES.items():
+        if field in flags:  # a flag overrides the config file's setting under either name
+            data.pop(short, None)
     data.update(flags)
     if "hosts" not in data:
         raise SpecError("hosts", "no hosts given", "pass --hosts h1,h2 or list hosts: in yrpd.yaml")
@@ -739,6 +793,8 @@ def _fix_for(loc: str) -> str:
         return hints[loc]
     if loc.startswith("ports"):
         return "pick ports in 1-65535 whose ranges do not overlap"
-    if loc in ("prefill", "decode", "ptp", "dtp", "pdp", "ddp"):
+    if loc in ("prefill", "decode"):
         return f"give --{loc} a whole number from 1 to 64"
+    if loc in PARALLEL_ALIASES or loc in PARALLEL_ALIASES.values():
+        return f"give --{PARALLEL_ALIASES.get(loc, loc)} a whole number from 1 to 64"
     return "see docs/configuration.md"

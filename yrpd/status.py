@@ -19,8 +19,8 @@ from yrpd.placement import HostPlan, InstancePlan
 from yrpd.serving import PROXY_NAME, instance_url, proxy_url
 from yrpd.session import SessionPhase
 from yrpd.spec import DeploySpec
-from yrpd.steps import ScriptCall, StepContext, cluster, host_python_parts, processes
-from yrpd.tags import Condition, ProcessState
+from yrpd.steps import ScriptCall, StepContext, cluster, host_python_parts, processes, resolve
+from yrpd.tags import ComponentState, Condition, ProcessState
 
 #: what an instance's probe reports, copied as is (vLLM's metrics, summed over its ranks)
 PROBE_FIELDS = ("requests_running", "requests_waiting", "prompt_tokens", "external_cache_hit_tokens",
@@ -195,8 +195,6 @@ def cluster_started(deployment: Deployment) -> bool:
 
 
 def _runs(ref: str | None, functions: tuple) -> bool:
-    from yrpd.steps import resolve
-
     try:
         return ref is not None and resolve(ref) in functions
     except (ValueError, ImportError):
@@ -375,7 +373,7 @@ def _components(host: HostPlan, snap: dict, deployed: bool, problems: list[str])
     for name, comp in snap["components"].items():
         ports = {p: up for p, up in port_state.items() if p.startswith(name) or (name == "etcd" and p.startswith("etcd"))}
         # restarts are information (openYuanrong's daemon restarts what dies): up means running and listening
-        healthy = comp["state"] == "RUNNING" and comp["alive"] and all(ports.values())
+        healthy = comp["state"] == ComponentState.running and comp["alive"] and all(ports.values())
         if not healthy and deployed:
             why = comp["state"].lower()
             if not comp["alive"]:

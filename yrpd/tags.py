@@ -28,3 +28,12 @@ class Condition(StrEnum):
     restarting = "restarting"
     failed = "failed"
     dead = "dead"
+
+
+class ComponentState(StrEnum):
+    """A data-system component as deploy_scripts/yr_cluster.py reports it, in `yr health`'s words (a supervisor's
+    state it does not map comes upper-cased)."""
+
+    running = "RUNNING"
+    starting = "STARTING"
+    stopped = "STOPPED"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from yrpd import versions
 from yrpd.errors import SpecError
+from yrpd.session import yrpd_home
 
 #: manylinux levels a host of the pinned wheels' era runs (the data system's wheels need glibc 2.34)
 _GLIBC = [f"2_{minor}" for minor in range(17, 40)]
@@ -71,8 +72,6 @@ def model_set(python_version: str, arch: str) -> WheelSet:
 
 
 def cache_root() -> Path:
-    from yrpd.session import yrpd_home
-
     return yrpd_home() / "wheels"
 
 

@@ -134,7 +134,7 @@ def test_deploy_records_the_session_and_reports_each_step_in_order(tmp_path, pla
     # the hosts' session directory is named after the local session
     assert f"/tmp/yrpd_sessions/{session.id}/logs" in hosts.ran("h2", r"ln -sfn")[0].script
     # nothing ran before the playbook: devices, dtype and addresses were all given
-    assert not any("inventory.py" in cmd.script for _, cmd in hosts.calls)
+    assert not any("# deploy_scripts/inventory.py\n" in cmd.script for _, cmd in hosts.calls)
 
 
 def test_without_a_session_root_the_session_is_under_yrpd_home_and_opened_from_there(tmp_path, playbook, home):
@@ -269,7 +269,7 @@ def test_down_runs_the_teardown_and_marks_the_session_down(tmp_path):
             "not needed on h1, h2: runtime host") in finished
     assert not any(name.startswith("remove the session directory") for name, _ in finished)  # only with purge
     # openYuanrong stops on the workers before the master: agents would spin without their master
-    cluster = [(name, i) for i, (name, cmd) in enumerate(hosts.calls) if "yr_cluster.py" in cmd.script]
+    cluster = [(name, i) for i, (name, cmd) in enumerate(hosts.calls) if "# deploy_scripts/yr_cluster.py\n" in cmd.script]
     assert [name for name, _ in cluster] == ["h2", "h1"]
     for host in ("h1", "h2"):  # logs are kept; the deployment's secrets are not
         assert [c.script for c in hosts.ran(host, r"^rm -rf")] == [

@@ -35,8 +35,12 @@ CASES = [
     ("unknown-flag", GOOD + ["--frobnicate", "1"], None, "--frobnicate"),
     ("ptp-not-a-number", GOOD + ["--ptp", "four"], None, "--ptp"),
     ("ptp-zero", GOOD + ["--ptp", "0"], None, "ptp"),
+    ("long-ptp-zero", GOOD + ["--prefill-tensor-parallel-size", "0"], None,
+     "prefill_tensor_parallel_size: Input should be greater than or equal to 1 (got 0); give --ptp"),
+    ("ptp-under-both-names", GOOD, "ptp: 2\nprefill_tensor_parallel_size: 2\n",
+     "prefill_tensor_parallel_size: given twice, as prefill_tensor_parallel_size and as ptp"),
     ("decode-negative", GOOD + ["--decode", "-1"], None, "decode"),
-    ("tp-not-dividing", without(GOOD, "--devices") + ["--devices", "0-5", "--ptp", "4"], None, "ptp: 4 does not divide the 6 NPUs of h1"),
+    ("tp-not-dividing", without(GOOD, "--devices") + ["--devices", "0-5", "--ptp", "4"], None, "prefill_tensor_parallel_size (--ptp): 4 does not divide the 6 NPUs of h1"),
     ("too-few-devices", without(GOOD, "--devices") + ["--devices", "0-3", "--ptp", "4", "--dtp", "4", "--decode", "2"], None,
      "prefill needs 1 x 4 NPUs and decode 2 x 4 NPUs = 12; hosts h1,h2 offer 4 + 4 = 8"),
     ("duplicate-hosts", ["--hosts", "h1,h2,h1"] + GOOD[2:], None, "hosts[2]: h1 is listed twice"),
@@ -154,3 +158,34 @@ def test_bench_target_that_cannot_run_on_the_deployment_is_refused_before_anythi
     assert len(lines) == 1 and "--targets: peer-example-pd cannot run on session" in lines[0], proc.stderr
     assert "only one host" in lines[0] and "leave it out of --targets" in lines[0]
     assert not (deployment.session.path / "bench").exists()
+
+
+@pytest.mark.parametrize("way", ["short-flags", "long-flags", "short-config", "long-config"])
+def test_the_parallel_sizes_have_readable_names_and_keep_their_short_ones(tmp_path, yrpd, way):
+    """--ptp/--dtp/--pdp/--ddp and their long names (flags and config keys) plan the same; a plan with none of them
+    (the control) differs."""
+    import json
+
+    ssh_config = tmp_path / "ssh_config"
+    ssh_config.write_text(SSH_CONFIG)
+    short = {"ptp": "2", "dtp": "4", "pdp": "2", "ddp": "1"}
+    long = {"ptp": "prefill-tensor-parallel-size", "dtp": "decode-tensor-parallel-size",
+            "pdp": "prefill-data-parallel-size", "ddp": "decode-data-parallel-size"}
+    base = ["plan", "--json", "--runtime", "host", "--ssh-config", str(ssh_config), *GOOD]
+
+    def plan(*extra):
+        proc = yrpd(*base, *extra)
+        assert proc.returncode == 0, proc.stderr
+        return [(i["name"], i["host"], i["devices"]) for i in json.loads(proc.stdout)["instances"]]
+
+    if way.endswith("flags"):
+        args = [a for k, v in short.items() for a in ((f"--{k}" if way == "short-flags" else f"--{long[k]}"), v)]
+    else:
+        cfg = tmp_path / "yrpd.yaml"
+        cfg.write_text("".join(f"{k if way == 'short-config' else long[k].replace('-', '_')}: {v}\n"
+                               for k, v in short.items()))
+        args = ["--config", str(cfg)]
+    wanted = plan("--ptp", "2", "--dtp", "4", "--pdp", "2", "--ddp", "1")
+    assert wanted == [("prefill-0", "h1", [0, 1, 2, 3]), ("decode-0", "h2", [0, 1, 2, 3])], wanted
+    assert plan(*args) == wanted
+    assert plan() != wanted

@@ -23,6 +23,7 @@ from yrpd.containers import (Mount, container_run, derived_image, load_profile, 
                              render_docker_run, spec_hash, split_image)
 from yrpd.errors import SpecError
 from yrpd.hostgroup import Command, ContainerRunner, Host, HostGroup, HostResult, container_exec, on_host
+from yrpd.steps import RunOptions
 
 REPO = Path(__file__).resolve().parents[2]
 GUIDE = "vllm-ascend-v0.10.0rc1-openeuler"
@@ -286,7 +287,7 @@ def test_container_steps_under_runtime_docker():
     assert pre["npu"]["hccn_conf"] is None and "hccn" not in ensure.display
     assert "/usr/bin/hccn_tool" not in [m[0] for m in pre["container"]["mounts"]]
     assert "/root/.cache" not in [m[0] for m in pre["container"]["mounts"]]  # created when missing
-    ctx.options["pull"] = "missing"
+    ctx.options = RunOptions(pull="missing")
     assert json.loads(shlex.split(container.preflight(ctx, h2).display)[-1])["container"]["pull"] == "missing"
     assert container.derived(ctx).startswith(GUIDE_IMAGE + "-yrpd-")
 

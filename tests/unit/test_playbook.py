@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from yrpd.hostgroup import Command, Host, HostGroup
-from yrpd.playbook import Playbook, PlaybookRunner, StepFailed
+from yrpd.playbook import Playbook, PlaybookRunner, StepFailed, StepStarted
 from yrpd.steps import NotNeeded
 
 CHECKED: list[str] = []
@@ -90,7 +90,8 @@ def _run_two_hosts(steps: list[dict], names: tuple[str, ...] = ("h1", "h2")):
     events: list[tuple[str, str]] = []
     runner = PlaybookRunner(HostGroup([Host(h, "localhost", local=True) for h in names]),
                             StepContext(spec=spec, plan=plan, session_id="s"),
-                            report=lambda event, step, info: events.append((event, step.name)))
+                            report=lambda event: events.append(
+                                ("start" if isinstance(event, StepStarted) else "end", event.step.name)))
     return runner, Playbook.model_validate({"name": "t", "steps": steps}), events
 
 
@@ -158,3 +159,11 @@ def test_a_chain_of_steps_with_no_host_reports_them_and_goes_on(tmp_path: Path):
     outcomes = runner.run(playbook)
     assert [o.step.name for o in outcomes] == ["a", "b"] and all(o.ran == [] for o in outcomes)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_step_whose_when_names_no_run_option_is_refused_and_a_known_one_runs_only_when_set(tmp_path: Path):
+    with pytest.raises(ValueError, match="when: 'purg' is no run option; use one of .*purge"):
+        Playbook.model_validate({"name": "t", "steps": [{"name": "x", "run": f"{__name__}.touch", "when": "purg"}]})
+    made = tmp_path / "made"
+    step = {"name": "x", "run": f"{__name__}.touch", "when": "purge", "with": {"path": str(made)}}
+    assert _run([step]) == [] and not made.exists()  # purge not set: the step is left out

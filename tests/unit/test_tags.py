@@ -7,8 +7,10 @@ import ast
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from yrpd.assets import deploy_script
-from yrpd.tags import ProcessState
+from yrpd.tags import ComponentState, ProcessState
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "deploy_scripts"
 
@@ -22,6 +24,54 @@ def hostlib():
 
 def test_the_process_states_are_spelled_alike_on_hosts_and_controller():
     assert hostlib().STATES == tuple(ProcessState)
+
+
+def test_the_component_states_are_spelled_alike_on_hosts_and_controller():
+    assert hostlib().COMPONENT_STATES == tuple(ComponentState)
+
+
+def test_a_process_record_has_the_keys_the_controller_takes_and_a_record_short_of_one_is_refused_on_the_host():
+    from dataclasses import fields
+
+    from yrpd.status import ProcessStatus
+
+    lib = hostlib()
+    assert lib.PROCESS_KEYS == tuple(f.name for f in fields(ProcessStatus) if f.name != "host")
+    full = dict.fromkeys(lib.PROCESS_KEYS)
+    assert list(lib.shaped(lib.PROCESS_KEYS, **full)) == list(lib.PROCESS_KEYS)  # control: the full record passes
+    with pytest.raises(KeyError, match=r"missing \['reason'\], unexpected \['why'\]"):
+        lib.shaped(lib.PROCESS_KEYS, **{k if k != "reason" else "why": v for k, v in full.items()})
+
+
+def test_the_status_reply_of_a_live_supervised_process_is_taken_whole_by_the_controller(tmp_path):
+    """session_processes.py run for real on a process of a made-up session: its record becomes a ProcessStatus."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from yrpd.status import ProcessStatus
+
+    env = {**os.environ, "YRPD_SESSION": "tagtest", "YRPD_PROCESS": "sleeper"}
+    sleeper = subprocess.Popen(["sleep", "30"], env=env, start_new_session=True)
+    try:
+        (tmp_path / "sleeper.pid").write_text(str(sleeper.pid))
+        (tmp_path / "sleeper.json").write_text(json.dumps({"pid": sleeper.pid, "state": "running", "restarts": 2,
+                                                           "supervisor": sleeper.pid}))
+        args = json.dumps({"dir": str(tmp_path), "id": "tagtest", "action": "status",
+                           "pidfile": f"{tmp_path}/{{name}}.pid", "state": f"{tmp_path}/{{name}}.json",
+                           "log": f"{tmp_path}/{{name}}.log"})
+        time.sleep(0.1)
+        run = subprocess.run([sys.executable, "-", args], input=deploy_script("session_processes.py"),
+                             capture_output=True, text=True, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-500:]
+        [record] = json.loads(run.stdout.splitlines()[-1])["processes"]
+        proc = ProcessStatus(host="here", **record)
+        assert proc.alive and proc.pid == sleeper.pid and proc.restarts == 2 and proc.state == ProcessState.running
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_no_host_script_reads_proc_but_hostlib():

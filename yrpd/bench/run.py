@@ -37,8 +37,13 @@ from pathlib import Path
 
 from yrpd.bench.dataset import DatasetOptions, make
 from yrpd.errors import SpecError
-from yrpd.serving import STATS_INTERVAL_S
+from yrpd.serving import STATS_INTERVAL_S, endpoint_url, model_path
 from yrpd.spec import DeploySpec, DeviceKind
+from yrpd import api
+from yrpd.bench.report import write_report
+from yrpd.session import SessionPhase
+from yrpd.steps import spec_fingerprint
+from yrpd.steps.vllm_env import paths
 
 TARGETS = {
     "pd": "PD + prefix reuse",
@@ -82,12 +87,13 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
         data.update(disaggregated=True, prefix_reuse=False)
     elif target in ("single", "single-yr", "peer-lmcache"):
         data.update(single_kv_store=target == "single-yr")
-        devices = spec.prefill * spec.ptp * spec.pdp + spec.decode * spec.dtp * spec.ddp
-        data.update(disaggregated=False, prefill=1, pdp=1, decode=1, ddp=1)
+        devices = sum(n * tp * dp for n, (tp, dp) in ((spec.prefill, spec.parallelism("prefill")),
+                                                      (spec.decode, spec.parallelism("decode"))))
+        data.update(disaggregated=False, prefill=1, prefill_data_parallel_size=1, decode=1, decode_data_parallel_size=1)
         if kind is DeviceKind.cpu:  # one TP rank binding every core the PD pair used
-            data.update(ptp=1, cores_per_rank=devices * spec.cores_per_rank)
+            data.update(prefill_tensor_parallel_size=1, cores_per_rank=devices * spec.cores_per_rank)
         else:
-            data.update(ptp=devices)
+            data.update(prefill_tensor_parallel_size=devices)
     else:
         raise ValueError(target)
     return DeploySpec.model_validate(data).check()
@@ -95,8 +101,6 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
 
 def deploy(spec: DeploySpec, name: str, progress=None) -> str:
     """Deploy `spec` as a new session; returns its id."""
-    from yrpd import api
-
     try:
         return api.deploy(spec, new_session=True, progress=progress).session.id
     except Exception as e:
@@ -104,8 +108,6 @@ def deploy(spec: DeploySpec, name: str, progress=None) -> str:
 
 
 def down(session_id: str) -> None:
-    from yrpd import api
-
     api.down(api.open_deployment(session_id))
 
 
@@ -116,8 +118,6 @@ TOKEN_SOURCES = ("prompt_tokens_computed", "prompt_tokens_local_cache", "prompt_
 def counters(session_id: str) -> tuple[dict, dict]:
     """Counters summed over the instances and the data system workers (what `yrpd status` reports), and the
     workers' use of memory and disk now (MB)."""
-    from yrpd import api
-
     report = api.status(api.open_deployment(session_id))
     blocks = ("loaded_blocks", "saved_blocks", "handoff_missed_blocks")
     total = {"external_cache_hit_tokens": 0.0, "prompt_tokens": 0.0, **{key: 0 for key in blocks},
@@ -196,9 +196,6 @@ class BenchOutcome:
 
 def deployed_tokenizer(deployment) -> Path:
     """The deployed model's directory, when it is on this machine (it holds tokenizer.json)."""
-    from yrpd.serving import model_path
-    from yrpd.steps.vllm_env import paths
-
     local = Path(model_path(deployment.spec, paths(deployment.context())))
     if not (local / "tokenizer.json").is_file():
         raise SpecError("--tokenizer", f"the deployed model {local} is not on this machine",
@@ -209,10 +206,6 @@ def deployed_tokenizer(deployment) -> Path:
 def bench(session_id: str | None, request: BenchRequest, log=print, progress=None) -> BenchOutcome:
     """Run the benchmark against a PD deployment (the latest, or `session_id`) and its baselines; every target's
     spec is checked before the first is deployed. Results land in the session's bench/<time>/."""
-    from yrpd import api
-    from yrpd.bench.report import write_report
-    from yrpd.session import SessionPhase
-
     unknown = [t for t in request.targets if t not in TARGETS]
     if unknown or not request.targets:
         raise SpecError("--targets", f"unknown target(s) {', '.join(unknown) or '(none)'}",
@@ -270,10 +263,6 @@ class Load:
 
 def run_targets(session, spec: DeploySpec, kind: DeviceKind, request: BenchRequest, load: Load, out_dir: Path,
                 log=print, progress=None) -> dict:
-    from yrpd import api
-    from yrpd.serving import endpoint_url
-    from yrpd.steps import spec_fingerprint
-
     current: str | None = session.id  # deployed (checked by bench()); None while no target is up
     original = spec
     results: dict[str, dict] = {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+# the spec model is imported inside the functions: `yrpd <cmd> --help` loads none of it (pydantic, yaml)
+
 from functools import wraps
 from typing import Any, Callable
 
@@ -42,10 +44,14 @@ def spec_options(func: Callable) -> Callable:
                      help="container profile (runtime docker): a name in containers/ or a file [the one for --image]"),
         click.option("--prefill", type=int, metavar="N", help="prefill instances (PREFILL_INS_NUM) [1]"),
         click.option("--decode", type=int, metavar="N", help="decode instances (DECODE_INS_NUM) [1]"),
-        click.option("--ptp", type=int, metavar="N", help="prefill tensor parallel size [1]"),
-        click.option("--dtp", type=int, metavar="N", help="decode tensor parallel size [1]"),
-        click.option("--pdp", type=int, metavar="N", help="prefill data parallel size [1]"),
-        click.option("--ddp", type=int, metavar="N", help="decode data parallel size [1]"),
+        click.option("--prefill-tensor-parallel-size", "--ptp", "ptp", type=int, metavar="N",
+                     help="devices of each prefill instance's TP group [1]"),
+        click.option("--decode-tensor-parallel-size", "--dtp", "dtp", type=int, metavar="N",
+                     help="devices of each decode instance's TP group [1]"),
+        click.option("--prefill-data-parallel-size", "--pdp", "pdp", type=int, metavar="N",
+                     help="data parallel ranks of each prefill instance [1]"),
+        click.option("--decode-data-parallel-size", "--ddp", "ddp", type=int, metavar="N",
+                     help="data parallel ranks of each decode instance [1]"),
         click.option("--model", metavar="PATH", help="model directory on the hosts"),
         click.option("--served-model-name", metavar="NAME", help="model name clients use [model dir name]"),
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
@@ -92,10 +98,10 @@ def spec_from_options(params: dict[str, Any]):
         "container_profile": params.get("container_profile"),
         "prefill": params.get("prefill"),
         "decode": params.get("decode"),
-        "ptp": params.get("ptp"),
-        "dtp": params.get("dtp"),
-        "pdp": params.get("pdp"),
-        "ddp": params.get("ddp"),
+        "prefill_tensor_parallel_size": params.get("ptp"),
+        "decode_tensor_parallel_size": params.get("dtp"),
+        "prefill_data_parallel_size": params.get("pdp"),
+        "decode_data_parallel_size": params.get("ddp"),
         "model": params.get("model"),
         "served_model_name": params.get("served_model_name"),
         "dtype": params.get("dtype"),

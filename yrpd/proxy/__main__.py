@@ -10,6 +10,8 @@ import signal
 import sys
 from urllib.parse import urlsplit
 
+from yrpd.credentials import PROXY_TOKEN_ENV
+
 from .routing import Routing
 
 
@@ -57,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def _serve(config, host: str, port: int) -> None:
-    from .app import log, start
+    from .app import log, start  # aiohttp: only once the arguments are good (see main)
 
     runner = await start(config, host, port)
     stop = asyncio.Event()
@@ -82,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
         api_key = os.environ.get(args.api_key_env) or None
         if api_key is None:
             log.warning("%s is not set or empty: /v1/* is open to anyone who can reach the proxy", args.api_key_env)
-    from yrpd.credentials import PROXY_TOKEN_ENV
 
     config = ProxyConfig(prefill=args.prefill, decode=args.decode, served_model_name=args.served_model_name,
                          api_key=api_key, instance_token=os.environ.get(PROXY_TOKEN_ENV) or None,

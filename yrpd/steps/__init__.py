@@ -16,7 +16,7 @@ import hashlib
 import importlib
 import json
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from yrpd.assets import deploy_script
@@ -28,12 +28,27 @@ from yrpd.spec import DeploySpec
 SESSION_PLACEHOLDER = "SESSION_ID"
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """What one run of a playbook was asked beyond the spec (not part of the deployment's identity). A playbook
+    step's `when:` names one of the flags."""
+
+    recreate: bool = False  # replace a container of this session whose spec differs (runtime docker)
+    pull: str = "never"  # pull the image: never | missing | always (runtime docker)
+    secrets_dir: str | None = None  # where the deployment's secrets are kept on this machine
+    purge: bool = False  # teardown: remove the session's directories and container too
+
+    @classmethod
+    def flags(cls) -> set[str]:
+        return {f.name for f in fields(cls) if f.type in ("bool", bool)}
+
+
 @dataclass
 class StepContext:
     spec: DeploySpec
     plan: Plan
     session_id: str = SESSION_PLACEHOLDER
-    options: dict[str, Any] = field(default_factory=dict)
+    options: RunOptions = field(default_factory=RunOptions)
 
     @property
     def layout(self) -> HostSessionLayout:

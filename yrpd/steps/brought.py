@@ -12,6 +12,7 @@ from yrpd.placement import HostPlan
 from yrpd.serving import builtin_model
 from yrpd.spec import ClusterLauncher, Runtime
 from yrpd.steps import StepContext
+from yrpd.containers import container_profile
 
 CLUSTER, ETCD, CLIENT, MODEL = "cluster", "etcd", "client", "model"
 
@@ -19,8 +20,6 @@ CLUSTER, ETCD, CLIENT, MODEL = "cluster", "etcd", "client", "model"
 def needed(ctx: StepContext, host: HostPlan) -> dict[str, wheels.WheelSet]:
     if ctx.spec.runtime is not Runtime.docker or ctx.spec.wheels or ctx.spec.env_path:
         return {}
-    from yrpd.containers import container_profile
-
     profile = container_profile(ctx.spec)
     arch = host.arch or "x86_64"
     _, cluster_version = profile.cluster_interpreter

@@ -33,6 +33,8 @@ from yrpd.cluster import dsconfig
 from yrpd.spec import ClusterLauncher, ClusterMode, Runtime
 from yrpd.steps import ScriptCall, StepContext, host_python, processes, shell_command
 from yrpd.versions import OPENYUANRONG, OPENYUANRONG_DATASYSTEM, PYTHON_TAG
+from yrpd.containers import container_profile
+from yrpd.steps.brought import CLUSTER, ETCD, brought
 
 START_TIMEOUT = 180
 HEALTH_TIMEOUT = 60
@@ -69,8 +71,6 @@ def yr_ports(ctx: StepContext) -> YrPorts:
 def python_tag(ctx: StepContext) -> str:
     """`pythonX.Y` of the venvs' lib directory: the image's cluster Python under runtime docker."""
     if ctx.spec.runtime is Runtime.docker:
-        from yrpd.containers import container_profile
-
         return f"python{container_profile(ctx.spec).cluster_interpreter[1]}"
     return PYTHON_TAG
 
@@ -119,8 +119,6 @@ def install(ctx: StepContext, host: HostPlan) -> Command:
             f"echo 'env_path {ctx.spec.env_path} lacks {_wanted(ctx, host)}: "
             f"run deploy_scripts/install_openyuanrong.sh there or drop --env-path' >&2; exit 1",
             display=f"verify the prepared environment {ctx.spec.env_path}")
-    from yrpd.steps.brought import CLUSTER, ETCD, brought
-
     body = deploy_script("install_openyuanrong.sh")
     source, uploads = brought(ctx, host, CLUSTER)
     source = source or ctx.spec.wheels
@@ -134,8 +132,6 @@ def install(ctx: StepContext, host: HostPlan) -> Command:
             if etcd_source:
                 flags += f"--etcd-wheels {shlex.quote(etcd_source)} "
     if ctx.spec.runtime is Runtime.docker:  # made from the image's Python inside the container
-        from yrpd.containers import container_profile
-
         flags += f"--python {shlex.quote(container_profile(ctx.spec).cluster_interpreter[0])} "
     script = (
         f"export YR_VERSION={OPENYUANRONG} DS_VERSION={OPENYUANRONG_DATASYSTEM}\n"

