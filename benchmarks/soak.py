@@ -12,8 +12,8 @@ EngineCore. Every 30 s it samples, per host: the RSS and open fds of the proxy, 
 and the data-system workers, and the psm_* segments in /dev/shm.
 
 Reported: per window of `--kill-every` minutes the p50/p99 latency of answered requests, errors and wrong answers;
-per sampled series its first and last value and its slope per hour (least squares over the samples of one pid, the
-longest such run); after `yrpd down`, what differs from before the deploy (psm_* segments, listening ports, the
+per sampled series its first and last value, its slope per hour (least squares over the samples of one pid, the
+longest such run) and that over the run's second half (past the warm-up), and the points themselves; after `yrpd down`, what differs from before the deploy (psm_* segments, listening ports, the
 session's processes). Provenance: commit (dirty or not), CPU, cores, the command.
 """
 
@@ -95,9 +95,13 @@ def series(samples: list[tuple[float, dict]]) -> dict:
     out = {}
     for (name, measure), by_pid in sorted(runs.items()):
         pid, points = max(by_pid.items(), key=lambda kv: len(kv[1]))
+        # a process warms up (allocator arenas, caches filling to their bounds): the second half's slope is the
+        # steady one, and the points show the shape
         out.setdefault(name, {})[measure] = {"pid": pid, "samples": len(points), "first": points[0][1],
                                              "last": points[-1][1], "slope_per_hour": slope_per_hour(points),
-                                             "pids_seen": len(by_pid)}
+                                             "slope_per_hour_second_half": slope_per_hour(points[len(points) // 2:]),
+                                             "pids_seen": len(by_pid),
+                                             "points": [[round(t / 60, 1), v] for t, v in points]}
     shm = [(t, s["shm_psm"]) for t, s in samples]
     out["dev_shm_psm"] = {"first": shm[0][1], "last": shm[-1][1], "max": max(v for _, v in shm),
                           "slope_per_hour": slope_per_hour(shm)}
