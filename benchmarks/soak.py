@@ -13,8 +13,8 @@ and the data-system workers, and the psm_* segments in /dev/shm.
 
 Reported: per window of `--kill-every` minutes the p50/p99 latency of answered requests, errors and wrong answers;
 per sampled series its first and last value, its slope per hour (least squares over the samples of one pid, the
-longest such run) and that over the run's second half (past the warm-up), and the points themselves; after `yrpd down`, what differs from before the deploy (psm_* segments, listening ports, the
-session's processes). Provenance: commit (dirty or not), CPU, cores, the command.
+longest such run) and that over the run's second half (past the warm-up), and the points themselves; after
+`yrpd down`, what differs from before the deploy (psm_* segments, listening ports, the session's processes). Provenance: commit (dirty or not), CPU, cores, the command.
 """
 
 from __future__ import annotations
