@@ -30,6 +30,7 @@ class FakeKVClient:
         self.key_log: list = []  # (op, keys) of every call that names keys, in call order
         self.fail: dict = {}  # op -> message: that call raises it (an error of the data system, not a dead worker)
         self.hold: dict = {}  # op -> threading.Event: that call waits for it (a slow data system)
+        self.batch_limit: int | None = None  # refuse a call naming more keys, as the real one refuses 2000 and more
 
     def _check(self, op, keys=None):
         self.calls.append(op)
@@ -42,6 +43,9 @@ class FakeKVClient:
             raise RuntimeError("code: [RPC unavailable], msg: [[UDS_CONNECT_FAILED] fake worker is down]")
         if op in self.fail:
             raise RuntimeError(self.fail[op])
+        if keys is not None and self.batch_limit is not None and len(list(keys)) > self.batch_limit:
+            raise RuntimeError(f"code: [Invalid parameter], msg: [fake: {len(list(keys))} keys in one {op}, "
+                               f"at most {self.batch_limit}]")
 
     def health_check(self):
         fake = self

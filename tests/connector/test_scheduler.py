@@ -298,6 +298,23 @@ def test_consumer_promises_the_leading_run_present_for_every_rank(make, ds):
     assert sch.get_num_new_matched_tokens(fakes.request("d", toks[:20]), 0) == (4 * BS, False)
 
 
+def test_consumer_asks_about_many_blocks_of_many_ranks_in_batches_the_data_system_takes(make, ds):
+    """The data system refuses a call naming too many keys (2000 and more for the real one): TP ranks x blocks of a
+    long prompt go in batches of `max_batch_keys`; the control, the same lookup without a limit, promises the same."""
+    toks = tokens(22, 15)  # 5 loadable blocks x 2 ranks = 10 keys
+    d = K.prefix_digests(toks, BS)
+    unlimited = make("kv_consumer", tp=2)
+    for ns in rank_ns(unlimited):
+        put(ds, ns, d)
+    assert unlimited.get_num_new_matched_tokens(fakes.request("a", toks), 0) == (5 * BS, False)
+    ds.batch_limit = 4
+    ds.key_log.clear()
+    limited = make("kv_consumer", {"max_batch_keys": 4}, tp=2)
+    assert limited.get_num_new_matched_tokens(fakes.request("b", toks), 0) == (5 * BS, False)
+    asked = [keys for op, keys in ds.key_log if op == "exist"]
+    assert asked and max(map(len, asked)) <= 4 and sum(map(len, asked)) == 10, [len(k) for k in asked]
+
+
 def test_consumer_promise_becomes_the_next_steps_load_plan_once(make, ds):
     sch = make("kv_consumer")
     toks = tokens(22, 13)

@@ -27,6 +27,8 @@ Keys (all optional except the data system address):
   device_id             NPU device index for the npu transport (default: the tensor's device)
   saver                 where the producer's data-system writes run: "process" (default: a child process, as the
                         data system's client holds the GIL for each call) or "thread" (inside the vLLM worker)
+  layout                the memory-layout tag in the key namespace (default: the platform's device type and KV
+                        layout); instances that must share blocks need the same tag
   cpu_spin_ms           CPU instances only: how long vLLM's message-queue readers spin after a message before
                         they sleep (default 2; vLLM's own is 1 s; negative leaves vLLM's; see cpu_spin.py)
 """
@@ -128,7 +130,7 @@ _KNOWN = {
     "ds_address", "ds_host", "ds_port", "model_id", "namespace", "ttl_seconds", "evictable", "delete_after_load", "save_sync",
     "ready_wait_ms", "connect_timeout_ms", "request_timeout_ms", "retry_backoff_s", "exclusive_connection",
     "stats_interval_s", "stats_file", "max_batch_keys", "staging_mb", "transport", "device_id", "cpu_spin_ms",
-    "saver",
+    "saver", "layout",
 }
 
 

@@ -148,7 +148,12 @@ class ConnectorScheduler(ConnectorHalf):
     def _exists_all_ranks(self, digests: list[str]) -> list[bool]:
         assert self._conn is not None
         all_keys = [K.key_for(ns, d) for ns in self._rank_ns for d in digests]
-        res = self._conn.call("exist", lambda c: c.exist(all_keys))
+        # the data system refuses a call naming too many keys, and TP ranks x blocks of a long prompt can be thousands
+        step = self.ctx.cfg.max_batch_keys
+        res: list = []
+        for i in range(0, len(all_keys), step):
+            batch = all_keys[i:i + step]
+            res += self._conn.call("exist", lambda c, batch=batch: c.exist(batch))
         n = len(digests)
         return [all(bool(res[r * n + i]) for r in range(len(self._rank_ns))) for i in range(n)]
 

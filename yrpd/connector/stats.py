@@ -27,7 +27,7 @@ COUNTERS = (
     "saved_blocks", "saved_bytes", "save_skipped_existing", "save_failed_blocks", "save_dropped_blocks",
     # consumer (scheduler side): blocks asked about / found / not found before promising tokens
     "lookup_requests", "lookup_blocks", "lookup_hit_blocks", "lookup_miss_blocks", "lookup_errors",
-    "lookup_waits", "handoff_missed_blocks",
+    "lookup_waits", "handoff_missed_blocks", "handoff_refused",
     # consumer (worker side)
     "loaded_blocks", "loaded_bytes", "load_failed_blocks", "deleted_blocks",
     # transport
