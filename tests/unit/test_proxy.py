@@ -655,3 +655,133 @@ def test_a_stream_whose_instance_is_declared_down_after_its_first_token_ends_wit
             assert error["code"] == 502 and "declared down by its health probe" in error["message"]
             assert events[2:] == ["[DONE]"]
     run(go())
+
+
+# -- the membership file (scale out and in, draining)
+
+
+def write_members(path: Path, *members) -> None:
+    """Replace the membership file as the controller does: whole, by rename."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"instances": [{"url": f.url, "role": f.role, "draining": d} for f, d in members]}))
+    os.replace(tmp, path)
+
+
+async def members(s) -> dict:
+    return {i["url"]: i for i in (await s.status())["instances"]}
+
+
+def test_an_instance_written_into_the_membership_joins_once_its_probe_answers_and_a_draining_one_gets_no_new_leg(
+        tmp_path):
+    from tests.unit.proxy_fakes import FakeVLLM
+
+    async def go():
+        path = tmp_path / "members.json"
+        async with running(probe_interval=0.1, instances_file=str(path), routing=Routing.load) as s:
+            (p0,), (d0,) = s.prefill, s.decode
+            d1 = await FakeVLLM("d1", "decode").start()
+            try:
+                d1.health_status = 503
+                write_members(path, (p0, False), (d0, False), (d1, False))
+                await until(lambda: members(s), timeout=3)
+                await until(lambda: _has(s, d1.url), timeout=3)
+                body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+                for _ in range(4):  # it does not answer yet: nothing goes there
+                    assert (await post(s, "/v1/completions", body))[0] == 200
+                assert d1.bodies == [] and (await members(s))[d1.url]["up"] is False
+                d1.health_status = 200
+                await until(lambda: _up(s, d1.url), timeout=3)
+                for _ in range(4):
+                    assert (await post(s, "/v1/completions", body))[0] == 200
+                assert d1.bodies, "a joined instance that answers gets legs"
+                # draining: listed and probed, but no new leg; the control is the same instance undrained
+                write_members(path, (p0, False), (d0, False), (d1, True))
+                await until(lambda: _draining(s, d1.url), timeout=3)
+                sent = len(d1.bodies)
+                for _ in range(4):
+                    assert (await post(s, "/v1/completions", body))[0] == 200
+                assert len(d1.bodies) == sent
+                write_members(path, (p0, False), (d0, False), (d1, False))
+                await until(lambda: _routable(s, d1.url), timeout=3)
+                for _ in range(4):
+                    assert (await post(s, "/v1/completions", body))[0] == 200
+                assert len(d1.bodies) > sent
+            finally:
+                await d1.stop()
+    run(go())
+
+
+def test_an_instance_left_out_of_the_membership_finishes_its_request_in_flight_then_goes(tmp_path):
+    async def go():
+        path = tmp_path / "members.json"
+        async with running(decode=2, probe_interval=0.1, instances_file=str(path), routing=Routing.load) as s:
+            (p0,), (d0, d1) = s.prefill, s.decode
+            write_members(path, (p0, False), (d0, False), (d1, False))
+            await until(lambda: _version(s, 1), timeout=3)
+            for d in (d0, d1):
+                d.gate.clear()
+            held = asyncio.create_task(post(s, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4}))
+            await until(lambda: d0.bodies or d1.bodies, timeout=3)
+            busy, other = (d0, d1) if d0.bodies else (d1, d0)
+            other.gate.set()
+            write_members(path, (p0, False), (other, False))
+            await until(lambda: _version(s, 2), timeout=3)
+            listed = await members(s)
+            assert listed[busy.url]["draining"] and listed[busy.url]["in_flight"] == 1  # still there: it has a leg
+            body = {"model": "tiny", "prompt": "more", "max_tokens": 4}
+            for _ in range(3):
+                assert (await post(s, "/v1/completions", body))[0] == 200
+            assert len(busy.bodies) == 1
+            busy.gate.set()
+            status, _, data = await held
+            assert status == 200 and json.loads(data)["choices"][0]["text"] == f"{busy.name} says hi"  # not cut
+            await until(lambda: _gone(s, busy.url), timeout=3)
+    run(go())
+
+
+def test_a_membership_file_that_makes_no_sense_is_named_and_the_last_good_one_stays(tmp_path):
+    async def go():
+        path = tmp_path / "members.json"
+        async with running(probe_interval=0.1, instances_file=str(path)) as s:
+            (p0,), (d0,) = s.prefill, s.decode
+            path.write_text(json.dumps({"instances": [{"url": d0.url, "role": "decoder"}]}))
+            await until(lambda: _error(s), timeout=3)
+            status = await s.status()
+            assert "instances[0]: want a url http://HOST:PORT and a role prefill or decode" in \
+                status["membership"]["error"] and status["membership"]["version"] == 0
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+            assert (await post(s, "/v1/completions", body))[0] == 200  # the membership it had still serves
+            write_members(path, (p0, False), (d0, True))  # the control: a good file is taken (d0 drained: 503)
+            await until(lambda: _version(s, 1), timeout=3)
+            assert (await s.status())["membership"]["error"] is None
+            assert (await post(s, "/v1/completions", body))[0] == 503
+    run(go())
+
+
+async def _has(s, url):
+    return url in await members(s)
+
+
+async def _up(s, url):
+    return (await members(s)).get(url, {}).get("up") is True
+
+
+async def _draining(s, url):
+    return (await members(s)).get(url, {}).get("draining") is True
+
+
+async def _routable(s, url):
+    m = (await members(s)).get(url, {})
+    return m.get("up") is True and m.get("draining") is False
+
+
+async def _gone(s, url):
+    return url not in await members(s)
+
+
+async def _version(s, n):
+    return (await s.status())["membership"]["version"] >= n
+
+
+async def _error(s):
+    return (await s.status())["membership"]["error"] is not None

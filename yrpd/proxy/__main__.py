@@ -36,10 +36,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                             "prefill with max_tokens=1, then decode with the KV prefill left.")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on [%(default)s]")
     p.add_argument("--port", type=int, default=8000, help="port to listen on [%(default)s]")
-    p.add_argument("--prefill", action="append", required=True, type=_url, metavar="URL",
+    p.add_argument("--prefill", action="append", default=[], type=_url, metavar="URL",
                    help="a prefill instance, e.g. http://10.0.0.1:8100 (repeat for more)")
-    p.add_argument("--decode", action="append", required=True, type=_url, metavar="URL",
+    p.add_argument("--decode", action="append", default=[], type=_url, metavar="URL",
                    help="a decode instance (repeat for more)")
+    p.add_argument("--instances-file", metavar="FILE",
+                   help='the membership, read again every probe round where it exists, in place of --prefill and '
+                        '--decode: {"instances": [{"url": URL, "role": "prefill"|"decode", "draining": false}]}; '
+                        'a draining instance gets no new request, one left out goes once its requests have ended')
     p.add_argument("--served-model-name", required=True, metavar="NAME", help="model name the instances serve")
     p.add_argument("--api-key-env", metavar="VAR",
                    help="environment variable holding the API key; when it is set and non-empty, /v1/* needs "
@@ -55,7 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--routing-bound", type=int, default=2, metavar="N",
                    help="no leg goes to an instance with N more requests in flight than the least busy one "
                         "[%(default)s]")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.instances_file and not (args.prefill and args.decode):
+        p.error("give --prefill and --decode, or --instances-file")
+    return args
 
 
 async def _serve(config, host: str, port: int) -> None:
@@ -88,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ProxyConfig(prefill=args.prefill, decode=args.decode, served_model_name=args.served_model_name,
                          api_key=api_key, instance_token=os.environ.get(PROXY_TOKEN_ENV) or None,
                          request_timeout=args.request_timeout, probe_interval=args.probe_interval,
-                         routing=Routing(args.routing), routing_bound=max(1, args.routing_bound))
+                         routing=Routing(args.routing), routing_bound=max(1, args.routing_bound),
+                         instances_file=args.instances_file)
     try:
         asyncio.run(_serve(config, args.host, args.port))
     except OSError as exc:  # typically the port is taken

@@ -7,6 +7,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -75,6 +76,22 @@ class ProxyConfig:
     routing: Routing = Routing.prefix
     #: routing never picks an instance with this many more requests in flight than the least busy one
     routing_bound: int = 2
+    #: the membership, where it exists: {"instances": [{"url", "role", "draining"}]}, written by the controller
+    #: (yrpd scale, rolling changes) and read again every probe round; it replaces `prefill`/`decode`
+    instances_file: str | None = None
+
+
+def parse_members(data) -> list[tuple[str, str, bool]]:
+    """The membership file's content as (url, role, draining) each; ValueError naming what is wrong."""
+    if not isinstance(data, dict) or not isinstance(data.get("instances"), list):
+        raise ValueError('want {"instances": [{"url": ..., "role": "prefill"|"decode", "draining": false}, ...]}')
+    out = []
+    for n, entry in enumerate(data["instances"]):
+        url, role = (entry.get("url"), entry.get("role")) if isinstance(entry, dict) else (None, None)
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")) or role not in ROLES:
+            raise ValueError(f"instances[{n}]: want a url http://HOST:PORT and a role prefill or decode, got {entry!r}")
+        out.append((url.rstrip("/"), role, bool(entry.get("draining", False))))
+    return out
 
 
 class InstanceDown(Exception):
@@ -150,6 +167,9 @@ class Proxy:
         # silence: waiting for an answer to start, or for the next chunk.
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, wait), sock_read=wait)
         self._probe_timeout = aiohttp.ClientTimeout(total=max(5.0, config.probe_interval))
+        self._members_seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file last read
+        self.members_error: str | None = None  # why the file's last version was not taken
+        self.members_version = 0  # versions of the file taken
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._middleware])
@@ -167,6 +187,7 @@ class Proxy:
 
     async def _start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
+        self._read_members()
         # One round before serving, so the first requests do not meet instances that are all still "unknown".
         await self._probe_all(announce=False)
         listing = "; ".join(f"{role}: " + ", ".join(f"{i.url} ({'up' if i.up else 'down'})" for i in self.pool.of(role))
@@ -186,9 +207,47 @@ class Proxy:
         while True:
             await asyncio.sleep(self.config.probe_interval)
             try:
+                self._read_members()
                 await self._probe_all()
             except Exception:  # the prober must outlive any surprise
                 log.exception("health probe round failed")
+
+    def _read_members(self) -> None:
+        """Take the membership file's new version, if it changed; a version that cannot be read or makes no sense
+        is named in /yrpd/status and the log, and the last good membership stays."""
+        path = self.config.instances_file
+        if not path:
+            return
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self._members_refused(f"cannot stat {path}: {exc}")
+            return
+        seen = (st.st_mtime_ns, st.st_size)
+        if seen == self._members_seen:
+            return
+        self._members_seen = seen
+        try:
+            with open(path) as f:
+                members = parse_members(json.load(f))
+        except (OSError, ValueError) as exc:
+            self._members_refused(f"{path}: {exc}")
+            return
+        joined, left = self.pool.sync(members)
+        self.members_error = None
+        self.members_version += 1
+        draining = [u for u, _, d in members if d]
+        log.info("membership from %s (version %d): %d instances%s%s%s", path, self.members_version, len(members),
+                 f"; joining (once up): {', '.join(i.url for i in joined)}" if joined else "",
+                 f"; leaving: {', '.join(i.url for i in left)}" if left else "",
+                 f"; draining: {', '.join(draining)}" if draining else "")
+
+    def _members_refused(self, why: str) -> None:
+        if why != self.members_error:
+            log.warning("membership file not taken, keeping the last one: %s", why)
+        self.members_error = why
 
     async def _probe_all(self, announce: bool = True) -> None:
         await asyncio.gather(*(self._probe(i, announce) for i in self.pool.instances))
@@ -557,6 +616,8 @@ class Proxy:
                                   "request_timeout_s": self.config.request_timeout,
                                   "instances": [i.as_dict() for i in self.pool.instances], "totals": totals,
                                   "routing": self.pool.routing_state(),
+                                  "membership": {"file": self.config.instances_file,
+                                                 "version": self.members_version, "error": self.members_error},
                                   "own_overhead_ms": self.metrics.own_percentiles()})
 
 

@@ -30,6 +30,14 @@ class Instance:
     #: prompt chunks given to its prefill legs lately, decaying with every prefill leg routed (prefix routing)
     recent: float = 0.0
     memory: PrefixMemory = field(default_factory=PrefixMemory, repr=False)
+    #: taken out of routing: its legs in flight finish, no new one comes (scale-in, a rolling change, maintenance)
+    draining: bool = False
+    #: no longer a member: it goes once its last leg has ended
+    leaving: bool = False
+
+    @property
+    def routable(self) -> bool:
+        return self.up and not self.draining and not self.leaving
 
     def note_error(self, message: str) -> None:
         self.last_error, self.last_error_at = message, time.time()
@@ -38,7 +46,7 @@ class Instance:
         return {"url": self.url, "role": self.role, "up": self.up, "in_flight": self.in_flight,
                 "requests": self.requests, "errors": self.errors, "last_error": self.last_error,
                 "last_error_at": self.last_error_at, "prefix_routed": self.prefix_routed,
-                "queued_chunks": round(self.queued, 1)}
+                "queued_chunks": round(self.queued, 1), "draining": self.draining or self.leaving}
 
 
 @dataclass(eq=False)
@@ -97,7 +105,34 @@ class Pool:
         return [i for i in self.instances if i.role == role]
 
     def up(self, role: str) -> list[Instance]:
-        return [i for i in self.of(role) if i.up]
+        """The instances of `role` a new leg may go to."""
+        return [i for i in self.of(role) if i.routable]
+
+    def sync(self, members: list[tuple[str, str, bool]]) -> tuple[list[Instance], list[Instance]]:
+        """Make the membership `members`, (url, role, draining) each: a new instance joins down (its first probe
+        brings it in), a gone one leaves at once when nothing is in flight there, else once its last leg ends.
+        Returns (joined, left)."""
+        wanted = {url.rstrip("/"): (role, draining) for url, role, draining in members}
+        joined, left = [], []
+        for inst in list(self.instances):
+            role, draining = wanted.get(inst.url, (None, False))
+            if role == inst.role:
+                inst.draining, inst.leaving = draining, False
+            elif not inst.leaving:
+                inst.leaving = True
+                left.append(inst)
+        known = {(i.url, i.role) for i in self.instances if not i.leaving}
+        for url, (role, draining) in wanted.items():
+            if (url, role) not in known:
+                inst = Instance(url, role, draining=draining)
+                self.instances.append(inst)
+                joined.append(inst)
+        self.reap()
+        return joined, left
+
+    def reap(self) -> None:
+        """Drop the leaving instances whose last leg has ended."""
+        self.instances = [i for i in self.instances if not (i.leaving and i.in_flight == 0)]
 
     def acquire(self, role: str, exclude: list[Instance] | tuple = (), prompt: Prompt | None = None
                 ) -> Lease | None:
@@ -119,8 +154,7 @@ class Pool:
                 inst.recent += lease.work
         return lease
 
-    @staticmethod
-    def release(lease: Lease) -> None:
+    def release(self, lease: Lease) -> None:
         """End a leg; a second release of the same lease does nothing."""
         if lease.released:
             return
@@ -128,6 +162,8 @@ class Pool:
         inst = lease.instance
         inst.in_flight -= 1
         inst.queued = max(0.0, inst.queued - lease.work)
+        if inst.leaving and inst.in_flight == 0:
+            self.reap()
 
     def select(self, role: str, exclude: list[Instance] | tuple = (), prompt: Prompt | None = None
                ) -> Instance | None:
@@ -148,7 +184,7 @@ class Pool:
         start = next(self._turn[role]) % len(members)
         # min() keeps the first of equals, so rotating the start spreads ties over the members.
         rotated = members[start:] + members[:start]
-        candidates = [i for i in rotated if i.up and i not in exclude]
+        candidates = [i for i in rotated if i.routable and i not in exclude]
         least = min(candidates, key=lambda i: i.in_flight, default=None)
         if least is None or self.routing is not Routing.prefix or prompt is None or not prompt.chain:
             return None if least is None else Lease(least)
