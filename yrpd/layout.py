@@ -57,6 +57,11 @@ class HostSessionLayout:
     def supervisor(self) -> str:
         return f"{self.run_dir}/supervise.py"
 
+    @property
+    def proxy_members(self) -> str:
+        """The proxy's membership file: which instances it routes to, which of them drain (yrpd.proxy)."""
+        return f"{self.run_dir}/proxy-members.json"
+
     def kv_stats(self, instance: str) -> str:
         """The connector's stats file per side and rank; `{side}` and `{rank}` are filled in by the connector."""
         return f"{self.run_dir}/kv-{instance}-{{side}}-rank{{rank}}.json"

@@ -251,11 +251,21 @@ def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | Non
             "--routing-bound", str(spec.routing_bound)]
     for inst in plan.instances:
         argv += [f"--{inst.role}", instance_url(plan, inst)]
+    if paths.session:  # where it exists, the file replaces the lists above: the membership yrpd scale changes
+        argv += ["--instances-file", paths.session.proxy_members]
     env = {"PYTHONPATH": paths.bundle_dir}
     if spec.api_key_env:
         argv += ["--api-key-env", credentials.PROXY_KEY_ENV]
     return Launch(PROXY_NAME, plan.proxy_host, argv, env, f"{proxy_url(spec, plan)}/health",
                   paths.session.env_file(credentials.PROXY) if paths.session else None)
+
+
+def proxy_members(plan: Plan, draining: frozenset[str] = frozenset()) -> dict:
+    """The proxy's membership file's content for `plan`: every prefill and decode instance, those named in
+    `draining` taken out of routing."""
+    return {"instances": [{"name": inst.name, "url": instance_url(plan, inst), "role": inst.role,
+                           "draining": inst.name in draining}
+                          for inst in plan.instances if inst.role in ("prefill", "decode")]}
 
 
 def sample_request(spec: DeploySpec, plan: Plan, token_file: str | None = None) -> str:

@@ -684,25 +684,25 @@ def test_an_instance_written_into_the_membership_joins_once_its_probe_answers_an
                 d1.health_status = 503
                 write_members(path, (p0, False), (d0, False), (d1, False))
                 await until(lambda: members(s), timeout=3)
-                await until(lambda: _has(s, d1.url), timeout=3)
+                await until(lambda: _member_has(s, d1.url), timeout=3)
                 body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
                 for _ in range(4):  # it does not answer yet: nothing goes there
                     assert (await post(s, "/v1/completions", body))[0] == 200
                 assert d1.bodies == [] and (await members(s))[d1.url]["up"] is False
                 d1.health_status = 200
-                await until(lambda: _up(s, d1.url), timeout=3)
+                await until(lambda: _member_up(s, d1.url), timeout=3)
                 for _ in range(4):
                     assert (await post(s, "/v1/completions", body))[0] == 200
                 assert d1.bodies, "a joined instance that answers gets legs"
                 # draining: listed and probed, but no new leg; the control is the same instance undrained
                 write_members(path, (p0, False), (d0, False), (d1, True))
-                await until(lambda: _draining(s, d1.url), timeout=3)
+                await until(lambda: _member_draining(s, d1.url), timeout=3)
                 sent = len(d1.bodies)
                 for _ in range(4):
                     assert (await post(s, "/v1/completions", body))[0] == 200
                 assert len(d1.bodies) == sent
                 write_members(path, (p0, False), (d0, False), (d1, False))
-                await until(lambda: _routable(s, d1.url), timeout=3)
+                await until(lambda: _member_routable(s, d1.url), timeout=3)
                 for _ in range(4):
                     assert (await post(s, "/v1/completions", body))[0] == 200
                 assert len(d1.bodies) > sent
@@ -717,7 +717,7 @@ def test_an_instance_left_out_of_the_membership_finishes_its_request_in_flight_t
         async with running(decode=2, probe_interval=0.1, instances_file=str(path), routing=Routing.load) as s:
             (p0,), (d0, d1) = s.prefill, s.decode
             write_members(path, (p0, False), (d0, False), (d1, False))
-            await until(lambda: _version(s, 1), timeout=3)
+            await until(lambda: _member_version(s, 1), timeout=3)
             for d in (d0, d1):
                 d.gate.clear()
             held = asyncio.create_task(post(s, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4}))
@@ -725,7 +725,7 @@ def test_an_instance_left_out_of_the_membership_finishes_its_request_in_flight_t
             busy, other = (d0, d1) if d0.bodies else (d1, d0)
             other.gate.set()
             write_members(path, (p0, False), (other, False))
-            await until(lambda: _version(s, 2), timeout=3)
+            await until(lambda: _member_version(s, 2), timeout=3)
             listed = await members(s)
             assert listed[busy.url]["draining"] and listed[busy.url]["in_flight"] == 1  # still there: it has a leg
             body = {"model": "tiny", "prompt": "more", "max_tokens": 4}
@@ -735,7 +735,7 @@ def test_an_instance_left_out_of_the_membership_finishes_its_request_in_flight_t
             busy.gate.set()
             status, _, data = await held
             assert status == 200 and json.loads(data)["choices"][0]["text"] == f"{busy.name} says hi"  # not cut
-            await until(lambda: _gone(s, busy.url), timeout=3)
+            await until(lambda: _member_gone(s, busy.url), timeout=3)
     run(go())
 
 
@@ -745,43 +745,43 @@ def test_a_membership_file_that_makes_no_sense_is_named_and_the_last_good_one_st
         async with running(probe_interval=0.1, instances_file=str(path)) as s:
             (p0,), (d0,) = s.prefill, s.decode
             path.write_text(json.dumps({"instances": [{"url": d0.url, "role": "decoder"}]}))
-            await until(lambda: _error(s), timeout=3)
+            await until(lambda: _member_error(s), timeout=3)
             status = await s.status()
             assert "instances[0]: want a url http://HOST:PORT and a role prefill or decode" in \
                 status["membership"]["error"] and status["membership"]["version"] == 0
             body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
             assert (await post(s, "/v1/completions", body))[0] == 200  # the membership it had still serves
             write_members(path, (p0, False), (d0, True))  # the control: a good file is taken (d0 drained: 503)
-            await until(lambda: _version(s, 1), timeout=3)
+            await until(lambda: _member_version(s, 1), timeout=3)
             assert (await s.status())["membership"]["error"] is None
             assert (await post(s, "/v1/completions", body))[0] == 503
     run(go())
 
 
-async def _has(s, url):
+async def _member_has(s, url):
     return url in await members(s)
 
 
-async def _up(s, url):
+async def _member_up(s, url):
     return (await members(s)).get(url, {}).get("up") is True
 
 
-async def _draining(s, url):
+async def _member_draining(s, url):
     return (await members(s)).get(url, {}).get("draining") is True
 
 
-async def _routable(s, url):
+async def _member_routable(s, url):
     m = (await members(s)).get(url, {})
     return m.get("up") is True and m.get("draining") is False
 
 
-async def _gone(s, url):
+async def _member_gone(s, url):
     return url not in await members(s)
 
 
-async def _version(s, n):
+async def _member_version(s, n):
     return (await s.status())["membership"]["version"] >= n
 
 
-async def _error(s):
+async def _member_error(s):
     return (await s.status())["membership"]["error"] is not None

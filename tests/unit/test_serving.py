@@ -214,3 +214,18 @@ def test_bench_kv_pool_size_reaches_every_target_and_a_single_instance_gets_the_
         sized = variant(spec, target, DeviceKind.cpu, datasystem_mb=96, datasystem_spill_mb=512)
         assert (sized.datasystem_memory_mb, sized.datasystem_spill_mb) == (96, 512)
     assert variant(spec, "pd", DeviceKind.cpu).datasystem_memory_mb == spec.datasystem_memory_mb
+
+
+def test_the_proxy_reads_its_membership_from_the_session_file_that_lists_every_instance_of_the_plan():
+    """What the controller writes is what the proxy takes (yrpd.proxy.app.parse_members): each instance's URL and
+    role; a draining one marked; the proxy started with the file's path, so a restart reads the membership as it is
+    now, not as it was at deploy."""
+    from yrpd.proxy.app import parse_members
+    from yrpd.serving import instance_url, proxy_members
+
+    spec, plan = deployment(prefill=2, decode=2, ptp=2, dtp=2)
+    argv = proxy_launch(spec, plan, PATHS).argv
+    assert flag(argv, "--instances-file") == "/tmp/yrpd_sessions/S/run/proxy-members.json"
+    taken = parse_members(proxy_members(plan, draining=frozenset({"decode-1"})))
+    assert taken == [(instance_url(plan, i), i.role, i.name == "decode-1") for i in plan.instances]
+    assert sorted(r for _, r, _ in taken) == ["decode", "decode", "prefill", "prefill"]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import shlex
+
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
-from yrpd.serving import PROXY_NAME, proxy_launch
+from yrpd.serving import PROXY_NAME, proxy_launch, proxy_members
 from yrpd.steps import NotNeeded, StepContext, host_python
 from yrpd.steps.processes import running as process_running
 from yrpd.steps.processes import start_script
@@ -20,9 +23,13 @@ def start(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
         return NotNeeded("not disaggregated: no proxy")
     display = (f"start {PROXY_NAME} detached: {' '.join(f'{k}={v}' for k, v in launch.env.items())} {launch.command}  "
                f"(secrets from {launch.env_file}; log {ctx.layout.log(PROXY_NAME)})")
-    return Command(start_script(ctx, PROXY_NAME, launch.exec_command, launch.env, env_file=launch.env_file,
-                                health_url=launch.health_url),
-                   display=display, timeout=60)
+    members = shlex.quote(ctx.layout.proxy_members)
+    # the membership it starts with is the plan's; the file (not the argv) is what a supervisor's restart reads
+    write = (f"mkdir -p {shlex.quote(ctx.layout.run_dir)} && printf '%s\\n' "
+             f"{shlex.quote(json.dumps(proxy_members(ctx.plan)))} > {members}.tmp && mv -f {members}.tmp {members}")
+    script = start_script(ctx, PROXY_NAME, launch.exec_command, launch.env, env_file=launch.env_file,
+                          health_url=launch.health_url)
+    return Command(f"{write}\n{script}", display=f"write {ctx.layout.proxy_members}; {display}", timeout=60)
 
 
 def running(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
