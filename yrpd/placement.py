@@ -186,8 +186,12 @@ def role_requests(spec: DeploySpec) -> list[RoleRequest]:
     return [RoleRequest("single", spec.prefill, *spec.parallelism("single"), "prefill_tensor_parallel_size (--ptp)")]
 
 
-def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
-    """Place every instance; raise SpecError naming the numbers when the request cannot fit."""
+def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory], keep: Plan | None = None) -> Plan:
+    """Place every instance; raise SpecError naming the numbers when the request cannot fit.
+
+    `keep`: the plan of the deployment running now. An instance of it that the spec still asks for (same name,
+    role, TP and DP, on hosts still in the spec) keeps its devices and ports, and only the others are placed, on
+    what is left: a change of a running deployment moves nothing that need not move."""
     host_names = [h.name for h in spec.hosts]
     kinds = {inventory[n].kind for n in host_names if inventory[n].kind is not DeviceKind.auto}
     if len(kinds) > 1:
@@ -225,9 +229,17 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
 
     free = {n: list(inventory[n].devices) for n in host_names}
     order = {n: i for i, n in enumerate(host_names)}
+    kept = _kept(keep, roles, {n: set(inventory[n].devices) for n in host_names})
+    for inst in kept.values():
+        for r in inst.ranks:
+            free[r.host] = [d for d in free[r.host] if d not in r.devices]
     placed: list[PlacedInstance] = []
     for req in roles:
         for index in range(req.count):
+            old = kept.get(f"{req.role}-{index}")
+            if old is not None:
+                placed.append(PlacedInstance(old.name, old.role, old.index, old.tp, old.dp, old.ranks))
+                continue
             ranks: list[RankPlacement] = []
             width = req.tp * per_rank
             for dp_rank in range(req.dp):
@@ -251,15 +263,21 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
             placed.append(PlacedInstance(f"{req.role}-{index}", req.role, index, req.tp, req.dp, tuple(ranks)))
 
     ports = spec.ports
-    slots: dict[str, int] = {n: 0 for n in host_names}
+    taken: dict[str, set[int]] = {n: set() for n in host_names}  # port slots in use on each host
+    for inst in kept.values():
+        taken[inst.host].add(inst.port - ports.instance_base)
     instances: list[InstancePlan] = []
     for p in placed:
         head = p.ranks[0].host
+        old = kept.get(p.name)
         slot_per_host: dict[str, int] = {}
         for r in p.ranks:
             if r.host not in slot_per_host:
-                slot_per_host[r.host] = slots[r.host]
-                slots[r.host] += 1
+                if old is not None and r.host == head:
+                    slot_per_host[r.host] = old.port - ports.instance_base
+                    continue
+                slot_per_host[r.host] = min(set(range(len(taken[r.host]) + 1)) - taken[r.host])
+                taken[r.host].add(slot_per_host[r.host])
         slot = slot_per_host[head]
         instances.append(
             InstancePlan(
@@ -275,9 +293,10 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
                 hccl_port=ports.hccl_base + INSTANCE_PORT_BLOCK * slot,
             )
         )
-    for name, used in slots.items():
-        if used > ports.span:
-            raise SpecError("ports.span", f"{name} would run {used} instances but the port ranges hold {ports.span}", "raise ports.span")
+    for name, used in taken.items():
+        if used and max(used) + 1 > ports.span:
+            raise SpecError("ports.span", f"{name} would run {max(used) + 1} instances but the port ranges hold "
+                            f"{ports.span}", "raise ports.span")
 
     master = spec.master_host.name
     hosts = []
@@ -308,6 +327,21 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Plan:
     dtype = choose(spec.dtype, kind, {n: inventory[n].cpu_bf16 for n in host_names if n in serving},
                    CPU_DTYPE.get(spec.builtin_model or ""))
     return Plan(hosts=tuple(hosts), instances=tuple(instances), proxy_host=master, proxy_port=ports.proxy, dtype=dtype)
+
+
+def _kept(keep: Plan | None, roles: list[RoleRequest], devices: dict[str, set[int]]) -> dict[str, InstancePlan]:
+    """The instances of the running plan that the new request keeps as they are, by name: asked for again with the
+    same role, TP and DP, on devices its hosts still have."""
+    if keep is None:
+        return {}
+    wanted = {f"{r.role}-{i}": r for r in roles for i in range(r.count)}
+    out = {}
+    for inst in keep.instances:
+        req = wanted.get(inst.name)
+        if req and (req.role, req.tp, req.dp) == (inst.role, inst.tp, inst.dp) and \
+                all(r.host in devices and set(r.devices) <= devices[r.host] for r in inst.ranks):
+            out[inst.name] = inst
+    return out
 
 
 def ports_on_host(plan: Plan, host: str) -> list[tuple[int, str]]:
