@@ -43,9 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from yrpd.errors import YrpdError
 from yrpd import __version__
-from yrpd.assets import patches_dir
+from yrpd.errors import YrpdError
 
 SERIES_SCHEMA = "yrpd.patch-series/1"
 RECORD_SCHEMA = "yrpd.patch-record/1"
@@ -316,6 +315,9 @@ def load_all(root: Path) -> list[Series]:
 
 
 def default_root() -> Path:
+    # not at the top: this module also runs in the container from the patch bundle, which ships no yrpd.assets
+    from yrpd.assets import patches_dir
+
     return patches_dir()
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[2] / "yrpd"
 
 #: bottom first: (what the layer is, the modules or packages in it)
@@ -132,3 +134,63 @@ def test_the_check_sees_an_upward_import_and_a_loop(tmp_path, monkeypatch):
     g = graph()
     assert upward(g) == ["yrpd.errors (layer 0) imports yrpd.cli (layer 11: the command line)"]
     assert loops(g) == ["yrpd.cli -> yrpd.errors -> yrpd.cli"]
+
+
+# -- what ships to the hosts
+
+
+def loaded_at_import(source: str, module: str) -> set[str]:
+    """The yrpd modules the import of `module` loads: its imports outside functions (module level, if/try
+    included); for a package's __init__, pass `<package>.__init__`."""
+    package = module
+    found: set[str] = set()
+
+    def visit(nodes) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if isinstance(node, ast.ClassDef):
+                    visit(node.body)
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level] + ([base] if base else []))
+                if base.startswith("yrpd"):
+                    found.update({f"{base}.{a.name}" for a in node.names} | {base})
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("yrpd"))
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(node, field, []) or [])
+
+    visit(ast.parse(source).body)
+    return found
+
+
+def shipped_modules(files: list[str]) -> set[str]:
+    return {f.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for f in files if f.endswith(".py")}
+
+
+@pytest.mark.parametrize("which", ["code", "patch"])
+def test_a_module_shipped_to_the_hosts_loads_only_what_ships_with_it(which):
+    """The connector/proxy bundle and the patch bundle run on the hosts without the rest of yrpd: an import of a
+    module left behind fails there ("No module named yrpd.assets"), not here. The control: the same check finds
+    such an import in a module written for it."""
+    import base64
+    import io
+    import tarfile
+
+    from yrpd.steps.container import patch_bundle
+    from yrpd.steps.vllm_env import bundle
+
+    _, encoded = bundle() if which == "code" else patch_bundle()
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(encoded))) as tar:
+        sources = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers()
+                   if m.name.startswith("yrpd/") and m.name.endswith(".py")}
+    shipped = shipped_modules(list(sources))
+    # a name imported from a shipped package may be a function or class of it, not a module
+    missing = {(f, m) for f, src in sources.items()
+               for m in loaded_at_import(src, f.removesuffix(".py").replace("/", "."))
+               if m not in shipped and m.rsplit(".", 1)[0] not in shipped}
+    assert missing == set()
+    assert loaded_at_import("from yrpd.assets import patches_dir\n", "yrpd.patches") - shipped  # the control
