@@ -10,7 +10,7 @@ from pathlib import Path
 
 from yrpd.errors import SessionError
 from yrpd.hostgroup import GroupResult, Host, HostGroup, env_preamble
-from yrpd.placement import HostInventory, Plan, make_plan
+from yrpd.placement import HostInventory, Plan, instances_from_dicts, make_plan
 from yrpd.session import Session
 from yrpd.spec import DeploySpec, DeviceKind, Dtype, HostSpec, Runtime, stored_spec
 from yrpd.steps import RunOptions, StepContext, host_python
@@ -141,7 +141,10 @@ class Deployment:
         if plan_data is None or "inventory" not in plan_data:
             raise SessionError(f"session {session.id} has no plan.json: the deploy stopped before planning")
         inventory = inventory_from_json(plan_data["inventory"])
-        return cls(session, spec, inventory, make_plan(spec, inventory))
+        # planned again keeping the stored placement: a deployment changed while running (yrpd scale) may sit
+        # where a plan from nothing would not put it
+        keep = instances_from_dicts(plan_data.get("instances") or [])
+        return cls(session, spec, inventory, make_plan(spec, inventory, keep=keep))
 
     def context(self, options: RunOptions | None = None) -> StepContext:
         return StepContext(spec=self.spec, plan=self.plan, session_id=self.session.id, options=options or RunOptions())

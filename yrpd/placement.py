@@ -17,6 +17,7 @@ Rules (documented in docs/architecture.md):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Iterable
 
 from yrpd.models import CPU_DTYPE
 from yrpd.errors import SpecError
@@ -186,10 +187,12 @@ def role_requests(spec: DeploySpec) -> list[RoleRequest]:
     return [RoleRequest("single", spec.prefill, *spec.parallelism("single"), "prefill_tensor_parallel_size (--ptp)")]
 
 
-def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory], keep: Plan | None = None) -> Plan:
+def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
+              keep: Iterable[InstancePlan] = ()) -> Plan:
     """Place every instance; raise SpecError naming the numbers when the request cannot fit.
 
-    `keep`: the plan of the deployment running now. An instance of it that the spec still asks for (same name,
+    `keep`: the instances of the deployment running now (its plan's, or `instances_from_dicts` of the stored one).
+    An instance of them that the spec still asks for (same name,
     role, TP and DP, on hosts still in the spec) keeps its devices and ports, and only the others are placed, on
     what is left: a change of a running deployment moves nothing that need not move."""
     host_names = [h.name for h in spec.hosts]
@@ -329,19 +332,25 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory], keep: Plan 
     return Plan(hosts=tuple(hosts), instances=tuple(instances), proxy_host=master, proxy_port=ports.proxy, dtype=dtype)
 
 
-def _kept(keep: Plan | None, roles: list[RoleRequest], devices: dict[str, set[int]]) -> dict[str, InstancePlan]:
+def _kept(keep: Iterable[InstancePlan], roles: list[RoleRequest], devices: dict[str, set[int]]
+          ) -> dict[str, InstancePlan]:
     """The instances of the running plan that the new request keeps as they are, by name: asked for again with the
     same role, TP and DP, on devices its hosts still have."""
-    if keep is None:
-        return {}
     wanted = {f"{r.role}-{i}": r for r in roles for i in range(r.count)}
     out = {}
-    for inst in keep.instances:
+    for inst in keep:
         req = wanted.get(inst.name)
         if req and (req.role, req.tp, req.dp) == (inst.role, inst.tp, inst.dp) and \
                 all(r.host in devices and set(r.devices) <= devices[r.host] for r in inst.ranks):
             out[inst.name] = inst
     return out
+
+
+def instances_from_dicts(rows: list[dict]) -> tuple[InstancePlan, ...]:
+    """The instances of a stored plan (Plan.to_dict's "instances"), to keep where they are when it is planned again."""
+    return tuple(InstancePlan(name=r["name"], role=r["role"], index=r["index"], tp=r["tp"], dp=r["dp"], host=r["host"],
+                              ranks=tuple(RankPlacement(x["host"], x["dp_rank"], tuple(x["devices"])) for x in r["ranks"]),
+                              port=r["port"], kv_port=r["kv_port"], hccl_port=r["hccl_port"]) for r in rows)
 
 
 def ports_on_host(plan: Plan, host: str) -> list[tuple[int, str]]:

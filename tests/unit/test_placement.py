@@ -129,14 +129,14 @@ def test_host_address_forms():
 
 def test_scaling_out_and_in_keeps_every_running_instance_on_its_devices_and_ports():
     now = make_plan(spec(hosts="h1,h2,h3", ptp=4, dtp=4), inventory(8, hosts=("h1", "h2", "h3")))
-    out = make_plan(spec(hosts="h1,h2,h3", ptp=4, dtp=4, decode=2), inventory(8, hosts=("h1", "h2", "h3")), keep=now)
+    out = make_plan(spec(hosts="h1,h2,h3", ptp=4, dtp=4, decode=2), inventory(8, hosts=("h1", "h2", "h3")), keep=now.instances)
     assert rows(out)[:2] == rows(now)
     added = out.instances[2]
     assert added.name == "decode-1"
     taken = {(r.host, d) for i in now.instances for r in i.ranks for d in r.devices}
     assert not taken & {(r.host, d) for r in added.ranks for d in r.devices}
     assert (added.host, added.port) not in {(i.host, i.port) for i in now.instances}
-    back = make_plan(spec(hosts="h1,h2,h3", ptp=4, dtp=4), inventory(8, hosts=("h1", "h2", "h3")), keep=out)
+    back = make_plan(spec(hosts="h1,h2,h3", ptp=4, dtp=4), inventory(8, hosts=("h1", "h2", "h3")), keep=out.instances)
     assert rows(back) == rows(now)
 
 
@@ -144,7 +144,7 @@ def test_a_new_prefill_instance_does_not_move_the_decode_instance_a_fresh_plan_w
     hosts = ("h1", "h2")
     now = make_plan(spec(ptp=4, dtp=4), inventory(8, hosts=hosts))
     fresh = make_plan(spec(ptp=4, dtp=4, prefill=2), inventory(8, hosts=hosts))
-    kept = make_plan(spec(ptp=4, dtp=4, prefill=2), inventory(8, hosts=hosts), keep=now)
+    kept = make_plan(spec(ptp=4, dtp=4, prefill=2), inventory(8, hosts=hosts), keep=now.instances)
     # the control: planned from nothing, decode-0 would go elsewhere (prefill-1 takes its place)
     assert rows(fresh)[-1] != rows(now)[-1]
     assert [r for r in rows(kept) if r[0] in ("prefill-0", "decode-0")] == rows(now)
@@ -157,8 +157,20 @@ def test_a_new_prefill_instance_does_not_move_the_decode_instance_a_fresh_plan_w
 def test_an_instance_whose_tp_changed_is_placed_again_and_one_on_a_device_gone_too():
     hosts = ("h1", "h2")
     now = make_plan(spec(ptp=2, dtp=2), inventory(8, hosts=hosts))
-    wider = make_plan(spec(ptp=2, dtp=4), inventory(8, hosts=hosts), keep=now)
+    wider = make_plan(spec(ptp=2, dtp=4), inventory(8, hosts=hosts), keep=now.instances)
     assert rows(wider)[0] == rows(now)[0] and len(wider.instances[1].devices) == 4
     shrunk = {"h1": HostInventory(DeviceKind.npu, (4, 5, 6, 7)), "h2": HostInventory(DeviceKind.npu, tuple(range(8)))}
-    moved = make_plan(spec(ptp=2, dtp=2), shrunk, keep=now)
+    moved = make_plan(spec(ptp=2, dtp=2), shrunk, keep=now.instances)
     assert all(d in (4, 5, 6, 7) for r in moved.instances[0].ranks if r.host == "h1" for d in r.devices)
+
+
+def test_a_stored_plan_read_back_keeps_a_placement_a_plan_from_nothing_would_not_make():
+    from yrpd.placement import instances_from_dicts
+
+    hosts = ("h1", "h2")
+    now = make_plan(spec(ptp=4, dtp=4), inventory(8, hosts=hosts))
+    scaled = make_plan(spec(ptp=4, dtp=4, prefill=2), inventory(8, hosts=hosts), keep=now.instances)
+    stored = json.loads(json.dumps(scaled.to_dict()))["instances"]
+    again = make_plan(spec(ptp=4, dtp=4, prefill=2), inventory(8, hosts=hosts), keep=instances_from_dicts(stored))
+    assert rows(again) == rows(scaled)
+    assert rows(make_plan(spec(ptp=4, dtp=4, prefill=2), inventory(8, hosts=hosts))) != rows(scaled)  # the control

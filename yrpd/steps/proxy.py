@@ -23,13 +23,23 @@ def start(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
         return NotNeeded("not disaggregated: no proxy")
     display = (f"start {PROXY_NAME} detached: {' '.join(f'{k}={v}' for k, v in launch.env.items())} {launch.command}  "
                f"(secrets from {launch.env_file}; log {ctx.layout.log(PROXY_NAME)})")
+    return Command(start_script(ctx, PROXY_NAME, launch.exec_command, launch.env, env_file=launch.env_file,
+                                health_url=launch.health_url),
+                   display=display, timeout=60)
+
+
+def write_members(ctx: StepContext, host: HostPlan, draining: frozenset[str] = frozenset()) -> Command | NotNeeded:
+    """The proxy's membership file from the plan (`draining`: instance names taken out of routing), replaced whole
+    by rename so the proxy never reads half of it. No check: a running proxy takes a changed file at its next probe
+    round, so writing the same content again is the way to be sure it is current."""
+    if not ctx.spec.disaggregated:
+        return NotNeeded("not disaggregated: no proxy")
     members = shlex.quote(ctx.layout.proxy_members)
-    # the membership it starts with is the plan's; the file (not the argv) is what a supervisor's restart reads
-    write = (f"mkdir -p {shlex.quote(ctx.layout.run_dir)} && printf '%s\\n' "
-             f"{shlex.quote(json.dumps(proxy_members(ctx.plan)))} > {members}.tmp && mv -f {members}.tmp {members}")
-    script = start_script(ctx, PROXY_NAME, launch.exec_command, launch.env, env_file=launch.env_file,
-                          health_url=launch.health_url)
-    return Command(f"{write}\n{script}", display=f"write {ctx.layout.proxy_members}; {display}", timeout=60)
+    content = shlex.quote(json.dumps(proxy_members(ctx.plan, draining)))
+    return Command(f"mkdir -p {shlex.quote(ctx.layout.run_dir)} && printf '%s\\n' {content} > {members}.tmp "
+                   f"&& mv -f {members}.tmp {members}",
+                   display=f"write {ctx.layout.proxy_members}: " + ", ".join(
+                       i.name + (" (draining)" if i.name in draining else "") for i in ctx.plan.instances), timeout=30)
 
 
 def running(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
