@@ -16,19 +16,19 @@ from typing import Callable, Protocol
 from yrpd.assets import playbook_path
 from yrpd.deployment import Deployment, host_group, resolve_inventory, runtime_group, save_deployment
 from yrpd.errors import SpecError
-from yrpd.hostgroup import Command, GroupResult, SshOptions, as_run_in, env_preamble
+from yrpd.hostgroup import Command, GroupFailure, GroupResult, SshOptions, as_run_in, env_preamble
 from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.playbook import Playbook, PlaybookFailed, PlaybookRunner, PlannedStep, StepEnded, StepFailed, StepOutcome, \
     StepSpec, StepStarted, describe, load_playbook
 from yrpd.session import Session, SessionPhase, SessionStore, default_root, resolve_root
 from yrpd.spec import DeploySpec, Runtime, stored_spec
 from yrpd.status import StatusReport, collect_status
-from yrpd.steps import NotNeeded, RunOptions, StepContext, proxy, spec_fingerprint
+from yrpd.steps import NotNeeded, RunOptions, StepContext, host_python, processes, proxy, spec_fingerprint
 from yrpd import credentials
 from yrpd.containers import container_name, container_profile
 from yrpd.exposure import exposure
 from yrpd.logtail import TailSplitter, tail_script
-from yrpd.serving import endpoint_url
+from yrpd.serving import endpoint_url, instance_url, proxy_url
 
 
 class Progress(Protocol):
@@ -265,6 +265,104 @@ def down(deployment: Deployment, *, purge: bool = False, progress: Progress | No
     credentials.remove(session.path)  # the hosts' copies went with the teardown
     session.set_state(SessionPhase.down, purged=purge)
     return Down(session, [h.name for h in deployment.plan.hosts], time.monotonic() - started, was_down)
+
+
+@dataclass
+class Scaled:
+    session: Session
+    added: list[str]  # instances started, serving once their probe answered
+    removed: list[str]  # instances drained (their requests in flight ended) and stopped
+    seconds: float
+    deployment: Deployment
+
+
+#: how long `scale` waits for a removed instance's requests in flight to end before it refuses to stop it
+DRAIN_TIMEOUT_S = 120.0
+
+
+def scale(deployment: Deployment, *, prefill: int | None = None, decode: int | None = None,
+          drain_timeout_s: float = DRAIN_TIMEOUT_S, progress: Progress | None = None) -> Scaled:
+    """Change how many prefill and decode instances a running deployment has, without failing a request.
+
+    What runs stays where it is (make_plan's `keep`). Added instances are started by the deploy playbook, which
+    waits until each answers and its connector reaches the data system, then writes the proxy's membership: the
+    proxy routes to them from its next probe round. Removed instances are first marked draining in the membership
+    (no new request goes there), waited for until their requests in flight have ended (`drain_timeout_s`, else
+    SpecError and nothing is stopped), left out of the membership, then stopped. The session keeps the new spec
+    and plan, and its journal every step."""
+    progress = progress or Quiet()
+    started = time.monotonic()
+    session = deployment.session
+    if not session.phase.up:
+        raise SpecError("scale", f"session {session.id} is {session.phase}", "deploy it first (`yrpd deploy`)")
+    if not deployment.spec.disaggregated:
+        raise SpecError("scale", "the deployment runs plain instances (disaggregated: false): no proxy routes "
+                        "around them while they change", "change `prefill` and deploy again")
+    counts = {k: v for k, v in (("prefill", prefill), ("decode", decode)) if v is not None}
+    if not counts:
+        raise SpecError("scale", "nothing to change", "pass --prefill N and/or --decode N")
+    spec = DeploySpec.model_validate({**deployment.spec.model_dump(mode="json"), **counts}).check()
+    plan = make_plan(spec, deployment.inventory, keep=deployment.plan.instances)
+    before = {i.name for i in deployment.plan.instances}
+    after = {i.name for i in plan.instances}
+    added = [i.name for i in plan.instances if i.name not in before]
+    removed = [i.name for i in deployment.plan.instances if i.name not in after]
+    scaled = Deployment(session, spec, deployment.inventory, plan)
+    if not added and not removed:
+        return Scaled(session, [], [], time.monotonic() - started, deployment)
+    master = next(h for h in plan.hosts if h.is_master)
+    session.journal(event="scale", prefill=spec.prefill, decode=spec.decode, adding=added, removing=removed)
+    with host_group(spec) as group:
+        hosts = runtime_group(group, spec, session.id)
+        if removed:
+            old = deployment.context()
+            progress.message(f"draining {', '.join(removed)}: no new request goes there; waiting for those in flight")
+            _on(hosts, master.name, proxy.write_members(old, master, draining=frozenset(removed)),
+                "take the removed instances out of routing")
+            urls = [instance_url(deployment.plan, deployment.plan.instance(n)) for n in removed]
+            drain = host_python("proxy_drain.py", {"status_url": proxy_url(spec, plan) + "/yrpd/status",
+                                                   "urls": urls, "timeout": drain_timeout_s},
+                                timeout=drain_timeout_s + 30)
+            try:
+                _on(hosts, master.name, drain, f"drain {', '.join(removed)}")
+            except GroupFailure as failure:
+                # nothing was stopped: they go back into routing, and the deployment stays as it was
+                _on(hosts, master.name, proxy.write_members(old, master), "put them back into routing")
+                session.journal(event="scale refused", removing=removed, why=str(failure).splitlines()[0])
+                failure.args = (f"{failure}\nnothing was stopped and {', '.join(removed)} serve again; raise "
+                                "--drain-timeout, or scale again once the long requests have ended",)
+                raise
+            _on(hosts, master.name, proxy.write_members(scaled.context(), master), "leave them out of routing")
+            by_host: dict[str, list[str]] = {}
+            for name in removed:
+                by_host.setdefault(deployment.plan.instance(name).host, []).append(name)
+            for host, names in by_host.items():
+                progress.message(f"stopping {', '.join(names)} on {host}")
+                _on(hosts, host, processes.stop(old, next(h for h in plan.hosts if h.name == host), names, grace=20),
+                    f"stop {', '.join(names)}")
+            save_deployment(session, spec, deployment.inventory, plan)
+        if added:
+            save_deployment(session, spec, deployment.inventory, plan)
+            secrets = credentials.ensure(session.path, spec.proxy_key(), etcd_ips=[master.reach_ip])
+            ctx = StepContext(spec=spec, plan=plan, session_id=session.id,
+                              options=RunOptions(secrets_dir=str(secrets)))
+            progress.message(f"starting {', '.join(added)}; the proxy routes to them once they answer")
+            try:
+                _run(_playbook(None), hosts, ctx, session, progress)
+            except StepFailed as failure:
+                failure.args = (f"{failure}\nthe instances already running serve on; fix the cause and run the same "
+                                "`yrpd scale` again",)
+                raise
+    session.journal(event="scaled", prefill=spec.prefill, decode=spec.decode, added=added, removed=removed)
+    session.set_state(SessionPhase.deployed, generation=int(session.state.get("generation", 1)) + 1)
+    return Scaled(session, added, removed, time.monotonic() - started, scaled)
+
+
+def _on(group, host: str, command: Command | NotNeeded, what: str) -> None:
+    """Run one command on one host of the deployment; a failure is a StepFailed-like error naming it."""
+    if isinstance(command, NotNeeded):
+        return
+    group.subset([host]).run(command).raise_on_failure(what)
 
 
 def logs(deployment: Deployment, emit: Callable[[str, str, str], None], *, name: str | None = None,

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("yrpd.cli.status", "Show hosts, processes and instances of a deployment."),
     "logs": ("yrpd.cli.logs", "Tail the session's logs from every host."),
     "down": ("yrpd.cli.down", "Tear a deployment down and verify nothing is left."),
+    "scale": ("yrpd.cli.scale", "Add or remove prefill/decode instances of a running deployment, dropping no request."),
     "ask": ("yrpd.cli.ask", "Ask the deployment the demo's two questions; show where each prompt's KV came from."),
     "bench": ("yrpd.cli.bench", "Benchmark a deployment against its baselines (dataset, run, report)."),
     "patch": ("yrpd.cli.patch", "List, check, apply or revert the vllm-ascend patch series on a source tree."),
