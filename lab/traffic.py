@@ -75,11 +75,15 @@ class Call(threading.Thread):
 
 
 class TwoHosts:
-    def __init__(self, lab, tmp_path: Path) -> None:
+    """A deployment on the lab's first `n` hosts (2 by default), one CPU core each (this machine's two, in turn):
+    prefill on h1 with the proxy and etcd, decode on h2, and what `yrpd scale` adds on h3 and beyond."""
+
+    def __init__(self, lab, tmp_path: Path, n: int = 2) -> None:
         self.lab = lab
+        self.names = [f"h{i + 1}" for i in range(n)]
         self.config = tmp_path / "yrpd.yaml"
         self.config.write_text(
-            "hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n"
+            "hosts:\n" + "".join(f"  - {{address: {h}, devices: [{i % 2}]}}\n" for i, h in enumerate(self.names)) +
             f"device_kind: cpu\nmodel: builtin:{MODEL}\nenv_path: {ENV_ROOT}\ndatasystem_memory_mb: 256\n"
             "cluster_mode: ds_only\n")
         self.env = {"YRPD_HOME": str(tmp_path / "home")}
@@ -90,7 +94,7 @@ class TwoHosts:
 
     def deploy(self) -> float:
         started = time.monotonic()
-        out = self.cli("deploy", "--hosts", "h1,h2", "--config", str(self.config), timeout=1500)
+        out = self.cli("deploy", "--hosts", ",".join(self.names), "--config", str(self.config), timeout=1500)
         self.proxy = out.stdout.strip().splitlines()[-1]
         return time.monotonic() - started
 

@@ -255,7 +255,7 @@ def lossy_link(d: TwoHosts, figures: dict) -> None:
     assert loaded_blocks(during) > loaded_blocks(before), "no KV was handed over across the degraded link"
 
 
-def write_report(path: str, figures: dict) -> None:
+def write_report(path: str, figures: dict, command: str = "pytest -s tests/lab/test_host_faults.py") -> None:
     """The figures with where they came from: commit (and whether the tree was dirty), CPU, cores, the settings."""
     import platform
     import subprocess
@@ -267,7 +267,7 @@ def write_report(path: str, figures: dict) -> None:
     settings = {k: v for k, v in os.environ.items() if k.startswith("YRPD_FAULT_")}
     report = {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain")),
               "cpu": cpu, "cores": os.cpu_count(), "settings": settings,
-              "command": "pytest -s tests/lab/test_host_faults.py", "figures": figures}
+              "command": command, "figures": figures}
     Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
