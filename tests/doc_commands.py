@@ -81,8 +81,14 @@ def acts_on_a_source_tree(command: str) -> bool:
     return _verb(command).startswith("patch ")
 
 
+def scales_a_deployment(command: str) -> bool:
+    """`scale` of the latest session. Run by tests/lab/test_scale_lab.py under load on 3 fake hosts (its scale-out
+    is the documented command)."""
+    return _verb(command) == "scale"
+
+
 RUNNERS = [needs_no_host, detects_npus_on_h1_h2, acts_on_a_deployment, is_the_tiny_bench,
-           is_the_published_benchmark, acts_on_a_source_tree]
+           is_the_published_benchmark, acts_on_a_source_tree, scales_a_deployment]
 
 
 def commands(selected_by) -> list[str]:

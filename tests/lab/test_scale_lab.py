@@ -16,6 +16,7 @@ import pytest
 
 from lab.hosts import leftovers, session_processes
 from lab.traffic import LONG, Call, TwoHosts, body
+from tests.doc_commands import commands, scales_a_deployment, words
 
 pytestmark = pytest.mark.lab
 
@@ -75,7 +76,8 @@ def test_scale_out_and_back_in_under_load_fails_no_request(fake_lab, tmp_path):
         with Load(d.proxy, expected) as load:
             time.sleep(5)
             t0 = time.monotonic()
-            out = d.cli("scale", "--decode", "2", timeout=900)
+            [documented] = commands(scales_a_deployment)  # the README's: 1 decode instance -> 2
+            out = d.cli(*words(documented), timeout=900)
             figures["scale_out_s"] = round(time.monotonic() - t0, 1)
             assert "now runs 1 prefill and 2 decode instances: added decode-1" in out.stderr, out.stderr
             # it serves: the proxy routes requests to it, within its start plus 10 s
