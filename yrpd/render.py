@@ -133,7 +133,8 @@ def yes_no(value: bool | None, good: str = "yes", bad: str = "no") -> str:
 
 
 def status_tables(report: StatusReport) -> list[Table | Text]:
-    hosts = Table(title=f"Hosts (session {report.session}, {report.phase})", title_justify="left")
+    changed = f", generation {report.generation}" if report.generation > 1 else ""
+    hosts = Table(title=f"Hosts (session {report.session}, {report.phase}{changed})", title_justify="left")
     for column in ("host", "role", "reachable", "load", "mem avail GB", "session dir", "processes"):
         hosts.add_column(column)
     for h in report.hosts:

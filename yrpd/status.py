@@ -141,6 +141,8 @@ class StatusReport:
     cluster: ClusterStatus | None
     #: what serves but costs time or cache, with its fix; does not make the deployment unhealthy
     warnings: list[str] = field(default_factory=list)
+    #: 1 as deployed, one more for each change of the running deployment (`yrpd scale`)
+    generation: int = 1
 
     def to_json(self) -> dict:
         """`yrpd status --json`: the report's fields; an instance's probe fields sit on the instance itself and
@@ -276,7 +278,7 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
             healthy=bool(components) and all(c.healthy for c in components), components=components)
     return StatusReport(session=deployment.session.id, phase=phase, healthy=not problems, problems=problems,
                         hosts=hosts, processes=procs, instances=instances, proxy=proxy, cluster=cluster_report,
-                        warnings=warnings)
+                        warnings=warnings, generation=int(deployment.session.state.get("generation", 1)))
 
 
 def _process_problem(p: ProcessStatus, host: str) -> str:

@@ -100,6 +100,7 @@ def test_scale_out_and_back_in_under_load_fails_no_request(fake_lab, tmp_path):
             time.sleep(5)
         after, _ = d.healthy()
         assert [i["name"] for i in after["instances"]] == ["prefill-0", "decode-0"]
+        assert (before.get("generation"), after.get("generation")) == (1, 3)  # deployed, scaled out, scaled in
         figures.update(requests=len(load.calls), failed=len(load.bad()), decode_1_requests=routed,
                        during_scale_in=sum(1 for c in load.calls if c.started >= t1 - 1))
         print(f"measured: scale: {json.dumps(figures)}")

@@ -69,6 +69,7 @@ def test_scaling_in_drains_the_instance_through_the_proxy_before_it_stops_it_and
     again = Deployment.load(Session(deployment.session.path))
     assert again.spec.decode == 1 and [i.name for i in again.plan.instances] == ["prefill-0", "decode-0"]
     assert any(e.get("event") == "scaled" for e in deployment.session.journal_entries())
+    assert Session(deployment.session.path).state["generation"] == 2
 
 
 def test_an_instance_that_does_not_drain_in_time_is_put_back_and_nothing_is_stopped(tmp_path):
