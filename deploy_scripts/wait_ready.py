@@ -16,6 +16,8 @@ import time
 import urllib.error
 import urllib.request
 
+from hostlib import BACKOFF, EXITED, FAILED
+
 args = json.loads(sys.argv[1])
 pidfile, logfile = args["pidfile"], args["log"]
 started = time.monotonic()
@@ -29,7 +31,7 @@ def ended(name):
             state = json.load(fh)
     except (OSError, ValueError, KeyError):
         return None
-    if state.get("state") in ("backoff", "failed", "exited"):
+    if state.get("state") in (BACKOFF, FAILED, EXITED):
         return state.get("reason") or state.get("state")
     return None
 

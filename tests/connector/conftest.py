@@ -99,3 +99,16 @@ def reference_server(session_stack, tiny_model):
 def reference(session_stack, reference_server):
     session_stack.wait_healthy([reference_server])
     return Reference(reference_server)
+
+
+@pytest.fixture
+def ds(monkeypatch):
+    """The in-memory data system (tests/connector/fakes.py) the connector's halves connect to in the unit tests of
+    the scheduler and the worker: both open their connections through `common.kvclient_factory`."""
+    from tests.connector.fakes import FakeKVClient
+    from yrpd.connector import common  # imports vLLM: only where a test asks for this fixture
+
+    client = FakeKVClient()
+    monkeypatch.setattr(common, "kvclient_factory", lambda *a, **k: (lambda: client))
+    return client
+

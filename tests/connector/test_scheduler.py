@@ -59,14 +59,6 @@ def _imported():
 
 
 @pytest.fixture
-def ds(monkeypatch):
-    client = FakeKVClient()
-    # ConnectorHalf opens its data-system connection through this factory
-    monkeypatch.setattr(common, "kvclient_factory", lambda *a, **k: (lambda: client))
-    return client
-
-
-@pytest.fixture
 def clock(monkeypatch):
     c = Clock()
     monkeypatch.setattr(S, "time", c)

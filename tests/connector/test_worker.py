@@ -90,14 +90,6 @@ def _imported():
 
 
 @pytest.fixture
-def ds(monkeypatch):
-    client = FakeKVClient()
-    # the worker and its writer thread both connect through this factory
-    monkeypatch.setattr(common, "kvclient_factory", lambda *a, **k: (lambda: client))
-    return client
-
-
-@pytest.fixture
 def make(ds, monkeypatch):
     """make(role, extra, caches=, tp_rank=, **vllm_config kwargs) -> a ConnectorWorker, its caches registered."""
     before = set(threading.enumerate())

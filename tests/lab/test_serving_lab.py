@@ -103,7 +103,11 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
         endpoint = f"https://{lab['h1'].address}:32379"
         listed = lab["h3"].exec(f"{etcdctl} --endpoints {endpoint} --cacert {ca} {get}", check=False, timeout=60)
         assert listed.returncode != 0 and "/datasystem/" not in listed.stdout, listed.stdout
-        assert "certificate" in listed.stderr or "tls" in listed.stderr.lower(), listed.stderr[-500:]
+        # refused in the handshake, not unreachable: etcd drops a client that shows no certificate, which the client
+        # reads as a certificate/TLS error or, when it was still writing, as the server closing on it (seen in CI)
+        refusal = ("certificate", "tls", "broken pipe", "connection reset by peer")
+        assert any(r in listed.stderr.lower() for r in refusal), listed.stderr[-500:]
+        assert not any(r in listed.stderr.lower() for r in ("connection refused", "no route to host")), listed.stderr
         keyed = lab["h3"].exec(f"{etcdctl} --endpoints {endpoint} --cacert {ca} --cert {cert} --key {client_key} "
                                f"{get}", check=False, timeout=60)
         assert keyed.returncode == 0 and "/datasystem/" in keyed.stdout, keyed.stderr[-500:]

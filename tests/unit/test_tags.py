@@ -74,6 +74,25 @@ def test_the_status_reply_of_a_live_supervised_process_is_taken_whole_by_the_con
         sleeper.wait()
 
 
+def compared_state_literals(source: str, states: tuple) -> list[str]:
+    """State names a script compares against as string literals (where it should take hostlib's names)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            for part in [node.left, *node.comparators]:
+                items = part.elts if isinstance(part, (ast.Tuple, ast.List, ast.Set)) else [part]
+                found += [i.value for i in items if isinstance(i, ast.Constant) and i.value in states]
+    return found
+
+
+def test_no_host_script_compares_against_a_state_name_it_spells_itself():
+    states = hostlib().STATES + hostlib().COMPONENT_STATES
+    spelled = {p.name: compared_state_literals(p.read_text(), states) for p in SCRIPTS.glob("*.py")
+               if p.name != "hostlib.py"}
+    assert {name: found for name, found in spelled.items() if found} == {}
+    assert compared_state_literals('if s in ("backoff", "failed"):\n    pass\n', states) == ["backoff", "failed"]
+
+
 def test_no_host_script_reads_proc_but_hostlib():
     readers = sorted(p.name for p in SCRIPTS.glob("*.py") if p.name != "hostlib.py" and '"/proc' in p.read_text())
     assert readers == []
