@@ -8,7 +8,7 @@ import shutil
 import socket
 import sys
 
-from hostlib import listening_sockets, proc_cmdline, proc_fd_targets, proc_table
+from hostlib import listening_sockets, proc_cmdline, proc_environ, proc_fd_targets, proc_table
 
 args = json.loads(sys.argv[1])
 problems = []
@@ -32,18 +32,25 @@ if usage.free < args["min_free_disk_gb"] * 2**30:
 
 
 def owner(inode):
+    """(pid, how to name it) of the process listening on the socket; (None, ...) when none is found."""
     target = f"socket:[{inode}]"
     for pid, *_ in proc_table():
         if target in proc_fd_targets(pid):
             cmd = proc_cmdline(pid)
-            return f"pid {pid} ({cmd if len(cmd) <= 100 else cmd[:99] + '…'})"
-    return "another process"
+            return pid, f"pid {pid} ({cmd if len(cmd) <= 100 else cmd[:99] + '…'})"
+    return None, "another process"
 
 
+# a port held by a process of this very session is its own service, still running while the session changes
+# (yrpd scale deploys the session again with another plan): not a conflict
+ours = f"YRPD_SESSION={args['session']}".encode() if args.get("session") else None
 listening = listening_sockets()
 for port, what in args["ports"]:
     if port in listening:
-        problems.append(f"port {port} ({what}) is already in use by {owner(listening[port])}; free it or change the port")
+        pid, named = owner(listening[port])
+        if ours and pid is not None and ours in (proc_environ(pid) or []):
+            continue
+        problems.append(f"port {port} ({what}) is already in use by {named}; free it or change the port")
         continue
     with socket.socket() as probe:
         # as servers do: connections of a just-stopped deployment in TIME_WAIT must not count as "in use"

@@ -120,3 +120,37 @@ def test_every_step_of_a_busy_host_fits_in_one_exec_argument(case, runtime, play
     assert sizes, "no step had a command"
     biggest = max(sizes, key=sizes.get)
     assert sizes[biggest] < ONE_ARGUMENT * HEADROOM, (biggest, sizes[biggest])
+
+
+def test_preflight_takes_a_port_held_by_the_sessions_own_process_and_refuses_one_held_by_anyone_else(tmp_path):
+    """`yrpd scale` runs the deploy playbook again on a live session, whose services hold their ports: those are
+    not conflicts; a port held by a process of another session still is (the control)."""
+    import socket
+    import subprocess
+    import sys
+
+    from yrpd.assets import deploy_script
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = f"import socket,time; s=socket.socket(); s.bind(('127.0.0.1',{port})); s.listen(); time.sleep(60)"
+    held = subprocess.Popen([sys.executable, "-c", server], env={**os.environ, "YRPD_SESSION": "mine"})
+    try:
+        for _ in range(100):
+            if subprocess.run(["ss", "-ltn", f"sport = :{port}"], capture_output=True, text=True).stdout.count("\n") > 1:
+                break
+            time.sleep(0.05)
+
+        def problems(session: str) -> list[str]:
+            args = {"session_root": str(tmp_path), "session": session, "min_free_disk_gb": 0,
+                    "ports": [[port, "decode-0"]], "device_kind": "cpu", "devices": [], "model": None}
+            run = subprocess.run([sys.executable, "-", json.dumps(args)], input=deploy_script("preflight.py"),
+                                 capture_output=True, text=True)
+            return [line for line in run.stdout.splitlines() + run.stderr.splitlines() if f"port {port}" in line]
+
+        assert problems("mine") == []
+        assert problems("theirs") and "already in use by pid" in problems("theirs")[0]
+    finally:
+        held.kill()
+        held.wait()

@@ -12,6 +12,7 @@ def check_hosts(ctx: StepContext, host: HostPlan) -> Command:
     model = ctx.spec.model
     args = {
         "session_root": ctx.spec.remote_session_root,
+        "session": ctx.session_id,
         "min_free_disk_gb": ctx.spec.min_free_disk_gb,
         "ports": [[port, what] for port, what in ports_on_host(ctx.plan, host.name)],
         "device_kind": host.kind.value,
