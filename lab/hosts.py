@@ -16,3 +16,12 @@ def session_processes(host) -> list[str]:
     out = host.exec("for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -q '^YRPD_SESSION=' "
                     "&& tr '\\0' ' ' < $p/cmdline && echo; done; true").stdout
     return [line for line in out.splitlines() if line.strip()]
+
+
+def assert_nothing_left(lab) -> None:
+    """After `yrpd down`: on every host of the lab, no process of a session and no cluster process or listening port
+    (sshd's aside)."""
+    for host in lab.hosts:
+        assert session_processes(host) == [], host.name
+        procs, ports = leftovers(host)
+        assert procs == [] and ports == [], (host.name, procs, ports)

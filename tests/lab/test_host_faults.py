@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.hosts import leftovers, session_processes
+from lab.hosts import assert_nothing_left
 from lab.traffic import LONG, Call, TwoHosts, body, restarts
 from tests.lab import real_model as rm
 
@@ -289,10 +289,7 @@ def test_host_faults_end_requests_cleanly_and_heal(fake_lab, tmp_path):
         assert d.first_good(expected, within=60) < 60
         down = d.cli("down", timeout=300)
         assert "is down" in down.stderr
-        for host in lab.hosts:
-            assert session_processes(host) == [], host.name
-            procs, ports = leftovers(host)
-            assert procs == [] and ports == [], (host.name, procs, ports)
+        assert_nothing_left(lab)
     finally:
         for host in ("h1", "h2"):
             try:

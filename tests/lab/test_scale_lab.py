@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from lab.hosts import leftovers, session_processes
+from lab.hosts import assert_nothing_left, session_processes
 from lab.traffic import LONG, Call, TwoHosts, body
 from tests.doc_commands import commands, scales_a_deployment, words
 
@@ -110,10 +110,7 @@ def test_scale_out_and_back_in_under_load_fails_no_request(fake_lab, tmp_path):
         assert not [p for p in session_processes(h3) if "decode-1" in p], session_processes(h3)
         down = d.cli("down", timeout=300)
         assert "is down" in down.stderr
-        for host in lab.hosts:
-            assert session_processes(host) == [], host.name
-            procs, ports = leftovers(host)
-            assert procs == [] and ports == [], (host.name, procs, ports)
+        assert_nothing_left(lab)
     finally:
         report = os.environ.get("YRPD_SCALE_REPORT")
         if report:
