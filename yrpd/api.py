@@ -340,9 +340,9 @@ def scale(deployment: Deployment, *, prefill: int | None = None, decode: int | N
                 progress.message(f"stopping {', '.join(names)} on {host}")
                 _on(hosts, host, processes.stop(old, next(h for h in plan.hosts if h.name == host), names, grace=20),
                     f"stop {', '.join(names)}")
-            save_deployment(session, spec, deployment.inventory, plan)
+        # the removed ones are gone; the added ones are in the plan the playbook below resumes from
+        save_deployment(session, spec, deployment.inventory, plan)
         if added:
-            save_deployment(session, spec, deployment.inventory, plan)
             secrets = credentials.ensure(session.path, spec.proxy_key(), etcd_ips=[master.reach_ip])
             ctx = StepContext(spec=spec, plan=plan, session_id=session.id,
                               options=RunOptions(secrets_dir=str(secrets)))
