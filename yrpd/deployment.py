@@ -144,7 +144,7 @@ class Deployment:
         # planned again keeping the stored placement: a deployment changed while running (yrpd scale) may sit
         # where a plan from nothing would not put it
         keep = instances_from_dicts(plan_data.get("instances") or [])
-        return cls(session, spec, inventory, make_plan(spec, inventory, keep=keep))
+        return cls(session, spec, inventory, make_plan(spec, inventory, keep=keep, cordoned=drained_hosts(session)))
 
     def context(self, options: RunOptions | None = None) -> StepContext:
         return StepContext(spec=self.spec, plan=self.plan, session_id=self.session.id, options=options or RunOptions())
@@ -158,6 +158,11 @@ class Deployment:
         if self.spec.disaggregated:
             return self.spec.proxy_key()
         return credentials.instance_token(self.session.path)
+
+
+def drained_hosts(session: Session) -> list[str]:
+    """The session's hosts in maintenance (`yrpd drain HOST`): no instance is placed there until `yrpd undrain`."""
+    return list(session.state.get("drained", []))
 
 
 def save_deployment(session: Session, spec: DeploySpec, inventory: dict[str, HostInventory], plan: Plan) -> None:

@@ -16,6 +16,7 @@ Rules (documented in docs/architecture.md):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
@@ -56,6 +57,10 @@ class InstancePlan:
     port: int
     kv_port: int
     hccl_port: int
+    #: what it was started with (DeploySpec.instance_config) and the model group it answers for (model_group):
+    #: instances of one deployment differ while a rolling change replaces them one by one
+    config: str = ""
+    group: str = ""
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -138,6 +143,8 @@ class Plan:
                     "port": i.port,
                     "kv_port": i.kv_port,
                     "hccl_port": i.hccl_port,
+                    "config": i.config,
+                    "group": i.group,
                     "ranks": [asdict(r) | {"devices": list(r.devices)} for r in i.ranks],
                 }
                 for i in self.instances
@@ -188,13 +195,15 @@ def role_requests(spec: DeploySpec) -> list[RoleRequest]:
 
 
 def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
-              keep: Iterable[InstancePlan] = ()) -> Plan:
+              keep: Iterable[InstancePlan] = (), cordoned: Iterable[str] = ()) -> Plan:
     """Place every instance; raise SpecError naming the numbers when the request cannot fit.
 
     `keep`: the instances of the deployment running now (its plan's, or `instances_from_dicts` of the stored one).
-    An instance of them that the spec still asks for (same name,
-    role, TP and DP, on hosts still in the spec) keeps its devices and ports, and only the others are placed, on
-    what is left: a change of a running deployment moves nothing that need not move."""
+    Per role, up to the count the spec asks for of them (lowest index first; with the role's TP and DP, on hosts
+    still in the spec) keep their names, devices, ports and config, and only the others are placed, on what is left,
+    under the lowest indices free: a change of a running deployment moves nothing that need not move.
+    `cordoned`: hosts in maintenance (`yrpd drain HOST`): they stay in the deployment (the data system, the master)
+    but no instance stays or goes there."""
     host_names = [h.name for h in spec.hosts]
     kinds = {inventory[n].kind for n in host_names if inventory[n].kind is not DeviceKind.auto}
     if len(kinds) > 1:
@@ -219,30 +228,32 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
                         f"use one of {', '.join(map(str, divisors))} (a TP group never spans hosts)",
                     )
 
+    # a drained host keeps what runs there (until a change moves it) but takes nothing new
+    cordoned = set(cordoned)
+    kept = _kept(keep, roles, {n: set(inventory[n].devices) for n in host_names})
+    free = {n: [] if n in cordoned else list(inventory[n].devices) for n in host_names}
+    for inst in kept:
+        for r in inst.ranks:
+            free[r.host] = [d for d in free[r.host] if d not in r.devices]
     needed = sum(r.count * r.tp * per_rank * r.dp for r in roles)
-    offered = [len(inventory[n].devices) for n in host_names]
+    offered = [len(free[n]) + sum(len(r.devices) for k in kept for r in k.ranks if r.host == n) for n in host_names]
     if needed > sum(offered):
         need_text = " and ".join(f"{r.role} {r.count * r.dp} x {r.tp * per_rank} {units}" for r in roles)
         need_text = need_text.replace(" ", " needs ", 1)
         raise SpecError(
             "devices",
-            f"{need_text} = {needed}; hosts {','.join(host_names)} offer {' + '.join(map(str, offered))} = {sum(offered)}",
+            f"{need_text} = {needed}; hosts {','.join(host_names)} offer {' + '.join(map(str, offered))} = {sum(offered)}"
+            + (f" ({', '.join(sorted(cordoned))} drained: `yrpd undrain` brings it back)" if cordoned else ""),
             "add hosts or devices, or lower --prefill/--decode/--ptp/--dtp/--pdp/--ddp",
         )
 
-    free = {n: list(inventory[n].devices) for n in host_names}
     order = {n: i for i, n in enumerate(host_names)}
-    kept = _kept(keep, roles, {n: set(inventory[n].devices) for n in host_names})
-    for inst in kept.values():
-        for r in inst.ranks:
-            free[r.host] = [d for d in free[r.host] if d not in r.devices]
     placed: list[PlacedInstance] = []
     for req in roles:
-        for index in range(req.count):
-            old = kept.get(f"{req.role}-{index}")
-            if old is not None:
-                placed.append(PlacedInstance(old.name, old.role, old.index, old.tp, old.dp, old.ranks))
-                continue
+        mine = [PlacedInstance(k.name, k.role, k.index, k.tp, k.dp, k.ranks) for k in kept if k.role == req.role]
+        # a new instance takes the lowest index no kept one has: names stay put while a change replaces some
+        indices = (n for n in itertools.count() if n not in {p.index for p in mine})
+        for index in itertools.islice(indices, req.count - len(mine)):
             ranks: list[RankPlacement] = []
             width = req.tp * per_rank
             for dp_rank in range(req.dp):
@@ -263,16 +274,18 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
                 taken = tuple(free[host][:width])
                 del free[host][:width]
                 ranks.append(RankPlacement(host=host, dp_rank=dp_rank, devices=taken))
-            placed.append(PlacedInstance(f"{req.role}-{index}", req.role, index, req.tp, req.dp, tuple(ranks)))
+            mine.append(PlacedInstance(f"{req.role}-{index}", req.role, index, req.tp, req.dp, tuple(ranks)))
+        placed += sorted(mine, key=lambda p: p.index)
+    kept_by_name = {k.name: k for k in kept}
 
     ports = spec.ports
     taken: dict[str, set[int]] = {n: set() for n in host_names}  # port slots in use on each host
-    for inst in kept.values():
+    for inst in kept:
         taken[inst.host].add(inst.port - ports.instance_base)
     instances: list[InstancePlan] = []
     for p in placed:
         head = p.ranks[0].host
-        old = kept.get(p.name)
+        old = kept_by_name.get(p.name)
         slot_per_host: dict[str, int] = {}
         for r in p.ranks:
             if r.host not in slot_per_host:
@@ -294,6 +307,9 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
                 port=ports.instance_base + slot,
                 kv_port=ports.kv_base + slot,
                 hccl_port=ports.hccl_base + INSTANCE_PORT_BLOCK * slot,
+                # kept: what it runs with still (one stored before these were recorded runs with its stored spec's)
+                config=(old.config if old is not None and old.config else spec.instance_config),
+                group=(old.group if old is not None and old.group else spec.model_group),
             )
         )
     for name, used in taken.items():
@@ -333,16 +349,18 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
 
 
 def _kept(keep: Iterable[InstancePlan], roles: list[RoleRequest], devices: dict[str, set[int]]
-          ) -> dict[str, InstancePlan]:
-    """The instances of the running plan that the new request keeps as they are, by name: asked for again with the
-    same role, TP and DP, on devices its hosts still have."""
-    wanted = {f"{r.role}-{i}": r for r in roles for i in range(r.count)}
-    out = {}
-    for inst in keep:
-        req = wanted.get(inst.name)
-        if req and (req.role, req.tp, req.dp) == (inst.role, inst.tp, inst.dp) and \
+          ) -> list[InstancePlan]:
+    """The instances of the running plan that the new request keeps as they are: per role, up to the count asked
+    for, lowest index first, of those with the role's TP and DP still and on devices their hosts still have (the
+    others are the ones a scale-in or a change removes)."""
+    wanted = {r.role: r for r in roles}
+    out: list[InstancePlan] = []
+    for inst in sorted(keep, key=lambda i: (i.role, i.index)):
+        req = wanted.get(inst.role)
+        if req and (req.tp, req.dp) == (inst.tp, inst.dp) and \
+                sum(1 for k in out if k.role == inst.role) < req.count and \
                 all(r.host in devices and set(r.devices) <= devices[r.host] for r in inst.ranks):
-            out[inst.name] = inst
+            out.append(inst)
     return out
 
 
@@ -350,7 +368,8 @@ def instances_from_dicts(rows: list[dict]) -> tuple[InstancePlan, ...]:
     """The instances of a stored plan (Plan.to_dict's "instances"), to keep where they are when it is planned again."""
     return tuple(InstancePlan(name=r["name"], role=r["role"], index=r["index"], tp=r["tp"], dp=r["dp"], host=r["host"],
                               ranks=tuple(RankPlacement(x["host"], x["dp_rank"], tuple(x["devices"])) for x in r["ranks"]),
-                              port=r["port"], kv_port=r["kv_port"], hccl_port=r["hccl_port"]) for r in rows)
+                              port=r["port"], kv_port=r["kv_port"], hccl_port=r["hccl_port"],
+                              config=r.get("config", ""), group=r.get("group", "")) for r in rows)
 
 
 def ports_on_host(plan: Plan, host: str) -> list[tuple[int, str]]:

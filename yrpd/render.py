@@ -234,7 +234,10 @@ def _log_tails(report: StatusReport) -> list[Text]:
 
 def status_verdict(report: StatusReport) -> str:
     verdict = "[green]healthy[/green]" if report.healthy else "[red]unhealthy[/red]: " + "; ".join(report.problems)
-    return "\n".join([verdict, *(f"[yellow]warning[/yellow]: {w}" for w in report.warnings)])
+    notes = [f"[yellow]changing[/yellow]: {report.change}"] if report.change else []
+    notes += [f"[yellow]drained[/yellow] (maintenance, no instances; `yrpd undrain HOST`): {', '.join(report.drained)}"
+              ] if report.drained else []
+    return "\n".join([verdict, *notes, *(f"[yellow]warning[/yellow]: {w}" for w in report.warnings)])
 
 
 def _num(value) -> str:

@@ -264,7 +264,7 @@ def proxy_members(plan: Plan, draining: frozenset[str] = frozenset()) -> dict:
     """The proxy's membership file's content for `plan`: every prefill and decode instance, those named in
     `draining` taken out of routing."""
     return {"instances": [{"name": inst.name, "url": instance_url(plan, inst), "role": inst.role,
-                           "draining": inst.name in draining}
+                           "draining": inst.name in draining, "group": inst.group}
                           for inst in plan.instances if inst.role in ("prefill", "decode")]}
 
 

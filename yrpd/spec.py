@@ -7,7 +7,9 @@ Every problem becomes one `SpecError` naming the field and the fix (exit code 2)
 from __future__ import annotations
 
 import getpass
+import hashlib
 import ipaddress
+import json
 import os
 import re
 from enum import Enum
@@ -559,6 +561,16 @@ class DataSystemSection(BaseModel):
                             "cluster_mode: ds_only")
 
 
+#: the fields an instance runs with: a change of them replaces instances one by one (yrpd.rollout); the others
+#: take effect without a restart (ROLLOUT_FREE_FIELDS), change counts (prefill, decode: `yrpd scale`), or cannot
+#: roll (the cluster, the hosts, ports, the runtime: `--recreate`)
+INSTANCE_FIELDS = ("model", "served_model_name", "dtype", "prefix_reuse", "engine_args", "connector")
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 class ServingSection(BaseModel):
     """What is served and how: the model, the vLLM instances' settings, the KV connector, the proxy."""
 
@@ -601,6 +613,18 @@ class ServingSection(BaseModel):
             return self.served_model_name
         model = self.model or BUILTIN_MODEL
         return model.rstrip("/").rsplit("/", 1)[-1].removeprefix("builtin:")
+
+    @property
+    def instance_config(self) -> str:
+        """Digest of what an instance runs with (INSTANCE_FIELDS): an instance started with another one is replaced
+        by a rolling change (yrpd.rollout)."""
+        return _digest({k: getattr(self, k) for k in INSTANCE_FIELDS})
+
+    @property
+    def model_group(self) -> str:
+        """The served name and a digest of the weights and dtype behind it: the proxy pairs a prefill with a decode
+        instance of one group only, so an answer never mixes two models while a model change rolls."""
+        return f"{self.model_name}#{_digest([self.model or BUILTIN_MODEL, self.dtype.value])[:8]}"
 
     @property
     def builtin_model(self) -> str | None:

@@ -141,8 +141,12 @@ class StatusReport:
     cluster: ClusterStatus | None
     #: what serves but costs time or cache, with its fix; does not make the deployment unhealthy
     warnings: list[str] = field(default_factory=list)
-    #: 1 as deployed, one more for each change of the running deployment (`yrpd scale`)
+    #: 1 as deployed, one more for each change of the running deployment (`yrpd scale`, a rolling change, a drain)
     generation: int = 1
+    #: a change of the running deployment under way (or stopped half-way: the same command goes on with it)
+    change: str | None = None
+    #: hosts in maintenance (`yrpd drain HOST`): they take no instance
+    drained: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         """`yrpd status --json`: the report's fields; an instance's probe fields sit on the instance itself and
@@ -278,7 +282,9 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
             healthy=bool(components) and all(c.healthy for c in components), components=components)
     return StatusReport(session=deployment.session.id, phase=phase, healthy=not problems, problems=problems,
                         hosts=hosts, processes=procs, instances=instances, proxy=proxy, cluster=cluster_report,
-                        warnings=warnings, generation=int(deployment.session.state.get("generation", 1)))
+                        warnings=warnings, generation=int(deployment.session.state.get("generation", 1)),
+                        change=deployment.session.state.get("change"),
+                        drained=list(deployment.session.state.get("drained", [])))
 
 
 def _process_problem(p: ProcessStatus, host: str) -> str:

@@ -193,23 +193,34 @@ def test_an_unreachable_host_fails_the_step_without_trying_it_there(tmp_path, pl
     assert SessionStore(tmp_path / "sessions").latest().phase is SessionPhase.failed
 
 
-def test_a_different_spec_while_the_session_is_up_is_refused_naming_what_changed(tmp_path, playbook):
+def test_a_change_that_cannot_roll_is_refused_naming_it_and_recreate_tears_the_session_down_first(tmp_path, playbook):
     store = SessionStore(tmp_path / "sessions")
     with FakeHosts() as hosts:
         first = api.deploy(spec_for(tmp_path), playbook_file=playbook).session
         calls = len(hosts.calls)
-        other = spec_for(tmp_path, decode=2, model="/models/other")
+        other = spec_for(tmp_path, decode=2, datasystem_memory_mb=2048)
         with pytest.raises(SpecError) as exc:
             api.deploy(other, playbook_file=playbook)
-        assert str(exc.value) == (f"deploy: session {first.id} is still deployed with a different spec (changed: "
-                                  "decode, model); run `yrpd down` first, or pass --new-session to deploy alongside it")
+        assert str(exc.value) == (
+            f"deploy: session {first.id} is running and datasystem_memory_mb cannot change under it (only instance "
+            "settings roll and instance counts scale); pass --recreate to tear it down and deploy anew (requests fail "
+            "meanwhile), or undo that change")
         assert len(hosts.calls) == calls and store.all() == [first]  # refused before any host or session
+        control = api.deploy(spec_for(tmp_path), playbook_file=playbook)  # the same spec: resumed, no refusal
+        assert control.resumed and control.session == first
 
         second = api.deploy(other, playbook_file=playbook, new_session=True)
-    assert not second.resumed and second.session != first
-    assert store.latest() == second.session and store.all() == sorted([first, second.session], key=lambda s: s.id)
-    assert first.phase is SessionPhase.deployed  # left as it was
-    assert Session(second.session.path).spec_data["decode"] == 2
+        assert not second.resumed and second.session != first
+        assert first.phase is SessionPhase.deployed  # --new-session leaves it as it was
+        assert Session(second.session.path).spec_data["decode"] == 2
+
+        for rule in (r"deploy_scripts/session_processes\.py", r"deploy_scripts/yr_cluster\.py", r"^rm -rf "):
+            hosts.on(rule)
+        third = api.deploy(spec_for(tmp_path, datasystem_memory_mb=4096), playbook_file=playbook,
+                           actions=ContainerActions(recreate=True))
+    assert Session(second.session.path).phase is SessionPhase.down  # torn down first
+    assert not third.resumed and third.session not in (first, second.session)
+    assert Session(third.session.path).spec_data["datasystem_memory_mb"] == 4096
 
 
 def test_only_ssh_settings_changed_resumes_and_a_down_session_is_not_resumed(tmp_path, playbook):
@@ -222,23 +233,22 @@ def test_only_ssh_settings_changed_resumes_and_a_down_session_is_not_resumed(tmp
     assert not fresh.resumed and fresh.session != first
 
 
-def test_container_flags_are_refused_outside_runtime_docker_before_any_host_is_touched(tmp_path, playbook):
+def test_pull_is_refused_outside_runtime_docker_before_any_host_is_touched(tmp_path, playbook):
     spec = spec_for(tmp_path)
-    with pytest.raises(SpecError) as exc:
-        check_container_actions(spec, ContainerActions(recreate=True))
-    assert str(exc.value) == "--recreate: only applies to runtime docker; drop it, or pass --runtime docker"
     for pull in ("missing", "always"):
         with pytest.raises(SpecError, match=r"^--pull: only applies to runtime docker"):
             check_container_actions(spec, ContainerActions(pull=pull))
     assert check_container_actions(spec, None) == ContainerActions()
     assert check_container_actions(spec, ContainerActions(pull="never")) == ContainerActions()
+    # --recreate means something on every runtime (a changed spec that cannot roll is deployed anew)
+    assert check_container_actions(spec, ContainerActions(recreate=True)) == ContainerActions(recreate=True)
 
     docker = spec_for(tmp_path, runtime="docker", image="quay.io/ascend/vllm-ascend:v0.10.0rc1-openeuler")
     wanted = ContainerActions(recreate=True, pull="always")
     assert check_container_actions(docker, wanted) is wanted
 
-    with ScriptedHosts() as hosts, pytest.raises(SpecError, match="--recreate"):
-        api.deploy(spec, playbook_file=playbook, actions=ContainerActions(recreate=True))
+    with ScriptedHosts() as hosts, pytest.raises(SpecError, match="--pull"):
+        api.deploy(spec, playbook_file=playbook, actions=ContainerActions(pull="missing"))
     assert hosts.calls == [] and not (tmp_path / "sessions").exists()
 
 

@@ -130,7 +130,6 @@ def test_cases_are_distinct():
 
 
 DEPLOY_ONLY = [
-    ("recreate-without-docker", GOOD + ["--runtime", "host", "--recreate"], "--recreate: only applies to runtime docker"),
     ("pull-without-docker", GOOD + ["--runtime", "host", "--pull", "missing"], "--pull: only applies to runtime docker"),
     ("pull-unknown-policy", GOOD + ["--runtime", "docker", "--image", "quay.io/ascend/vllm-ascend:v0.10.0rc1-openeuler",
                                     "--pull", "sometimes"], "--pull"),

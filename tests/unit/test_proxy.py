@@ -785,3 +785,66 @@ async def _member_version(s, n):
 
 async def _member_error(s):
     return (await s.status())["membership"]["error"] is not None
+
+
+def test_a_request_never_pairs_instances_of_two_models_and_its_model_name_picks_the_group(tmp_path):
+    """While a model change rolls, the membership holds two groups: every request's decode leg goes to an instance of
+    the group its prefill leg went to (decode is sent the KV of its own model), a request naming one group's model
+    goes there, and a group without a decode instance up gets no prefill leg (the control: in one group it does, and its
+    KV goes to the other's decode instance)."""
+    from tests.unit.proxy_fakes import FakeVLLM
+
+    async def go():
+        path = tmp_path / "members.json"
+        async with running(probe_interval=0.1, instances_file=str(path), routing=Routing.load) as s:
+            (p0,), (d0,) = s.prefill, s.decode
+            p1, d1 = await FakeVLLM("p1", "prefill").start(), await FakeVLLM("d1", "decode").start()
+            try:
+                p0.kv, p1.kv = {"from": "p0"}, {"from": "p1"}
+
+                def publish(groups, version):
+                    entries = [{"url": f.url, "role": f.role, "group": g} for f, g in groups]
+                    tmp = path.with_suffix(".tmp")
+                    tmp.write_text(json.dumps({"instances": entries}))
+                    os.replace(tmp, path)
+                    return until(lambda: _member_version(s, version), timeout=3)
+
+                async def send(model, n=8):
+                    for _ in range(n):
+                        assert (await post(s, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4}))[0] == 200
+
+                def seen(d):
+                    return {b["kv_transfer_params"]["from"] for b in d.bodies if b.get("kv_transfer_params")}
+
+                await publish([(p0, "m#old"), (d0, "m#old"), (p1, "m#new"), (d1, "m#new")], 1)
+                await until(lambda: _all_up(s, 4), timeout=3)
+                await send("m", 12)
+                assert seen(d0) == {"p0"} and seen(d1) == {"p1"}  # both groups served, never crossed
+                assert p0.bodies and p1.bodies
+
+                await publish([(p0, "a#1"), (d0, "a#1"), (p1, "b#2"), (d1, "b#2")], 2)
+                before = len(p0.bodies), len(d0.bodies)
+                await send("b")
+                assert (len(p0.bodies), len(d0.bodies)) == before  # the request's model picks its group
+
+                # a group with no decode instance: its prefill instance gets nothing
+                await publish([(p0, "m#old"), (d0, "m#old"), (p1, "m#new")], 3)
+                sent = len(p1.bodies)
+                await send("m")
+                assert len(p1.bodies) == sent
+
+                # the control: the same three instances in one group: p1's KV goes to d0
+                d0.bodies.clear()
+                await publish([(p0, ""), (d0, ""), (p1, "")], 4)
+                await until(lambda: _all_up(s, 3), timeout=3)
+                await send("m")
+                assert len(p1.bodies) > sent and seen(d0) == {"p0", "p1"}
+            finally:
+                await p1.stop()
+                await d1.stop()
+    run(go())
+
+
+async def _all_up(s, n):
+    listed = await members(s)
+    return len(listed) == n and all(i["up"] for i in listed.values())

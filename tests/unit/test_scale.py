@@ -68,7 +68,8 @@ def test_scaling_in_drains_the_instance_through_the_proxy_before_it_stops_it_and
     assert stop["names"] == ["decode-1"] and stop["action"] == "stop"
     again = Deployment.load(Session(deployment.session.path))
     assert again.spec.decode == 1 and [i.name for i in again.plan.instances] == ["prefill-0", "decode-0"]
-    assert any(e.get("event") == "scaled" for e in deployment.session.journal_entries())
+    events = [e["event"] for e in deployment.session.journal_entries() if "event" in e]
+    assert events == ["change", "drain", "stopped", "changed"]
     assert Session(deployment.session.path).state["generation"] == 2
 
 

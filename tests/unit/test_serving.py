@@ -217,8 +217,8 @@ def test_bench_kv_pool_size_reaches_every_target_and_a_single_instance_gets_the_
 
 
 def test_the_proxy_reads_its_membership_from_the_session_file_that_lists_every_instance_of_the_plan():
-    """What the controller writes is what the proxy takes (yrpd.proxy.app.parse_members): each instance's URL and
-    role; a draining one marked; the proxy started with the file's path, so a restart reads the membership as it is
+    """What the controller writes is what the proxy takes (yrpd.proxy.app.parse_members): each instance's URL,
+    role and model group; a draining one marked; the proxy started with the file's path, so a restart reads the membership as it is
     now, not as it was at deploy."""
     from yrpd.proxy.app import parse_members
     from yrpd.serving import instance_url, proxy_members
@@ -227,5 +227,5 @@ def test_the_proxy_reads_its_membership_from_the_session_file_that_lists_every_i
     argv = proxy_launch(spec, plan, PATHS).argv
     assert flag(argv, "--instances-file") == "/tmp/yrpd_sessions/S/run/proxy-members.json"
     taken = parse_members(proxy_members(plan, draining=frozenset({"decode-1"})))
-    assert taken == [(instance_url(plan, i), i.role, i.name == "decode-1") for i in plan.instances]
-    assert sorted(r for _, r, _ in taken) == ["decode", "decode", "prefill", "prefill"]
+    assert taken == [(instance_url(plan, i), i.role, i.name == "decode-1", spec.model_group) for i in plan.instances]
+    assert sorted(r for _, r, _, _ in taken) == ["decode", "decode", "prefill", "prefill"]

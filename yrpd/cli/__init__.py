@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "logs": ("yrpd.cli.logs", "Tail the session's logs from every host."),
     "down": ("yrpd.cli.down", "Tear a deployment down and verify nothing is left."),
     "scale": ("yrpd.cli.scale", "Add or remove prefill/decode instances of a running deployment, dropping no request."),
+    "drain": ("yrpd.cli.scale", "Move a host's instances elsewhere for maintenance, dropping no request."),
+    "undrain": ("yrpd.cli.scale", "Let a drained host take instances again."),
     "ask": ("yrpd.cli.ask", "Ask the deployment the demo's two questions; show where each prompt's KV came from."),
     "bench": ("yrpd.cli.bench", "Benchmark a deployment against its baselines (dataset, run, report)."),
     "patch": ("yrpd.cli.patch", "List, check, apply or revert the vllm-ascend patch series on a source tree."),

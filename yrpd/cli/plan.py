@@ -35,6 +35,10 @@ def show_plan(spec, playbook_file: str | None, as_json: bool) -> int:
     from yrpd.render import plan_commands, plan_table
 
     console = out()
+    for line in view.changes:
+        console.print(line, markup=False, highlight=False)
+    if view.changes:
+        console.print()
     for renderable in plan_table(view.spec, view.plan):
         console.print(renderable)
     console.print()

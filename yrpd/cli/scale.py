@@ -1,12 +1,30 @@
-"""`yrpd scale`: change how many prefill and decode instances a running deployment has, without failing a request."""
+"""`yrpd scale`, `yrpd drain HOST`, `yrpd undrain HOST`: change a running deployment without failing a request."""
 
 from __future__ import annotations
 
-# the library is imported inside the command: `yrpd scale --help` and usage errors load none of it (yrpd.api: ~0.2 s)
+# the library is imported inside the commands: `--help` and usage errors load none of it (yrpd.api: ~0.2 s)
 
 import click
 
 from yrpd.cli.options import session_option, ssh_options, version
+
+drain_timeout = click.option(
+    "--drain-timeout", type=click.FloatRange(1, 3600), default=120.0, show_default=True, metavar="S",
+    help="how long a removed instance's requests in flight may take to end before it gives up (and stops nothing)")
+
+
+def _open(params):
+    from yrpd import api
+    from yrpd.cli.options import ssh_overrides
+    from yrpd.cli.progress import ConsoleProgress
+
+    return api, api.open_deployment(params["session_id"], ssh_overrides(params)), ConsoleProgress(numbered=False)
+
+
+def _moved(done) -> str:
+    return "; ".join(part for part in (f"added {', '.join(done.added)}" if done.added else "",
+                                       f"drained and stopped {', '.join(done.removed)}" if done.removed else "")
+                     if part) or "nothing moved"
 
 
 @click.command()
@@ -14,19 +32,12 @@ from yrpd.cli.options import session_option, ssh_options, version
 @ssh_options
 @click.option("--prefill", type=click.IntRange(1, 64), metavar="N", help="prefill instances wanted")
 @click.option("--decode", type=click.IntRange(1, 64), metavar="N", help="decode instances wanted")
-@click.option("--drain-timeout", type=click.FloatRange(1, 3600), default=120.0, show_default=True, metavar="S",
-              help="how long a removed instance's requests in flight may take to end before scale gives up (and "
-                   "stops nothing)")
+@drain_timeout
 @version
 def scale(**params) -> int:
     """Add or remove prefill/decode instances of a running deployment (latest session by default): new ones join
     the proxy once they answer; removed ones are drained first, then stopped."""
-    from yrpd import api
-    from yrpd.cli.options import ssh_overrides
-    from yrpd.cli.progress import ConsoleProgress
-
-    deployment = api.open_deployment(params["session_id"], ssh_overrides(params))
-    progress = ConsoleProgress(numbered=False)
+    api, deployment, progress = _open(params)
     done = api.scale(deployment, prefill=params["prefill"], decode=params["decode"],
                      drain_timeout_s=params["drain_timeout"], progress=progress)
     spec = done.deployment.spec
@@ -34,9 +45,36 @@ def scale(**params) -> int:
         progress.message(f"session {done.session.id} already has {spec.prefill} prefill and {spec.decode} decode "
                          "instances: nothing changed")
         return 0
-    changed = "; ".join(part for part in (f"added {', '.join(done.added)}" if done.added else "",
-                                          f"drained and stopped {', '.join(done.removed)}" if done.removed else "")
-                        if part)
     progress.message(f"session {done.session.id} now runs {spec.prefill} prefill and {spec.decode} decode instances: "
-                     f"{changed} ({done.seconds:.1f}s)")
+                     f"{_moved(done)} ({done.seconds:.1f}s)")
+    return 0
+
+
+@click.command()
+@click.argument("host")
+@session_option
+@ssh_options
+@drain_timeout
+@version
+def drain(**params) -> int:
+    """Take HOST out for maintenance: its instances move to free devices elsewhere (each replacement serves before
+    the old one drains), or stop where none is free; it takes no instance until `yrpd undrain HOST`."""
+    api, deployment, progress = _open(params)
+    done = api.drain_host(deployment, params["host"], drain_timeout_s=params["drain_timeout"], progress=progress)
+    spec = done.deployment.spec
+    progress.message(f"{params['host']} is drained in session {done.session.id}: {_moved(done)}; the deployment runs "
+                     f"{spec.prefill} prefill and {spec.decode} decode instances ({done.seconds:.1f}s)")
+    return 0
+
+
+@click.command()
+@click.argument("host")
+@session_option
+@ssh_options
+@version
+def undrain(**params) -> int:
+    """Bring HOST back from maintenance: it takes instances again, and those its drain stopped start again."""
+    api, deployment, progress = _open(params)
+    done = api.undrain_host(deployment, params["host"], progress=progress)
+    progress.message(f"{params['host']} is back in session {done.session.id}: {_moved(done)} ({done.seconds:.1f}s)")
     return 0

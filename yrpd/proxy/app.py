@@ -46,6 +46,7 @@ class _Call:
     upstream_s: float = 0.0  # spent waiting for instances, up to the first token: the rest is the proxy's own
     prompt: Prompt | None = None  # what prefix routing knows of the prompt (yrpd.proxy.routing)
     prefill_lease: Lease | None = None  # the prefill leg's instance and what routing expected of it there
+    groups: set[str] | None = None  # the model groups its legs may go to (one, once the prefill leg has its instance)
 
     @contextlib.contextmanager
     def waiting(self):
@@ -76,21 +77,25 @@ class ProxyConfig:
     routing: Routing = Routing.prefix
     #: routing never picks an instance with this many more requests in flight than the least busy one
     routing_bound: int = 2
-    #: the membership, where it exists: {"instances": [{"url", "role", "draining"}]}, written by the controller
+    #: the membership, where it exists: {"instances": [{"url", "role", "draining", "group"}]}, written by the controller
     #: (yrpd scale, rolling changes) and read again every probe round; it replaces `prefill`/`decode`
     instances_file: str | None = None
 
 
-def parse_members(data) -> list[tuple[str, str, bool]]:
-    """The membership file's content as (url, role, draining) each; ValueError naming what is wrong."""
+def parse_members(data) -> list[tuple[str, str, bool, str]]:
+    """The membership file's content as (url, role, draining, group) each; ValueError naming what is wrong."""
     if not isinstance(data, dict) or not isinstance(data.get("instances"), list):
-        raise ValueError('want {"instances": [{"url": ..., "role": "prefill"|"decode", "draining": false}, ...]}')
+        raise ValueError('want {"instances": [{"url": ..., "role": "prefill"|"decode", "draining": false, '
+                         '"group": "MODEL#DIGEST"}, ...]}')
     out = []
     for n, entry in enumerate(data["instances"]):
         url, role = (entry.get("url"), entry.get("role")) if isinstance(entry, dict) else (None, None)
         if not isinstance(url, str) or not url.startswith(("http://", "https://")) or role not in ROLES:
             raise ValueError(f"instances[{n}]: want a url http://HOST:PORT and a role prefill or decode, got {entry!r}")
-        out.append((url.rstrip("/"), role, bool(entry.get("draining", False))))
+        group = entry.get("group", "")
+        if not isinstance(group, str):
+            raise ValueError(f"instances[{n}]: group must be a string, got {group!r}")
+        out.append((url.rstrip("/"), role, bool(entry.get("draining", False)), group))
     return out
 
 
@@ -238,7 +243,7 @@ class Proxy:
         joined, left = self.pool.sync(members)
         self.members_error = None
         self.members_version += 1
-        draining = [u for u, _, d in members if d]
+        draining = [u for u, _, d, _ in members if d]
         log.info("membership from %s (version %d): %d instances%s%s%s", path, self.members_version, len(members),
                  f"; joining (once up): {', '.join(i.url for i in joined)}" if joined else "",
                  f"; leaving: {', '.join(i.url for i in left)}" if left else "",
@@ -334,6 +339,9 @@ class Proxy:
             # fail before prefill works for nothing: while decode is away (restarting) that work would only slow
             # down its restart and fill the cache with KV nobody loads
             raise ProxyError(503, "no decode instance is up")
+        request[_CALL].groups = self.pool.groups(body.get("model"))
+        if not request[_CALL].groups and self.pool.up("prefill"):
+            raise ProxyError(503, "no prefill and decode instance of one model are up (a model change is rolling?)")
         kv = await self._prefill(request, body, headers)
         # Without kv_transfer_params from prefill, decode computes the prompt itself: slower, still right.
         return await self._decode(request, body if kv is None else {**body, "kv_transfer_params": kv}, headers)
@@ -500,14 +508,17 @@ class Proxy:
         tried: list[Instance] = []
         problem = None
         while len(tried) < 2:
-            lease = self.pool.acquire(role, exclude=tried, prompt=request[_CALL].prompt)
+            call = request[_CALL]
+            lease = self.pool.acquire(role, exclude=tried, prompt=call.prompt, groups=call.groups)
             if lease is None:
                 break
             inst = lease.instance
             tried.append(inst)
             request[_CALL].note[role] = inst.url
             if role == "prefill":
-                request[_CALL].prefill_lease = lease
+                call.prefill_lease = lease
+                if call.groups is not None:  # decode answers for the model prefill computed the KV of
+                    call.groups = {inst.group}
             down = self._down.setdefault(inst.url, asyncio.Event())
             try:
                 with request[_CALL].waiting():

@@ -34,6 +34,9 @@ class Instance:
     draining: bool = False
     #: no longer a member: it goes once its last leg has ended
     leaving: bool = False
+    #: the model it serves ("served name#digest", the membership's "group"; "" where nobody said): a request's
+    #: prefill and decode legs go to instances of one group, so no answer mixes two models while a change rolls
+    group: str = ""
 
     @property
     def routable(self) -> bool:
@@ -46,7 +49,8 @@ class Instance:
         return {"url": self.url, "role": self.role, "up": self.up, "in_flight": self.in_flight,
                 "requests": self.requests, "errors": self.errors, "last_error": self.last_error,
                 "last_error_at": self.last_error_at, "prefix_routed": self.prefix_routed,
-                "queued_chunks": round(self.queued, 1), "draining": self.draining or self.leaving}
+                "queued_chunks": round(self.queued, 1), "draining": self.draining or self.leaving,
+                **({"group": self.group} if self.group else {})}
 
 
 @dataclass(eq=False)
@@ -108,36 +112,44 @@ class Pool:
         """The instances of `role` a new leg may go to."""
         return [i for i in self.of(role) if i.routable]
 
-    def sync(self, members: list[tuple[str, str, bool]]) -> tuple[list[Instance], list[Instance]]:
-        """Make the membership `members`, (url, role, draining) each: a new instance joins down (its first probe
-        brings it in), a gone one leaves at once when nothing is in flight there, else once its last leg ends.
+    def sync(self, members: list[tuple[str, str, bool, str]]) -> tuple[list[Instance], list[Instance]]:
+        """Make the membership `members`, (url, role, draining, group) each: a new instance joins down (its first
+        probe brings it in), a gone one leaves at once when nothing is in flight there, else once its last leg ends.
         Returns (joined, left)."""
-        wanted = {url.rstrip("/"): (role, draining) for url, role, draining in members}
+        wanted = {url.rstrip("/"): (role, draining, group) for url, role, draining, group in members}
         joined, left = [], []
         for inst in list(self.instances):
-            role, draining = wanted.get(inst.url, (None, False))
-            if role == inst.role:
+            role, draining, group = wanted.get(inst.url, (None, False, ""))
+            if role == inst.role and group == inst.group:
                 inst.draining, inst.leaving = draining, False
             elif not inst.leaving:
                 inst.leaving = True
                 left.append(inst)
-        known = {(i.url, i.role) for i in self.instances if not i.leaving}
-        for url, (role, draining) in wanted.items():
-            if (url, role) not in known:
-                inst = Instance(url, role, draining=draining)
+        known = {(i.url, i.role, i.group) for i in self.instances if not i.leaving}
+        for url, (role, draining, group) in wanted.items():
+            if (url, role, group) not in known:
+                inst = Instance(url, role, draining=draining, group=group)
                 self.instances.append(inst)
                 joined.append(inst)
         self.reap()
         return joined, left
 
+    def groups(self, model: object = None) -> set[str]:
+        """The model groups with a prefill and a decode instance up, those serving `model` (the request's "model")
+        alone where any does."""
+        complete = {i.group for i in self.up("prefill")} & {i.group for i in self.up("decode")}
+        named = {g for g in complete if g.rsplit("#", 1)[0] == model}
+        return named or complete
+
     def reap(self) -> None:
         """Drop the leaving instances whose last leg has ended."""
         self.instances = [i for i in self.instances if not (i.leaving and i.in_flight == 0)]
 
-    def acquire(self, role: str, exclude: list[Instance] | tuple = (), prompt: Prompt | None = None
-                ) -> Lease | None:
-        """Choose an up instance for one leg (see `select`) and count the leg on it until `release`."""
-        lease = self._choose(role, exclude, prompt)
+    def acquire(self, role: str, exclude: list[Instance] | tuple = (), prompt: Prompt | None = None,
+                groups: set[str] | None = None) -> Lease | None:
+        """Choose an up instance for one leg (see `select`; of `groups` alone where given) and count the leg on it
+        until `release`."""
+        lease = self._choose(role, exclude, prompt, groups)
         if lease is None:
             return None
         inst = lease.instance
@@ -177,14 +189,14 @@ class Pool:
         lease = self._choose(role, exclude, prompt)
         return lease.instance if lease else None
 
-    def _choose(self, role: str, exclude, prompt: Prompt | None) -> Lease | None:
+    def _choose(self, role: str, exclude, prompt: Prompt | None, groups: set[str] | None = None) -> Lease | None:
         members = self.of(role)
         if not members:
             return None
         start = next(self._turn[role]) % len(members)
         # min() keeps the first of equals, so rotating the start spreads ties over the members.
         rotated = members[start:] + members[:start]
-        candidates = [i for i in rotated if i.routable and i not in exclude]
+        candidates = [i for i in rotated if i.routable and i not in exclude and (groups is None or i.group in groups)]
         least = min(candidates, key=lambda i: i.in_flight, default=None)
         if least is None or self.routing is not Routing.prefix or prompt is None or not prompt.chain:
             return None if least is None else Lease(least)

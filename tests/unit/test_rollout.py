@@ -1,0 +1,133 @@
+"""A changed spec against a running plan (yrpd.rollout), the placement a change relies on, and what `live.change`
+refuses before it touches a host. The lab test (tests/lab/test_rollout_lab.py) runs the changes for real under load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from yrpd import api, live, rollout
+from yrpd.deployment import Deployment, inventory_from_json, save_deployment
+from yrpd.errors import SpecError
+from yrpd.placement import HostInventory, make_plan
+from yrpd.session import SessionPhase, SessionStore
+from yrpd.spec import DeviceKind, build_spec
+from yrpd.testing import ScriptedHosts
+
+
+def spec(**over):
+    base = {"hosts": "h1,h2,h3", "model": "/models/m", "device_kind": "npu", "ptp": 4, "dtp": 4}
+    return build_spec({}, {**base, **over})
+
+
+def inventory(n=8, hosts=("h1", "h2", "h3")):
+    return {h: HostInventory(DeviceKind.npu, tuple(range(n)), ip=f"10.0.0.{i + 1}") for i, h in enumerate(hosts)}
+
+
+def test_each_changed_field_is_sorted_into_what_rolls_scales_takes_effect_or_needs_recreate():
+    old = spec()
+    new = spec(engine_args=["--max-num-seqs", "8"], decode=2, startup_timeout_s=1200, datasystem_memory_mb=4096)
+    kinds = {c.field: c.kind for c in rollout.diff(old, new)}
+    assert kinds == {"engine_args": rollout.ChangeKind.roll, "decode": rollout.ChangeKind.scale,
+                     "startup_timeout_s": rollout.ChangeKind.free,
+                     "datasystem_memory_mb": rollout.ChangeKind.recreate}
+    assert rollout.diff(old, spec()) == []  # the control: the same spec changes nothing
+
+
+def test_an_instance_is_stale_once_its_settings_differ_and_a_model_change_changes_its_group():
+    plan = make_plan(spec(), inventory())
+    assert rollout.stale(plan, spec()) == []
+    flag = spec(engine_args=["--max-num-seqs", "8"])
+    assert [i.name for i in rollout.stale(plan, flag)] == ["prefill-0", "decode-0"]  # prefill first
+    assert flag.model_group == spec().model_group  # the same model: old and new instances may pair
+    other = spec(model="/models/other")
+    assert other.model_group != spec().model_group and other.model_group.startswith("other#")
+
+
+def test_a_new_instance_takes_the_lowest_free_index_and_kept_ones_keep_their_settings():
+    running = make_plan(spec(decode=2), inventory())
+    flag = spec(decode=2, engine_args=["--max-num-seqs", "8"])
+    # decode-0 replaced: a third decode instance started beside the two, then decode-0 retired
+    grown = make_plan(rollout.with_counts(flag, running, decode=1), inventory(), keep=running.instances)
+    assert [i.name for i in grown.instances] == ["prefill-0", "decode-0", "decode-1", "decode-2"]
+    assert [i.config == flag.instance_config for i in grown.instances] == [False, False, False, True]
+    rest = [i for i in grown.instances if i.name != "decode-0"]
+    after = make_plan(flag, inventory(), keep=rest)
+    assert [i.name for i in after.instances] == ["prefill-0", "decode-1", "decode-2"]
+    assert [(i.host, i.devices, i.port) for i in after.instances] == \
+        [(i.host, i.devices, i.port) for i in rest]  # nothing moved
+    # scaling out again fills the gap
+    again = make_plan(rollout.with_counts(flag, after, decode=1), inventory(), keep=after.instances)
+    assert [i.name for i in again.instances] == ["prefill-0", "decode-0", "decode-1", "decode-2"]
+
+
+def test_a_drained_host_keeps_what_runs_there_but_takes_nothing_new():
+    inv = {h: HostInventory(DeviceKind.npu, tuple(range(n))) for h, n in (("h1", 4), ("h2", 8), ("h3", 4))}
+    running = make_plan(spec(), inv)
+    assert [(i.name, i.host) for i in running.instances] == [("prefill-0", "h2"), ("decode-0", "h1")]
+    kept = make_plan(spec(), inv, keep=running.instances, cordoned=["h2"])
+    assert kept.instances == running.instances  # the plan still names what runs there
+    grow = rollout.with_counts(spec(), running, decode=1)
+    assert make_plan(grow, inv, keep=running.instances).instance("decode-1").host == "h2"  # the control
+    assert make_plan(grow, inv, keep=running.instances, cordoned=["h2"]).instance("decode-1").host == "h3"
+    with pytest.raises(SpecError, match=r"\(h2, h3 drained: `yrpd undrain` brings it back\)"):
+        make_plan(grow, inv, keep=running.instances, cordoned=["h2", "h3"])
+
+
+def test_max_unavailable_defaults_to_zero_only_where_one_more_instance_of_each_replaced_role_fits():
+    flag = spec(engine_args=["--max-num-seqs", "8"])
+    roomy = make_plan(spec(), inventory())  # 3 hosts of 8 NPUs, 8 used: a spare prefill and decode fit
+    assert rollout.default_max_unavailable(flag, inventory(), roomy) == 0
+    tight = make_plan(spec(hosts="h1,h2"), inventory(4, hosts=("h1", "h2")))  # 2 hosts of 4 NPUs, all used
+    assert rollout.default_max_unavailable(spec(hosts="h1,h2", engine_args=["--x"]),
+                                           inventory(4, hosts=("h1", "h2")), tight) == 1
+    lines = rollout.describe(rollout.diff(spec(), flag), roomy, flag, 0)
+    assert lines == ["engine_args: [] -> ['--max-num-seqs', '8'] (roll)",
+                     "replace prefill-0, decode-0 one by one (start each new instance, then drain and stop the old one)"]
+
+
+def deployed(tmp_path: Path, hosts: str = "h1,h2", **over) -> Deployment:
+    names = hosts.split(",")
+    given = {"hosts": hosts, "devices": "0-3", "device_kind": "npu", "model": "/models/m", "ptp": 4, "dtp": 4,
+             "session_root": str(tmp_path / "sessions"), **over}
+    s = build_spec({}, given)
+    inv = inventory_from_json({h: {"kind": "npu", "devices": [0, 1, 2, 3], "ip": f"10.0.0.{i + 1}"}
+                               for i, h in enumerate(names)})
+    session = SessionStore(tmp_path / "sessions").create()
+    plan = make_plan(s, inv)
+    save_deployment(session, s, inv, plan)
+    session.set_state(SessionPhase.deployed)
+    return Deployment(session, s, inv, plan)
+
+
+def test_a_change_that_would_leave_a_role_without_an_instance_is_refused_before_any_host(tmp_path):
+    deployment = deployed(tmp_path)  # 1P1D filling both hosts: no device spare
+    flag = deployment.spec.model_copy(update={"engine_args": ["--max-num-seqs", "8"]})
+    with ScriptedHosts() as hosts:
+        with pytest.raises(SpecError) as exc:
+            live.change(deployment, flag)
+        assert str(exc.value) == (
+            "--max-unavailable: 1 would leave no decode instance serving (it has 1 and no device is spare for one "
+            "more beside them); scale decode up first (`yrpd scale --decode 2`), free a device, or pass --recreate")
+        model = deployment.spec.model_copy(update={"model": "/models/other"})
+        with pytest.raises(SpecError, match="a model change needs a device spare for a new prefill and a new decode"):
+            live.change(deployment, model)
+        with pytest.raises(SpecError, match="cannot change under it"):
+            live.change(deployment, deployment.spec.model_copy(update={"datasystem_memory_mb": 4096}))
+    assert hosts.calls == []
+    assert deployment.session.journal_entries() == [] or \
+        all(e.get("event") is None for e in deployment.session.journal_entries())
+
+
+def test_drain_refuses_an_unknown_host_and_undrain_a_host_that_is_not_drained(tmp_path):
+    deployment = deployed(tmp_path)
+    with ScriptedHosts() as hosts:
+        with pytest.raises(SpecError, match=r"^HOST: 'h9' is not a host of session .* \(h1, h2\); pick one of them"):
+            api.drain_host(deployment, "h9")
+        with pytest.raises(SpecError, match=r"^HOST: 'h2' is not drained in session .* \(drained: none\)"):
+            api.undrain_host(deployment, "h2")
+        # a drain that cannot move the last decode instance anywhere refuses, and the host is not left drained
+        with pytest.raises(SpecError, match="decode-0 is the last decode instance and no other host has 4 free"):
+            api.drain_host(deployment, "h2")
+    assert hosts.calls == []

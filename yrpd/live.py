@@ -1,0 +1,300 @@
+"""Changing a running deployment without failing a request: scale, rolling spec changes, host maintenance.
+
+Every change is made of two moves (`_Mover`): *start* runs the deploy playbook on a plan with more instances (each
+added one starts, answers /health and reaches the data system before the membership file the proxy reads names it;
+what runs already is skipped by the steps' checks), and *retire* marks instances draining in that file (no new
+request goes there), waits until their requests in flight have ended, leaves them out, then stops them. The session
+stores the spec and plan after each move and its journal every move, so a change that fails half-way is resumed by
+running the same command again, and `yrpd down` always knows everything that runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from yrpd import credentials, rollout
+from yrpd.deployment import Deployment, drained_hosts, host_group, runtime_group, save_deployment
+from yrpd.errors import SpecError
+from yrpd.hostgroup import GroupFailure
+from yrpd.placement import Plan, make_plan
+from yrpd.playbook import StepFailed
+from yrpd.runner import Progress, Quiet, named_playbook, run_on, run_playbook
+from yrpd.session import Session, SessionPhase
+from yrpd.spec import DeploySpec
+from yrpd.steps import RunOptions, StepContext, host_python, processes, proxy
+from yrpd.serving import instance_url, proxy_url
+
+#: how long a removed instance's requests in flight may take to end before the change gives up (stopping nothing)
+DRAIN_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Changed:
+    session: Session
+    added: list[str]  # instances started, serving once their probe answered
+    removed: list[str]  # instances drained (their requests in flight ended) and stopped
+    seconds: float
+    deployment: Deployment
+    #: what changed, as `yrpd plan` and `yrpd deploy` show it before acting
+    lines: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+class _Mover:
+    """The two moves, on a deployment that advances with each."""
+
+    def __init__(self, deployment: Deployment, hosts, progress: Progress, drain_timeout_s: float):
+        self.now, self.hosts, self.progress, self.drain_timeout_s = deployment, hosts, progress, drain_timeout_s
+        self.cordoned = drained_hosts(deployment.session)
+        self.added: list[str] = []
+        self.removed: list[str] = []
+
+    @property
+    def session(self):
+        return self.now.session
+
+    def _master(self, plan: Plan):
+        return next(h for h in plan.hosts if h.is_master)
+
+    def placed(self, spec: DeploySpec, add: dict[str, int]) -> Plan:
+        """The running plan with `add` more instances per role, of `spec`'s settings, placed on free devices."""
+        return make_plan(rollout.with_counts(spec, self.now.plan, **add), self.now.inventory,
+                         keep=self.now.plan.instances, cordoned=self.cordoned)
+
+    def start(self, spec: DeploySpec, add: dict[str, int]) -> None:
+        add = {role: n for role, n in add.items() if n > 0}
+        if not add:
+            return
+        plan = self.placed(spec, add)
+        names = [i.name for i in plan.instances if i.name not in {j.name for j in self.now.plan.instances}]
+        after = Deployment(self.session, rollout.with_counts(spec, plan), self.now.inventory, plan)
+        # stored first: if the start fails half-way, `yrpd down` knows them and the same command resumes
+        save_deployment(self.session, after.spec, after.inventory, plan)
+        self.session.journal(event="start", instances=names)
+        master = self._master(plan)
+        secrets = credentials.ensure(self.session.path, spec.proxy_key(), etcd_ips=[master.reach_ip])
+        ctx = StepContext(spec=after.spec, plan=plan, session_id=self.session.id,
+                          options=RunOptions(secrets_dir=str(secrets)))
+        self.progress.message(f"starting {', '.join(names)}; the proxy routes to them once they answer")
+        try:
+            run_playbook(named_playbook(None), self.hosts, ctx, self.session, self.progress)
+        except StepFailed as failure:
+            failure.args = (f"{failure}\nthe instances already running serve on; fix the cause and run the same "
+                            "command again to go on with the change",)
+            raise
+        self.now = after
+        self.added += names
+
+    def retire(self, names: list[str], spec: DeploySpec) -> None:
+        if not names:
+            return
+        old = self.now
+        rest = [i for i in old.plan.instances if i.name not in names]
+        after_spec = rollout.with_counts(spec, Plan(hosts=old.plan.hosts, instances=tuple(rest),
+                                                    proxy_host=old.plan.proxy_host, proxy_port=old.plan.proxy_port,
+                                                    dtype=old.plan.dtype))
+        plan = make_plan(after_spec, old.inventory, keep=rest, cordoned=self.cordoned)
+        after = Deployment(self.session, after_spec, old.inventory, plan)
+        master = self._master(plan)
+        self.session.journal(event="drain", instances=names)
+        self.progress.message(f"draining {', '.join(names)}: no new request goes there; waiting for those in flight")
+        run_on(self.hosts, master.name, proxy.write_members(old.context(), master, draining=frozenset(names)),
+               "take them out of routing")
+        urls = [instance_url(old.plan, old.plan.instance(n)) for n in names]
+        drain = host_python("proxy_drain.py", {"status_url": proxy_url(spec, plan) + "/yrpd/status", "urls": urls,
+                                               "timeout": self.drain_timeout_s}, timeout=self.drain_timeout_s + 30)
+        try:
+            run_on(self.hosts, master.name, drain, f"drain {', '.join(names)}")
+        except GroupFailure as failure:
+            # nothing was stopped: they go back into routing, and the deployment stays as it was
+            run_on(self.hosts, master.name, proxy.write_members(old.context(), master), "put them back into routing")
+            self.session.journal(event="drain refused", instances=names, why=str(failure).splitlines()[0])
+            failure.args = (f"{failure}\nnothing was stopped and {', '.join(names)} serve again; raise "
+                            "--drain-timeout, or run it again once the long requests have ended",)
+            raise
+        run_on(self.hosts, master.name, proxy.write_members(after.context(), master), "leave them out of routing")
+        by_host: dict[str, list[str]] = {}
+        for name in names:
+            by_host.setdefault(old.plan.instance(name).host, []).append(name)
+        for host, stopping in by_host.items():
+            self.progress.message(f"stopping {', '.join(stopping)} on {host}")
+            run_on(self.hosts, host, processes.stop(old.context(), next(h for h in plan.hosts if h.name == host),
+                                                    stopping, grace=20), f"stop {', '.join(stopping)}")
+        save_deployment(self.session, after.spec, after.inventory, plan)
+        self.session.journal(event="stopped", instances=names)
+        self.now = after
+        self.removed += names
+
+    def scale_to(self, spec: DeploySpec) -> None:
+        """Remove the highest-indexed instances beyond `spec`'s counts, then add what it lacks."""
+        now = rollout.counts(self.now.plan)
+        extra = []
+        for role in rollout.COUNT_FIELDS:
+            mine = sorted((i for i in self.now.plan.instances if i.role == role), key=lambda i: i.index)
+            extra += [i.name for i in mine[getattr(spec, role):]]
+        self.retire(extra, spec)
+        self.start(spec, {role: getattr(spec, role) - now[role] for role in rollout.COUNT_FIELDS})
+
+
+def _check_live(deployment: Deployment, what: str) -> None:
+    session = deployment.session
+    if session.phase is not SessionPhase.deployed:
+        raise SpecError(what, f"session {session.id} is {session.phase}",
+                        "finish its deploy first (run `yrpd deploy` again)" if session.phase.up else
+                        "deploy it first (`yrpd deploy`)")
+    if not deployment.spec.disaggregated:
+        raise SpecError(what, "the deployment runs plain instances (disaggregated: false): no proxy routes around "
+                        "them while they change", "run `yrpd down` and deploy again")
+
+
+def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | None = None,
+           drain_timeout_s: float = DRAIN_TIMEOUT_S, progress: Progress | None = None, what: str = "deploy") -> Changed:
+    """Bring a running deployment to `spec` without failing a request: instance settings roll (INSTANCE_FIELDS:
+    new instance up and serving, then the old one drained and stopped; with `max_unavailable` >= 1 the other way
+    round, in batches that leave every role an instance serving), instance counts scale. Anything else is refused
+    before a host is touched (rollout.refuse_unrollable). A model change starts a new prefill and decode instance
+    together: the proxy pairs instances of one model group only, so it never mixes models in one answer."""
+    progress = progress or Quiet()
+    started = time.monotonic()
+    _check_live(deployment, what)
+    session = deployment.session
+    changes = rollout.diff(deployment.spec, spec)
+    rollout.refuse_unrollable(changes, session.id)
+    if not spec.disaggregated:
+        raise SpecError(what, "disaggregated cannot change under a running deployment", "pass --recreate")
+    cordoned = drained_hosts(session)
+    replaced = rollout.stale(deployment.plan, spec)
+    roles = sorted({i.role for i in replaced})
+    counts = rollout.counts(deployment.plan)
+    if max_unavailable is None:
+        max_unavailable = rollout.default_max_unavailable(spec, deployment.inventory, deployment.plan, cordoned)
+    if replaced and max_unavailable > 0:
+        if any(i.group != spec.model_group for i in replaced):
+            raise SpecError("--max-unavailable", f"{changes[0].field} changes the model, and a model change needs "
+                            "a device spare for a new prefill and a new decode instance beside the old ones (the proxy "
+                            "never pairs two models)", "free devices or add hosts, or pass --recreate")
+        short = [r for r in roles if counts[r] <= max_unavailable]
+        if short:
+            raise SpecError("--max-unavailable", f"{max_unavailable} would leave no {short[0]} instance serving (it "
+                            f"has {counts[short[0]]} and no device is spare for one more beside them)",
+                            f"scale {short[0]} up first (`yrpd scale --{short[0]} {counts[short[0]] + 1}`), free a "
+                            "device, or pass --recreate")
+    lines = rollout.describe(changes, deployment.plan, spec, max_unavailable)
+    for line in lines:
+        progress.message(line)
+    if not lines:
+        return Changed(session, [], [], time.monotonic() - started, deployment)
+    session.journal(event="change", changes=lines, max_unavailable=max_unavailable)
+    session.set_state(change="; ".join(lines))
+    with host_group(spec) as group:
+        mover = _Mover(deployment, runtime_group(group, spec, session.id), progress, drain_timeout_s)
+        if max_unavailable == 0:
+            while old := rollout.stale(mover.now.plan, spec):
+                first = {}
+                for inst in old:
+                    first.setdefault(inst.role, inst)
+                mover.start(spec, {role: 1 for role in first})
+                mover.retire([i.name for i in first.values()], spec)
+        else:
+            for role in roles:
+                while old := [i for i in rollout.stale(mover.now.plan, spec) if i.role == role]:
+                    batch = old[:max_unavailable]
+                    mover.retire([i.name for i in batch], spec)
+                    mover.start(spec, {role: len(batch)})
+        mover.scale_to(spec)
+    # the free fields (how to reach the hosts, timeouts) and the exact counts asked for
+    save_deployment(session, spec, deployment.inventory, mover.now.plan)
+    final = Deployment(session, spec, deployment.inventory, mover.now.plan)
+    session.journal(event="changed", changes=lines, added=mover.added, removed=mover.removed)
+    session.set_state(SessionPhase.deployed, change=None, generation=int(session.state.get("generation", 1)) + 1)
+    return Changed(session, mover.added, mover.removed, time.monotonic() - started, final, lines)
+
+
+def scale(deployment: Deployment, *, prefill: int | None = None, decode: int | None = None,
+          drain_timeout_s: float = DRAIN_TIMEOUT_S, progress: Progress | None = None) -> Changed:
+    """Change how many prefill and decode instances a running deployment has, without failing a request: what runs
+    stays where it is, the highest-indexed instances go, added ones take free devices (`change` with new counts)."""
+    _check_live(deployment, "scale")
+    counts = {k: v for k, v in (("prefill", prefill), ("decode", decode)) if v is not None}
+    if not counts:
+        raise SpecError("scale", "nothing to change", "pass --prefill N and/or --decode N")
+    spec = DeploySpec.model_validate({**deployment.spec.model_dump(mode="json"), **counts}).check()
+    return change(deployment, spec, drain_timeout_s=drain_timeout_s, progress=progress, what="scale")
+
+
+def drain_host(deployment: Deployment, host: str, *, drain_timeout_s: float = DRAIN_TIMEOUT_S,
+               progress: Progress | None = None) -> Changed:
+    """Take `host` out for maintenance: each instance there is replaced by one on another host's free devices
+    (started first, then the old one drained and stopped); where none is free, it is drained and stopped unless it
+    is its role's last one, and the lost capacity is named. The host stays in the deployment (its data system worker
+    and, on the master, the proxy run on) and takes no new instance until `undrain_host`."""
+    progress = progress or Quiet()
+    started = time.monotonic()
+    _check_live(deployment, "drain")
+    session = deployment.session
+    names = [h.name for h in deployment.plan.hosts]
+    if host not in names:
+        raise SpecError("HOST", f"{host!r} is not a host of session {session.id} ({', '.join(names)})",
+                        "pick one of them")
+    spec = deployment.spec
+    cordoned = sorted({*drained_hosts(session), host})
+    moving = [i for i in deployment.plan.instances if host in i.hosts]
+    # refused before anything changes: an instance with no room elsewhere that is its role's last
+    left = rollout.counts(deployment.plan)
+    for inst in moving:
+        try:
+            make_plan(rollout.with_counts(spec, deployment.plan, **{inst.role: 1}), deployment.inventory,
+                      keep=deployment.plan.instances, cordoned=cordoned)
+        except SpecError:
+            left[inst.role] -= 1
+            if left[inst.role] < 1:
+                raise SpecError("drain", f"{inst.name} is the last {inst.role} instance and no other host has "
+                                f"{inst.tp * inst.dp} free devices for it", "add a host, or stop the deployment for "
+                                "the maintenance (`yrpd down`)") from None
+    before = {"prefill": spec.prefill, "decode": spec.decode}
+    session.set_state(drained=cordoned, drained_counts={**session.state.get("drained_counts", {}), host: before})
+    session.journal(event="drain host", host=host)
+    warnings: list[str] = []
+    with host_group(spec) as group:
+        mover = _Mover(deployment, runtime_group(group, spec, session.id), progress, drain_timeout_s)
+        for inst in moving:
+            try:
+                mover.placed(spec, {inst.role: 1})
+            except SpecError:
+                count = rollout.counts(mover.now.plan)[inst.role]
+                warnings.append(f"{inst.name} stopped without a replacement (no free devices elsewhere): {inst.role} "
+                                f"runs {count - 1} instances until `yrpd undrain {host}`")
+                mover.retire([inst.name], spec)
+                continue
+            mover.start(spec, {inst.role: 1})
+            mover.retire([inst.name], spec)
+    for warning in warnings:
+        progress.message(warning)
+    session.journal(event="drained host", host=host, added=mover.added, removed=mover.removed, warnings=warnings)
+    session.set_state(generation=int(session.state.get("generation", 1)) + 1)
+    return Changed(session, mover.added, mover.removed, time.monotonic() - started, mover.now,
+                   [f"{host}: drained"], warnings)
+
+
+def undrain_host(deployment: Deployment, host: str, *, progress: Progress | None = None) -> Changed:
+    """Bring `host` back from maintenance: it takes instances again, and the instances its drain stopped for lack
+    of room elsewhere start again (on it, most likely, being the emptiest). What moved away stays where it went."""
+    progress = progress or Quiet()
+    started = time.monotonic()
+    _check_live(deployment, "undrain")
+    session = deployment.session
+    if host not in drained_hosts(session):
+        raise SpecError("HOST", f"{host!r} is not drained in session {session.id} (drained: "
+                        f"{', '.join(drained_hosts(session)) or 'none'})", "`yrpd status` shows the drained hosts")
+    counts = session.state.get("drained_counts", {}).get(host, {})
+    session.set_state(drained=[h for h in drained_hosts(session) if h != host],
+                      drained_counts={k: v for k, v in session.state.get("drained_counts", {}).items() if k != host})
+    session.journal(event="undrain host", host=host)
+    spec = deployment.spec.model_copy(update={role: max(n, getattr(deployment.spec, role))
+                                              for role, n in counts.items()})
+    if spec == deployment.spec:
+        return Changed(session, [], [], time.monotonic() - started, deployment, [f"{host}: back"])
+    done = change(deployment, spec, progress=progress, what="undrain")
+    done.lines.insert(0, f"{host}: back")
+    return done

@@ -1,0 +1,108 @@
+"""A changed spec against a running deployment: what changed, whether it can roll, and in what order.
+
+Pure: `yrpd plan` shows the same diff and steps `yrpd deploy` then takes. Fields fall in four kinds: an instance's
+own settings (INSTANCE_FIELDS) roll, instance by instance (the new one starts and joins before the old one drains and
+stops, or the other way round where no device is spare); the instance counts scale (`yrpd scale`'s removal and
+addition); a few settings take effect without restarting anything; everything else (the cluster, the data system,
+hosts, ports, the runtime) cannot change under a running deployment and needs `--recreate` (down, then deploy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from yrpd.errors import SpecError
+from yrpd.placement import HostInventory, InstancePlan, Plan, make_plan
+from yrpd.spec import INSTANCE_FIELDS, DeploySpec
+
+
+class ChangeKind(str, Enum):
+    roll = "roll"  # instances are replaced one by one
+    scale = "scale"  # instances are added or removed
+    free = "free"  # read by yrpd itself: nothing restarts
+    recreate = "recreate"  # cannot change under a running deployment
+
+
+COUNT_FIELDS = ("prefill", "decode")
+#: read where yrpd runs (how to reach the hosts, how long to wait), never by a running process
+FREE_FIELDS = ("ssh", "startup_timeout_s", "min_free_disk_gb")
+
+
+@dataclass(frozen=True)
+class Change:
+    field: str
+    old: object
+    new: object
+    kind: ChangeKind
+
+    def line(self) -> str:
+        return f"{self.field}: {self.old!r} -> {self.new!r} ({self.kind.value})"
+
+
+def kind_of(name: str) -> ChangeKind:
+    if name in INSTANCE_FIELDS:
+        return ChangeKind.roll
+    if name in COUNT_FIELDS:
+        return ChangeKind.scale
+    if name in FREE_FIELDS:
+        return ChangeKind.free
+    return ChangeKind.recreate
+
+
+def diff(old: DeploySpec, new: DeploySpec) -> list[Change]:
+    """Every top-level spec field whose value differs, in the spec's field order."""
+    a, b = old.model_dump(mode="json"), new.model_dump(mode="json")
+    return [Change(k, a.get(k), b.get(k), kind_of(k)) for k in b if a.get(k) != b.get(k)]
+
+
+def stale(plan: Plan, spec: DeploySpec) -> list[InstancePlan]:
+    """The instances of `plan` started with other settings than `spec` gives them, prefill first."""
+    return sorted((i for i in plan.instances if i.config != spec.instance_config),
+                  key=lambda i: (i.role != "prefill", i.index))
+
+
+def refuse_unrollable(changes: list[Change], session_id: str) -> None:
+    blocked = [c.field for c in changes if c.kind is ChangeKind.recreate]
+    if blocked:
+        raise SpecError("deploy", f"session {session_id} is running and {', '.join(blocked)} cannot change under it "
+                        "(only instance settings roll and instance counts scale)",
+                        "pass --recreate to tear it down and deploy anew (requests fail meanwhile), or undo that change")
+
+
+def counts(plan: Plan) -> dict[str, int]:
+    return {role: sum(1 for i in plan.instances if i.role == role) for role in COUNT_FIELDS}
+
+
+def with_counts(spec: DeploySpec, plan: Plan, **change: int) -> DeploySpec:
+    """`spec` asking for the instances `plan` runs, `change` added per role."""
+    now = counts(plan)
+    return spec.model_copy(update={role: now[role] + change.get(role, 0) for role in COUNT_FIELDS})
+
+
+def default_max_unavailable(spec: DeploySpec, inventory: dict[str, HostInventory], plan: Plan,
+                            cordoned: list[str] = ()) -> int:
+    """0 where one more instance of every role being replaced fits beside everything `plan` runs (each new one then
+    starts before its old one drains), else 1."""
+    add = {i.role: 1 for i in stale(plan, spec)}
+    try:
+        make_plan(with_counts(spec, plan, **add), inventory, keep=plan.instances, cordoned=cordoned)
+    except SpecError:
+        return 1
+    return 0
+
+
+def describe(changes: list[Change], plan: Plan, spec: DeploySpec, max_unavailable: int) -> list[str]:
+    """What a deploy of `spec` does to the running `plan`, line by line (shown before it acts, and by `yrpd plan`)."""
+    lines = [c.line() for c in changes]
+    replaced = stale(plan, spec)
+    if replaced:
+        how = ("start each new instance, then drain and stop the old one" if max_unavailable == 0 else
+               f"drain and stop up to {max_unavailable} old instance(s) at a time, then start their replacements")
+        lines.append(f"replace {', '.join(i.name for i in replaced)} one by one ({how})")
+    now = counts(plan)
+    for role in COUNT_FIELDS:
+        target = getattr(spec, role)
+        if target != now[role]:
+            lines.append(f"{role}: {now[role]} -> {target} instances")
+    return lines
