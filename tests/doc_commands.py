@@ -87,8 +87,19 @@ def scales_a_deployment(command: str) -> bool:
     return _verb(command) == "scale"
 
 
+def moves_a_host(command: str) -> bool:
+    """`drain HOST` / `undrain HOST` of the latest session. Run by tests/lab/test_rollout_lab.py under load on 3 fake
+    hosts."""
+    return _verb(command).split(" ")[0] in ("drain", "undrain")
+
+
+def plans_a_deployment(command: str) -> bool:
+    """`planner` of the latest session. Run by tests/lab/test_planner_lab.py under a load step on 3 fake hosts."""
+    return _verb(command) == "planner"
+
+
 RUNNERS = [needs_no_host, detects_npus_on_h1_h2, acts_on_a_deployment, is_the_tiny_bench,
-           is_the_published_benchmark, acts_on_a_source_tree, scales_a_deployment]
+           is_the_published_benchmark, acts_on_a_source_tree, scales_a_deployment, moves_a_host, plans_a_deployment]
 
 
 def commands(selected_by) -> list[str]:

@@ -20,7 +20,7 @@ from yrpd.errors import SessionError, SpecError
 from yrpd.exposure import exposure
 from yrpd.hostgroup import Command, GroupResult, SshOptions, as_run_in, env_preamble
 # changing a running deployment lives in yrpd.live; the library's callers find it here with the rest
-from yrpd.live import DRAIN_TIMEOUT_S, Changed, change, drain_host, scale, undrain_host  # noqa: F401
+from yrpd.live import DRAIN_TIMEOUT_S, Changed, change, drain_host, run_planner, scale, undrain_host  # noqa: F401
 from yrpd.logtail import TailSplitter, tail_script
 from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.playbook import PlaybookFailed, PlannedStep, StepFailed, StepOutcome, describe

@@ -15,7 +15,7 @@ from enum import Enum
 from pydantic import BaseModel
 
 from yrpd.hostgroup import SshOptions
-from yrpd.spec import DataSystemSection, HostSpec, Ports, RestartPolicy, RuntimeSection, ServingSection, \
+from yrpd.spec import DataSystemSection, HostSpec, PlannerSettings, Ports, RestartPolicy, RuntimeSection, ServingSection, \
     TopologySection
 
 #: DeploySpec's own sections are all top-level keys of yrpd.yaml, one flat mapping
@@ -24,7 +24,7 @@ SECTIONS = [("top level (`yrpd.yaml`): topology", TopologySection, ""),
             ("top level: data system", DataSystemSection, ""),
             ("top level: serving", ServingSection, ""),
             ("hosts[] entries", HostSpec, "hosts[]."), ("ports", Ports, "ports."), ("restart", RestartPolicy, "restart."),
-            ("ssh", SshOptions, "ssh.")]
+            ("planner", PlannerSettings, "planner."), ("ssh", SshOptions, "ssh.")]
 
 
 def field_comments(model: type[BaseModel]) -> dict[str, str]:
@@ -35,7 +35,7 @@ def field_comments(model: type[BaseModel]) -> dict[str, str]:
         if stripped.startswith("#:"):
             pending.append(stripped[2:].strip())
             continue
-        match = re.match(r"^\s{4}([a-z_]+): ", line)  # a field (a long one's Field(...) may run on)
+        match = re.match(r"^\s{4}([a-z][a-z_0-9]*): ", line)  # a field (a long one's Field(...) may run on)
         if match:
             trailing = line.split("#", 1)[1].strip() if "  # " in line else ""
             text = " ".join(pending) or trailing

@@ -10,10 +10,14 @@ running the same command again, and `yrpd down` always knows everything that run
 
 from __future__ import annotations
 
+import json
+import re
 import time
+import urllib.request
 from dataclasses import dataclass, field
+from typing import Callable
 
-from yrpd import credentials, rollout
+from yrpd import credentials, planner, rollout
 from yrpd.deployment import Deployment, drained_hosts, host_group, runtime_group, save_deployment
 from yrpd.errors import SpecError
 from yrpd.hostgroup import GroupFailure
@@ -191,11 +195,9 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
         mover = _Mover(deployment, runtime_group(group, spec, session.id), progress, drain_timeout_s)
         if max_unavailable == 0:
             while old := rollout.stale(mover.now.plan, spec):
-                first = {}
-                for inst in old:
-                    first.setdefault(inst.role, inst)
-                mover.start(spec, {role: 1 for role in first})
-                mover.retire([i.name for i in first.values()], spec)
+                adding = rollout.surge(mover.now.plan, spec)
+                mover.start(spec, adding)
+                mover.retire([next(i for i in old if i.role == role).name for role in adding], spec)
         else:
             for role in roles:
                 while old := [i for i in rollout.stale(mover.now.plan, spec) if i.role == role]:
@@ -294,7 +296,67 @@ def undrain_host(deployment: Deployment, host: str, *, progress: Progress | None
     spec = deployment.spec.model_copy(update={role: max(n, getattr(deployment.spec, role))
                                               for role, n in counts.items()})
     if spec == deployment.spec:
+        session.set_state(generation=int(session.state.get("generation", 1)) + 1)
         return Changed(session, [], [], time.monotonic() - started, deployment, [f"{host}: back"])
     done = change(deployment, spec, progress=progress, what="undrain")
     done.lines.insert(0, f"{host}: back")
     return done
+
+
+def proxy_status(url: str, window_s: float) -> dict:
+    """The proxy's /yrpd/status with latency over the last `window_s` seconds, fetched from where yrpd runs."""
+    with urllib.request.urlopen(f"{url}/yrpd/status?window={window_s:g}", timeout=10) as resp:
+        return json.load(resp)
+
+
+def run_planner(deployment: Deployment, *, seconds: float | None = None, progress: Progress | None = None,
+                fetch: Callable[[str, float], dict] = proxy_status, sleep: Callable[[float], None] = time.sleep,
+                clock: Callable[[], float] = time.monotonic) -> list[planner.Decision]:
+    """Hold the spec's `planner:` targets (yrpd/planner.py) until interrupted, or for `seconds`: every `interval_s`
+    read the proxy's latency over the window, decide, and carry a change out with `change` (new instances serve
+    before routing reaches them, removed ones drain first). Every decision goes to the session's state (`yrpd
+    status` shows the last) and each change or new reason to its journal. Returns the decisions taken."""
+    progress = progress or Quiet()
+    _check_live(deployment, "planner")
+    settings = deployment.spec.planner
+    if settings is None:
+        raise SpecError("planner", f"session {deployment.session.id}'s spec sets no planner targets",
+                        "add `planner: {ttft_p90_ms: 2000}` (and bounds) to the spec and deploy it (it rolls nothing)")
+    session = deployment.session
+    url = proxy_url(deployment.spec, deployment.plan)
+    started = last_change = clock()
+    last_change -= settings.cooldown_s  # the first look may act
+    decisions: list[planner.Decision] = []
+    said = None
+    while seconds is None or clock() - started < seconds:
+        try:
+            seen = planner.Observed.from_status(fetch(url, settings.window_s)["latency"])
+        except (OSError, ValueError, KeyError) as exc:
+            decision = planner.Decision(planner.Action.hold, None, f"the proxy's status could not be read: {exc}")
+        else:
+            counts = rollout.counts(deployment.plan)
+            cordoned = drained_hosts(session)
+            room = {}
+            for role in rollout.COUNT_FIELDS:
+                try:
+                    make_plan(rollout.with_counts(deployment.spec, deployment.plan, **{role: 1}),
+                              deployment.inventory, keep=deployment.plan.instances, cordoned=cordoned)
+                    room[role] = True
+                except SpecError:
+                    room[role] = False
+            decision = planner.decide(settings, seen, counts, room, clock() - last_change)
+        session.set_state(planner={**decision.to_dict(), "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        # a hold is journaled when its reason changes, not when only its figures do
+        kind = re.sub(r"\d+(\.\d+)?", "#", decision.reason)
+        if decision.action is not planner.Action.hold or kind != said:
+            session.journal(event="planner", **decision.to_dict())
+            said = kind
+        decisions.append(decision)
+        if decision.action is not planner.Action.hold:
+            progress.message(f"planner: {decision.action.value} {decision.role}: {decision.reason}")
+            target = decision.counts(rollout.counts(deployment.plan))
+            spec = DeploySpec.model_validate({**deployment.spec.model_dump(mode="json"), **target}).check()
+            deployment = change(deployment, spec, progress=progress, what="planner").deployment
+            last_change = clock()
+        sleep(settings.interval_s)
+    return decisions

@@ -237,6 +237,10 @@ def status_verdict(report: StatusReport) -> str:
     notes = [f"[yellow]changing[/yellow]: {report.change}"] if report.change else []
     notes += [f"[yellow]drained[/yellow] (maintenance, no instances; `yrpd undrain HOST`): {', '.join(report.drained)}"
               ] if report.drained else []
+    if report.planner:
+        p = report.planner
+        notes.append(f"planner ({p.get('at')}): {p.get('action')}{' ' + p['role'] if p.get('role') else ''}: "
+                     f"{p.get('reason')}")
     return "\n".join([verdict, *notes, *(f"[yellow]warning[/yellow]: {w}" for w in report.warnings)])
 
 

@@ -26,7 +26,7 @@ class ChangeKind(str, Enum):
 
 COUNT_FIELDS = ("prefill", "decode")
 #: read where yrpd runs (how to reach the hosts, how long to wait), never by a running process
-FREE_FIELDS = ("ssh", "startup_timeout_s", "min_free_disk_gb")
+FREE_FIELDS = ("ssh", "startup_timeout_s", "min_free_disk_gb", "planner")
 
 
 @dataclass(frozen=True)
@@ -80,13 +80,24 @@ def with_counts(spec: DeploySpec, plan: Plan, **change: int) -> DeploySpec:
     return spec.model_copy(update={role: now[role] + change.get(role, 0) for role in COUNT_FIELDS})
 
 
+def surge(plan: Plan, spec: DeploySpec) -> dict[str, int]:
+    """What a rolling change starts before it retires: one instance of the first replaced role, or, where the model
+    changes (an old instance's group differs), one of each replaced role at once, so a complete pair of the new model
+    serves before the old pair drains (the proxy never pairs two models)."""
+    old = stale(plan, spec)
+    if not old:
+        return {}
+    if any(i.group != spec.model_group for i in old):
+        return {i.role: 1 for i in old}
+    return {old[0].role: 1}
+
+
 def default_max_unavailable(spec: DeploySpec, inventory: dict[str, HostInventory], plan: Plan,
                             cordoned: list[str] = ()) -> int:
-    """0 where one more instance of every role being replaced fits beside everything `plan` runs (each new one then
-    starts before its old one drains), else 1."""
-    add = {i.role: 1 for i in stale(plan, spec)}
+    """0 where the surge (above) fits beside everything `plan` runs (each new instance then starts before its old
+    one drains), else 1."""
     try:
-        make_plan(with_counts(spec, plan, **add), inventory, keep=plan.instances, cordoned=cordoned)
+        make_plan(with_counts(spec, plan, **surge(plan, spec)), inventory, keep=plan.instances, cordoned=cordoned)
     except SpecError:
         return 1
     return 0

@@ -232,6 +232,41 @@ class RestartPolicy(BaseModel):
     hang_after_s: int = Field(default=30, ge=0, le=3600)
 
 
+class PlannerSettings(BaseModel):
+    """The SLA planner (`yrpd planner`, opt-in): from the proxy's recent TTFT and ITL it adds, removes or moves
+    prefill/decode instances within the hosts' devices to hold the targets (yrpd/planner.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: 90th percentile of time to first token to hold, over streamed requests of the last window_s
+    ttft_p90_ms: float = Field(gt=0)
+    #: 90th percentile of the time between tokens to hold (streamed requests); unset: decode is judged by TTFT alone
+    itl_p90_ms: float | None = Field(default=None, gt=0)
+    #: the planner keeps the prefill instances within these bounds
+    min_prefill: int = Field(default=1, ge=1)
+    max_prefill: int = Field(default=4, ge=1)
+    #: and the decode instances within these
+    min_decode: int = Field(default=1, ge=1)
+    max_decode: int = Field(default=4, ge=1)
+    #: seconds of requests a decision looks at
+    window_s: float = Field(default=30, ge=5)
+    #: seconds between looks
+    interval_s: float = Field(default=5, ge=1)
+    #: seconds after a change before the next one: its effect shows in the window first
+    cooldown_s: float = Field(default=60, ge=0)
+    #: streamed requests a window needs before it is judged
+    min_samples: int = Field(default=10, ge=1)
+    #: an instance is removed only while the role's p90 stays under this share of its target
+    scale_in_below: float = Field(default=0.5, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "PlannerSettings":
+        for role in ("prefill", "decode"):
+            if getattr(self, f"min_{role}") > getattr(self, f"max_{role}"):
+                raise SpecError(f"planner.min_{role}", f"is above planner.max_{role}", "lower it or raise the max")
+        return self
+
+
 class Ports(BaseModel):
     """Fixed service ports plus the bases from which per-instance ports are counted on each host."""
 
@@ -425,6 +460,8 @@ class RuntimeSection(BaseModel):
     ports: Ports = Ports()
     #: automatic restart of dead instances and the proxy (`restart: {max: 0}` turns it off)
     restart: RestartPolicy = RestartPolicy()
+    #: the SLA planner's targets and bounds (`yrpd planner` acts on them); unset: no planner
+    planner: PlannerSettings | None = None
     #: extra environment for every service (`--env KEY=VALUE`)
     env: dict[str, str] = {}
     #: prepared environments on the hosts (yr/, ds/, vllm/ venvs): skips installs (`--env-path`)

@@ -147,6 +147,8 @@ class StatusReport:
     change: str | None = None
     #: hosts in maintenance (`yrpd drain HOST`): they take no instance
     drained: list[str] = field(default_factory=list)
+    #: the SLA planner's last decision (`yrpd planner`): action, role, reason, at
+    planner: dict | None = None
 
     def to_json(self) -> dict:
         """`yrpd status --json`: the report's fields; an instance's probe fields sit on the instance itself and
@@ -284,7 +286,8 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
                         hosts=hosts, processes=procs, instances=instances, proxy=proxy, cluster=cluster_report,
                         warnings=warnings, generation=int(deployment.session.state.get("generation", 1)),
                         change=deployment.session.state.get("change"),
-                        drained=list(deployment.session.state.get("drained", [])))
+                        drained=list(deployment.session.state.get("drained", [])),
+                        planner=deployment.session.state.get("planner"))
 
 
 def _process_problem(p: ProcessStatus, host: str) -> str:

@@ -848,3 +848,28 @@ def test_a_request_never_pairs_instances_of_two_models_and_its_model_name_picks_
 async def _all_up(s, n):
     listed = await members(s)
     return len(listed) == n and all(i["up"] for i in listed.values())
+
+
+def test_status_reports_ttft_and_itl_of_the_streamed_requests_of_the_window_it_is_asked_for():
+    """The SLA planner's input: p50/p90 of time to first token and between tokens, streamed requests only (a
+    non-streamed answer has no first token of its own: the control), over the last `?window=` seconds."""
+    async def go():
+        async with running() as s:
+            s.decode[0].delay = 0.2
+            for _ in range(3):
+                assert (await post(s, "/v1/completions", {"prompt": "x", "max_tokens": 4}))[0] == 200
+            async with s.client.get(s.url + "/yrpd/status?window=60") as r:
+                latency = (await r.json())["latency"]
+            assert latency["ttft_ms"]["n"] == 0 and latency["itl_ms"]["n"] == 0  # the control: none streamed
+            for _ in range(2):
+                assert (await post(s, "/v1/completions", {"prompt": "x", "max_tokens": 4, "stream": True}))[0] == 200
+            async with s.client.get(s.url + "/yrpd/status?window=60") as r:
+                latency = (await r.json())["latency"]
+            assert latency["window_s"] == 60 and latency["ttft_ms"]["n"] == 2 and latency["itl_ms"]["n"] == 2
+            assert latency["ttft_ms"]["p90"] >= 200  # decode's delay is before its first event
+            await asyncio.sleep(1.1)
+            async with s.client.get(s.url + "/yrpd/status?window=1") as r:
+                assert (await r.json())["latency"]["ttft_ms"]["n"] == 0  # out of a 1 s window
+            async with s.client.get(s.url + "/yrpd/status?window=soon") as r:
+                assert r.status == 400
+    run(go())

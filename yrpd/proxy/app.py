@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from .metrics import Metrics
+from .metrics import LATENCY_KEPT_S, Metrics
 from .pool import ROLES, Instance, Lease, Pool
 from .routing import Prompt, Routing
 
@@ -434,6 +434,7 @@ class Proxy:
         sse = content_type.startswith("text/event-stream")
         pending = b""
         first = True
+        tokens, first_at = 0, 0.0  # SSE events carrying a token (not [DONE]), for the time between tokens
         try:
             while True:
                 if not first:
@@ -456,11 +457,14 @@ class Proxy:
                     now = time.monotonic()
                     ttft = now - call.started
                     self.metrics.ttft.observe(ttft)
+                    self.metrics.observe_stream(now, ttft=ttft)
+                    first_at = now
                     own = call.own_s(now)
                     self.metrics.observe_own(own)
                     call.note["ttft_ms"] = round(ttft * 1000)
                     call.note["own_ms"] = round(own * 1000, 1)
                 if sse:
+                    tokens += chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
                     # Whole events only, so a stream that breaks never leaves half an event before the error event.
                     pending += chunk
                     cut = pending.rfind(b"\n\n") + 2
@@ -471,6 +475,9 @@ class Proxy:
             if pending:
                 await out.write(pending)
             await out.write_eof()
+            if tokens > 1 and "error" not in call.note:
+                now = time.monotonic()
+                self.metrics.observe_stream(now, itl=(now - first_at) / (tokens - 1))
         except ConnectionResetError:  # the client left; aiohttp finishes the closed response quietly
             call.client_gone = True
             resp.close()
@@ -616,6 +623,10 @@ class Proxy:
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def status(self, request: web.Request) -> web.StreamResponse:
+        try:
+            window = min(LATENCY_KEPT_S, max(1.0, float(request.query.get("window", 30))))
+        except ValueError:
+            raise ProxyError(400, "window must be a number of seconds") from None
         answered = [(e, s, n) for (e, s), n in self.metrics.requests.items() if e in GENERATE_PATHS]
         totals = {"requests": sum(n for _, _, n in answered), "failed": sum(n for _, s, n in answered if s >= 400),
                   "in_flight": self.in_flight, "upstream_errors": sum(i.errors for i in self.pool.instances),
@@ -629,7 +640,9 @@ class Proxy:
                                   "routing": self.pool.routing_state(),
                                   "membership": {"file": self.config.instances_file,
                                                  "version": self.members_version, "error": self.members_error},
-                                  "own_overhead_ms": self.metrics.own_percentiles()})
+                                  "own_overhead_ms": self.metrics.own_percentiles(),
+                                  # streamed requests of the last `window` s (?window=S): the SLA planner's input
+                                  "latency": self.metrics.latency(window, time.monotonic())})
 
 
 def create_app(config: ProxyConfig) -> web.Application:

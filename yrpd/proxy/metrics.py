@@ -10,6 +10,7 @@ from .pool import Pool
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 OWN_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 RECENT = 2000  # own-overhead samples kept for percentiles
+LATENCY_KEPT_S = 600.0  # how far back the TTFT/ITL windows of /yrpd/status may look (the SLA planner's input)
 
 
 class Histogram:
@@ -38,6 +39,26 @@ class Metrics:
         self.ttft = Histogram()
         self.own = Histogram(OWN_BUCKETS)
         self._recent_own: deque[float] = deque(maxlen=RECENT)
+        #: (monotonic time, seconds) of streamed requests: time to first token, mean time between later tokens
+        self._ttft_at: deque[tuple[float, float]] = deque()
+        self._itl_at: deque[tuple[float, float]] = deque()
+
+    def observe_stream(self, now: float, ttft: float | None = None, itl: float | None = None) -> None:
+        for kept, value in ((self._ttft_at, ttft), (self._itl_at, itl)):
+            if value is None:
+                continue
+            kept.append((now, value))
+            while kept and kept[0][0] < now - LATENCY_KEPT_S:
+                kept.popleft()
+
+    def latency(self, window_s: float, now: float) -> dict:
+        """p50/p90 in ms of TTFT and ITL over the streamed requests of the last `window_s` seconds."""
+        out = {"window_s": window_s}
+        for name, kept in (("ttft_ms", self._ttft_at), ("itl_ms", self._itl_at)):
+            values = sorted(v for t, v in kept if t >= now - window_s)
+            pick = (lambda q: round(values[min(len(values) - 1, int(q * len(values)))] * 1000, 1))
+            out[name] = {"n": len(values), "p50": pick(0.5) if values else None, "p90": pick(0.9) if values else None}
+        return out
 
     def observe_own(self, seconds: float) -> None:
         self.own.observe(seconds)

@@ -1,4 +1,5 @@
-"""`yrpd scale`, `yrpd drain HOST`, `yrpd undrain HOST`: change a running deployment without failing a request."""
+"""`yrpd scale`, `yrpd drain HOST`, `yrpd undrain HOST`, `yrpd planner`: change a running deployment without failing
+a request."""
 
 from __future__ import annotations
 
@@ -77,4 +78,31 @@ def undrain(**params) -> int:
     api, deployment, progress = _open(params)
     done = api.undrain_host(deployment, params["host"], progress=progress)
     progress.message(f"{params['host']} is back in session {done.session.id}: {_moved(done)} ({done.seconds:.1f}s)")
+    return 0
+
+
+@click.command()
+@session_option
+@ssh_options
+@click.option("--for", "seconds", type=click.FloatRange(1, None), default=None, metavar="S",
+              help="stop after S seconds [run until interrupted]")
+@version
+def planner(**params) -> int:
+    """Hold the `planner:` targets of the deployment's spec: every interval, read the proxy's TTFT/ITL over the
+    window and add, remove or move one prefill/decode instance within the hosts' devices (one change, then a
+    cool-down). Each decision and its reason show in `yrpd status` and the session journal."""
+    api, deployment, progress = _open(params)
+    settings = deployment.spec.planner
+    if settings is not None:
+        itl = f", ITL p90 {settings.itl_p90_ms:g} ms" if settings.itl_p90_ms else ""
+        progress.message(f"planner for session {deployment.session.id}: TTFT p90 {settings.ttft_p90_ms:g} ms{itl}, "
+                         f"prefill {settings.min_prefill}-{settings.max_prefill}, decode {settings.min_decode}-"
+                         f"{settings.max_decode}; Ctrl-C stops it (what it changed stays)")
+    try:
+        decisions = api.run_planner(deployment, seconds=params["seconds"], progress=progress)
+    except KeyboardInterrupt:
+        progress.message("planner stopped")
+        return 0
+    acted = [d for d in decisions if d.action.value != "hold"]
+    progress.message(f"planner ran {len(decisions)} rounds, changed the deployment {len(acted)} times")
     return 0

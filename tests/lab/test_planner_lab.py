@@ -1,0 +1,120 @@
+"""The SLA planner against a real deployment under a load step, on 3 fake hosts (issue 34): 1 prefill + 1 decode
+with h3 free; the TTFT target is set at 3x what one client sees; `yrpd planner` (the README's command) runs while
+the load steps from 1 client to 6 and back. It must add an instance while the 6 clients push TTFT p90 over the
+target and give it back once the load drops, every decision in `yrpd status` and the journal, and no request may
+fail or come back wrong meanwhile. TTFT p90 before, during and after are reported, not asserted: this machine's two
+cores are shared by every fake host, so an instance added on h3 adds no compute (docs/benchmarks.md says so).
+
+    YRPD_PLANNER_REPORT=FILE.json writes the figures with their provenance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+from lab.cli import REPO
+from lab.hosts import assert_nothing_left
+from lab.traffic import TwoHosts
+from tests.doc_commands import commands, plans_a_deployment, words
+from tests.lab.test_scale_lab import PROMPTS, Load
+
+pytestmark = pytest.mark.lab
+
+
+def latency(proxy: str, window: float) -> dict:
+    with urllib.request.urlopen(f"{proxy}/yrpd/status?window={window:g}", timeout=10) as resp:
+        return json.load(resp)["latency"]
+
+
+def counts(report: dict) -> dict[str, int]:
+    return {role: sum(1 for i in report["instances"] if i["role"] == role) for role in ("prefill", "decode")}
+
+
+def test_the_planner_adds_an_instance_under_a_load_step_and_gives_it_back_when_the_load_drops(fake_lab, tmp_path):
+    lab = fake_lab(3)
+    d = TwoHosts(lab, tmp_path, n=3)
+    figures: dict = {}
+    planner = None
+    try:
+        figures["deploy_s"] = round(d.deploy(), 1)
+        expected = {p: d.ask(p, 16, timeout=120).text for p in PROMPTS}
+        assert all(expected.values()), expected
+        with Load(d.proxy, expected, clients=1) as calm:
+            time.sleep(30)
+            base = latency(d.proxy, 30)["ttft_ms"]
+        assert base["n"] >= 3, base
+        target = max(300.0, 3 * base["p90"])
+        figures.update(ttft_p90_one_client_ms=base["p90"], target_ms=target)
+        # the targets are a spec change that restarts nothing (a free field): the planner reads them from the session
+        with_planner = tmp_path / "planner.yaml"
+        with_planner.write_text(d.config.read_text() + yaml.safe_dump({"planner": {
+            "ttft_p90_ms": target, "max_prefill": 2, "max_decode": 2, "window_s": 15, "interval_s": 3,
+            "cooldown_s": 20, "min_samples": 4}}))
+        changed = d.cli("deploy", "--hosts", ",".join(d.names), "--config", str(with_planner), timeout=600)
+        assert "planner:" in changed.stderr and "(free)" in changed.stderr, changed.stderr
+        [documented] = commands(plans_a_deployment)  # the README's `yrpd planner`
+        planner = subprocess.Popen([sys.executable, "-m", "yrpd", *words(documented), *lab.cli_ssh_args],
+                                   cwd=REPO, env={**os.environ, **d.env}, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+        t0 = time.monotonic()
+        grown_at = None
+        with Load(d.proxy, expected, clients=6) as busy:
+            while time.monotonic() - t0 < 240:
+                time.sleep(3)
+                if grown_at is None and sum(counts(d.status()[0]).values()) == 3:
+                    grown_at = time.monotonic() - t0
+                    figures["ttft_p90_six_clients_before_ms"] = latency(d.proxy, 15)["ttft_ms"]["p90"]
+                if grown_at is not None and time.monotonic() - t0 > grown_at + 30:
+                    break
+            figures["ttft_p90_six_clients_after_ms"] = latency(d.proxy, 15)["ttft_ms"]["p90"]
+        assert grown_at is not None, d.status()[0].get("planner")
+        figures["instance_added_after_s"] = round(grown_at, 1)
+        grown, _ = d.healthy()
+        t1 = time.monotonic()
+        shrunk_at = None
+        with Load(d.proxy, expected, clients=1) as calm_again:
+            while time.monotonic() - t1 < 180:
+                time.sleep(3)
+                if sum(counts(d.status()[0]).values()) == 2:
+                    shrunk_at = time.monotonic() - t1
+                    break
+            figures["ttft_p90_one_client_after_ms"] = latency(d.proxy, 15)["ttft_ms"]["p90"]
+        assert shrunk_at is not None, d.status()[0].get("planner")
+        figures["instance_given_back_after_s"] = round(shrunk_at, 1)
+        planner.send_signal(signal.SIGINT)
+        out, err = planner.communicate(timeout=120)
+        assert planner.returncode == 0 and "planner stopped" in err, (planner.returncode, err[-2000:])
+        assert "planner: add" in err and "planner: remove" in err, err[-2000:]
+        report, _ = d.healthy()
+        assert report["planner"]["action"] in ("hold", "remove") and report["planner"]["reason"]
+        journal = [json.loads(line) for line in next(iter(
+            (tmp_path / "home").glob("sessions/*/journal.jsonl"))).read_text().splitlines()]
+        acted = [(e["action"], e["role"]) for e in journal if e.get("event") == "planner" and e["action"] != "hold"]
+        assert acted[0][0] in ("add", "move") and acted[-1][0] == "remove", acted
+        calls = busy.calls + calm.calls + calm_again.calls
+        figures.update(requests=len(calls), failed=sum(len(x.bad()) for x in (calm, busy, calm_again)),
+                       decisions=acted, grown_to=counts(grown))
+        print(f"measured: planner: {json.dumps(figures)}")
+        assert [x.bad() for x in (calm, busy, calm_again)] == [[], [], []]
+        down = d.cli("down", timeout=300)
+        assert "is down" in down.stderr
+        assert_nothing_left(lab)
+    finally:
+        if planner is not None and planner.poll() is None:
+            planner.kill()
+            planner.communicate()
+        report = os.environ.get("YRPD_PLANNER_REPORT")
+        if report:
+            from tests.lab.test_host_faults import write_report
+
+            write_report(report, figures, command="pytest -s tests/lab/test_planner_lab.py")
+        d.cli("down", check=None, timeout=300)
