@@ -98,8 +98,10 @@ def test_the_planner_adds_an_instance_under_a_load_step_and_gives_it_back_when_t
         assert report["planner"]["action"] in ("hold", "remove") and report["planner"]["reason"]
         journal = [json.loads(line) for line in next(iter(
             (tmp_path / "home").glob("sessions/*/journal.jsonl"))).read_text().splitlines()]
-        acted = [(e["action"], e["role"]) for e in journal if e.get("event") == "planner" and e["action"] != "hold"]
+        acting = [e for e in journal if e.get("event") == "planner" and e["action"] != "hold"]
+        acted = [(e["action"], e["role"]) for e in acting]
         assert acted[0][0] in ("add", "move") and acted[-1][0] == "remove", acted
+        figures["reasons"] = [e["reason"] for e in acting]  # the p90 each decision saw is in its reason
         calls = busy.calls + calm.calls + calm_again.calls
         figures.update(requests=len(calls), failed=sum(len(x.bad()) for x in (calm, busy, calm_again)),
                        decisions=acted, grown_to=counts(grown))

@@ -131,3 +131,29 @@ def test_drain_refuses_an_unknown_host_and_undrain_a_host_that_is_not_drained(tm
         with pytest.raises(SpecError, match="decode-0 is the last decode instance and no other host has 4 free"):
             api.drain_host(deployment, "h2")
     assert hosts.calls == []
+
+
+def test_plan_shows_what_a_deploy_of_a_changed_spec_would_do_to_the_running_session(tmp_path):
+    config = {"hosts": [{"address": h, "ip": f"10.0.0.{i + 1}"} for i, h in enumerate(("h1", "h2", "h3"))]}
+    given = {"devices": "0-7", "device_kind": "npu", "model": "/models/m", "ptp": 4, "dtp": 4,
+             "session_root": str(tmp_path / "sessions")}
+    running = build_spec(config, given)
+    inv = inventory_from_json({h: {"kind": "npu", "devices": list(range(8)), "ip": f"10.0.0.{i + 1}"}
+                               for i, h in enumerate(("h1", "h2", "h3"))})
+    session = SessionStore(tmp_path / "sessions").create()
+    save_deployment(session, running, inv, make_plan(running, inv))
+    session.set_state(SessionPhase.deployed)
+    with ScriptedHosts() as hosts:
+        assert api.plan(build_spec(config, given)).changes == []  # the control: the same spec
+        view = api.plan(build_spec(config, {**given, "engine_args": ["--max-num-seqs", "8"], "decode": 2,
+                                            "datasystem_memory_mb": 4096}))
+    assert hosts.calls == []
+    assert view.changes == [
+        f"session {session.id} runs: `yrpd deploy` changes it while it serves",
+        "engine_args: [] -> ['--max-num-seqs', '8'] (roll)",
+        "datasystem_memory_mb: 1024 -> 4096 (recreate)",
+        "decode: 1 -> 2 (scale)",
+        "replace prefill-0, decode-0 one by one (start each new instance, then drain and stop the old one)",
+        "decode: 1 -> 2 instances",
+        "datasystem_memory_mb cannot change under it: deploy refuses unless given --recreate"]
+    assert view.to_dict()["changes"] == view.changes
