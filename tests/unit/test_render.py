@@ -266,3 +266,17 @@ def test_plan_commands_show_each_hosts_command_or_why_it_has_none():
     assert "    $ mkdir -p /tmp/x\n    $ ln -sfn a b" in text
     assert "  h2: not needed: runtime host" in text
     assert "[2] nothing\n    (nothing to do on any host)" in text
+
+
+def test_the_verdict_names_a_change_under_way_the_drained_hosts_and_the_planners_last_decision(tmp_path):
+    r = report(tmp_path)
+    assert shown(status_verdict(r)).strip() == "healthy"  # the control: nothing of it recorded
+    r.change, r.drained = "decode: 1 -> 2 instances", ["h2"]
+    r.planner = {"action": "add", "role": "prefill", "reason": "TTFT p90 900 ms (target 500): one more prefill "
+                 "instance", "at": "2026-11-26T12:00:00"}
+    lines = shown(status_verdict(r)).strip().splitlines()
+    assert lines[1:] == ["changing: decode: 1 -> 2 instances",
+                         "drained (maintenance, no instances; `yrpd undrain HOST`): h2",
+                         "planner (2026-11-26T12:00:00): add prefill: TTFT p90 900 ms (target 500): one more "
+                         "prefill instance"]
+    assert r.to_json()["drained"] == ["h2"] and r.to_json()["planner"]["action"] == "add"
