@@ -18,11 +18,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 
 from lab.hosts import assert_nothing_left
+from lab.report import write_report
 from lab.traffic import LONG, Call, TwoHosts, body, restarts
 from tests.lab import real_model as rm
 
@@ -253,22 +253,6 @@ def lossy_link(d: TwoHosts, figures: dict) -> None:
     if applied["delay_by"] == "nfqueue":
         assert delayed["packets"] > 0, "the delayer held no packet: the delay was not applied"
     assert loaded_blocks(during) > loaded_blocks(before), "no KV was handed over across the degraded link"
-
-
-def write_report(path: str, figures: dict, command: str = "pytest -s tests/lab/test_host_faults.py") -> None:
-    """The figures with where they came from: commit (and whether the tree was dirty), CPU, cores, the settings."""
-    import platform
-    import subprocess
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parents[2]).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    settings = {k: v for k, v in os.environ.items() if k.startswith("YRPD_FAULT_")}
-    report = {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain")),
-              "cpu": cpu, "cores": os.cpu_count(), "settings": settings,
-              "command": command, "figures": figures}
-    Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def test_host_faults_end_requests_cleanly_and_heal(fake_lab, tmp_path):

@@ -23,6 +23,7 @@ import yaml
 
 from lab.cli import REPO
 from lab.hosts import assert_nothing_left
+from lab.report import report_and_down
 from lab.traffic import TwoHosts
 from tests.doc_commands import commands, plans_a_deployment, words
 from tests.lab.test_scale_lab import PROMPTS, Load
@@ -114,9 +115,4 @@ def test_the_planner_adds_an_instance_under_a_load_step_and_gives_it_back_when_t
         if planner is not None and planner.poll() is None:
             planner.kill()
             planner.communicate()
-        report = os.environ.get("YRPD_PLANNER_REPORT")
-        if report:
-            from tests.lab.test_host_faults import write_report
-
-            write_report(report, figures, command="pytest -s tests/lab/test_planner_lab.py")
-        d.cli("down", check=None, timeout=300)
+        report_and_down(d, figures, "YRPD_PLANNER_REPORT", "tests/lab/test_planner_lab.py")

@@ -9,13 +9,13 @@ answers before (greedy: the same model and weights answer the same).
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 
 import pytest
 
 from lab.hosts import assert_nothing_left, session_processes
+from lab.report import report_and_down
 from lab.traffic import TwoHosts
 from tests.doc_commands import commands, moves_a_host, words
 from tests.lab.test_scale_lab import PROMPTS, Load
@@ -83,9 +83,4 @@ def test_drain_a_host_then_roll_an_engine_flag_under_load_fails_no_request(fake_
         assert "is down" in down.stderr
         assert_nothing_left(lab)
     finally:
-        report = os.environ.get("YRPD_ROLLOUT_REPORT")
-        if report:
-            from tests.lab.test_host_faults import write_report
-
-            write_report(report, figures, command="pytest -s tests/lab/test_rollout_lab.py")
-        d.cli("down", check=None, timeout=300)
+        report_and_down(d, figures, "YRPD_ROLLOUT_REPORT", "tests/lab/test_rollout_lab.py")

@@ -8,13 +8,13 @@ plus 10 s; the removed one is drained before it stops (its last requests end wit
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
 import pytest
 
 from lab.hosts import assert_nothing_left, session_processes
+from lab.report import report_and_down
 from lab.traffic import LONG, Call, TwoHosts, body
 from tests.doc_commands import commands, scales_a_deployment, words
 
@@ -112,9 +112,4 @@ def test_scale_out_and_back_in_under_load_fails_no_request(fake_lab, tmp_path):
         assert "is down" in down.stderr
         assert_nothing_left(lab)
     finally:
-        report = os.environ.get("YRPD_SCALE_REPORT")
-        if report:
-            from tests.lab.test_host_faults import write_report
-
-            write_report(report, figures, command="pytest -s tests/lab/test_scale_lab.py")
-        d.cli("down", check=None, timeout=300)
+        report_and_down(d, figures, "YRPD_SCALE_REPORT", "tests/lab/test_scale_lab.py")
