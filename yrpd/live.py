@@ -21,13 +21,14 @@ from yrpd import credentials, planner, rollout
 from yrpd.deployment import Deployment, drained_hosts, host_group, runtime_group, save_deployment
 from yrpd.errors import SpecError
 from yrpd.hostgroup import GroupFailure
-from yrpd.placement import Plan, make_plan
+from yrpd.placement import Plan
 from yrpd.playbook import StepFailed
 from yrpd.runner import Progress, Quiet, named_playbook, run_on, run_playbook
 from yrpd.session import Session, SessionPhase
 from yrpd.spec import DeploySpec
 from yrpd.steps import RunOptions, StepContext, host_python, processes, proxy
-from yrpd.serving import instance_url, proxy_url
+from yrpd.steps.vllm_env import paths as vllm_paths
+from yrpd.serving import instance_launches, instance_url, proxy_url
 
 #: how long a removed instance's requests in flight may take to end before the change gives up (stopping nothing)
 DRAIN_TIMEOUT_S = 120.0
@@ -48,9 +49,10 @@ class Changed:
 class _Mover:
     """The two moves, on a deployment that advances with each."""
 
-    def __init__(self, deployment: Deployment, hosts, progress: Progress, drain_timeout_s: float):
+    def __init__(self, deployment: Deployment, hosts, progress: Progress, drain_timeout_s: float,
+                 cordoned: list[str]):
         self.now, self.hosts, self.progress, self.drain_timeout_s = deployment, hosts, progress, drain_timeout_s
-        self.cordoned = drained_hosts(deployment.session)
+        self.cordoned = cordoned
         self.added: list[str] = []
         self.removed: list[str] = []
 
@@ -63,8 +65,7 @@ class _Mover:
 
     def placed(self, spec: DeploySpec, add: dict[str, int]) -> Plan:
         """The running plan with `add` more instances per role, of `spec`'s settings, placed on free devices."""
-        return make_plan(rollout.with_counts(spec, self.now.plan, **add), self.now.inventory,
-                         keep=self.now.plan.instances, cordoned=self.cordoned)
+        return rollout.replan(spec, self.now.inventory, self.now.plan.instances, self.cordoned, **add)
 
     def start(self, spec: DeploySpec, add: dict[str, int]) -> None:
         add = {role: n for role, n in add.items() if n > 0}
@@ -95,10 +96,8 @@ class _Mover:
             return
         old = self.now
         rest = [i for i in old.plan.instances if i.name not in names]
-        after_spec = rollout.with_counts(spec, Plan(hosts=old.plan.hosts, instances=tuple(rest),
-                                                    proxy_host=old.plan.proxy_host, proxy_port=old.plan.proxy_port,
-                                                    dtype=old.plan.dtype))
-        plan = make_plan(after_spec, old.inventory, keep=rest, cordoned=self.cordoned)
+        plan = rollout.replan(spec, old.inventory, rest, self.cordoned)
+        after_spec = rollout.with_counts(spec, plan)
         after = Deployment(self.session, after_spec, old.inventory, plan)
         master = self._master(plan)
         self.session.journal(event="drain", instances=names)
@@ -118,12 +117,15 @@ class _Mover:
                             "--drain-timeout, or run it again once the long requests have ended",)
             raise
         run_on(self.hosts, master.name, proxy.write_members(after.context(), master), "leave them out of routing")
+        # every process of them: an instance whose DP ranks span hosts has a headless engine on each other host
         by_host: dict[str, list[str]] = {}
+        ctx = old.context()
         for name in names:
-            by_host.setdefault(old.plan.instance(name).host, []).append(name)
+            for launch in instance_launches(old.spec, old.plan, old.plan.instance(name), vllm_paths(ctx)):
+                by_host.setdefault(launch.host, []).append(launch.name)
         for host, stopping in by_host.items():
             self.progress.message(f"stopping {', '.join(stopping)} on {host}")
-            run_on(self.hosts, host, processes.stop(old.context(), next(h for h in plan.hosts if h.name == host),
+            run_on(self.hosts, host, processes.stop(ctx, next(h for h in plan.hosts if h.name == host),
                                                     stopping, grace=20), f"stop {', '.join(stopping)}")
         save_deployment(self.session, after.spec, after.inventory, plan)
         self.session.journal(event="stopped", instances=names)
@@ -153,7 +155,8 @@ def _check_live(deployment: Deployment, what: str) -> None:
 
 
 def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | None = None,
-           drain_timeout_s: float = DRAIN_TIMEOUT_S, progress: Progress | None = None, what: str = "deploy") -> Changed:
+           drain_timeout_s: float = DRAIN_TIMEOUT_S, progress: Progress | None = None, what: str = "deploy",
+           cordoned: list[str] | None = None) -> Changed:
     """Bring a running deployment to `spec` without failing a request: instance settings roll (INSTANCE_FIELDS:
     new instance up and serving, then the old one drained and stopped; with `max_unavailable` >= 1 the other way
     round, in batches that leave every role an instance serving), instance counts scale. Anything else is refused
@@ -167,7 +170,7 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
     rollout.refuse_unrollable(changes, session.id)
     if not spec.disaggregated:
         raise SpecError(what, "disaggregated cannot change under a running deployment", "pass --recreate")
-    cordoned = drained_hosts(session)
+    cordoned = drained_hosts(session) if cordoned is None else cordoned  # hosts no new instance goes to
     replaced = rollout.stale(deployment.plan, spec)
     roles = sorted({i.role for i in replaced})
     counts = rollout.counts(deployment.plan)
@@ -191,13 +194,33 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
         return Changed(session, [], [], time.monotonic() - started, deployment)
     session.journal(event="change", changes=lines, max_unavailable=max_unavailable)
     session.set_state(change="; ".join(lines))
+    try:
+        mover = _roll(deployment, spec, max_unavailable, roles, drain_timeout_s, progress, cordoned)
+    except BaseException:
+        session.set_state(change="stopped half-way (the same command goes on with it): " + "; ".join(lines))
+        raise
+    # the free fields (how to reach the hosts, timeouts) and the exact counts asked for
+    save_deployment(session, spec, deployment.inventory, mover.now.plan)
+    final = Deployment(session, spec, deployment.inventory, mover.now.plan)
+    session.journal(event="changed", changes=lines, added=mover.added, removed=mover.removed)
+    session.set_state(SessionPhase.deployed, change=None, generation=int(session.state.get("generation", 1)) + 1)
+    return Changed(session, mover.added, mover.removed, time.monotonic() - started, final, lines)
+
+
+def _roll(deployment: Deployment, spec: DeploySpec, max_unavailable: int, roles: list[str], drain_timeout_s: float,
+          progress: Progress, cordoned: list[str]) -> _Mover:
+    session = deployment.session
     with host_group(spec) as group:
-        mover = _Mover(deployment, runtime_group(group, spec, session.id), progress, drain_timeout_s)
+        mover = _Mover(deployment, runtime_group(group, spec, session.id), progress, drain_timeout_s, cordoned)
         if max_unavailable == 0:
             while old := rollout.stale(mover.now.plan, spec):
                 adding = rollout.surge(mover.now.plan, spec)
                 mover.start(spec, adding)
-                mover.retire([next(i for i in old if i.role == role).name for role in adding], spec)
+                # one at a time, prefill first: a request whose prefill leg runs on the old prefill instance must
+                # still find a decode instance of its own model routable for its decode leg
+                for role in ("prefill", "decode"):
+                    if role in adding:
+                        mover.retire([next(i for i in old if i.role == role).name], spec)
         else:
             for role in roles:
                 while old := [i for i in rollout.stale(mover.now.plan, spec) if i.role == role]:
@@ -205,12 +228,7 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
                     mover.retire([i.name for i in batch], spec)
                     mover.start(spec, {role: len(batch)})
         mover.scale_to(spec)
-    # the free fields (how to reach the hosts, timeouts) and the exact counts asked for
-    save_deployment(session, spec, deployment.inventory, mover.now.plan)
-    final = Deployment(session, spec, deployment.inventory, mover.now.plan)
-    session.journal(event="changed", changes=lines, added=mover.added, removed=mover.removed)
-    session.set_state(SessionPhase.deployed, change=None, generation=int(session.state.get("generation", 1)) + 1)
-    return Changed(session, mover.added, mover.removed, time.monotonic() - started, final, lines)
+    return mover
 
 
 def scale(deployment: Deployment, *, prefill: int | None = None, decode: int | None = None,
@@ -242,34 +260,34 @@ def drain_host(deployment: Deployment, host: str, *, drain_timeout_s: float = DR
     spec = deployment.spec
     cordoned = sorted({*drained_hosts(session), host})
     moving = [i for i in deployment.plan.instances if host in i.hosts]
-    # refused before anything changes: an instance with no room elsewhere that is its role's last
-    left = rollout.counts(deployment.plan)
+    # the moves worked out first, each on what the earlier ones leave: an instance with no room elsewhere is stopped
+    # without a replacement, and refused (before anything changes) where it is its role's last
+    inventory, running, replaced = deployment.inventory, list(deployment.plan.instances), {}
     for inst in moving:
+        rest = [i for i in running if i.name != inst.name]
         try:
-            make_plan(rollout.with_counts(spec, deployment.plan, **{inst.role: 1}), deployment.inventory,
-                      keep=deployment.plan.instances, cordoned=cordoned)
+            grown = rollout.replan(spec, inventory, running, cordoned, **{inst.role: 1})
+            running, replaced[inst.name] = [i for i in grown.instances if i.name != inst.name], True
         except SpecError:
-            left[inst.role] -= 1
-            if left[inst.role] < 1:
+            if not rollout.counts_of(rest)[inst.role]:
                 raise SpecError("drain", f"{inst.name} is the last {inst.role} instance and no other host has "
                                 f"{inst.tp * inst.dp} free devices for it", "add a host, or stop the deployment for "
                                 "the maintenance (`yrpd down`)") from None
-    before = {"prefill": spec.prefill, "decode": spec.decode}
+            running, replaced[inst.name] = rest, False
+    # a drain run again after stopping half-way keeps the counts from before the first run
+    before = session.state.get("drained_counts", {}).get(host) or {"prefill": spec.prefill, "decode": spec.decode}
     session.set_state(drained=cordoned, drained_counts={**session.state.get("drained_counts", {}), host: before})
     session.journal(event="drain host", host=host)
     warnings: list[str] = []
     with host_group(spec) as group:
-        mover = _Mover(deployment, runtime_group(group, spec, session.id), progress, drain_timeout_s)
+        mover = _Mover(deployment, runtime_group(group, spec, session.id), progress, drain_timeout_s, cordoned)
         for inst in moving:
-            try:
-                mover.placed(spec, {inst.role: 1})
-            except SpecError:
+            if replaced[inst.name]:
+                mover.start(spec, {inst.role: 1})
+            else:
                 count = rollout.counts(mover.now.plan)[inst.role]
                 warnings.append(f"{inst.name} stopped without a replacement (no free devices elsewhere): {inst.role} "
                                 f"runs {count - 1} instances until `yrpd undrain {host}`")
-                mover.retire([inst.name], spec)
-                continue
-            mover.start(spec, {inst.role: 1})
             mover.retire([inst.name], spec)
     for warning in warnings:
         progress.message(warning)
@@ -290,17 +308,27 @@ def undrain_host(deployment: Deployment, host: str, *, progress: Progress | None
         raise SpecError("HOST", f"{host!r} is not drained in session {session.id} (drained: "
                         f"{', '.join(drained_hosts(session)) or 'none'})", "`yrpd status` shows the drained hosts")
     counts = session.state.get("drained_counts", {}).get(host, {})
-    session.set_state(drained=[h for h in drained_hosts(session) if h != host],
-                      drained_counts={k: v for k, v in session.state.get("drained_counts", {}).items() if k != host})
+    back = [h for h in drained_hosts(session) if h != host]
     session.journal(event="undrain host", host=host)
     spec = deployment.spec.model_copy(update={role: max(n, getattr(deployment.spec, role))
                                               for role, n in counts.items()})
     if spec == deployment.spec:
+        done = Changed(session, [], [], time.monotonic() - started, deployment, [])
         session.set_state(generation=int(session.state.get("generation", 1)) + 1)
-        return Changed(session, [], [], time.monotonic() - started, deployment, [f"{host}: back"])
-    done = change(deployment, spec, progress=progress, what="undrain")
+    else:
+        done = change(deployment, spec, progress=progress, what="undrain", cordoned=back)
+    # only once what it stopped runs again: an undrain that failed half-way is run again as it was
+    session.set_state(drained=back, drained_counts={k: v for k, v in session.state.get("drained_counts", {}).items()
+                                                    if k != host})
     done.lines.insert(0, f"{host}: back")
     return done
+
+
+def _reloaded(deployment: Deployment) -> Deployment:
+    """The deployment as its session stores it now, reached the way `deployment` reaches its hosts."""
+    again = Deployment.load(deployment.session)
+    again.spec = again.spec.model_copy(update={"ssh": deployment.spec.ssh})
+    return again
 
 
 def proxy_status(url: str, window_s: float) -> dict:
@@ -334,17 +362,20 @@ def run_planner(deployment: Deployment, *, seconds: float | None = None, progres
         except (OSError, ValueError, KeyError) as exc:
             decision = planner.Decision(planner.Action.hold, None, f"the proxy's status could not be read: {exc}")
         else:
-            counts = rollout.counts(deployment.plan)
+            # what runs now, as stored: another command (scale, drain, a rolling deploy) may have changed it
+            deployment = _reloaded(deployment)
             cordoned = drained_hosts(session)
-            room = {}
-            for role in rollout.COUNT_FIELDS:
+
+            def fits(counts: dict[str, int]) -> bool:
+                now = rollout.counts(deployment.plan)
                 try:
-                    make_plan(rollout.with_counts(deployment.spec, deployment.plan, **{role: 1}),
-                              deployment.inventory, keep=deployment.plan.instances, cordoned=cordoned)
-                    room[role] = True
+                    rollout.replan(deployment.spec, deployment.inventory, deployment.plan.instances, cordoned,
+                                   **{role: counts[role] - now[role] for role in counts})
                 except SpecError:
-                    room[role] = False
-            decision = planner.decide(settings, seen, counts, room, clock() - last_change)
+                    return False
+                return True
+
+            decision = planner.decide(settings, seen, rollout.counts(deployment.plan), fits, clock() - last_change)
         session.set_state(planner={**decision.to_dict(), "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
         # a hold is journaled when its reason changes, not when only its figures do
         kind = re.sub(r"\d+(\.\d+)?", "#", decision.reason)

@@ -1,7 +1,7 @@
 """The SLA planner's decision: from the proxy's recent TTFT and ITL and what runs, add, remove or move one instance.
 
 Pure: `decide` takes what the proxy measured (its `/yrpd/status` "latency" over the planner's window), the instance
-counts, which roles have a free device for one more instance, and the time since the last change; `yrpd planner`
+counts, whether given counts would fit the hosts' devices (`fits`), and the time since the last change; `yrpd planner`
 (yrpd.live.run_planner) feeds it every `interval_s` and carries out what it returns through the same moves as
 `yrpd scale`. One change at a time, then `cooldown_s` for its effect to show in the window.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from enum import Enum
+from typing import Callable
 
 from yrpd.spec import PlannerSettings
 
@@ -65,7 +66,7 @@ def _other(role: str) -> str:
     return "decode" if role == "prefill" else "prefill"
 
 
-def decide(settings: PlannerSettings, seen: Observed, counts: dict[str, int], room: dict[str, bool],
+def decide(settings: PlannerSettings, seen: Observed, counts: dict[str, int], fits: Callable[[dict[str, int]], bool],
            since_change_s: float) -> Decision:
     if since_change_s < settings.cooldown_s:
         return Decision(Action.hold, None, f"cooling down: {since_change_s:.0f} of {settings.cooldown_s:g} s since "
@@ -73,29 +74,33 @@ def decide(settings: PlannerSettings, seen: Observed, counts: dict[str, int], ro
     if seen.samples < settings.min_samples or seen.ttft_p90_ms is None:
         return Decision(Action.hold, None, f"{seen.samples} streamed requests in the last {settings.window_s:g} s: "
                                            f"judged from {settings.min_samples}")
-    ratio = {"prefill": seen.ttft_p90_ms / settings.ttft_p90_ms,
-             "decode": (seen.itl_p90_ms / settings.itl_p90_ms
-                        if settings.itl_p90_ms and seen.itl_p90_ms is not None else 0.0)}
+    # None: not judged (decode with an ITL target but no ITL sample in the window); without an ITL target decode
+    # is judged by TTFT for giving instances back, never for asking for more
+    ratio: dict[str, float | None] = {"prefill": seen.ttft_p90_ms / settings.ttft_p90_ms, "decode": None}
+    if settings.itl_p90_ms and seen.itl_p90_ms is not None:
+        ratio["decode"] = seen.itl_p90_ms / settings.itl_p90_ms
     figures = f"TTFT p90 {seen.ttft_p90_ms:.0f} ms (target {settings.ttft_p90_ms:g})"
     if settings.itl_p90_ms and seen.itl_p90_ms is not None:
         figures += f", ITL p90 {seen.itl_p90_ms:.0f} ms (target {settings.itl_p90_ms:g})"
     bounds = {role: (getattr(settings, f"min_{role}"), getattr(settings, f"max_{role}")) for role in ratio}
-    over = [role for role in ratio if ratio[role] > 1]
+    judged = {**ratio, "decode": ratio["prefill"]} if not settings.itl_p90_ms else ratio
+    comfortable = {role: r is not None and r < settings.scale_in_below for role, r in judged.items()}
+    over = [role for role, r in ratio.items() if r is not None and r > 1]
     if over:
         role = max(over, key=lambda r: ratio[r])
-        if counts[role] < bounds[role][1] and room[role]:
-            return Decision(Action.add, role, f"{figures}: one more {role} instance")
         other = _other(role)
-        # the other role gives one up only while it is comfortable; decode without an ITL target is judged by TTFT
-        comfortable = ratio[other] < settings.scale_in_below if other == "prefill" or settings.itl_p90_ms else True
-        if counts[role] < bounds[role][1] and counts[other] > bounds[other][0] and comfortable:
-            return Decision(Action.move, role, f"{figures}: no device free for one more {role} instance, one "
-                                               f"{other} instance becomes one")
+        grown = Decision(Action.add, role, f"{figures}: one more {role} instance")
+        if counts[role] < bounds[role][1] and fits(grown.counts(counts)):
+            return grown
+        moved = Decision(Action.move, role, f"{figures}: no device free for one more {role} instance, one "
+                                            f"{other} instance becomes one")
+        if counts[role] < bounds[role][1] and counts[other] > bounds[other][0] and comfortable[other] \
+                and fits(moved.counts(counts)):
+            return moved
         why = "at its maximum" if counts[role] >= bounds[role][1] else "no device is free"
         return Decision(Action.hold, None, f"{figures}: over target, but {role} cannot grow ({why})")
     for role in ("prefill", "decode"):
-        judged = ratio["prefill"] if role == "decode" and not settings.itl_p90_ms else ratio[role]
-        if counts[role] > bounds[role][0] and judged < settings.scale_in_below:
+        if counts[role] > bounds[role][0] and comfortable[role]:
             return Decision(Action.remove, role, f"{figures}: under {settings.scale_in_below:g} of the target, one "
                                                  f"{role} instance less")
     return Decision(Action.hold, None, f"{figures}: within target")

@@ -71,13 +71,25 @@ def refuse_unrollable(changes: list[Change], session_id: str) -> None:
 
 
 def counts(plan: Plan) -> dict[str, int]:
-    return {role: sum(1 for i in plan.instances if i.role == role) for role in COUNT_FIELDS}
+    return counts_of(plan.instances)
+
+
+def counts_of(instances) -> dict[str, int]:
+    return {role: sum(1 for i in instances if i.role == role) for role in COUNT_FIELDS}
 
 
 def with_counts(spec: DeploySpec, plan: Plan, **change: int) -> DeploySpec:
     """`spec` asking for the instances `plan` runs, `change` added per role."""
     now = counts(plan)
     return spec.model_copy(update={role: now[role] + change.get(role, 0) for role in COUNT_FIELDS})
+
+
+def replan(spec: DeploySpec, inventory: dict[str, HostInventory], instances, cordoned=(), **change: int) -> Plan:
+    """The plan of `instances` as they run, with `change` more (or fewer) per role placed on free devices of hosts
+    not `cordoned`: what a change's next step runs (SpecError where it does not fit)."""
+    now = counts_of(instances)
+    wanted = spec.model_copy(update={role: now[role] + change.get(role, 0) for role in COUNT_FIELDS})
+    return make_plan(wanted, inventory, keep=instances, cordoned=cordoned)
 
 
 def surge(plan: Plan, spec: DeploySpec) -> dict[str, int]:

@@ -18,7 +18,8 @@ from yrpd.spec import PlannerSettings, build_spec
 
 SETTINGS = PlannerSettings(ttft_p90_ms=1000, itl_p90_ms=100, max_prefill=2, max_decode=2, cooldown_s=60,
                            min_samples=5)
-ROOM = {"prefill": True, "decode": True}
+def ROOM(counts):  # every count fits
+    return True
 ONE_EACH = {"prefill": 1, "decode": 1}
 
 
@@ -46,13 +47,17 @@ def test_nothing_happens_while_cooling_down_or_with_too_few_samples():
 
 def test_without_a_free_device_a_comfortable_role_gives_an_instance_up_else_it_holds():
     counts = {"prefill": 1, "decode": 2}
-    tight = {"prefill": False, "decode": False}
+    def tight(c):  # only as many instances as run now
+        return sum(c.values()) <= 3
     d = decide(SETTINGS, seen(1500, itl=30), counts, tight, 999)
     assert (d.action, d.role) == (Action.move, "prefill") and d.counts(counts) == {"prefill": 2, "decode": 1}
     d = decide(SETTINGS, seen(1500, itl=80), counts, tight, 999)  # decode not comfortable (80 of 100 ms)
     assert d.action is Action.hold and "prefill cannot grow (no device is free)" in d.reason
     d = decide(SETTINGS, seen(1500, itl=30), {"prefill": 2, "decode": 2}, ROOM, 999)
     assert d.action is Action.hold and "at its maximum" in d.reason
+    # a move that would not fit (a prefill instance takes more devices than a decode one frees) is not made
+    d = decide(SETTINGS, seen(1500, itl=30), counts, lambda c: c == counts, 999)
+    assert d.action is Action.hold and "no device is free" in d.reason
 
 
 def test_a_role_well_under_target_gives_an_instance_back_down_to_its_minimum():
@@ -62,6 +67,19 @@ def test_a_role_well_under_target_gives_an_instance_back_down_to_its_minimum():
     assert (d.action, d.role) == (Action.remove, "decode")
     assert decide(SETTINGS, seen(300, itl=30), ONE_EACH, ROOM, 999).action is Action.hold  # at the minimum
     assert decide(SETTINGS, seen(700, itl=30), {"prefill": 2, "decode": 1}, ROOM, 999).action is Action.hold
+
+
+def test_decode_is_not_judged_without_itl_samples_and_without_an_itl_target_only_for_giving_back():
+    counts = {"prefill": 1, "decode": 2}
+    d = decide(SETTINGS, seen(300, itl=None), counts, ROOM, 999)
+    assert d.action is Action.hold  # no ITL sample: decode keeps its instances
+    d = decide(SETTINGS, seen(300, itl=30), counts, ROOM, 999)
+    assert (d.action, d.role) == (Action.remove, "decode")  # the control: with samples it gives one back
+    no_itl = SETTINGS.model_copy(update={"itl_p90_ms": None})
+    assert decide(no_itl, seen(300, itl=None), counts, ROOM, 999).action is Action.remove  # judged by TTFT
+    assert decide(no_itl, seen(700, itl=None), counts, ROOM, 999).action is Action.hold  # 0.7 of the target
+    d = decide(no_itl, seen(1500, itl=900), ONE_EACH, ROOM, 999)
+    assert (d.action, d.role) == (Action.add, "prefill")  # TTFT over asks for prefill, never decode
 
 
 def test_bounds_that_cross_are_refused_naming_the_field():

@@ -157,3 +157,22 @@ def test_plan_shows_what_a_deploy_of_a_changed_spec_would_do_to_the_running_sess
         "decode: 1 -> 2 instances",
         "datasystem_memory_mb cannot change under it: deploy refuses unless given --recreate"]
     assert view.to_dict()["changes"] == view.changes
+
+
+def test_a_drain_works_its_moves_out_one_on_another_and_refuses_to_leave_a_role_without_an_instance(tmp_path):
+    """h1 (8 NPUs) runs prefill-0 and decode-0, h2 (4) is free: prefill-0's replacement would take h2, leaving
+    decode-0 nowhere to go and no other decode instance: refused before anything changes."""
+    s = build_spec({}, {"hosts": "h1,h2", "device_kind": "npu", "model": "/models/m", "ptp": 4, "dtp": 4,
+                        "session_root": str(tmp_path / "sessions")})
+    inv = inventory_from_json({"h1": {"kind": "npu", "devices": list(range(8)), "ip": "10.0.0.1"},
+                               "h2": {"kind": "npu", "devices": [0, 1, 2, 3], "ip": "10.0.0.2"}})
+    session = SessionStore(tmp_path / "sessions").create()
+    plan = make_plan(s, inv)
+    assert {i.host for i in plan.instances} == {"h1"}
+    save_deployment(session, s, inv, plan)
+    session.set_state(SessionPhase.deployed)
+    deployment = Deployment(session, s, inv, plan)
+    with ScriptedHosts() as hosts:
+        with pytest.raises(SpecError, match="^drain: decode-0 is the last decode instance"):
+            api.drain_host(deployment, "h1")
+    assert hosts.calls == [] and "drained" not in session.state  # nothing recorded either

@@ -393,6 +393,8 @@ class Proxy:
         request[_CALL].note["prefill_ms"] = round((time.monotonic() - t0) * 1000)
         if resp.status >= 400:
             raise UpstreamAnswer(resp, data)
+        if request[_CALL].groups is not None:  # decode answers for the model whose KV this prefill computed
+            request[_CALL].groups = {inst.group}
         try:
             kv = json.loads(data).get("kv_transfer_params")
         except (ValueError, AttributeError):
@@ -524,8 +526,6 @@ class Proxy:
             request[_CALL].note[role] = inst.url
             if role == "prefill":
                 call.prefill_lease = lease
-                if call.groups is not None:  # decode answers for the model prefill computed the KV of
-                    call.groups = {inst.group}
             down = self._down.setdefault(inst.url, asyncio.Event())
             try:
                 with request[_CALL].waiting():
