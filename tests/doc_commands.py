@@ -59,9 +59,9 @@ def detects_npus_on_h1_h2(command: str) -> bool:
 
 
 def acts_on_a_deployment(command: str) -> bool:
-    """status, logs, down of the latest session. Run by tests/lab/test_embedded_default.py after
+    """status, logs, metrics targets, down of the latest session. Run by tests/lab/test_embedded_default.py after
     `yrpd deploy --hosts localhost`."""
-    return _verb(command) in ("status", "logs", "down")
+    return _verb(command) in ("status", "logs", "down") or words(command)[:2] == ["metrics", "targets"]
 
 
 def is_the_tiny_bench(command: str) -> bool:

@@ -280,3 +280,19 @@ def sample_request(spec: DeploySpec, plan: Plan, token_file: str | None = None) 
         auth = f" -H \"Authorization: Bearer $(cat {token_file})\""
     return (f"curl -s {endpoint_url(spec, plan)}/v1/completions -H 'Content-Type: application/json'{auth} "
             f"-d '{body}'")
+
+
+def scrape_targets(spec: DeploySpec, plan: Plan, session_id: str) -> list[dict]:
+    """The deployment's Prometheus scrape targets in the `file_sd` format (`yrpd metrics targets`): the proxy's
+    /metrics and every vLLM API server's. Neither asks for a token there (the instances' token guards /v1 only); who
+    may reach the ports is in `yrpd plan`'s exposure table."""
+    common = {"yrpd_session": session_id}
+    groups = []
+    if spec.disaggregated:
+        groups.append({"targets": [proxy_url(spec, plan).removeprefix("http://")],
+                       "labels": {**common, "job": "yrpd_proxy", "host": plan.proxy_host}})
+    for inst in plan.instances:
+        groups.append({"targets": [instance_url(plan, inst).removeprefix("http://")],
+                       "labels": {**common, "job": "yrpd_vllm", "role": inst.role, "yrpd_instance": inst.name,
+                                  "host": inst.host, **({"model_group": inst.group} if inst.group else {})}})
+    return groups

@@ -160,9 +160,18 @@ def test_deploy_localhost_alone_serves_reuses_and_tears_down(netns, tmp_path):
                 assert {"localhost prefill-0 |", "localhost decode-0 |"} <= {
                     " ".join(line.split()[:2]) + " |" for line in proc.stdout.splitlines()}, proc.stdout[-2000:]
                 ran.add("logs")
+            elif words(command)[:2] == ["metrics", "targets"]:
+                # each target answers its /metrics (scraped from inside the deployment's namespace)
+                targets = [t for group in json.loads(proc.stdout) for t in group["targets"]]
+                assert len(targets) == 3, targets
+                for target in targets:
+                    page = in_ns(netns, "curl", "-sf", f"http://{target}/metrics", env=env, timeout=30)
+                    assert page.returncode == 0 and ("yrpd_proxy_requests_total" in page.stdout or
+                                                     "vllm:" in page.stdout), (target, page.stdout[:300])
+                ran.add("metrics targets")
             elif words(command) == ["down"]:
                 ran.add("down")
-        assert ran == {"status --json", "status", "logs", "follow", "down"}, (ran, documented)
+        assert ran == {"status --json", "status", "logs", "follow", "metrics targets", "down"}, (ran, documented)
         assert not host_secrets.exists() and not (session_dir / "secrets").exists()  # down took them away
         listening = in_ns(netns, "ss", "-ltnpH", env=env, timeout=30).stdout
         assert listening.strip() == "", listening
