@@ -8,6 +8,8 @@ that both its CLI and its SDK call; this is that module.)
 
 from __future__ import annotations
 
+import datetime
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,7 @@ from yrpd.exposure import exposure
 from yrpd.hostgroup import Command, GroupResult, SshOptions, as_run_in, env_preamble
 # changing a running deployment lives in yrpd.live; the library's callers find it here with the rest
 from yrpd.live import DRAIN_TIMEOUT_S, Changed, change, drain_host, run_planner, scale, undrain_host  # noqa: F401
-from yrpd.logtail import TailSplitter, tail_script
+from yrpd.logtail import LogLine, TailSplitter, grep_lines, grep_script, in_time_order, tail_script
 from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.playbook import PlaybookFailed, PlannedStep, StepFailed, StepOutcome, describe
 from yrpd.runner import Progress, Quiet, named_playbook, run_playbook
@@ -313,3 +315,20 @@ def logs(deployment: Deployment, emit: Callable[[str, str, str], None], *, name:
         return group.run(command, on_line=on_line)
     finally:
         group.close()
+
+
+def request_lines(deployment: Deployment, request_id: str) -> tuple[list[LogLine], GroupResult]:
+    """Every log line of the session that names `request_id` (the proxy's X-Request-Id, which vLLM and yrpd's
+    connector carry in their request ids), from every host, in time order; and each host's result."""
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{3,}$", request_id):
+        raise SpecError("--request", f"{request_id!r} is not a request id", "give the X-Request-Id the proxy logged "
+                        "(id=...) or the client sent: letters, digits, _ . : - and at least 4 characters")
+    command = Command(grep_script(deployment.context().layout, request_id), timeout=60, on_host=True)
+    group = deployment.group()
+    try:
+        results = group.run(command)
+    finally:
+        group.close()
+    year = datetime.date.today().year
+    lines = [line for host, result in results.items() if result.ok for line in grep_lines(host, result.stdout, year)]
+    return in_time_order(lines), results

@@ -7,6 +7,7 @@ request wait, and the load plan a promise turns into.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import random
 import threading
@@ -208,6 +209,36 @@ def test_a_producers_hand_over_is_what_a_consumer_promises(make, ds):
     put(ds, rank_ns(producer)[0], [d for op in saves for d in op.digests])
     params = producer.request_finished(hand, [])[1]
     assert consumer.get_num_new_matched_tokens(fakes.request("h", toks, params), 0) == (21, False)
+
+
+def test_each_side_of_a_hand_over_logs_one_line_naming_the_request(make, ds, caplog):
+    """What `yrpd logs --request ID` finds on the prefill and the decode host: vLLM's request id carries the proxy's
+    X-Request-Id. The control: a request whose hand-over decode does not load logs why."""
+    producer, consumer = make("kv_producer"), make("kv_consumer")
+    toks = tokens(22, 6)
+    hand = fakes.request("cmpl-trace7-0", toks, {"do_remote_decode": True})
+    producer.get_num_new_matched_tokens(hand, 0)
+    saves = producer.build_connector_meta(fakes.scheduler_output(
+        new=[fakes.new_req("cmpl-trace7-0", toks, range(6))], num_scheduled={"cmpl-trace7-0": 22})).saves
+    put(ds, rank_ns(producer)[0], [d for op in saves for d in op.digests])
+    with caplog.at_level(logging.INFO, logger="yrpd.connector"):
+        params = producer.request_finished(hand, [])[1]
+        req = fakes.request("cmpl-trace7-0", toks, params)
+        n, _ = consumer.get_num_new_matched_tokens(req, 0)
+        consumer.update_state_after_alloc(req, fakes.KVCacheBlocks([40, 41, 42, 43, 44, 45]), n)
+    lines = [r.getMessage() for r in caplog.records if "trace7" in r.getMessage()]
+    assert lines[0] == ("yrpd connector: request cmpl-trace7-0: hands over 5 blocks + a 1-token tail through the "
+                        "data system (loaded 0 of them from it)")
+    assert lines[1].startswith("yrpd connector: request cmpl-trace7-0: loads 5 blocks + a 1-token tail from the data "
+                               "system (prefill handed over 5; waited ") and len(lines) == 2
+    caplog.clear()
+    other = fakes.request("cmpl-trace8-0", tokens(22, 9), params)  # announced, but none of its blocks stored
+    with caplog.at_level(logging.INFO, logger="yrpd.connector"):
+        consumer.get_num_new_matched_tokens(other, 0)
+        consumer.update_state_after_alloc(other, fakes.KVCacheBlocks([]), 0)
+    assert [r.getMessage() for r in caplog.records if "trace8" in r.getMessage()] == [
+        "yrpd connector: request cmpl-trace8-0: loads nothing of the 6 blocks prefill handed over (visible: 0; "
+        "waited 0 ms): computes the prompt"]
 
 
 def test_cache_salt_keeps_requests_from_sharing_kv(make, ds):

@@ -5,6 +5,7 @@ hosts through the data system, and the answers are those of one plain instance."
 import json
 import os
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,23 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
 
         logs = cli("logs", "-n", "50", check=0).stdout
         assert "prefill-0" in logs and "decode-0" in logs and "Application startup complete" in logs
+
+        # one request followed across hosts: the proxy's line on h1, prefill's hand-over on h1, decode's load on h2
+        rid = "lab-trace-" + os.urandom(4).hex()
+        traced = urllib.request.Request(
+            f"{proxy}/v1/completions", method="POST",
+            data=json.dumps({"model": rm.MODEL, "prompt": "Count the blocks, one by one. " * 60 + rid,
+                             "max_tokens": 4, "temperature": 0}).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}", "X-Request-Id": rid})
+        with urllib.request.urlopen(traced, timeout=120) as resp:
+            assert resp.status == 200
+        trace = cli("logs", "--request", rid, check=0).stdout.splitlines()
+        where = [line.split(" | ", 1)[0].split()[1:] for line in trace]
+        assert ["h1", "proxy"] in where and ["h1", "prefill-0"] in where and ["h2", "decode-0"] in where, trace
+        assert any("hands over" in line for line in trace if " h1 prefill-0 | " in line), trace
+        assert any("loads" in line for line in trace if " h2 decode-0 | " in line), trace
+        assert trace[0].startswith("+  0.000s"), trace  # times relative to the first line
+        assert cli("logs", "--request", "lab-trace-none", check=1).stderr.startswith("no log line")  # the control
 
         # decode dies: status says so within 10 s, the proxy answers a clean 5xx with a JSON error
         lab["h2"].exec(f"kill -9 {decode['pid']}")

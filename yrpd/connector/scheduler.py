@@ -256,6 +256,10 @@ class ConnectorScheduler(ConnectorHalf):
         if num_external_tokens <= 0:
             if lk is not None:
                 self._count_lookup(lk, 0)
+                if lk.announced or lk.tail:  # a hand-over it could not use: `yrpd logs --request` shows why
+                    logger.info("yrpd connector: request %s: loads nothing of the %d blocks prefill handed over "
+                                "(visible: %d; waited %.0f ms): computes the prompt", req_id,
+                                lk.announced + bool(lk.tail), lk.hits, (time.monotonic() - lk.first_at) * 1000)
             return
         bs = self.block_size
         n, tail = divmod(num_external_tokens, bs)
@@ -269,6 +273,11 @@ class ConnectorScheduler(ConnectorHalf):
             return
         self._count_lookup(lk, n, bool(tail))
         self._loaded_blocks[req_id] = n + bool(tail)
+        # one line per request that loads: what tracing a request across hosts (`yrpd logs --request`) shows
+        logger.info("yrpd connector: request %s: loads %d blocks%s from the data system (prefill handed over %d; "
+                    "waited %.0f ms for them), first key %s", req_id, n, f" + a {tail}-token tail" if tail else "",
+                    lk.announced, (time.monotonic() - lk.first_at) * 1000,
+                    (lk.digests[lk.start:lk.start + 1] or [lk.tail_digest])[0])
         # The last block is copied whole: the slots past the tokens taken are rewritten before anything reads them.
         self._pending_loads.append(BlockOp(req_id, lk.digests[lk.start:lk.start + n] + ([lk.tail_digest] if tail else []),
                                            block_ids[lk.start:lk.start + n + bool(tail)]))
@@ -361,6 +370,9 @@ class ConnectorScheduler(ConnectorHalf):
         # what the consumer checks before trusting the hand-over (namespaces alone cannot say what differs)
         # `loaded`: what this request took from the data system, which tells cache-aware routing how often the data
         # system still holds prefixes other instances computed (yrpd.proxy.pool.Pool.observe)
+        if n or tail:
+            logger.info("yrpd connector: request %s: hands over %d blocks%s through the data system (loaded %d of "
+                        "them from it)", req_id, n, f" + a {tail}-token tail" if tail else "", loaded)
         return False, {"yrpd": {"num_blocks": n, "tail": tail, "loaded": loaded, "block_size": self.block_size,
                                 "ns": ",".join(self._rank_ns), "kv_dtype": self.ctx.kv_dtype,
                                 "model": self.ctx.model_identity}}
