@@ -232,15 +232,39 @@ def _log_tails(report: StatusReport) -> list[Text]:
     return out
 
 
+#: what `yrpd status --watch` shows per second between two looks: (column, where on InstanceStatus, key)
+RATE_COLUMNS = (("requests/s", "routed", "requests"), ("prompt tok/s", "probe", "prompt_tokens"),
+                ("computed tok/s", "probe", "prompt_tokens_computed"), ("loaded tok/s", "probe", "prompt_tokens_loaded"),
+                ("errors/s", "routed", "errors"))
+
+
+def rates_table(before: StatusReport, now: StatusReport, seconds: float) -> Table:
+    """Per instance, how fast its counters grew between two reports `seconds` apart ("-" where either look lacks
+    it, or it went back: the instance restarted)."""
+    table = Table(title=f"Rates over the last {seconds:.1f} s", title_justify="left")
+    for column in ("instance", *(c for c, _, _ in RATE_COLUMNS)):
+        table.add_column(column, justify="left" if column == "instance" else "right")
+    earlier = {i.name: i for i in before.instances}
+    for inst in now.instances:
+        cells = []
+        for _, where, key in RATE_COLUMNS:
+            a = (getattr(earlier.get(inst.name), where, None) or {}).get(key) if inst.name in earlier else None
+            b = (getattr(inst, where) or {}).get(key)
+            cells.append(f"{(b - a) / seconds:.1f}" if a is not None and b is not None and b >= a and seconds > 0
+                         else "-")
+        table.add_row(inst.name, *cells)
+    return table
+
+
 def status_verdict(report: StatusReport) -> str:
     verdict = "[green]healthy[/green]" if report.healthy else "[red]unhealthy[/red]: " + "; ".join(report.problems)
-    notes = [f"[yellow]changing[/yellow]: {report.change}"] if report.change else []
+    notes = [f"[yellow]changing[/yellow]: {escape(report.change)}"] if report.change else []
     notes += [f"[yellow]drained[/yellow] (maintenance, no instances; `yrpd undrain HOST`): {', '.join(report.drained)}"
               ] if report.drained else []
     if report.planner:
         p = report.planner
-        notes.append(f"planner ({p.get('at')}): {p.get('action')}{' ' + p['role'] if p.get('role') else ''}: "
-                     f"{p.get('reason')}")
+        notes.append(escape(f"planner ({p.get('at')}): {p.get('action')}{' ' + p['role'] if p.get('role') else ''}: "
+                            f"{p.get('reason')}"))
     return "\n".join([verdict, *notes, *(f"[yellow]warning[/yellow]: {w}" for w in report.warnings)])
 
 

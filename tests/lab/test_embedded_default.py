@@ -7,6 +7,7 @@ data system, etcd) can never collide with anything else on the machine, and ever
 import json
 import os
 import secrets
+import shlex
 import select
 import signal
 import subprocess
@@ -46,6 +47,34 @@ def netns():
 def in_ns(ns: str, *argv: str, env: dict, timeout: float = 1500, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", "netns", "exec", ns, *argv], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **env}, stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+def watch_in_tmux(ns: str, argv: list[str], env: dict, looks: float = 8.0) -> str:
+    """The screen of a terminal (tmux, 200x100) `looks` seconds after starting a command that redraws itself in it,
+    captured; then Ctrl-C, which must end it (the pane closes with it)."""
+    sock = f"yrpd-watch-{ns}"
+    tmux = ["tmux", "-L", sock, "-f", "/dev/null"]
+    full_env = {**os.environ, **env}
+    command = " ".join(shlex.quote(a) for a in ["ip", "netns", "exec", ns, "env",
+                                                *(f"{k}={v}" for k, v in env.items()), *argv])
+    subprocess.run([*tmux, "new-session", "-d", "-x", "200", "-y", "100", "-s", "watch", command],
+                   check=True, env=full_env, cwd=REPO)
+    try:
+        time.sleep(looks)
+        screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "watch"], capture_output=True, text=True,
+                                check=True).stdout
+        subprocess.run([*tmux, "send-keys", "-t", "watch", "C-c"], check=True)
+        time.sleep(2)
+        running = [a for a in _args_in_ns(ns) if a.startswith(argv[0]) and "--watch" in a]
+        assert running == [], f"status --watch still runs after Ctrl-C: {running}"
+        return screen
+    finally:
+        subprocess.run([*tmux, "kill-server"], check=False, capture_output=True)
+
+
+def _args_in_ns(ns: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "exec", ns, "ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return out.splitlines()
 
 
 def follow_in_ns(ns: str, argv: list[str], env: dict, wanted: int, timeout: float = 60) -> list[str]:
@@ -130,6 +159,11 @@ def test_deploy_localhost_alone_serves_reuses_and_tears_down(netns, tmp_path):
         for step in ("start the openYuanrong master", "start the prefill and decode instances", "start the proxy"):
             after = second.stderr.split(step, 1)[1].splitlines()[1]
             assert "already done on localhost" in after, (step, after)
+
+        # `yrpd status --watch` in a real terminal (tmux): it redraws in place, with rates once it has looked twice
+        watched = watch_in_tmux(netns, [*yrpd, "status", "--watch", "--interval", "1"], env)
+        assert watched.count("Rates over the last") == 1 and watched.count("Instances") == 1, watched
+        assert "prefill-0" in watched and "updated " in watched and "Ctrl-C stops" in watched, watched
 
         # the documented request and the documented commands against a deployment, verbatim
         answer = in_ns(netns, "bash", "-c", documented_shell("quickstart-cpu.md", "curl -s "), env=env, timeout=300)

@@ -13,7 +13,8 @@ from rich.console import Console
 
 from yrpd.hostgroup import GroupResult, HostResult
 from yrpd.playbook import StepOutcome, StepSpec
-from yrpd.render import outcome_line, plan_commands, plan_table, status_tables, status_verdict, warning_lines
+from yrpd.render import outcome_line, plan_commands, plan_table, rates_table, status_tables, status_verdict, \
+    warning_lines
 from yrpd.session import SessionPhase
 from yrpd.status import StatusReport, judge
 from yrpd.steps import NotNeeded
@@ -280,3 +281,19 @@ def test_the_verdict_names_a_change_under_way_the_drained_hosts_and_the_planners
                          "planner (2026-11-26T12:00:00): add prefill: TTFT p90 900 ms (target 500): one more "
                          "prefill instance"]
     assert r.to_json()["drained"] == ["h2"] and r.to_json()["planner"]["action"] == "add"
+
+
+def test_watch_shows_per_second_rates_between_two_looks_and_a_dash_where_a_counter_went_back(tmp_path):
+    before, now = report(tmp_path / "a"), report(tmp_path / "b")
+    for r, sent, loaded in ((before, 10, 1000), (now, 30, 5000)):
+        for inst in r.instances:
+            inst.routed = {"requests": sent, "errors": 0}
+            inst.probe = {**inst.probe, "prompt_tokens_loaded": float(loaded)}
+    restarted = now.instances[1]
+    restarted.probe = {**restarted.probe, "prompt_tokens_loaded": 10.0}  # its counters began again
+    text = shown(rates_table(before, now, 4.0))
+    assert "Rates over the last 4.0 s" in text
+    first = row(text, before.instances[0].name)
+    assert first[1] == "5.0" and first[4] == "1000.0" and first[5] == "0.0"  # 20 requests, 4000 tokens in 4 s
+    assert row(text, restarted.name)[4] == "-"
+    assert row(shown(rates_table(before, now, 0)), restarted.name)[1] == "-"  # no time between them: no rate
