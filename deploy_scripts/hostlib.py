@@ -188,3 +188,19 @@ def unlink_unheld(segments):
         except OSError:
             pass
     return removed
+
+
+def ds_resource(line):
+    """One line of the data system worker's resource.log (written every log_monitor_interval_ms): memory and disk-tier
+    use in bytes, objects, hits by tier, misses. Fields are ' | '-separated in the order of the worker's
+    res_metrics.def; ValueError for a line of another shape."""
+    fields = [f.strip() for f in line.split("|")]  # the line ends with a separator too
+    try:
+        shm, spill = fields[7].split("/"), fields[8].split("/")
+        hits = next(f for f in reversed(fields) if f.count("/") == 4 and "." not in f).split("/")
+        return {"at": fields[0], "memory_used": int(shm[0]), "memory_limit": int(shm[2]),
+                "disk_used": int(spill[0]), "disk_limit": int(spill[2]), "objects": int(fields[10]),
+                "hits_memory": int(hits[0]), "hits_disk": int(hits[1]), "hits_remote": int(hits[3]),
+                "misses": int(hits[4])}
+    except (IndexError, ValueError, StopIteration):
+        raise ValueError(f"unexpected resource line: ...{line[-300:]}") from None

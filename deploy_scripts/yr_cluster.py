@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 
-from hostlib import COMING_UP, DOWN, RUNNING, UP, proc_alive, proc_cmdline, proc_stat, proc_table
+from hostlib import COMING_UP, DOWN, RUNNING, UP, ds_resource, proc_alive, proc_cmdline, proc_stat, proc_table
 
 args = json.loads(sys.argv[1])
 if "by_mode" in args:
@@ -188,20 +188,14 @@ def port_open(port):
 
 def cache_use():
     """The data system worker's last resource line (resource.log, written every log_monitor_interval_ms): memory and
-    disk-tier use, objects, hits by tier. Fields are ' | '-separated in the order of the worker's res_metrics.def."""
+    disk-tier use, objects, hits by tier (hostlib.ds_resource)."""
     path = os.path.join(deploy, "logs", "data_system", "worker", "resource.log")
     last = tail(path, 1)
     if not last:
         return None
-    fields = [f.strip() for f in last[0].split("|")]  # the line ends with a separator too
     try:
-        shm, spill = fields[7].split("/"), fields[8].split("/")
-        hits = next(f for f in reversed(fields) if f.count("/") == 4 and "." not in f).split("/")
-        use = {"at": fields[0], "memory_used": int(shm[0]), "memory_limit": int(shm[2]),
-               "disk_used": int(spill[0]), "disk_limit": int(spill[2]), "objects": int(fields[10]),
-               "hits_memory": int(hits[0]), "hits_disk": int(hits[1]), "hits_remote": int(hits[3]),
-               "misses": int(hits[4])}
-    except (IndexError, ValueError, StopIteration):
+        use = ds_resource(last[0])
+    except ValueError:
         return {"error": f"unexpected line in {path}: ...{last[0][-300:]}"}
     if args.get("spill_dir"):
         # the worker counts against its own limit only: a filesystem that fills first (other files, a smaller

@@ -79,6 +79,8 @@ def exposure(spec: DeploySpec, plan: Plan) -> list[PortAccess]:
                 "etcd_peer": ("etcd peer port", "etcd members"),
                 "ds_master": ("data system master", "data system workers"),
                 "datasystem": ("data system worker (the KV cache)", "instances on every host, other workers"),
+                "exporter": ("metrics exporter (read-only: the data system's and the connector's figures)",
+                             "the fleet's Prometheus (`yrpd metrics targets`)"),
             }.get(name, (name, "the deployment"))
             guard = Guard.curve if name in ("ds_master", "datasystem") else \
                 Guard.certificate if name in ("etcd", "etcd_peer") else _open(h.reach_ip)

@@ -58,6 +58,16 @@ class HostSessionLayout:
         return f"{self.run_dir}/supervise.py"
 
     @property
+    def exporter(self) -> str:
+        """The host's metrics exporter script (deploy_scripts/exporter.py), written there by its start step."""
+        return f"{self.run_dir}/exporter.py"
+
+    @property
+    def kv_stats_glob(self) -> str:
+        """Every connector stats file of the session on the host (kv_stats of each instance, side and rank)."""
+        return f"{self.run_dir}/kv-*-rank*.json"
+
+    @property
     def proxy_members(self) -> str:
         """The proxy's membership file: which instances it routes to, which of them drain (yrpd.proxy)."""
         return f"{self.run_dir}/proxy-members.json"

@@ -321,7 +321,7 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
     hosts = []
     for h in spec.hosts:
         used_devices = sorted(d for i in instances for r in i.ranks if r.host == h.name for d in r.devices)
-        host_ports = {"datasystem": ports.datasystem}
+        host_ports = {"datasystem": ports.datasystem, "exporter": ports.exporter}
         if spec.kv_connector is KvConnector.lmcache and any(i.host == h.name for i in instances):
             host_ports.update(lmcache=ports.lmcache, lmcache_http=ports.lmcache + 1)
         if h.name == master:

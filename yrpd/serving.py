@@ -240,6 +240,7 @@ def launches_on_host(spec: DeploySpec, plan: Plan, host: str, paths: HostPaths) 
 
 
 PROXY_NAME = "proxy"
+EXPORTER_NAME = "exporter"  # every host's metrics exporter (yrpd.steps.exporter)
 
 
 def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | None:
@@ -284,13 +285,17 @@ def sample_request(spec: DeploySpec, plan: Plan, token_file: str | None = None) 
 
 def scrape_targets(spec: DeploySpec, plan: Plan, session_id: str) -> list[dict]:
     """The deployment's Prometheus scrape targets in the `file_sd` format (`yrpd metrics targets`): the proxy's
-    /metrics and every vLLM API server's. Neither asks for a token there (the instances' token guards /v1 only); who
-    may reach the ports is in `yrpd plan`'s exposure table."""
+    /metrics, every host's exporter (the data system's and the connector's figures) and every vLLM API server's.
+    None asks for a token there (the instances' token guards /v1 only); who may reach the ports is in `yrpd plan`'s
+    exposure table."""
     common = {"yrpd_session": session_id}
     groups = []
     if spec.disaggregated:
         groups.append({"targets": [proxy_url(spec, plan).removeprefix("http://")],
                        "labels": {**common, "job": "yrpd_proxy", "host": plan.proxy_host}})
+    for host in plan.hosts:
+        groups.append({"targets": [f"{host.reach_ip}:{host.ports['exporter']}"],
+                       "labels": {**common, "job": "yrpd_host", "host": host.name}})
     for inst in plan.instances:
         groups.append({"targets": [instance_url(plan, inst).removeprefix("http://")],
                        "labels": {**common, "job": "yrpd_vllm", "role": inst.role, "yrpd_instance": inst.name,

@@ -282,6 +282,8 @@ class Ports(BaseModel):
     etcd: int = 32379
     #: LMCache's server beside the instances (`kv_connector: lmcache`); lmcache+1 is its HTTP port
     lmcache: int = 32600
+    #: every host's metrics exporter (the data system's and the connector's figures for Prometheus)
+    exporter: int = 32700
     #: the k-th instance on a host listens on instance_base+k
     instance_base: int = 8100
     #: the k-th instance's DP rpc port, used only by a DP group spanning hosts (on its head host)
@@ -295,8 +297,8 @@ class Ports(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "Ports":
-        for name in ("proxy", "datasystem", "ds_master", "etcd", "lmcache", "instance_base", "kv_base", "hccl_base",
-                     "mooncake_base"):
+        for name in ("proxy", "datasystem", "ds_master", "etcd", "lmcache", "exporter", "instance_base", "kv_base",
+                     "hccl_base", "mooncake_base"):
             value = getattr(self, name)
             if not 1 <= value <= 65535:
                 raise ValueError(f"{name}: {value} is not in 1-65535")
@@ -314,6 +316,7 @@ class Ports(BaseModel):
             "ds_master": (self.ds_master, self.ds_master),
             "etcd": (self.etcd, self.etcd + 1),  # client and peer port
             "lmcache": (self.lmcache, self.lmcache + 1),  # its ZMQ and HTTP ports
+            "exporter": (self.exporter, self.exporter),
             "instance_base": (self.instance_base, self.instance_base + self.span - 1),
             "kv_base": (self.kv_base, self.kv_base + self.span - 1),
             "hccl_base": (self.hccl_base, self.hccl_base + 16 * self.span - 1),

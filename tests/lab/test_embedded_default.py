@@ -197,11 +197,14 @@ def test_deploy_localhost_alone_serves_reuses_and_tears_down(netns, tmp_path):
             elif words(command)[:2] == ["metrics", "targets"]:
                 # each target answers its /metrics (scraped from inside the deployment's namespace)
                 targets = [t for group in json.loads(proc.stdout) for t in group["targets"]]
-                assert len(targets) == 3, targets
+                assert len(targets) == 4, targets  # the proxy, the host's exporter, prefill-0, decode-0
                 for target in targets:
                     page = in_ns(netns, "curl", "-sf", f"http://{target}/metrics", env=env, timeout=30)
-                    assert page.returncode == 0 and ("yrpd_proxy_requests_total" in page.stdout or
-                                                     "vllm:" in page.stdout), (target, page.stdout[:300])
+                    assert page.returncode == 0 and any(m in page.stdout for m in (
+                        "yrpd_proxy_requests_total", "vllm:", "yrpd_ds_up 1")), (target, page.stdout[:300])
+                    if "yrpd_ds_up" in page.stdout:  # the exporter: the worker's figures and both connectors'
+                        assert 'yrpd_connector_loaded_blocks_total{host="localhost",yrpd_instance="decode-0"' in \
+                            page.stdout and "yrpd_ds_memory_used_bytes" in page.stdout, page.stdout[:3000]
                 ran.add("metrics targets")
             elif words(command) == ["down"]:
                 ran.add("down")

@@ -232,8 +232,8 @@ def test_the_proxy_reads_its_membership_from_the_session_file_that_lists_every_i
 
 
 def test_metrics_targets_list_the_proxy_and_every_instance_for_a_prometheus_file_sd(tmp_path, yrpd_home):
-    """`yrpd metrics targets --out FILE`: the proxy and each vLLM server's host:port with their labels, read from the
-    session alone (nothing is contacted: the hosts h1, h2 do not exist here)."""
+    """`yrpd metrics targets --out FILE`: the proxy, each host's exporter and each vLLM server's host:port with their
+    labels, read from the session alone (nothing is contacted: the hosts h1, h2 do not exist here)."""
     from tests.conftest import run_yrpd
     from tests.unit.sessions import recorded
 
@@ -245,7 +245,9 @@ def test_metrics_targets_list_the_proxy_and_every_instance_for_a_prometheus_file
     sid = deployment.session.id
     assert groups[0] == {"targets": ["10.0.0.1:8000"], "labels": {"yrpd_session": sid, "job": "yrpd_proxy",
                                                                   "host": "h1"}}
-    rows = [(g["labels"]["job"], g["labels"]["yrpd_instance"], g["labels"]["role"], g["targets"]) for g in groups[1:]]
+    assert groups[1:3] == [{"targets": [f"10.0.0.{n}:32700"], "labels": {"yrpd_session": sid, "job": "yrpd_host",
+                                                                        "host": f"h{n}"}} for n in (1, 2)]
+    rows = [(g["labels"]["job"], g["labels"]["yrpd_instance"], g["labels"]["role"], g["targets"]) for g in groups[3:]]
     assert rows == [("yrpd_vllm", i.name, i.role, [f"{'10.0.0.1' if i.host == 'h1' else '10.0.0.2'}:{i.port}"])
                     for i in deployment.plan.instances]
     again = run_yrpd("metrics", "targets", env={"YRPD_HOME": str(yrpd_home)}, check=0)

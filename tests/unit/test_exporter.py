@@ -1,0 +1,79 @@
+"""deploy_scripts/exporter.py, run as on a host: what a scrape of /metrics returns from a data system worker's
+resource.log and the connector's stats files (a resource line as the worker wrote it in a lab run)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from yrpd.assets import deploy_script
+
+RESOURCE = ("2026-11-26T06:32:01.323244 | I | res_metric_collector.cpp:116 |   | 3337:3883 | e7ee040e-f57d-4835-af30-"
+            "13f75b7f9582 |  | 509689856/509689856/1073741824/0.475/0/564051968 | 0/0/0/0 | 4 | 81 | 477836368 | "
+            "0/16/0/0/0.000 | 0/16/0/0/0.000 | 0/16/0/0/0.000 | 0/16/0/0/0.000 | 0/80000/0.000 |  |  | 0/2/0/0/0.000 "
+            "|  |  |  |  |  |  | 0/0/0/0 |  | 226/0/0/0/0 |")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def exporter(tmp_path):
+    port = free_port()
+    args = {"host": "127.0.0.1", "port": port, "host_name": "h1", "resource_log": str(tmp_path / "resource.log"),
+            "stats": str(tmp_path / "run" / "kv-*-rank*.json")}
+    (tmp_path / "run").mkdir()
+    shipped = tmp_path / "run" / "exporter.py"  # as the start step writes it: hostlib's text in place of its import
+    shipped.write_text(deploy_script("exporter.py"))
+    proc = subprocess.Popen([sys.executable, "-I", str(shipped), json.dumps(args)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield tmp_path, url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_a_scrape_gives_the_workers_figures_and_each_connectors_counters(exporter):
+    root, url = exporter
+    assert scrape(url) == {'yrpd_ds_up{host="h1"}': 0}  # the control: no resource line yet, no stats file
+    (root / "resource.log").write_text("an older line\n" + RESOURCE + "\n")
+    stats = {"schema": "yrpd.connector.stats/1", "side": "worker", "rank": 0, "ds_healthy": True,
+             "counters": {"loaded_blocks": 12, "load_failed_blocks": 1},
+             "latency_ms": {"load": {"count": 4, "total": 250.0, "avg": 62.5, "max": 90.0, "last": 50.0}}}
+    (root / "run" / "kv-decode-0-worker-rank0.json").write_text(json.dumps(stats))
+    got = scrape(url)
+    assert got['yrpd_ds_up{host="h1"}'] == 1
+    assert got['yrpd_ds_memory_used_bytes{host="h1"}'] == 509689856
+    assert got['yrpd_ds_memory_limit_bytes{host="h1"}'] == 1073741824
+    assert got['yrpd_ds_objects{host="h1"}'] == 81
+    assert got['yrpd_ds_hits_total{host="h1",tier="memory"}'] == 226
+    labels = 'host="h1",yrpd_instance="decode-0",side="worker",rank="0"'
+    assert got[f"yrpd_connector_loaded_blocks_total{{{labels}}}"] == 12
+    assert got[f"yrpd_connector_load_failed_blocks_total{{{labels}}}"] == 1
+    assert got[f"yrpd_connector_load_seconds_total{{{labels}}}"] == 0.25
+    assert got[f"yrpd_connector_ds_healthy{{{labels}}}"] == 1
+    (root / "run" / "kv-decode-0-worker-rank0.json").write_text("{half a docu")  # being replaced
+    assert not any(k.startswith("yrpd_connector_") for k in scrape(url))
+    assert urllib.request.urlopen(url + "/health", timeout=5).read() == b"ok\n"
