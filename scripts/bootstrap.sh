@@ -11,8 +11,8 @@ if [ "${1:-}" != "--no-lab" ]; then
     APT_PACKAGES+=(docker.io debootstrap)
     # the host-fault lab's link delay where the kernel has no sch_netem: netfilterqueue builds against these
     APT_PACKAGES+=(libnetfilter-queue-dev gcc python3-dev)
-    # `yrpd status --watch` is checked in a real terminal
-    APT_PACKAGES+=(tmux)
+    # `yrpd status --watch` is checked in a real terminal; `yrpd metrics` against a real Prometheus
+    APT_PACKAGES+=(tmux prometheus)
     EXTRAS=test,lab
 else
     EXTRAS=test

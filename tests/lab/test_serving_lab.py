@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import run_yrpd
 from tests.lab import real_model as rm
+from tests.lab.prometheus import scraping
 from lab.hosts import leftovers, session_processes
 from tests.prereq import missing as prerequisite
 
@@ -149,6 +150,36 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
         assert any("loads" in line for line in trace if " h2 decode-0 | " in line), trace
         assert trace[0].startswith("+  0.000s"), trace  # times relative to the first line
         assert cli("logs", "--request", "lab-trace-none", check=1).stderr.startswith("no log line")  # the control
+
+        # a real Prometheus scraping what `yrpd metrics targets` lists: the acceptance's series, then every query of
+        # the dashboard `yrpd metrics dashboard` prints, return data once streamed requests went through
+        targets = tmp_path / "targets.json"
+        cli("metrics", "targets", "--out", targets, check=0)
+        with scraping(targets, tmp_path / "prometheus") as prom:
+            ups = prom.until_data(["up == 1"])["up == 1"]
+            assert {u["metric"]["job"] for u in ups} == {"yrpd_proxy", "yrpd_host", "yrpd_vllm"} and len(ups) == 5
+            for n in range(6):
+                rm.streamed_chat(proxy, "Count the blocks, one by one. " * 40 + f"prom {n}", max_tokens=8, key=key)
+            series = prom.until_data([
+                "histogram_quantile(0.9, sum by (le) (rate(yrpd_proxy_ttft_seconds_bucket[1m])))",
+                'sum by (yrpd_instance) (yrpd_connector_loaded_blocks_total{side="worker"}) > 0',
+                "yrpd_ds_memory_used_bytes", "sum by (exported_instance) (yrpd_proxy_upstream_errors_total)"])
+            assert {s["metric"]["host"] for s in series["yrpd_ds_memory_used_bytes"]} == {"h1", "h2"}
+            board = json.loads(cli("metrics", "dashboard", check=0).stdout)
+            queries = [t["expr"] for panel in board["panels"] for t in panel["targets"]]
+            assert len(queries) >= 12
+            prom.until_data(queries, within=30)
+            # the exporters' cost while Prometheus scrapes them every second (figure, not a bound: docs/benchmarks.md)
+            procs = json.loads(cli("status", "--json", check=0).stdout)["processes"]
+            cost = {}
+            for p in (p for p in procs if p["name"] == "exporter"):
+                ticks = lambda: sum(int(x) for x in lab[p["host"]].exec(f"cat /proc/{p['pid']}/stat").stdout
+                                    .rsplit(")", 1)[1].split()[11:13])  # noqa: E731 - utime, stime
+                first, t0 = ticks(), time.monotonic()
+                time.sleep(10)
+                cost[p["host"]] = round((ticks() - first) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t0) * 100, 2)
+            assert set(cost) == {"h1", "h2"}, procs
+            print(f"measured: exporter CPU % of a core, scraped every 1 s: {json.dumps(cost)}")
 
         # decode dies: status says so within 10 s, the proxy answers a clean 5xx with a JSON error
         lab["h2"].exec(f"kill -9 {decode['pid']}")

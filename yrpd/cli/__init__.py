@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "drain": ("yrpd.cli.live", "Move a host's instances elsewhere for maintenance, dropping no request."),
     "undrain": ("yrpd.cli.live", "Let a drained host take instances again."),
     "planner": ("yrpd.cli.live", "Hold the spec's TTFT/ITL targets by adding, removing or moving instances."),
-    "metrics": ("yrpd.cli.metrics", "Print the deployment's Prometheus scrape targets (file_sd)."),
+    "metrics": ("yrpd.cli.metrics", "Print the deployment's Prometheus scrape targets, or yrpd's Grafana dashboard."),
     "ask": ("yrpd.cli.ask", "Ask the deployment the demo's two questions; show where each prompt's KV came from."),
     "bench": ("yrpd.cli.bench", "Benchmark a deployment against its baselines (dataset, run, report)."),
     "patch": ("yrpd.cli.patch", "List, check, apply or revert the vllm-ascend patch series on a source tree."),

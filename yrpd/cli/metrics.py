@@ -1,4 +1,5 @@
-"""`yrpd metrics targets`: the deployment's Prometheus scrape targets, for a `file_sd_configs` file."""
+"""`yrpd metrics targets` (the deployment's Prometheus scrape targets, for a `file_sd_configs` file) and `yrpd metrics
+dashboard` (the Grafana dashboard that reads them)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import json
 import click
 
 from yrpd.cli.options import session_option, version
+
+#: the dashboard under dashboards/ (shipped as yrpd.dashboards)
+DASHBOARD = "grafana-yrpd.json"
 
 
 @click.group()
@@ -37,6 +41,24 @@ def targets(**params) -> int:
         with open(tmp, "w") as fh:
             fh.write(text)
         os.replace(tmp, params["out"])
+    else:
+        click.echo(text, nl=False)
+    return 0
+
+
+@metrics.command()
+@click.option("--out", type=click.Path(dir_okay=False), metavar="FILE", help="write it to FILE [stdout]")
+@version
+def dashboard(**params) -> int:
+    """Print yrpd's Grafana dashboard (JSON, for Grafana's import): TTFT/ITL p90, requests and errors, routing, prompt
+    tokens computed vs loaded, KV blocks saved/loaded, the data system's memory and reads per host. Its queries
+    read what `yrpd metrics targets` lists."""
+    from yrpd.assets import asset_dir
+
+    text = (asset_dir("dashboards") / DASHBOARD).read_text()
+    if params["out"]:
+        with open(params["out"], "w") as fh:
+            fh.write(text)
     else:
         click.echo(text, nl=False)
     return 0
