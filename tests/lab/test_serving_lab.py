@@ -144,7 +144,7 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
         with urllib.request.urlopen(traced, timeout=120) as resp:
             assert resp.status == 200
         trace = cli("logs", "--request", rid, check=0).stdout.splitlines()
-        where = [line.split(" | ", 1)[0].split()[1:] for line in trace]
+        where = [line.split(" | ", 1)[0].split()[-2:] for line in trace]  # host, log
         assert ["h1", "proxy"] in where and ["h1", "prefill-0"] in where and ["h2", "decode-0"] in where, trace
         assert any("hands over" in line for line in trace if " h1 prefill-0 | " in line), trace
         assert any("loads" in line for line in trace if " h2 decode-0 | " in line), trace
