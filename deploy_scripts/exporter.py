@@ -2,7 +2,9 @@
 from its resource.log and the KV connector's counters from the stats files its instances on this host write.
 
 Args: one JSON object {"host": address to listen on, "port": N, "host_name": the plan's name of this host,
-"resource_log": the worker's resource.log, "stats": glob of the connector's stats files}. Serves GET /metrics in the
+"resource_log": the worker's resource.log, "stats": glob of the connector's stats files}, or the path of a file
+holding it (how yrpd starts it: the cluster's teardown keeps its data while a process names the cluster's directory
+on its command line, and the resource.log path would). Serves GET /metrics in the
 Prometheus text format (computed on each scrape from the files: nothing runs between scrapes) and GET /health.
 """
 import glob
@@ -13,7 +15,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from hostlib import ds_resource
 
-args = json.loads(sys.argv[1])
+_arg = sys.argv[1]
+if _arg.lstrip().startswith("{"):
+    args = json.loads(_arg)
+else:
+    with open(_arg) as _fh:
+        args = json.load(_fh)
 HOST_LABEL = args["host_name"]
 
 DS_GAUGES = (("memory_used", "yrpd_ds_memory_used_bytes", "Shared memory the data system worker holds objects in."),

@@ -25,11 +25,15 @@ def start(ctx: StepContext, host: HostPlan) -> Command:
     port = ctx.spec.ports.exporter
     args = {"host": host.reach_ip, "port": port, "host_name": host.name, "stats": ctx.layout.kv_stats_glob,
             "resource_log": f"{deploy_path(ctx)}/logs/data_system/worker/resource.log"}
+    # its arguments in a file: on its command line the resource.log path would name the cluster's directory, and
+    # the cluster's teardown keeps that directory's data while a process names it (yr_cluster.py stop)
+    config = f"{path.removesuffix('.py')}.json"
     # -I: the host's own Python, nothing of its site-packages or environment (the script is stdlib only)
-    command = f"python3 -I {q(path)} {q(json.dumps(args, sort_keys=True))}"
+    command = f"python3 -I {q(path)} {q(config)}"
     script = "\n".join([supervisor_install(ctx),
                         f"cat > {q(path)}.$$ <<'YRPD_EXPORTER_END' && mv -f {q(path)}.$$ {q(path)}\n{body}\n"
                         "YRPD_EXPORTER_END",
+                        f"printf '%s\\n' {q(json.dumps(args, sort_keys=True))} > {q(config)}",
                         start_script(ctx, EXPORTER_NAME, command, health_url=f"http://{host.reach_ip}:{port}/health",
                                      installed=True)])
     return Command(script, display=f"write {path} (deploy_scripts/exporter.py) and start it detached: {command}  "
