@@ -154,7 +154,7 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
         # a real Prometheus scraping what `yrpd metrics targets` lists: the acceptance's series, then every query of
         # the dashboard `yrpd metrics dashboard` prints, return data once streamed requests went through
         targets = tmp_path / "targets.json"
-        cli("metrics", "targets", "--out", targets, check=0)
+        run_yrpd("metrics", "targets", "--out", targets, env=env, check=0)  # the session alone: no ssh options
         with scraping(targets, tmp_path / "prometheus") as prom:
             ups = prom.until_data(["up == 1"])["up == 1"]
             assert {u["metric"]["job"] for u in ups} == {"yrpd_proxy", "yrpd_host", "yrpd_vllm"} and len(ups) == 5
@@ -165,7 +165,7 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
                 'sum by (yrpd_instance) (yrpd_connector_loaded_blocks_total{side="worker"}) > 0',
                 "yrpd_ds_memory_used_bytes", "sum by (exported_instance) (yrpd_proxy_upstream_errors_total)"])
             assert {s["metric"]["host"] for s in series["yrpd_ds_memory_used_bytes"]} == {"h1", "h2"}
-            board = json.loads(cli("metrics", "dashboard", check=0).stdout)
+            board = json.loads(run_yrpd("metrics", "dashboard", env=env, check=0).stdout)
             queries = [t["expr"] for panel in board["panels"] for t in panel["targets"]]
             assert len(queries) >= 12
             prom.until_data(queries, within=30)
