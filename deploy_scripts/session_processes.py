@@ -32,6 +32,12 @@ def environ_has_marker(pid):
     return marker in env and (not only or any(o in env for o in only))
 
 
+def carries(pid, name):
+    """The process is one yrpd started as `name` (or a child of it): its environment names both."""
+    env = proc_environ(pid) or []
+    return marker in env and f"YRPD_PROCESS={name}".encode() in env
+
+
 def process_ids(pid):
     """(process group, unix session) of a process, or (None, None)."""
     stat = proc_stat(pid)
@@ -105,7 +111,9 @@ def status():
     live = set(session_pids())
     processes = []
     for name, supervisor in managed().items():
-        watched = supervisor is not None and supervisor in live
+        # the pid file's number counts only while it names this process's supervisor: a host that lost every
+        # process keeps its pid files, and the new pid namespace hands the same numbers to the session's others
+        watched = supervisor is not None and supervisor in live and carries(supervisor, name)
         sup = supervised(name)
         if watched and not sup:  # started before yrpd supervised its processes: the pid file names the process
             sup = {"pid": supervisor, "state": RUNNING, "restarts": 0}

@@ -154,3 +154,44 @@ def test_preflight_takes_a_port_held_by_the_sessions_own_process_and_refuses_one
     finally:
         held.kill()
         held.wait()
+
+
+# -- a pid file whose number now belongs to another process of the session
+
+
+def test_a_pid_file_whose_number_went_to_another_process_of_the_session_does_not_count_as_running(ctx):
+    """A host that lost every process keeps its pid files; its new pid namespace hands the old numbers out again,
+    often to the same session's other processes. The exporter's pid file naming the data system worker's supervisor
+    must not pass its `already running` check, nor make status report it alive; the worker itself stays running."""
+    from yrpd.steps import host_python_parts
+    from yrpd.steps.processes import running, status_call
+
+    host = ctx.plan.hosts[0]
+    sleeper = "exec python3 -c 'import time; time.sleep(60)'"
+    run = Path(ctx.host_session_dir) / "run"
+    with HostGroup([Host("localhost", "localhost", local=True)]) as group:
+        def do(cmd: Command):
+            return group.run(cmd)["localhost"]
+
+        def alive() -> dict[str, bool]:
+            result = do(host_python_parts({"p": status_call(ctx, host)}))
+            assert result.ok, result.stderr
+            return {p["name"]: p["alive"] for p in json.loads(result.stdout)["p"]["processes"]}
+
+        assert do(Command(start_script(ctx, "ds_worker", sleeper))).ok
+        worker = int((run / "ds_worker.pid").read_text())
+        try:
+            assert do(running(ctx, host, "ds_worker")).ok  # control: the worker's own pid file counts
+            (run / "exporter.pid").write_text(f"{worker}\n")  # the number the exporter's supervisor had before
+            (run / "exporter.state.json").write_text(json.dumps({"pid": worker, "state": "running", "restarts": 0}))
+            assert not do(running(ctx, host, "exporter")).ok
+            assert alive() == {"ds_worker": True, "exporter": False}
+            started = do(Command(start_script(ctx, "exporter", sleeper)))
+            assert started.ok and "exporter started" in started.stdout, started.stdout
+            assert int((run / "exporter.pid").read_text()) != worker and do(running(ctx, host, "exporter")).ok
+        finally:
+            for name in ("ds_worker", "exporter"):
+                try:
+                    os.killpg(int((run / f"{name}.pid").read_text()), signal.SIGKILL)
+                except (OSError, ValueError):
+                    pass

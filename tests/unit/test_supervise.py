@@ -168,7 +168,9 @@ def host_status(tmp_path, supervisor_pid: int) -> dict:
 
 
 def test_a_command_whose_supervisor_was_killed_is_shown_alive_but_unsupervised(supervised, tmp_path, monkeypatch):
-    monkeypatch.setenv("YRPD_SESSION", "unit")  # the session's marker, as yrpd starts every supervisor with
+    # the session's and the process's markers, as yrpd starts every supervisor with
+    monkeypatch.setenv("YRPD_SESSION", "unit")
+    monkeypatch.setenv("YRPD_PROCESS", "p")
     s = supervised("exec sleep 300")
     running = s.wait_for(lambda st: st["state"] == "running")
     assert host_status(tmp_path, s.proc.pid)["state"] == "running"

@@ -23,11 +23,14 @@ PREPENDED = ("PYTHONPATH",)
 
 
 def _alive_test(ctx: StepContext, name: str) -> str:
+    """True while the pid file names this session's supervisor of `name`. Both markers: a host that lost every
+    process (rebooted, its pid namespace new) keeps its pid files, and the same start order hands the old pids to
+    other processes of the session again."""
     pidfile = shlex.quote(ctx.layout.pidfile(name))
-    marker = shlex.quote(f"YRPD_SESSION={ctx.session_id}")
+    markers = " ".join(f"-e {shlex.quote(m)}" for m in (f"YRPD_SESSION={ctx.session_id}", f"YRPD_PROCESS={name}"))
     return (
         f'pid=$(cat {pidfile} 2>/dev/null) && [ -n "$pid" ] && '
-        f'tr "\\0" "\\n" < /proc/$pid/environ 2>/dev/null | grep -qx {marker}'
+        f'[ "$(tr "\\0" "\\n" < /proc/$pid/environ 2>/dev/null | grep -cxF {markers})" = 2 ]'
     )
 
 
