@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from lab.fakehosts import FakeHostLab  # noqa: E402
 from lab.cluster import MODEL, cluster_playbook, env_root, put_model  # noqa: E402
+from yrpd.provenance import record  # noqa: E402
 
 CLUSTER_STEPS = ("cluster.start_master", "cluster.start_agent", "cluster.wait_healthy")
 LAUNCHERS = ("dscli", "yr")
@@ -73,11 +73,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default="")
     opts = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    report = {"commit": commit, "cpu": cpu, "cores": os.cpu_count(), "command": " ".join(["benchmarks/cluster_launchers.py", *sys.argv[1:]]),
-              "sizes": {}}
+    command = " ".join(["benchmarks/cluster_launchers.py", *sys.argv[1:]])
+    report = {"provenance": record([command]), "sizes": {}}
     for size in (int(s) for s in opts.sizes.split(",")):
         with tempfile.TemporaryDirectory(prefix="yrpd-launchers-") as tmp, FakeHostLab(size, Path(tmp) / "lab") as lab:
             put_model(*lab.hosts)

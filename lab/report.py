@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from yrpd.provenance import record
+from yrpd.versions import DEFAULT_ENV_ROOT
 
 
 def write_report(path: str, figures: dict, command: str = "pytest -s tests/lab/test_host_faults.py") -> None:
-    """The figures with where they came from: commit (and whether the tree was dirty), CPU, cores, the settings."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    """The figures with where they came from (yrpd.provenance: commit, dirty tree, versions, CPU, cores, the command)
+    and the fault-injection settings in force."""
     settings = {k: v for k, v in os.environ.items() if k.startswith("YRPD_FAULT_")}
-    report = {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain")),
-              "cpu": cpu, "cores": os.cpu_count(), "settings": settings,
-              "command": command, "figures": figures}
+    prov = record([command], vllm_venv=Path(DEFAULT_ENV_ROOT) / "vllm")
+    report = {"provenance": prov, "settings": settings, "figures": figures}
     Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 
 
-def saved_run(path, ttft: dict, seed: int = 0, **dataset) -> None:
+def saved_run(path, ttft: dict, seed: int = 0, provenance: dict | None = None, **dataset) -> None:
+    from yrpd.provenance import FIELDS
+
     path.mkdir(parents=True)
     meta = {"prompts": 16, "groups": 4, "prompts_per_group": 4, "prefix_len": 1536, "suffix_len": 256, "seed": seed,
             **dataset}
     targets = {name: {"description": name, "metrics": {"mean_ttft_ms": v, "completed": 16}, "counters": {},
                       "ttfts_ms": [v]} for name, v in ttft.items()}
-    (path / "results.json").write_text(json.dumps({"dataset": meta, "targets": targets, "ratios": {}}))
+    prov = {**{f: "same" for f in FIELDS}, "commands": ["yrpd bench run"], **(provenance or {})}
+    (path / "results.json").write_text(json.dumps({"provenance": prov, "dataset": meta, "targets": targets,
+                                                   "ratios": {}}))
 
 
 def test_compare_prints_each_metric_of_both_runs_and_their_ratio(tmp_path, yrpd, yrpd_home):
@@ -32,8 +36,24 @@ def test_compare_warns_when_the_runs_are_not_alike(tmp_path, yrpd, yrpd_home):
     proc = yrpd("bench", "compare", str(tmp_path / "a"), str(tmp_path / "b"))
     assert proc.returncode == 0
     assert "warning: the two runs used different datasets (seed 0 vs 7)" in proc.stderr
-    assert "warning: target pd-noreuse is only in the first run" in proc.stderr
+    assert "warning: target pd-noreuse has figures only in the first run" in proc.stderr
     assert "pd-noreuse" not in proc.stdout
+
+
+def test_compare_warns_when_the_runs_came_from_other_code_or_another_machine_or_do_not_say(tmp_path, yrpd,
+                                                                                          yrpd_home):
+    saved_run(tmp_path / "a", {"pd": 400.0})
+    saved_run(tmp_path / "b", {"pd": 410.0}, provenance={"commit": "b2", "cpu": "AMD EPYC"})
+    proc = yrpd("bench", "compare", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert proc.returncode == 0
+    assert "warning: the two runs differ in commit (same vs b2), cpu (same vs AMD EPYC)" in proc.stderr
+    old = tmp_path / "c"
+    saved_run(old, {"pd": 400.0})
+    doc = json.loads((old / "results.json").read_text())
+    del doc["provenance"]
+    (old / "results.json").write_text(json.dumps(doc))
+    proc = yrpd("bench", "compare", str(old), str(tmp_path / "a"))
+    assert "warning: the first run does not say where it came from (no commit, " in proc.stderr
 
 
 def test_compare_of_something_that_is_not_a_run_exits_2_with_one_line(tmp_path, yrpd, yrpd_home):

@@ -115,6 +115,43 @@ def generate_mixed(spec: MixedSpec, tokenizer) -> tuple[list[dict], dict]:
     return items, meta
 
 
+@dataclass(frozen=True)
+class MultiTurnSpec:
+    """Chat conversations that grow turn by turn, in the shape of vLLM's benchmarks/multi_turn: every conversation
+    opens with one system prompt all share, then its own opening; each turn sends the whole history so far (every
+    earlier question with its answer) plus a new question. Turns are interleaved across conversations (turn 1 of
+    each, then turn 2 of each, ...), so with fewer clients than conversations a turn's history was answered
+    before it is asked, as between a user's messages. The answers are fixed text of `answer_len` tokens, not the
+    model's (the history must not depend on the target under test)."""
+    conversations: int
+    turns: int
+    common_prefix_len: int  # the system prompt, the same in every conversation
+    opening_len: int  # each conversation's own opening (a document, a task)
+    question_len: int
+    answer_len: int
+    output_len: int  # tokens asked for at each turn
+    seed: int = 0
+
+
+def generate_multi_turn(spec: MultiTurnSpec, tokenizer) -> tuple[list[dict], dict]:
+    rng = random.Random(spec.seed)
+    ids = ordinary_ids(tokenizer)
+    system = text_of_length(tokenizer, ids, rng, spec.common_prefix_len)
+    histories = [system + "\n\n" + text_of_length(tokenizer, ids, rng, spec.opening_len)
+                 for _ in range(spec.conversations)]
+    items = []
+    for turn in range(spec.turns):
+        for c in range(spec.conversations):
+            question = text_of_length(tokenizer, ids, rng, spec.question_len)
+            prompt = f"{histories[c]}\n\nUser: {question}\nAssistant:"
+            items.append({"prompt": prompt, "output_tokens": spec.output_len})
+            histories[c] = f"{prompt} {text_of_length(tokenizer, ids, rng, spec.answer_len)}"
+    lengths = [len(tokenizer.encode(i["prompt"], add_special_tokens=False).ids) for i in items]
+    meta = {"workload": "multi-turn", **asdict(spec), "prompts": len(items), "prompt_tokens_min": min(lengths),
+            "prompt_tokens_max": max(lengths), "prompt_tokens_mean": round(sum(lengths) / len(lengths), 1)}
+    return items, meta
+
+
 def write(prompts: list, meta: dict, out: Path) -> None:
     """JSONL for `vllm bench serve --dataset-name custom`: each item a prompt, or a dict with its output_tokens."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -125,8 +162,10 @@ def write(prompts: list, meta: dict, out: Path) -> None:
 @dataclass(frozen=True)
 class DatasetOptions:
     """What `yrpd bench dataset` and `yrpd bench run` generate: a prefix-shared workload (groups of prompts that share
-    a prefix) or a mixed one (long unique prompts arriving while short prompts stream long answers)."""
-    workload: str = "prefix"  # prefix | mixed
+    a prefix), a mixed one (long unique prompts arriving while short prompts stream long answers), or multi-turn
+    chat (conversations that grow turn by turn; `prefix_len` is their shared system prompt, `suffix_len` each
+    one's own opening)."""
+    workload: str = "prefix"  # prefix | mixed | multi-turn
     groups: int = 4
     prompts_per_group: int = 4
     prefix_len: int = 1536
@@ -135,6 +174,10 @@ class DatasetOptions:
     stream_prompt_len: int = 64
     stream_output_len: int = 128
     long_prompts: int = 8
+    conversations: int = 6
+    turns: int = 4
+    question_len: int = 48
+    answer_len: int = 32
     seed: int = 0
 
     @classmethod
@@ -142,12 +185,16 @@ class DatasetOptions:
         return cls(**{f: params[f] for f in cls.__dataclass_fields__ if f in params})
 
 
-def make(options: DatasetOptions, tokenizer_dir: Path, out: Path) -> dict:
+def make(options: DatasetOptions, tokenizer_dir: Path, out: Path, output_len: int = 32) -> dict:
     """Generate the workload the options describe with the model's tokenizer, write it to `out`; its metadata."""
     if options.workload == "mixed":
         mixed = MixedSpec(options.streams, options.stream_prompt_len, options.stream_output_len,
                           options.long_prompts, options.prefix_len + options.suffix_len, options.seed)
         prompts, meta = generate_mixed(mixed, load_tokenizer(tokenizer_dir))
+    elif options.workload == "multi-turn":
+        chat = MultiTurnSpec(options.conversations, options.turns, options.prefix_len, options.suffix_len,
+                             options.question_len, options.answer_len, output_len, options.seed)
+        prompts, meta = generate_multi_turn(chat, load_tokenizer(tokenizer_dir))
     else:
         spec = DatasetSpec(options.groups, options.prompts_per_group, options.prefix_len, options.suffix_len,
                            options.seed)

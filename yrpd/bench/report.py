@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from yrpd.provenance import missing
+
 ROWS = [  # (label, metric key in vllm bench serve's result, unit)
     ("mean TTFT", "mean_ttft_ms", "ms"),
     ("median TTFT", "median_ttft_ms", "ms"),
@@ -14,9 +16,12 @@ ROWS = [  # (label, metric key in vllm bench serve's result, unit)
     ("mean ITL", "mean_itl_ms", "ms"),
     ("p99 ITL", "p99_itl_ms", "ms"),
     ("request throughput", "request_throughput", "req/s"),
+    ("request goodput (within the SLOs)", "request_goodput", "req/s"),
     ("output throughput", "output_throughput", "tok/s"),
     ("total token throughput", "total_token_throughput", "tok/s"),
     ("completed", "completed", "requests"),
+    ("failed", "failed", "requests"),
+    ("error rate", "error_rate", "failed / sent"),
 ]
 COUNTER_ROWS = [("external cache hit tokens", "external_cache_hit_tokens"), ("KV blocks loaded", "loaded_blocks"),
                 ("KV blocks saved", "saved_blocks"),
@@ -49,9 +54,18 @@ def ratios(results: dict) -> dict:
     return out
 
 
-def markdown(results: dict, meta: dict) -> str:
-    names = list(results)
-    if meta.get("workload") == "mixed":
+def markdown(results: dict, meta: dict, provenance: dict | None = None) -> str:
+    failed = {n: r["error"] for n, r in results.items() if "error" in r}
+    names = [n for n in results if n not in failed]
+    if str(meta.get("workload", "")).startswith("vllm:"):
+        shape = (f"vLLM's {meta['vllm_dataset']} dataset, {meta.get('prompts')} prompts "
+                 f"({' '.join(meta.get('vllm_dataset_args') or []) or 'its defaults'})")
+    elif meta.get("workload") == "multi-turn":
+        shape = (f"multi-turn chat: {meta.get('conversations')} conversations x {meta.get('turns')} turns, shared "
+                 f"system prompt {meta.get('common_prefix_len')} + opening {meta.get('opening_len')} tokens, "
+                 f"questions {meta.get('question_len')} / answers {meta.get('answer_len')} tokens, prompts "
+                 f"{meta.get('prompt_tokens_min')}-{meta.get('prompt_tokens_max')} tokens, seed {meta.get('seed')}")
+    elif meta.get("workload") == "mixed":
         shape = (f"mixed: {meta.get('streams')} prompts of {meta.get('stream_prompt_len')} tokens streaming "
                  f"{meta.get('stream_output_len')} tokens, {meta.get('long_prompts')} long prompts of "
                  f"{meta.get('long_len')} tokens, seed {meta.get('seed')}")
@@ -64,8 +78,27 @@ def markdown(results: dict, meta: dict) -> str:
         shape += f", data system {meta['datasystem_mb']} MB per host"
         if meta.get("datasystem_spill_mb"):
             shape += f" + {meta['datasystem_spill_mb']} MB on disk"
-    lines = [f"# yrpd bench: {shape}", "",
-             "| metric | " + " | ".join(f"{n} ({results[n]['description']})" for n in names) + " |",
+    if meta.get("max_concurrency"):
+        shape += f", concurrency {meta['max_concurrency']}"
+    if (meta.get("repeat") or 1) > 1:
+        shape += f", {meta['repeat']} runs per target (medians; [min, max] below)"
+    if meta.get("goodput"):
+        shape += f", goodput SLOs {' '.join(meta['goodput'])}"
+    lines = [f"# yrpd bench: {shape}", ""]
+    if provenance:
+        dirty = " (with uncommitted changes)" if provenance.get("dirty") else ""
+        lines += [f"Commit {provenance.get('commit') or 'unknown (not a git checkout)'}{dirty}, yrpd "
+                  f"{provenance.get('yrpd')}, vLLM {provenance.get('vllm') or '?'}; {provenance.get('cpu')} "
+                  f"({provenance.get('cores')} cores; {', '.join(provenance.get('cpu_flags') or []) or 'no bf16/AMX'}"
+                  f"); recorded {provenance.get('recorded')}. Command: `{(provenance.get('commands') or ['?'])[0]}`",
+                  ""]
+    for name, why in failed.items():
+        lines.append(f"- **{name} failed**, no figures: {why.splitlines()[0]}")
+    if failed:
+        lines.append("")
+    if not names:
+        return "\n".join(lines) + "\n"
+    lines += ["| metric | " + " | ".join(f"{n} ({results[n]['description']})" for n in names) + " |",
              "|---|" + "---|" * len(names)]
     for label, key, unit in ROWS:
         values = [results[n]["metrics"].get(key) for n in names]
@@ -83,6 +116,14 @@ def markdown(results: dict, meta: dict) -> str:
                            ("data system disk used at the end (MB)", "disk_mb")):
             lines.append(f"| {label} | " + " | ".join(_fmt((results[n].get("data_system") or {}).get(key))
                                                       for n in names) + " |")
+    spreads = [(n, k, v) for n in names for k, v in (results[n].get("spread") or {}).items()]
+    if spreads:
+        lines += ["", "Spread over the runs [min, max]: " + "; ".join(
+            f"{n} {k} [{_fmt(lo)}, {_fmt(hi)}]" for n, k, (lo, hi) in spreads)]
+    lens = {n: tuple(results[n].get("input_lens_sha256") or ()) for n in names}
+    if len(set(lens.values())) > 1:
+        lines += ["", "**Warning:** the targets were not sent the same prompts (their input lengths differ): "
+                  + ", ".join(f"{n} {','.join(h[:8] for h in v)}" for n, v in lens.items())]
     lines.append("")
     for name, value in ratios(results).items():
         lines.append(f"- {name}: **{value}**")
@@ -117,13 +158,16 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(results: dict, meta: dict, out_dir: Path) -> str:
-    """results.json, report.md and the plot in out_dir; the report's text."""
-    doc = {"dataset": meta, "targets": results, "ratios": ratios(results)}
+def write_report(results: dict, meta: dict, out_dir: Path, provenance: dict) -> str:
+    """results.json (with where it came from: yrpd.provenance), report.md and the plot in out_dir; the report's
+    text. Targets that failed are in both, named, without figures."""
+    doc = {"provenance": provenance, "dataset": meta, "targets": results, "ratios": ratios(results)}
     (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
-    report = markdown(results, meta)
+    report = markdown(results, meta, provenance)
     (out_dir / "report.md").write_text(report)
-    plot(results, out_dir / "ttft_throughput.png")
+    measured = {n: r for n, r in results.items() if "error" not in r}
+    if measured:
+        plot(measured, out_dir / "ttft_throughput.png")
     return report
 
 
@@ -144,9 +188,23 @@ def compare(before: dict, after: dict) -> tuple[str, list[str]]:
         warnings.append("the two runs used different datasets (" + ", ".join(
             f"{k} {before['dataset'].get(k)} vs {after['dataset'].get(k)}" for k in differs) + "): ratios compare "
             "unlike workloads")
-    common = [t for t in before["targets"] if t in after["targets"]]
-    for name in sorted(set(before["targets"]) ^ set(after["targets"])):
-        warnings.append(f"target {name} is only in the {'first' if name in before['targets'] else 'second'} run")
+    for which, doc in (("first", before), ("second", after)):
+        if missing(doc):
+            warnings.append(f"the {which} run does not say where it came from (no {', '.join(missing(doc))}): "
+                            "it predates provenance, or was edited")
+    machine = [k for k in ("commit", "cpu", "cores", "vllm") if (before.get("provenance") or {}).get(k)
+               != (after.get("provenance") or {}).get(k)]
+    if machine and not any("does not say" in w for w in warnings):
+        warnings.append("the two runs differ in " + ", ".join(
+            f"{k} ({before['provenance'].get(k)} vs {after['provenance'].get(k)})" for k in machine)
+            + ": a ratio between them mixes that change in")
+    def measured(doc: dict) -> set[str]:
+        return {t for t, r in doc["targets"].items() if "metrics" in r}
+
+    common = [t for t in before["targets"] if t in measured(before) & measured(after)]
+    for name in sorted(measured(before) ^ measured(after)):
+        warnings.append(f"target {name} has figures only in the {'first' if name in measured(before) else 'second'}"
+                        " run")
     lines = ["| target | metric | first | second | second/first |", "|---|---|---|---|---|"]
     for target in common:
         a, b = before["targets"][target]["metrics"], after["targets"][target]["metrics"]

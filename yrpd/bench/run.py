@@ -28,8 +28,11 @@ users get.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shlex
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ from yrpd.serving import STATS_INTERVAL_S, endpoint_url, model_path
 from yrpd.spec import DeploySpec, DeviceKind
 from yrpd import api
 from yrpd.bench.report import write_report
+from yrpd.provenance import record
 from yrpd.session import SessionPhase
 from yrpd.steps import spec_fingerprint
 from yrpd.steps.vllm_env import paths
@@ -99,6 +103,52 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
     return DeploySpec.model_validate(data).check()
 
 
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def _last_value(args: list[str], flag: str) -> str | None:
+    """The value vLLM's argparse keeps for `flag` (the last one given, `--flag V` or `--flag=V`)."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(flag + "="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def pool_refusal(spec: DeploySpec, kind: DeviceKind, model_dir: Path, dtype: str | None) -> tuple[str, int] | None:
+    """Why vLLM would refuse this spec's KV pool and the MB it needs, or None: a pool (`--kv-cache-memory-bytes`, per TP rank) must
+    hold one sequence of `--max-model-len` tokens. The KV of a token is 2 (K and V) x layers x KV heads x head size
+    x the dtype's bytes, the heads split over TP ranks. A dtype the deployment leaves to the model counts as 2 bytes:
+    the least a pool can need, so nothing vLLM would take is refused here."""
+    from yrpd.serving import KIND_ENGINE_ARGS
+
+    args = [*KIND_ENGINE_ARGS[kind], *spec.engine_args]
+    pool = _last_value(args, "--kv-cache-memory-bytes")
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # nothing to size it by: vLLM will say
+    if pool is None:
+        return None
+    config = config.get("text_config", config)
+    layers, heads = config.get("num_hidden_layers"), config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else None)
+    max_len = _last_value(args, "--max-model-len") or config.get("max_position_embeddings")
+    if not (layers and kv_heads and head_dim and max_len):
+        return None
+    tp = max(spec.parallelism(role)[0] for role in ("prefill", "decode"))
+    size = DTYPE_BYTES.get(dtype or str(config.get("torch_dtype") or config.get("dtype") or ""), 2)
+    need = 2 * layers * -(-kv_heads // tp) * head_dim * size * int(max_len)
+    if int(pool) >= need:
+        return None
+    return (f"a KV pool of {int(pool) / 2**20:.0f} MB is less than one {int(max_len):,}-token sequence needs "
+            f"({need / 2**20:.0f} MB: {layers} layers x {kv_heads} KV heads x {head_dim} x {size} bytes x 2)",
+            -(-need // 2**20))
+
+
 def deploy(spec: DeploySpec, name: str, progress=None) -> str:
     """Deploy `spec` as a new session; returns its id."""
     try:
@@ -143,22 +193,31 @@ def counters(session_id: str) -> tuple[dict, dict]:
     return total, use if workers else {}
 
 
-def bench_serve(vllm_venv: Path, url: str, model: str, tokenizer: Path, dataset: Path, out_dir: Path, name: str,
-                num_prompts: int, output_len: int, concurrency: int, seed: int, key: str | None = None) -> dict:
-    argv = [str(vllm_venv / "bin/vllm"), "bench", "serve", "--backend", "vllm", "--base-url", url,
-            "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tokenizer),
-            "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
-            "--custom-output-len", str(output_len), "--num-prompts", str(num_prompts), "--disable-shuffle",
-            "--max-concurrency", str(concurrency), "--temperature", "0", "--seed", str(seed),
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+def serve_argv(load: "Load", url: str, model: str, out_dir: Path, name: str) -> list[str]:
+    """The `vllm bench serve` command of one run: the workload (a saved JSONL, or one of vLLM's own datasets with its
+    options as given), how it is sent, and every metric saved per request."""
+    if load.vllm_dataset:
+        workload = ["--dataset-name", load.vllm_dataset.name, *load.vllm_dataset.args]
+    else:
+        workload = ["--dataset-name", "custom", "--dataset-path", str(load.dataset), "--skip-chat-template",
+                    "--custom-output-len", str(load.output_len)]
+    return [str(load.vllm_venv / "bin/vllm"), "bench", "serve", "--backend", "vllm", "--base-url", url,
+            "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(load.tokenizer), *workload,
+            "--num-prompts", str(load.num_prompts), "--disable-shuffle", "--max-concurrency", str(load.concurrency),
+            "--temperature", "0", "--seed", str(load.seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", "50,90,99", *(["--goodput", *load.goodput] if load.goodput else []),
             "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", f"{name}.json",
             "--label", name]
+
+
+def bench_serve(load: "Load", url: str, model: str, out_dir: Path, name: str, key: str | None = None) -> dict:
+    argv = serve_argv(load, url, model, out_dir, name)
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     env.pop("OPENAI_API_KEY", None)
     if key:  # vllm bench serve sends it as the bearer token: the environment keeps it out of the .cmd file and ps
         env["OPENAI_API_KEY"] = key
-    (out_dir / f"{name}.cmd").write_text(" ".join(argv) + "\n")
+    (out_dir / f"{name}.cmd").write_text(shlex.join(argv) + "\n")
     with open(out_dir / f"{name}.log", "w") as log:
         proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     if proc.returncode != 0:
@@ -167,31 +226,68 @@ def bench_serve(vllm_venv: Path, url: str, model: str, tokenizer: Path, dataset:
     return json.loads((out_dir / f"{name}.json").read_text())
 
 
+GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+
+
+def goodput_slos(text: str) -> tuple[str, ...]:
+    """`--goodput "ttft:2000 tpot:100"` as `vllm bench serve --goodput` takes it; a bad pair is a usage error here,
+    before anything is deployed, not vLLM's failure after."""
+    pairs = tuple(text.replace(",", " ").split())
+    for pair in pairs:
+        key, _, value = pair.partition(":")
+        try:
+            ok = key in GOODPUT_KEYS and float(value) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise SpecError("--goodput", f"{pair!r} is not KEY:MILLISECONDS",
+                            f"give pairs like ttft:2000 tpot:100 (keys: {', '.join(GOODPUT_KEYS)})")
+    return pairs
+
+
+@dataclass(frozen=True)
+class VllmDataset:
+    """One of `vllm bench serve`'s own datasets (random, prefix_repetition, sharegpt, ...), passed through: its name
+    and its options exactly as the user gave them."""
+    name: str
+    args: tuple[str, ...] = ()
+
+    def files(self) -> dict[str, Path]:
+        """The files its options name (`--dataset-path`), for the report's checksums."""
+        path = _last_value(list(self.args), "--dataset-path")
+        return {"dataset": Path(path)} if path else {}
+
+
 @dataclass(frozen=True)
 class BenchRequest:
-    """One `yrpd bench run`: the targets, the workload (a saved dataset file, or options to generate one), how the
-    load is sent, and the sizes every target's deployment gets."""
+    """One `yrpd bench run`: the targets, the workload (a saved dataset file, options to generate one, or one of
+    vLLM's own datasets), how the load is sent, and the sizes every target's deployment gets."""
     targets: tuple[str, ...]
     dataset: DatasetOptions = DatasetOptions()
     #: a JSONL from `yrpd bench dataset` (with its .meta.json beside it); None: generate one from `dataset`
     dataset_file: Path | None = None
+    vllm_dataset: VllmDataset | None = None  # instead of either: vLLM's own dataset, generated by `vllm bench serve`
     #: the deployed model's tokenizer.json directory; None: the deployed model's, if it is on this machine
     tokenizer: Path | None = None
     num_prompts: int | None = None  # None: every prompt of the dataset
     output_len: int = 32
     max_concurrency: int = 1
+    goodput: tuple[str, ...] = ()  # SLOs as `vllm bench serve --goodput` takes them: ttft:MS tpot:MS e2el:MS
+    repeat: int = 1  # runs of the load against each target (one deployment each); the report gives medians
     kv_cache_mb: int | None = None
     datasystem_mb: int | None = None
     datasystem_spill_mb: int | None = None
     #: a local venv with vLLM for `vllm bench serve`; None: <env_root>/vllm
     vllm_venv: Path | None = None
     restore: bool = True  # deploy the original spec again afterwards
+    command: str = "yrpd bench run"  # how the run was asked for, as typed (the report's provenance)
 
 
 @dataclass(frozen=True)
 class BenchOutcome:
     out_dir: Path  # results.json, report.md, the plot, each target's raw result and log
     report: str  # the report, as markdown
+    failed: dict[str, str]  # target -> why it has no figures (the others' are in the report)
 
 
 def deployed_tokenizer(deployment) -> Path:
@@ -205,11 +301,20 @@ def deployed_tokenizer(deployment) -> Path:
 
 def bench(session_id: str | None, request: BenchRequest, log=print, progress=None) -> BenchOutcome:
     """Run the benchmark against a PD deployment (the latest, or `session_id`) and its baselines; every target's
-    spec is checked before the first is deployed. Results land in the session's bench/<time>/."""
+    spec, and its KV pool against the model, is checked before the first is deployed. Results land in the
+    session's bench/<time>/; a target that fails is named in them and the others still run."""
     unknown = [t for t in request.targets if t not in TARGETS]
     if unknown or not request.targets:
         raise SpecError("--targets", f"unknown target(s) {', '.join(unknown) or '(none)'}",
                         f"use a comma-separated subset of {', '.join(TARGETS)}")
+    if request.vllm_dataset and request.dataset_file:
+        raise SpecError("--vllm-dataset", "given with --dataset", "run one workload: leave out one of the two")
+    if request.vllm_dataset and not request.num_prompts:
+        raise SpecError("--num-prompts", f"not given with --vllm-dataset {request.vllm_dataset.name}",
+                        "say how many prompts vLLM generates, e.g. --num-prompts 64")
+    for name, path in (request.vllm_dataset.files() if request.vllm_dataset else {}).items():
+        if not path.is_file():
+            raise SpecError("--vllm-dataset-args", f"--dataset-path {path} is not a file", "pass the dataset's file")
     deployment = api.open_deployment(session_id)
     session = deployment.session
     if session.phase is not SessionPhase.deployed:
@@ -217,90 +322,165 @@ def bench(session_id: str | None, request: BenchRequest, log=print, progress=Non
     if not deployment.spec.disaggregated:
         raise SpecError("bench", f"session {session.id} is not a PD deployment", "bench a PD deployment")
     kind = deployment.plan.hosts[0].kind
+    specs = {}
     for target in request.targets:
         try:
-            variant(deployment.spec, target, kind, request.kv_cache_mb, request.datasystem_mb,
-                    request.datasystem_spill_mb)
+            specs[target] = variant(deployment.spec, target, kind, request.kv_cache_mb, request.datasystem_mb,
+                                    request.datasystem_spill_mb)
         except SpecError as e:
             raise SpecError("--targets", f"{target} cannot run on session {session.id} ({e.field}: {e.problem})",
                             "leave it out of --targets") from None
     tokenizer = request.tokenizer or deployed_tokenizer(deployment)
+    for target, spec in specs.items():
+        refused = pool_refusal(spec, kind, tokenizer, deployment.plan.dtype.dtype)
+        if refused:
+            reason, need_mb = refused
+            per = "the PD instances' pools together" if target in ("single", "single-yr", "peer-lmcache") else ""
+            raise SpecError("--kv-cache-mb", f"vLLM would refuse the {target} target: {reason}{per and ' (' + per + ')'}",
+                            f"give --kv-cache-mb {need_mb} or more, or deploy with a smaller --max-model-len")
     vllm_venv = request.vllm_venv or Path(deployment.spec.env_root) / "vllm"
     if not (vllm_venv / "bin" / "vllm").exists():
         raise SpecError("--vllm-venv", f"{vllm_venv}/bin/vllm not found", "pass a local venv with vLLM installed")
     out_dir = session.path / "bench" / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True)
-    if request.dataset_file:
+    inputs: dict[str, Path] = {}
+    if request.vllm_dataset:
+        dataset_file = None
+        meta = {"workload": f"vllm:{request.vllm_dataset.name}", "vllm_dataset": request.vllm_dataset.name,
+                "vllm_dataset_args": list(request.vllm_dataset.args), "prompts": request.num_prompts,
+                "seed": request.dataset.seed}
+        inputs.update(request.vllm_dataset.files())
+    elif request.dataset_file:
         dataset_file = request.dataset_file
         meta_file = dataset_file.with_name(dataset_file.name + ".meta.json")
         meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
         meta.setdefault("prompts", sum(1 for _ in dataset_file.open()))
     else:
         dataset_file = out_dir / "dataset.jsonl"
-        meta = make(request.dataset, tokenizer, dataset_file)
+        meta = make(request.dataset, tokenizer, dataset_file, request.output_len)
+    if dataset_file:
+        inputs["dataset"] = dataset_file
+    own_lengths = meta.get("workload") in ("mixed", "multi-turn")  # each prompt carries its output_tokens
     load = Load(dataset_file, tokenizer, vllm_venv, request.num_prompts or meta["prompts"],
-                -1 if meta.get("workload") == "mixed" else request.output_len, request.max_concurrency,
-                request.dataset.seed)
+                -1 if own_lengths else request.output_len, request.max_concurrency, request.dataset.seed,
+                request.vllm_dataset, request.goodput)
     results = run_targets(session, deployment.spec, kind, request, load, out_dir, log=log, progress=progress)
     meta["kv_cache_mb_per_instance"] = request.kv_cache_mb
     meta["datasystem_mb"] = request.datasystem_mb or deployment.spec.datasystem_memory_mb
     meta["datasystem_spill_mb"] = (deployment.spec.datasystem_spill_mb if request.datasystem_spill_mb is None
                                    else request.datasystem_spill_mb)
-    return BenchOutcome(out_dir, write_report(results, meta, out_dir))
+    meta.update(max_concurrency=request.max_concurrency, repeat=request.repeat, goodput=list(request.goodput))
+    commands = [request.command] + [(out_dir / f"{run}.cmd").read_text().strip()
+                                    for target in results for run in results[target].get("runs_named", [])]
+    prov = record(commands, inputs, vllm_venv)
+    failed = {t: r["error"] for t, r in results.items() if "error" in r}
+    return BenchOutcome(out_dir, write_report(results, meta, out_dir, prov), failed)
 
 
 @dataclass(frozen=True)
 class Load:
     """What `vllm bench serve` sends to each target (the same for all)."""
-    dataset: Path
+    dataset: Path | None  # the JSONL sent (None with a vLLM dataset)
     tokenizer: Path
     vllm_venv: Path
     num_prompts: int
-    output_len: int  # -1: each prompt's own (the mixed workload)
+    output_len: int  # -1: each prompt's own (the mixed and multi-turn workloads)
     concurrency: int
     seed: int
+    vllm_dataset: VllmDataset | None = None
+    goodput: tuple[str, ...] = ()
+
+
+#: the metrics a repeated run reports the spread of (min, max over its runs) beside the median
+SPREAD = ("mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "request_throughput", "total_token_throughput",
+          "request_goodput")
+
+
+def summarize(runs: list[dict]) -> tuple[dict, dict]:
+    """(median of each numeric metric over the runs, {metric: [min, max]} of SPREAD) of repeated runs; the error
+    rate of each run is failed / sent."""
+    for m in runs:
+        sent = (m.get("completed") or 0) + (m.get("failed") or 0)
+        m["error_rate"] = round((m.get("failed") or 0) / sent, 4) if sent else None
+    keys = [k for k in runs[0] if all(isinstance(r.get(k), (int, float)) for r in runs)]
+    median = {k: statistics.median(r[k] for r in runs) for k in keys}
+    spread = {k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in SPREAD if k in keys and len(runs) > 1}
+    return median, spread
 
 
 def run_targets(session, spec: DeploySpec, kind: DeviceKind, request: BenchRequest, load: Load, out_dir: Path,
                 log=print, progress=None) -> dict:
+    """Each target in turn, deployed as it needs; one that fails is recorded with its reason and torn down, and
+    the run goes on with the next."""
     current: str | None = session.id  # deployed (checked by bench()); None while no target is up
     original = spec
     results: dict[str, dict] = {}
     try:
         for target in request.targets:
-            want = variant(original, target, kind, request.kv_cache_mb, request.datasystem_mb,
-                           request.datasystem_spill_mb)
-            live = current is not None and spec_fingerprint(want) == spec_fingerprint(spec)
-            if not live:
-                if current is not None:
-                    log(f"bench: tearing down session {current} to deploy the {target} target")
-                    down(current)
-                    current = None
-                log(f"bench: deploying the {target} target ({TARGETS[target]})")
-                current = deploy(want, target, progress)
-                spec = want
-            deployed = api.open_deployment(current)
-            url = endpoint_url(deployed.spec, deployed.plan)
-            before, _ = counters(current)
-            log(f"bench: {target}: vllm bench serve against {url} ({load.num_prompts} prompts)")
-            started = time.monotonic()
-            raw = bench_serve(load.vllm_venv, url, deployed.spec.model_name, load.tokenizer, load.dataset, out_dir,
-                              target, load.num_prompts, load.output_len, load.concurrency, load.seed,
-                              deployed.endpoint_key())
-            time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the last land
-            after, use = counters(current)
-            results[target] = {
-                "description": TARGETS[target], "session": current, "url": url,
-                "wall_s": round(time.monotonic() - started, 1),
-                "metrics": {k: v for k, v in raw.items() if isinstance(v, (int, float))},
-                "ttfts_ms": [round(t * 1000, 2) for t in raw.get("ttfts", []) if t],
-                "counters": {k: after[k] - before[k] for k in after},
-                "data_system": use,  # at the end of the run; empty where no worker reported
-            }
+            try:
+                want = variant(original, target, kind, request.kv_cache_mb, request.datasystem_mb,
+                               request.datasystem_spill_mb)
+                live = current is not None and spec_fingerprint(want) == spec_fingerprint(spec)
+                if not live:
+                    if current is not None:
+                        log(f"bench: tearing down session {current} to deploy the {target} target")
+                        down(current)
+                        current = None
+                    log(f"bench: deploying the {target} target ({TARGETS[target]})")
+                    spec = want
+                    current = deploy(want, target, progress)
+                results[target] = measure(current, target, request, load, out_dir, log)
+            except Exception as e:  # noqa: BLE001 - the report names it; the other targets' figures still count
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+                log(f"bench: the {target} target failed: {reason}")
+                results[target] = {"description": TARGETS[target], "error": str(e).strip() or repr(e)}
+                current = _down_failed(current, session.id, log)
     finally:
-        if request.restore and spec_fingerprint(spec) != spec_fingerprint(original):
+        if request.restore and (current is None or spec_fingerprint(spec) != spec_fingerprint(original)):
             if current is not None:
                 down(current)
             log("bench: deploying the original spec again")
             deploy(original, "restore", progress)
     return results
+
+
+def _down_failed(current: str | None, original: str, log) -> None:
+    """Tear down what a failed target left deployed (the session it ran on, or the one its deploy started)."""
+    try:
+        latest = api.open_deployment(None).session
+    except Exception:  # noqa: BLE001 - no session at all
+        latest = None
+    for sid in {current, latest.id if latest and latest.phase is not SessionPhase.down else None} - {None}:
+        try:
+            log(f"bench: tearing down session {sid} after the failure")
+            down(sid)
+        except Exception as e:  # noqa: BLE001
+            log(f"bench: tearing down session {sid} failed too: {e}")
+    return None
+
+
+def measure(current: str, target: str, request: BenchRequest, load: Load, out_dir: Path, log) -> dict:
+    """`request.repeat` runs of the load against the deployed target: medians, spread, counters over all runs."""
+    deployed = api.open_deployment(current)
+    url = endpoint_url(deployed.spec, deployed.plan)
+    before, _ = counters(current)
+    runs, ttfts, names, input_lens = [], [], [], set()
+    started = time.monotonic()
+    for n in range(request.repeat):
+        name = target if request.repeat == 1 else f"{target}-run{n + 1}"
+        log(f"bench: {name}: vllm bench serve against {url} ({load.num_prompts} prompts)")
+        raw = bench_serve(load, url, deployed.spec.model_name, out_dir, name, deployed.endpoint_key())
+        names.append(name)
+        runs.append({k: v for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        ttfts += [round(t * 1000, 2) for t in raw.get("ttfts", []) if t]
+        input_lens.add(hashlib.sha256(json.dumps(raw.get("input_lens")).encode()).hexdigest())
+    time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the last land
+    after, use = counters(current)
+    metrics, spread = summarize(runs)
+    return {"description": TARGETS[target], "session": current, "url": url,
+            "wall_s": round(time.monotonic() - started, 1), "metrics": metrics, "spread": spread,
+            "runs": runs if request.repeat > 1 else [], "runs_named": names,
+            # the prompts' lengths as vLLM counted them, hashed: the same for every target of one run
+            "input_lens_sha256": sorted(input_lens), "ttfts_ms": ttfts,
+            "counters": {k: after[k] - before[k] for k in after},
+            "data_system": use}  # at the end of the run; empty where no worker reported

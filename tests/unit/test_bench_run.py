@@ -1,0 +1,152 @@
+"""yrpd/bench/run.py: what `yrpd bench run` checks before deploying anything, what it sends, and a run that goes on
+past a target that fails."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from yrpd.bench import run
+from yrpd.errors import SpecError
+from yrpd.placement import HostInventory, make_plan
+from yrpd.spec import DeviceKind, build_spec
+
+#: SmolLM2-135M's shape (its config.json): what the issue's user ran with
+SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+           "head_dim": 64, "max_position_embeddings": 8192}
+
+
+def model_dir(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    return tmp_path
+
+
+def spec_with(*engine_args: str):
+    return build_spec({}, {"hosts": "localhost", "device_kind": "cpu", "model": "/m", "engine_args": list(engine_args)})
+
+
+@pytest.mark.parametrize("kv_mb,dtype,refused", [(48, "float32", True), (96, "float32", False),
+                                                 (48, "bfloat16", False), (44, "bfloat16", True)])
+def test_a_kv_pool_vllm_would_refuse_for_the_dtype_and_max_model_len_is_named_before_any_deploy(
+        tmp_path, kv_mb, dtype, refused):
+    """One 2,048-token sequence of SmolLM2 needs 2 x 30 x 3 x 64 x 4 bytes x 2048 = 90 MB in float32, half in
+    bfloat16: the issue's --kv-cache-mb 48 in float32 is refused, 96 is taken, and bfloat16 needs 45."""
+    spec = spec_with("--max-model-len", "2048", "--kv-cache-memory-bytes", str(kv_mb << 20))
+    answer = run.pool_refusal(spec, DeviceKind.cpu, model_dir(tmp_path), dtype)
+    if refused:
+        reason, need_mb = answer
+        assert need_mb == (90 if dtype == "float32" else 45)
+        assert f"a KV pool of {kv_mb} MB is less than one 2,048-token sequence needs" in reason
+    else:
+        assert answer is None
+
+
+def test_the_last_max_model_len_given_wins_as_in_vllm_and_the_kind_default_counts(tmp_path):
+    # the CPU default is --kv-cache-memory-bytes 512 MB and --max-model-len 4096: 180 MB in float32, taken
+    assert run.pool_refusal(spec_with(), DeviceKind.cpu, model_dir(tmp_path), "float32") is None
+    small = spec_with("--kv-cache-memory-bytes", str(100 << 20))  # 4,096 tokens still: 180 MB needed
+    assert run.pool_refusal(small, DeviceKind.cpu, model_dir(tmp_path), "float32")[1] == 180
+    shorter = spec_with("--kv-cache-memory-bytes", str(100 << 20), "--max-model-len=2048")
+    assert run.pool_refusal(shorter, DeviceKind.cpu, model_dir(tmp_path), "float32") is None
+
+
+def test_goodput_slos_are_checked_before_the_run():
+    assert run.goodput_slos("ttft:2000 tpot:100") == ("ttft:2000", "tpot:100")
+    assert run.goodput_slos("ttft:2000,e2el:9000") == ("ttft:2000", "e2el:9000")
+    for bad in ("ttft", "latency:10", "ttft:-1", "ttft:soon"):
+        with pytest.raises(SpecError) as e:
+            run.goodput_slos(bad)
+        assert e.value.field == "--goodput"
+
+
+def load(**kw) -> run.Load:
+    base = dict(dataset=Path("/d/set.jsonl"), tokenizer=Path("/m"), vllm_venv=Path("/v"), num_prompts=8,
+                output_len=32, concurrency=2, seed=3)
+    return run.Load(**{**base, **kw})
+
+
+def test_vllms_own_dataset_goes_to_vllm_bench_serve_with_its_options_as_given():
+    vllm = run.VllmDataset("prefix_repetition", ("--prefix-repetition-prefix-len", "512",
+                                                 "--prefix-repetition-num-prefixes", "2"))
+    argv = run.serve_argv(load(dataset=None, vllm_dataset=vllm, goodput=("ttft:2000", "tpot:100")), "http://p",
+                          "m", Path("/out"), "pd")
+    joined = " ".join(argv)
+    assert "--dataset-name prefix_repetition --prefix-repetition-prefix-len 512 --prefix-repetition-num-prefixes 2" \
+        in joined
+    assert "--goodput ttft:2000 tpot:100" in joined and "--num-prompts 8" in joined and "--seed 3" in joined
+    assert "custom" not in argv and "--save-detailed" in argv  # input lengths per request: the same-prompts check
+    custom = run.serve_argv(load(), "http://p", "m", Path("/out"), "pd")  # control: the saved JSONL
+    assert "--dataset-name custom --dataset-path /d/set.jsonl" in " ".join(custom) and "--goodput" not in custom
+
+
+def test_repeated_runs_report_medians_the_spread_and_each_runs_error_rate():
+    runs = [{"mean_ttft_ms": 100.0, "completed": 8, "failed": 0, "request_throughput": 2.0},
+            {"mean_ttft_ms": 300.0, "completed": 6, "failed": 2, "request_throughput": 1.0},
+            {"mean_ttft_ms": 200.0, "completed": 8, "failed": 0, "request_throughput": 3.0}]
+    median, spread = run.summarize(runs)
+    assert median["mean_ttft_ms"] == 200.0 and median["request_throughput"] == 2.0
+    assert spread["mean_ttft_ms"] == [100.0, 300.0] and spread["request_throughput"] == [1.0, 3.0]
+    assert [r["error_rate"] for r in runs] == [0.0, 0.25, 0.0] and median["error_rate"] == 0.0
+    assert run.summarize(runs[:1])[1] == {}  # one run: no spread to give
+
+
+def test_a_target_that_fails_is_named_the_others_are_measured_and_the_original_comes_back(tmp_path, monkeypatch):
+    """The issue's case with the deployments stood in: `single` fails to deploy after `pd` was measured. The run goes
+    on with `single-yr`, tears down what the failure left, deploys the original spec again, and the report has the
+    two targets' figures and the failure's reason."""
+    from yrpd.bench.report import write_report
+    from yrpd.session import SessionPhase
+
+    spec = build_spec({}, {"hosts": "localhost", "device_kind": "cpu", "model": "/m"})
+    events = []
+
+    def deploy(want, name, progress=None):
+        events.append(("deploy", name))
+        if name == "single":
+            raise RuntimeError("deploying the single target failed: vLLM refused the KV pool")
+        return f"s-{name}"
+
+    class Latest:
+        session = type("S", (), {"id": "s-half", "phase": SessionPhase.deploying})()
+
+    monkeypatch.setattr(run, "deploy", deploy)
+    monkeypatch.setattr(run, "down", lambda sid: events.append(("down", sid)))
+    monkeypatch.setattr(run.api, "open_deployment", lambda sid: Latest)
+    monkeypatch.setattr(run, "measure", lambda current, target, *a: (
+        events.append(("measure", target, current)) or
+        {"description": target, "metrics": {"mean_ttft_ms": 100.0, "completed": 4}, "counters": {}, "ttfts_ms": [100.0],
+         "data_system": {}}))
+    session = type("S", (), {"id": "s-original"})()
+    request = run.BenchRequest(targets=("pd", "single", "single-yr"))
+    results = run.run_targets(session, spec, DeviceKind.cpu, request, load(), tmp_path, log=lambda *_: None)
+    assert events == [("measure", "pd", "s-original"), ("down", "s-original"), ("deploy", "single"),
+                      ("down", "s-half"),  # what the failed deploy left
+                      ("deploy", "single-yr"), ("measure", "single-yr", "s-single-yr"), ("down", "s-single-yr"),
+                      ("deploy", "restore")]
+    assert "vLLM refused the KV pool" in results["single"]["error"] and "metrics" not in results["single"]
+    text = write_report(results, {"prompts": 4}, tmp_path, {"commit": "abc", "commands": ["yrpd bench run"]})
+    assert "**single failed**, no figures: deploying the single target failed: vLLM refused the KV pool" in text
+    header = next(line for line in text.splitlines() if line.startswith("| metric |"))
+    assert "pd (" in header and "single-yr (" in header and "single (" not in header
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["targets"]["single"]["error"] and saved["provenance"]["commit"] == "abc"
+
+
+def test_a_results_json_without_every_provenance_field_fails_this_check(tmp_path):
+    """What `yrpd bench run` writes carries the whole provenance (yrpd.provenance.FIELDS); a result written without
+    it is named incomplete."""
+    from yrpd.bench.report import write_report
+    from yrpd.provenance import missing, record
+
+    data = tmp_path / "set.jsonl"
+    data.write_text('{"prompt": "x"}\n')
+    results = {"pd": {"description": "PD", "metrics": {"mean_ttft_ms": 1.0}, "counters": {}, "ttfts_ms": [1.0],
+                      "data_system": {}}}
+    write_report(results, {"prompts": 1}, tmp_path, record(["yrpd bench run"], {"dataset": data}))
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert missing(doc) == []
+    assert doc["provenance"]["inputs"]["dataset"]["sha256"]
+    del doc["provenance"]["cpu"]
+    assert missing(doc) == ["cpu"]  # control: the check does fail on an incomplete one
