@@ -1,10 +1,11 @@
 """Save + load throughput of one request's KV blocks through the openYuanrong data system,
-compared with an in-process memcpy of the same bytes.
+compared with an in-process memcpy of the same bytes and with the data system's own benchmark (`dsbench kv`)
+writing and reading values of the same size, in the same batches, on the same worker.
 
 Run in the vLLM venv (torch + yr.datasystem), from the repository root:
 
     PYTHONPATH=. /opt/yrpd/venvs/vllm/bin/python benchmarks/connector/bench_transfer.py \
-        [--ds-address HOST:PORT] [--model-shape qwen2-7b|tiny] [--tokens 4096] [--iters 10]
+        [--ds-address HOST:PORT] [--model-shape smollm2,qwen2-7b] [--tokens 4096] [--iters 10] [--out FILE]
 
 Without --ds-address it starts its own data-system worker with `dscli` on 127.0.0.1 (ports from
 41900 up) and stops it at the end. The KV cache is a synthetic CPU cache in vLLM's CPU layout,
@@ -17,7 +18,9 @@ Measured per iteration (median reported):
   stage         the producer's snapshot in wait_for_save: one index_select gather per layer
   save+stage    the whole producer path: snapshot, then mcreate + copy of the pieces + mset_buffer
   load          HostTransport.load: get_read_only_buffers (zero copy) + copy into the paged cache
-Throughput = request bytes / time; ratio = throughput / memcpy throughput.
+  dsbench set   `dsbench kv` set of the same number of values of one block's size, in one batch per request
+  dsbench get   its get of them (the client maps the values; nothing is copied into a cache)
+Throughput = request bytes / time; ratio = throughput / memcpy throughput, and connector / dsbench.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from yrpd.provenance import record
 from yrpd.connector.transport import (
     BlockLayout,
     DsConnection,
@@ -50,6 +54,7 @@ from yrpd.connector.transport import (
 
 SHAPES = {
     # name: (layers, kv_heads, head_size)
+    "smollm2": (30, 3, 64),  # SmolLM2-135M, the embedded default
     "qwen2-7b": (28, 4, 128),
     "llama3-8b": (32, 8, 128),
     "tiny": (2, 2, 32),
@@ -73,12 +78,42 @@ def stop_worker(venv_bin: Path, port: int) -> None:
     subprocess.run([str(venv_bin / "dscli"), "stop", "-w", f"127.0.0.1:{port}"], capture_output=True, timeout=60)
 
 
+#: dsbench finds its own package with `bash -l -c "pip show openyuanrong-datasystem"` in an empty environment, so a
+#: venv install is never found (it aborts "Required datasystem package not found"): the shim tells it where first
+DSBENCH_SHIM = """import os, sys
+import yr.datasystem
+from yr.datasystem.cli.benchmark.executor import Executor
+Executor.get_instance().pkg_location_cache[sys.argv[1]] = os.path.dirname(os.path.dirname(os.path.dirname(
+    yr.datasystem.__file__)))
+from yr.datasystem.cli.benchmark.main import main
+sys.argv = ["dsbench", *sys.argv[2:]]
+sys.exit(main())
+"""
+DSBENCH_ROW = re.compile(r"^\s*\d+\s+(set|get|del)\s+(\d+)\s+(\d+)\s+(\d+)\s+\d+\s+\d+\s+\S+\s+([\d.]+)\s+[\d.]+\s+"
+                         r"[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+([\d.]+)\s*$")
+
+
+def dsbench(address: str, value_bytes: int, batch: int, requests: int) -> tuple[dict, str]:
+    """`dsbench kv` on the worker at `address`: `requests` batches of `batch` values of `value_bytes` each, one
+    client, one thread. ({action: {"avg_ms": per batch, "gbps"}}, the command as run)."""
+    argv = [sys.executable, "-c", DSBENCH_SHIM, address, "kv", "-S", address, "-G", address, "-n",
+            str(batch * requests), "-s", str(value_bytes), "-b", str(batch), "-c", "1", "-t", "1",
+            "-p", f"yrpd_dsb{os.getpid() % 1000}"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    rows = {m.group(1): {"avg_ms": float(m.group(5)), "gbps": round(float(m.group(6)) * 2**20 / 1e9, 3)}
+            for m in map(DSBENCH_ROW.match, (out.stdout + out.stderr).splitlines()) if m}  # its table: stderr
+    if "set" not in rows or "get" not in rows:
+        raise SystemExit(f"dsbench gave no set/get figures (exit {out.returncode}):\n{out.stdout[-2000:]}\n"
+                         f"{out.stderr[-2000:]}")
+    return rows, "dsbench " + " ".join(argv[4:])
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
-def run(args) -> dict:
-    layers, heads, head = SHAPES[args.model_shape]
+def run(args, shape: str) -> dict:
+    layers, heads, head = SHAPES[shape]
     bs = args.block_size
     nblk = args.tokens // bs
     num_blocks = nblk * 2 + 8
@@ -141,7 +176,7 @@ def run(args) -> dict:
     med = {k: statistics.median(v) for k, v in res.items()}
     mem = gbps(total, med["memcpy"])
     out = {
-        "shape": {"model": args.model_shape, "layers": layers, "kv_heads": heads, "head_size": head,
+        "shape": {"model": shape, "layers": layers, "kv_heads": heads, "head_size": head,
                   "block_size": bs, "dtype": "bfloat16", "tokens": nblk * bs, "blocks": nblk,
                   "bytes_per_block": layout.block_nbytes, "request_bytes": total},
         "iterations": args.iters,
@@ -151,13 +186,24 @@ def run(args) -> dict:
         "ratio_vs_memcpy": {k: round(gbps(total, v) / mem, 3) for k, v in med.items() if k != "memcpy"},
         "round_trip_ratio_vs_2_memcpy": round((2 * med["memcpy"]) / (med["save"] + med["load"]), 3),
     }
+    if args.dsbench:
+        rows, command = dsbench(args.ds_address, layout.block_nbytes, nblk, args.iters)
+        out["dsbench"] = {"command": command, **rows}
+        out["ratio_vs_dsbench"] = {"save/set": round(out["gbps"]["save"] / rows["set"]["gbps"], 3),
+                                   "save+stage/set": round(out["gbps"]["save+stage"] / rows["set"]["gbps"], 3),
+                                   "load/get": round(out["gbps"]["load"] / rows["get"]["gbps"], 3)}
+        out["dsbench_vs_memcpy"] = {k: round(rows[k]["gbps"] / mem, 3) for k in ("set", "get")}
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ds-address", default=None, help="existing worker HOST:PORT (default: start one)")
-    ap.add_argument("--model-shape", choices=sorted(SHAPES), default="qwen2-7b")
+    ap.add_argument("--model-shape", default="smollm2,qwen2-7b",
+                    help=f"comma-separated, each measured in turn on the one worker: {', '.join(sorted(SHAPES))}")
+    ap.add_argument("--no-dsbench", dest="dsbench", action="store_false",
+                    help="leave out `dsbench kv` at the same sizes")
+    ap.add_argument("--out", default="", help="also write the JSON report (with its provenance) to this file")
     ap.add_argument("--tokens", type=int, default=4096, help="prompt tokens of the request (full blocks)")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--iters", type=int, default=10)
@@ -171,20 +217,27 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     venv_bin = Path(sys.executable).parent
+    shapes = [s.strip() for s in args.model_shape.split(",") if s.strip()]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown or not shapes:
+        ap.error(f"--model-shape: unknown {', '.join(unknown) or '(none)'}; pick from {', '.join(sorted(SHAPES))}")
     home = None
     if args.ds_address is None:
         home = Path(tempfile.mkdtemp(prefix="yrpd-bench-ds-"))
-        layers, heads, head = SHAPES[args.model_shape]
-        need_mb = (args.tokens // args.block_size) * layers * heads * args.block_size * 2 * head * 2 * 3 >> 20
+        need_mb = max((args.tokens // args.block_size) * la * he * args.block_size * 2 * hs * 2 * 3 >> 20
+                      for la, he, hs in (SHAPES[s] for s in shapes))
         start_worker(venv_bin, home, args.port, max(1024, need_mb + 256), args.populate)
         args.ds_address = f"127.0.0.1:{args.port}"
+    command = "PYTHONPATH=. " + " ".join([sys.executable, *sys.argv])
     try:
-        out = run(args)
+        out = {"provenance": record([command], vllm_venv=venv_bin.parent), "worker": args.ds_address,
+               "shapes": [run(args, shape) for shape in shapes]}
     finally:
         if home is not None:
             stop_worker(venv_bin, args.port)
             shutil.rmtree(home, ignore_errors=True)
-    out["command"] = "PYTHONPATH=. " + " ".join([sys.executable, *sys.argv])
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     if args.json:
         print(json.dumps(out))
     else:

