@@ -99,7 +99,8 @@ def dsbench(address: str, value_bytes: int, batch: int, requests: int) -> tuple[
     argv = [sys.executable, "-c", DSBENCH_SHIM, address, "kv", "-S", address, "-G", address, "-n",
             str(batch * requests), "-s", str(value_bytes), "-b", str(batch), "-c", "1", "-t", "1",
             "-p", f"yrpd_dsb{os.getpid() % 1000}"]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    with tempfile.TemporaryDirectory(prefix="yrpd-dsbench-") as cwd:  # it leaves a result directory where it runs
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=cwd)
     rows = {m.group(1): {"avg_ms": float(m.group(5)), "gbps": round(float(m.group(6)) * 2**20 / 1e9, 3)}
             for m in map(DSBENCH_ROW.match, (out.stdout + out.stderr).splitlines()) if m}  # its table: stderr
     if "set" not in rows or "get" not in rows:
