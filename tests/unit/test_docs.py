@@ -86,3 +86,28 @@ def test_published_benchmark_results_are_what_the_documented_command_produces(co
     for name, target in results["targets"].items():
         assert target["metrics"]["completed"] == dataset["prompts"], name
         assert target["metrics"]["total_output_tokens"] == dataset["prompts"] * params["output_len"], name
+
+
+#: reports docs/benchmarks.md links that were written before results carried their provenance (yrpd/provenance.py):
+#: closed, so every report linked from now on must say where it came from
+PREDATE_PROVENANCE = {
+    "cpu-bench-qwen2-results.json", "cpu-control-plane-results-2026-11-25-before.json",
+    "cpu-control-plane-results-2026-11-25-sc0.json", "cpu-control-plane-results-2026-11-25.json",
+    "cpu-control-plane-results.json", "cpu-smollm2-overflow-10x4-results.json", "exporter-cpu.json",
+    "planner-lab.json", "rollout-lab.json", "scale-lab.json",
+}
+
+
+def test_every_report_the_benchmarks_doc_links_exists_and_a_new_one_says_where_it_came_from():
+    import re
+
+    from yrpd.provenance import missing
+
+    linked = sorted(set(re.findall(r"\(bench/([A-Za-z0-9_.-]+\.json)\)", (DOCS / "benchmarks.md").read_text())))
+    assert linked
+    incomplete = {}
+    for name in linked:
+        doc = json.loads((DOCS / "bench" / name).read_text())
+        if name not in PREDATE_PROVENANCE and missing(doc):
+            incomplete[name] = missing(doc)
+    assert incomplete == {}, f"linked reports without provenance (write them with yrpd.provenance.record): {incomplete}"
