@@ -4,7 +4,6 @@ benchmarks/' reports) carries it, so a figure in docs can be traced and two resu
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import subprocess
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import yrpd
+from yrpd.patches import file_sha256
 
 #: what every result carries (tests/unit/test_provenance.py keeps results to it)
 FIELDS = ("commit", "dirty", "yrpd", "vllm", "python", "cpu", "cpu_flags", "cores", "commands", "inputs", "recorded")
@@ -62,14 +62,6 @@ def vllm_version(venv: Path | None) -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def record(commands: list[str], inputs: dict[str, Path] | None = None, vllm_venv: Path | None = None) -> dict:
     """The provenance of a result produced by `commands` (each as typed) from `inputs` (name -> file, checksummed)."""
     commit, dirty = git_state()
@@ -77,7 +69,7 @@ def record(commands: list[str], inputs: dict[str, Path] | None = None, vllm_venv
     return {"commit": commit, "dirty": dirty, "yrpd": yrpd.__version__, "vllm": vllm_version(vllm_venv),
             "python": platform.python_version(), "cpu": model, "cpu_flags": flags, "cores": os.cpu_count(),
             "commands": list(commands),
-            "inputs": {name: {"path": str(path), "sha256": sha256(path)} for name, path in (inputs or {}).items()},
+            "inputs": {name: {"path": str(path), "sha256": file_sha256(path)} for name, path in (inputs or {}).items()},
             "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
