@@ -25,6 +25,7 @@ from lab.hosts import assert_nothing_left
 from lab.report import write_report
 from lab.traffic import LONG, Call, TwoHosts, body, restarts
 from tests.lab import real_model as rm
+from yrpd.serving import STATS_INTERVAL_S
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
 
@@ -220,17 +221,25 @@ def memory_full(d: TwoHosts, figures: dict) -> None:
 def lossy_link(d: TwoHosts, figures: dict) -> None:
     """h2 (decode) loses 2 % of its packets both ways and gets its packets 50 ms late, while long prompts are handed
     over to it; each answer must equal the one the same prompt gets once the link is whole again."""
-    before, _ = d.healthy()
     prompts = [f"{LONG}\n# lossy {i} {os.urandom(4).hex()}" for i in range(8)]
     clean = Call(d.proxy, body(f"{LONG}\n# clean {os.urandom(4).hex()}", 32), timeout=120)
     clean.run()
+    # the connector rewrites its counters every STATS_INTERVAL_S: the clean call's hand-over lands before `before`,
+    # and the degraded link's have that long to show in `during` (a read right after the calls saw none of them)
+    time.sleep(STATS_INTERVAL_S + 1)
+    before, _ = d.healthy()
     applied = d.lab.degrade("h2", delay_ms=50, loss_pct=2)
     try:
         calls = []
         for prompt in prompts:
             calls.append(Call(d.proxy, body(prompt, 32), timeout=120))
             calls[-1].run()
-        during, _ = d.healthy()
+        deadline = time.monotonic() + STATS_INTERVAL_S + 2
+        while True:
+            during, _ = d.healthy()
+            if loaded_blocks(during) > loaded_blocks(before) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
     finally:
         delayed = d.lab.restore("h2")
     again = [Call(d.proxy, body(prompt, 32), timeout=120) for prompt in prompts]
