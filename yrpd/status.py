@@ -321,6 +321,11 @@ def _instance(deployment: Deployment, inst: InstancePlan, proc: ProcessStatus | 
     if deployed and state == Condition.running and not answered:
         problems.append(f"{inst.name} on {inst.host} does not answer /health"
                         + (f" ({probe['error']})" if probe and probe.get("error") else ""))
+    elif deployed and answered and probe["connector"]["ds_healthy"] is False:
+        # it answers, but computes every prompt: a worker that came back is served again only once the connector
+        # reconnects (a few seconds after), and nothing handed over reaches it meanwhile
+        problems.append(f"{inst.name}'s KV connector on {inst.host} cannot reach the data system (it computes "
+                        f"every prompt meanwhile; `yrpd logs {inst.name}` says why)")
     return row
 
 

@@ -64,27 +64,30 @@ def cluster_answer(master: bool, restarts: int = 0, disk_free: int | None = None
                       **({} if disk_free is None else {"disk_free": disk_free})}}
 
 
-def instance_probe(name: str, healthy: bool = True, loaded: int = 0, missed: int = 0) -> dict:
+def instance_probe(name: str, healthy: bool = True, loaded: int = 0, missed: int = 0,
+                   ds_healthy: bool = True) -> dict:
     return {"name": name, "healthy": healthy, "requests_running": 0.0, "requests_waiting": 0.0,
             "prompt_tokens": 300.0, "external_cache_hit_tokens": float(loaded), "external_cache_query_tokens": 300.0,
             "prompt_tokens_computed": 300.0 - loaded, "prompt_tokens_local_cache": 0.0,
             "prompt_tokens_loaded": float(loaded),
-            "connector": {"ds_healthy": True, "counters": {"loaded_blocks": loaded // 128, "saved_blocks": 2,
+            "connector": {"ds_healthy": ds_healthy, "counters": {"loaded_blocks": loaded // 128, "saved_blocks": 2,
                                                             "handoff_missed_blocks": missed}},
             **({} if healthy else {"error": "connection refused"})}
 
 
 def answer(host: str, dead=(), restarts=0, unhealthy=(), proxy_ok=True, cluster=True, restarting=(), failed=(),
-           process_restarts=0, missed=0, disk_free=None) -> str:
+           process_restarts=0, missed=0, disk_free=None, ds_unreached=()) -> str:
     """What `recorded()`'s host answers to the status query (yrpd.status.query), with the faults asked for:
     `dead` processes, ds_worker `restarts`, instances whose /health does not answer, a proxy that sees decode down,
     processes their supervisor is `restarting` or has given up on (`failed`), earlier `process_restarts`, KV blocks
     prefill handed over that the host's instance `missed` in the data system, the bytes free (`disk_free`) on the
-    filesystem of its worker's disk tier."""
+    filesystem of its worker's disk tier, instances whose connector reports the data system out of reach
+    (`ds_unreached`)."""
     names = {"h1": ["prefill-0", "proxy"], "h2": ["decode-0"]}[host]
     instance = {"h1": "prefill-0", "h2": "decode-0"}[host]
     serving = {"instances": [instance_probe(instance, healthy=instance not in unhealthy,
-                                            loaded=256 if instance == "decode-0" else 0, missed=missed)],
+                                            loaded=256 if instance == "decode-0" else 0, missed=missed,
+                                            ds_healthy=instance not in ds_unreached)],
                "proxy": None}
     if host == "h1":
         serving["proxy"] = {"healthy": proxy_ok, "status": {"instances": [

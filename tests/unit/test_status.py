@@ -116,6 +116,18 @@ def test_an_instance_that_does_not_answer(tmp_path):
     assert report.problems == ["decode-0 on h2 does not answer /health (connection refused)"]
 
 
+def test_an_instance_whose_connector_cannot_reach_the_data_system_is_a_problem_until_it_reconnects(tmp_path):
+    """Its /health answers, but every prompt is computed: status is not healthy while the connector says so (a
+    worker that came back serves hand-overs only once the connector has reconnected)."""
+    with scripted(h2={"ds_unreached": ("decode-0",)}):
+        report = api.status(recorded(tmp_path / "a"))
+    assert not report.healthy
+    assert report.problems == ["decode-0's KV connector on h2 cannot reach the data system (it computes every "
+                               "prompt meanwhile; `yrpd logs decode-0` says why)"]
+    with scripted():  # control: the same deployment with the connector connected
+        assert api.status(recorded(tmp_path / "b")).healthy
+
+
 def test_a_failed_session_says_how_to_resume_and_a_down_one_expects_nothing(tmp_path):
     with scripted():
         failed = api.status(recorded(tmp_path / "a", SessionPhase.failed))
