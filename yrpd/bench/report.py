@@ -40,6 +40,7 @@ RATIOS = (  # (target, baseline, metric, label); the last is the mixed workload'
     ("pd", "single", "mean_ttft_ms", "mean TTFT"),
     ("single-yr", "single", "mean_ttft_ms", "mean TTFT"), ("pd", "single", "p99_tpot_ms", "p99 TPOT"),
     ("pd", "peer-example-pd", "mean_ttft_ms", "mean TTFT"), ("single-yr", "peer-lmcache", "mean_ttft_ms", "mean TTFT"),
+    ("pd", "peer-nixl-pd", "mean_ttft_ms", "mean TTFT"),
 )
 
 
