@@ -439,7 +439,8 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, request: BenchReque
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
                 log(f"bench: the {target} target failed: {reason}")
                 results[target] = {"description": TARGETS[target], "error": str(e).strip() or repr(e)}
-                current = _down_failed(current, session.id, log)
+                _down_failed(current, log)
+                current = None
     finally:
         if request.restore and (current is None or spec_fingerprint(spec) != spec_fingerprint(original)):
             if current is not None:
@@ -449,7 +450,7 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, request: BenchReque
     return results
 
 
-def _down_failed(current: str | None, original: str, log) -> None:
+def _down_failed(current: str | None, log) -> None:
     """Tear down what a failed target left deployed (the session it ran on, or the one its deploy started)."""
     try:
         latest = api.open_deployment(None).session
@@ -461,7 +462,6 @@ def _down_failed(current: str | None, original: str, log) -> None:
             down(sid)
         except Exception as e:  # noqa: BLE001
             log(f"bench: tearing down session {sid} failed too: {e}")
-    return None
 
 
 def measure(current: str, target: str, request: BenchRequest, load: Load, out_dir: Path, log) -> dict:
