@@ -231,7 +231,8 @@ def lmcache_launch(spec: DeploySpec, plan: Plan, host: str, paths: HostPaths) ->
     ports = host_of(plan, host).ports
     if spec.kv_connector is not KvConnector.lmcache or "lmcache" not in ports:
         return None
-    argv = [f"{paths.peer_venv(PEER_VENVS[KvConnector.lmcache].name)}/bin/lmcache", "server", "--host", "127.0.0.1", "--port", str(ports["lmcache"]),
+    argv = [f"{paths.peer_venv(PEER_VENVS[KvConnector.lmcache].name)}/bin/lmcache", "server",
+            "--host", "127.0.0.1", "--port", str(ports["lmcache"]),
             "--http-host", "127.0.0.1", "--http-port", str(ports["lmcache_http"]), "--chunk-size", "256",
             "--l1-size-gb", f"{spec.datasystem_memory_mb / 1024:g}", "--eviction-policy", "LRU",
             # without it vLLM's CPU build waits at register_kv_caches until it gives up

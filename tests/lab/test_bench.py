@@ -99,7 +99,8 @@ def test_tiny_bench_runs_all_three_targets_and_reports_what_it_measured(netns, t
         assert [r["completed"] for r in pd["runs"]] == [4, 4] and pd["metrics"]["error_rate"] == 0
         assert pd["metrics"]["request_goodput"] == pytest.approx(pd["metrics"]["request_throughput"], rel=0.01)
         assert len(pd["input_lens_sha256"]) == 1 and "mean_ttft_ms" in pd["spread"]
-        assert "--dataset-name prefix_repetition --prefix-repetition-prefix-len 256" in (vdir / "pd-run2.cmd").read_text()
+        run2 = (vdir / "pd-run2.cmd").read_text()
+        assert "--dataset-name prefix_repetition --prefix-repetition-prefix-len 256" in run2
         assert missing(vdoc) == [] and "vLLM's prefix_repetition dataset, 4 prompts" in run.stdout
 
         # the multi-turn chat workload on the same target: later turns find their history's KV in the prefill's

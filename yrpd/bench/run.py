@@ -123,20 +123,20 @@ def _last_value(args: list[str], flag: str) -> str | None:
 
 
 def pool_refusal(spec: DeploySpec, kind: DeviceKind, model_dir: Path, dtype: str | None) -> tuple[str, int] | None:
-    """Why vLLM would refuse this spec's KV pool and the MB it needs, or None: a pool (`--kv-cache-memory-bytes`, per TP rank) must
-    hold one sequence of `--max-model-len` tokens. The KV of a token is 2 (K and V) x layers x KV heads x head size
-    x the dtype's bytes, the heads split over TP ranks. A dtype the deployment leaves to the model counts as 2 bytes:
+    """Why vLLM would refuse this spec's KV pool and the MB it needs, or None: a pool (`--kv-cache-memory-bytes`,
+    per TP rank) must hold one sequence of `--max-model-len` tokens. The KV of a token is 2 (K and V) x layers x
+    KV heads x head size x the dtype's bytes, the heads split over TP ranks. A dtype the deployment leaves to the model counts as 2 bytes:
     the least a pool can need, so nothing vLLM would take is refused here."""
     from yrpd.serving import KIND_ENGINE_ARGS
 
     args = [*KIND_ENGINE_ARGS[kind], *spec.engine_args]
     pool = _last_value(args, "--kv-cache-memory-bytes")
+    if pool is None:  # vLLM sizes it from the memory it finds
+        return None
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None  # nothing to size it by: vLLM will say
-    if pool is None:
-        return None
     config = config.get("text_config", config)
     layers, heads = config.get("num_hidden_layers"), config.get("num_attention_heads")
     kv_heads = config.get("num_key_value_heads") or heads
@@ -341,7 +341,8 @@ def bench(session_id: str | None, request: BenchRequest, log=print, progress=Non
         if refused:
             reason, need_mb = refused
             per = "the PD instances' pools together" if target in ("single", "single-yr", "peer-lmcache") else ""
-            raise SpecError("--kv-cache-mb", f"vLLM would refuse the {target} target: {reason}{per and ' (' + per + ')'}",
+            raise SpecError("--kv-cache-mb",
+                            f"vLLM would refuse the {target} target: {reason}{per and ' (' + per + ')'}",
                             f"give --kv-cache-mb {need_mb} or more, or deploy with a smaller --max-model-len")
     vllm_venv = request.vllm_venv or Path(deployment.spec.env_root) / "vllm"
     if not (vllm_venv / "bin" / "vllm").exists():
