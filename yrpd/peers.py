@@ -8,6 +8,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
+from yrpd.layout import HostPaths
 from yrpd.spec import KvConnector
 from yrpd.versions import LMCACHE, NIXL
 
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
     name, env_root = (argv if argv is not None else sys.argv[1:])[:2]
     peer = PEER_VENVS[KvConnector(name)]
-    print(install_args(peer, f"{env_root}/vllm", f"{env_root}/{peer.name}"))
+    p = HostPaths(env_root=env_root, session=None, bundle_dir="")
+    print(install_args(peer, p.vllm_venv, p.peer_venv(peer.name)))
     return 0
 
 
