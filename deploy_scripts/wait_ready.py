@@ -1,9 +1,11 @@
 """Wait until processes a yrpd session started answer HTTP, or say precisely why not (run by yrpd, stdlib only).
 
 Args: one JSON object {"pidfile": .., "log": .., "state": .., "kv_stats": .. (yrpd.layout's templates with
-{name}), "timeout": seconds, "targets": [{"name", "url", "ds_link": bool}]}. A target with ds_link is ready once
-it answers and the stats files its live processes' KV connector writes all say the data system is reachable: the
-instances start before openYuanrong, and their connector links up in the background once it runs. A target whose supervisor says it ended (restarting, given up) fails at
+{name}), "timeout": seconds, "targets": [{"name", "url", "ds_link": bool, "members": [url], "status_url": url}]}.
+A target with ds_link is ready once it answers and the stats files its live processes' KV connector writes all say
+the data system is reachable: the instances start before openYuanrong, and their connector links up in the
+background once it runs. A target with members (the proxy) is ready once its status_url lists each of them up: a
+change drains the old instances only after the proxy routes to the new ones. A target whose supervisor says it ended (restarting, given up) fails at
 once, with how it ended: a start that crashes is reported now, not after every restart the policy allows.
 A target whose process has exited fails at once with the last lines of its log; one still silent at the
 timeout fails with its log tail. Prints one JSON line {name: seconds to ready}.
@@ -74,6 +76,19 @@ def ds_link(name):
     return True, ""
 
 
+def members_up(target):
+    """(all up, why not): the proxy's status lists every one of the target's members as up."""
+    try:
+        with urllib.request.urlopen(target["status_url"], timeout=3) as resp:
+            listed = {i["url"]: i for i in json.load(resp).get("instances", [])}
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+        return False, f"its status cannot be read ({exc})"
+    down = [u for u in target["members"] if not listed.get(u, {}).get("up")]
+    if down:
+        return False, f"it does not route to {', '.join(down)} yet (not up in its status)"
+    return True, ""
+
+
 def log_tail(name, lines=15):
     try:
         with open(logfile.format(name=name), "rb") as fh:
@@ -87,6 +102,7 @@ def log_tail(name, lines=15):
 
 pending = {t["name"]: t["url"] for t in args["targets"]}
 needs_link = {t["name"] for t in args["targets"] if t.get("ds_link")}
+needs_members = {t["name"]: t for t in args["targets"] if t.get("members")}
 unlinked = {}  # name -> why its connector is not linked yet, once it answers
 ready = {}
 failed = []
@@ -94,6 +110,8 @@ while pending:
     for name, url in list(pending.items()):
         if answers(url):
             linked, why = ds_link(name) if name in needs_link else (True, "")
+            if linked and name in needs_members:
+                linked, why = members_up(needs_members[name])
             if linked:
                 ready[name] = round(time.monotonic() - started, 1)
                 del pending[name]

@@ -25,6 +25,7 @@ class FakeVLLM:
     chunks: int = 3
     error: tuple[int, dict] | None = None  # answer this (status, JSON) instead
     health_status: int = 200
+    health_delay: float = 0.0  # seconds before /health answers (a busy instance)
     hang_after: int | None = None  # stream: after this many events, go silent until cancelled
     break_after: int | None = None  # drop the connection after this many events (non-stream: mid-body)
     delay: float = 0.0  # seconds of "compute" before the answer (or the first event) starts
@@ -96,6 +97,7 @@ class FakeVLLM:
             raise
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(self.health_delay)
         return web.json_response({}, status=self.health_status)
 
     async def _models(self, request: web.Request) -> web.StreamResponse:

@@ -1,6 +1,7 @@
 """The PD proxy (yrpd.proxy) against fake vLLM instances on 127.0.0.1."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -706,6 +707,45 @@ def test_an_instance_written_into_the_membership_joins_once_its_probe_answers_an
                 for _ in range(4):
                     assert (await post(s, "/v1/completions", body))[0] == 200
                 assert len(d1.bodies) > sent
+            finally:
+                await d1.stop()
+    run(go())
+
+
+def test_a_membership_that_adds_a_decode_instance_and_drains_the_old_one_at_once_refuses_no_request(tmp_path):
+    """A rolling change writes "new one joins" and "old one drains" as two versions; when both land within one probe
+    round the proxy reads them as one, and the new instance must be up before the old one stops taking requests."""
+    from tests.unit.proxy_fakes import FakeVLLM
+
+    async def go():
+        path = tmp_path / "members.json"
+        async with running(probe_interval=0.3, instances_file=str(path), routing=Routing.load) as s:
+            (p0,), (d0,) = s.prefill, s.decode
+            d1 = await FakeVLLM("d1", "decode").start()
+            try:
+                write_members(path, (p0, False), (d0, False))
+                await until(lambda: _member_version(s, 1), timeout=3)
+                d1.health_delay = 0.5  # its probe takes a while: the time a request could find no decode up
+                body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+                statuses = []
+
+                async def load():
+                    while True:
+                        statuses.append((await post(s, "/v1/completions", body))[0])
+                        await asyncio.sleep(0.01)
+
+                loader = asyncio.create_task(load())
+                await asyncio.sleep(0.2)
+                write_members(path, (p0, False), (d0, True), (d1, False))
+                await until(lambda: _member_version(s, 2), timeout=5)
+                await asyncio.sleep(0.05)  # a leg routed just before the drain reaches d0 still
+                sent = len(d0.bodies)
+                await asyncio.sleep(0.3)
+                loader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loader
+                assert statuses and set(statuses) == {200}, statuses
+                assert len(d0.bodies) == sent and d1.bodies, "the new one serves, the drained one takes nothing new"
             finally:
                 await d1.stop()
     run(go())

@@ -68,3 +68,38 @@ def test_stats_of_an_earlier_run_do_not_count_and_plain_targets_need_no_link(tmp
     stats(tmp_path, "worker", True, pid=gone.pid)  # written by a process that has exited
     assert "has written no stats yet" in wait(tmp_path, server, timeout=1).stderr
     assert wait(tmp_path, server, timeout=1, ds_link=False).returncode == 0
+
+
+def test_the_proxy_is_ready_only_once_its_status_lists_every_member_up(tmp_path):
+    listed: dict = {"instances": []}
+
+    class Proxy(Health):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = json.dumps(listed).encode() if self.path == "/yrpd/status" else b"{}"
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    old, new = "http://10.0.0.2:8100", "http://10.0.0.3:8100"
+    try:
+        (tmp_path / "proxy.pid").write_text(str(os.getpid()))
+
+        def wait_proxy(timeout):
+            args = {"pidfile": f"{tmp_path}/{{name}}.pid", "log": f"{tmp_path}/{{name}}.log",
+                    "state": f"{tmp_path}/{{name}}.state", "kv_stats": f"{tmp_path}/{{name}}.kv-*.json",
+                    "timeout": timeout, "targets": [{"name": "proxy", "url": url + "/health", "members": [old, new],
+                                                     "status_url": url + "/yrpd/status"}]}
+            return subprocess.run([sys.executable, str(SCRIPT), json.dumps(args)], capture_output=True, text=True,
+                                  timeout=60)
+
+        listed["instances"] = [{"url": old, "up": True}, {"url": new, "up": False}]
+        joining = wait_proxy(1)  # /health answers, but the new instance is not routed to yet
+        assert joining.returncode == 1 and f"it does not route to {new} yet" in joining.stderr, joining.stderr
+        listed["instances"][1]["up"] = True  # the control: the same proxy once it has the new one up
+        assert "proxy" in json.loads(wait_proxy(5).stdout)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -192,7 +192,7 @@ class Proxy:
 
     async def _start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
-        self._read_members()
+        await self._read_members()
         # One round before serving, so the first requests do not meet instances that are all still "unknown".
         await self._probe_all(announce=False)
         listing = "; ".join(f"{role}: " + ", ".join(f"{i.url} ({'up' if i.up else 'down'})" for i in self.pool.of(role))
@@ -212,14 +212,16 @@ class Proxy:
         while True:
             await asyncio.sleep(self.config.probe_interval)
             try:
-                self._read_members()
+                await self._read_members()
                 await self._probe_all()
             except Exception:  # the prober must outlive any surprise
                 log.exception("health probe round failed")
 
-    def _read_members(self) -> None:
+    async def _read_members(self) -> None:
         """Take the membership file's new version, if it changed; a version that cannot be read or makes no sense
-        is named in /yrpd/status and the log, and the last good membership stays."""
+        is named in /yrpd/status and the log, and the last good membership stays. The instances it adds are probed
+        before it takes effect: a version that adds a decode instance and drains the old one (a change written
+        twice within one probe round) would otherwise leave no decode routable until the next probe."""
         path = self.config.instances_file
         if not path:
             return
@@ -240,12 +242,21 @@ class Proxy:
         except (OSError, ValueError) as exc:
             self._members_refused(f"{path}: {exc}")
             return
+        known = {(i.url, i.role, i.group) for i in self.pool.instances if not i.leaving}
+        fresh = list(dict.fromkeys(url.rstrip("/") for url, role, _, group in members
+                                   if (url.rstrip("/"), role, group) not in known))
+        answered = dict(zip(fresh, await asyncio.gather(*(self._health_of(url) for url in fresh))))
         joined, left = self.pool.sync(members)
+        for inst in joined:
+            self.pool.probed(inst, *answered.get(inst.url, (False, None)))
         self.members_error = None
+        up = [i.url for i in joined if i.up]
         self.members_version += 1
         draining = [u for u, _, d, _ in members if d]
-        log.info("membership from %s (version %d): %d instances%s%s%s", path, self.members_version, len(members),
-                 f"; joining (once up): {', '.join(i.url for i in joined)}" if joined else "",
+        log.info("membership from %s (version %d): %d instances%s%s%s%s", path, self.members_version, len(members),
+                 f"; joined up: {', '.join(up)}" if up else "",
+                 f"; joining (once up): {', '.join(i.url for i in joined if not i.up)}" if len(up) < len(joined)
+                 else "",
                  f"; leaving: {', '.join(i.url for i in left)}" if left else "",
                  f"; draining: {', '.join(draining)}" if draining else "")
 
@@ -257,12 +268,15 @@ class Proxy:
     async def _probe_all(self, announce: bool = True) -> None:
         await asyncio.gather(*(self._probe(i, announce) for i in self.pool.instances))
 
-    async def _probe(self, inst: Instance, announce: bool) -> None:
+    async def _health_of(self, url: str) -> tuple[bool, str]:
         try:
-            async with self.session.get(inst.url + "/health", timeout=self._probe_timeout) as resp:
-                ok, why = resp.status == 200, f"/health answered {resp.status}"
+            async with self.session.get(url + "/health", timeout=self._probe_timeout) as resp:
+                return resp.status == 200, f"/health answered {resp.status}"
         except _UPSTREAM_ERRORS as exc:
-            ok, why = False, f"/health: {_text(exc)}"
+            return False, f"/health: {_text(exc)}"
+
+    async def _probe(self, inst: Instance, announce: bool) -> None:
+        ok, why = await self._health_of(inst.url)
         if self.pool.probed(inst, ok, why):
             if not ok:
                 self._down.pop(inst.url, asyncio.Event()).set()

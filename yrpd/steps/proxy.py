@@ -7,7 +7,7 @@ import shlex
 
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
-from yrpd.serving import PROXY_NAME, proxy_launch, proxy_members
+from yrpd.serving import PROXY_NAME, proxy_launch, proxy_members, proxy_url
 from yrpd.steps import NotNeeded, StepContext, host_python
 from yrpd.steps.processes import running as process_running
 from yrpd.steps.processes import start_script
@@ -52,8 +52,12 @@ def wait_ready(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     launch = proxy_launch(ctx.spec, ctx.plan, paths(ctx))
     if launch is None:
         return NotNeeded("not disaggregated: no proxy")
-    return host_python("wait_ready.py", {**ctx.layout.for_scripts(), "timeout": READY_TIMEOUT,
-                                         "targets": [{"name": PROXY_NAME, "url": launch.health_url}]},
+    # every member up in the proxy, not only one per role: a change that started instances drains the old ones
+    # next, and they must not go before the proxy routes to their replacements
+    members = [m["url"] for m in proxy_members(ctx.plan)["instances"]]
+    target = {"name": PROXY_NAME, "url": launch.health_url, "members": members,
+              "status_url": proxy_url(ctx.spec, ctx.plan) + "/yrpd/status"}
+    return host_python("wait_ready.py", {**ctx.layout.for_scripts(), "timeout": READY_TIMEOUT, "targets": [target]},
                        timeout=READY_TIMEOUT + 30)
 
 
