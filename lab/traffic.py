@@ -92,9 +92,10 @@ class TwoHosts:
     def cli(self, *args, check=0, timeout=900):
         return run_yrpd(*args, *self.lab.cli_ssh_args, env=self.env, check=check, timeout=timeout)
 
-    def deploy(self) -> float:
+    def deploy(self, on: int | None = None) -> float:
+        """Deploy on every host of the config, or on its first `on` (the others can join with `yrpd scale --hosts`)."""
         started = time.monotonic()
-        out = self.cli("deploy", "--hosts", ",".join(self.names), "--config", str(self.config), timeout=1500)
+        out = self.cli("deploy", "--hosts", ",".join(self.names[:on]), "--config", str(self.config), timeout=1500)
         self.proxy = out.stdout.strip().splitlines()[-1]
         return time.monotonic() - started
 

@@ -63,12 +63,12 @@ def plan(spec: DeploySpec, playbook_file: str | Path | None = None) -> PlanView:
     placement = make_plan(spec, inventory)
     ctx = StepContext(spec=spec, plan=placement)
     return PlanView(spec, inventory, placement, _as_run(spec, ctx, describe(playbook, ctx)),
-                    pending_change(spec))
+                    pending_change(spec, inventory))
 
 
-def pending_change(spec: DeploySpec) -> list[str]:
+def pending_change(spec: DeploySpec, inventory: dict[str, HostInventory] | None = None) -> list[str]:
     """What `yrpd deploy` of `spec` would change in the latest session while it serves (rollout.describe), read
-    from the session store alone; [] where it would deploy or resume instead."""
+    from the session store (and `inventory` for hosts it adds); [] where it would deploy or resume instead."""
     store = SessionStore(resolve_root(spec.session_root))
     latest = store.latest()
     if latest is None or latest.phase is not SessionPhase.deployed:
@@ -81,7 +81,8 @@ def pending_change(spec: DeploySpec) -> list[str]:
         return []
     changes = rollout.diff(running.spec, spec)
     cordoned = drained_hosts(latest)
-    unavailable = rollout.default_max_unavailable(spec, running.inventory, running.plan, cordoned)
+    unavailable = rollout.default_max_unavailable(spec, {**(inventory or {}), **running.inventory}, running.plan,
+                                                  cordoned)
     lines = [f"session {latest.id} runs: `yrpd deploy` changes it while it serves"]
     lines += rollout.describe(changes, running.plan, spec, unavailable)
     blocked = [c.field for c in changes if c.kind is rollout.ChangeKind.recreate]
@@ -191,7 +192,7 @@ def deploy(spec: DeploySpec, *, playbook_file: str | Path | None = None, new_ses
             failure.args = (f"{failure}\nfix the cause and run the same `yrpd deploy` again to resume session "
                             f"{session.id} (finished steps are skipped), or `yrpd down` to remove what was started",)
             raise
-    session.set_state(SessionPhase.deployed, failed_step=None)
+    session.set_state(SessionPhase.deployed, failed_step=None, joining=None)  # the whole playbook ran on every host
     endpoint = None
     if any(step.function is proxy.start for step in playbook.steps):
         endpoint = endpoint_url(spec, placement) + "/v1"

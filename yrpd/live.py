@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from yrpd import credentials, planner, rollout
-from yrpd.deployment import Deployment, drained_hosts, host_group, runtime_group, save_deployment
+from yrpd.deployment import Deployment, drained_hosts, host_group, resolve_inventory, runtime_group, save_deployment
 from yrpd.errors import SpecError
 from yrpd.hostgroup import GroupFailure
 from yrpd.placement import Plan
 from yrpd.playbook import StepFailed
 from yrpd.runner import Progress, Quiet, named_playbook, run_on, run_playbook
 from yrpd.session import Session, SessionPhase
-from yrpd.spec import DeploySpec
+from yrpd.spec import DeploySpec, HostSpec
 from yrpd.steps import RunOptions, StepContext, host_python, processes, proxy
 from yrpd.steps.vllm_env import paths as vllm_paths
 from yrpd.serving import instance_launches, instance_url, proxy_url
@@ -67,27 +67,36 @@ class _Mover:
         """The running plan with `add` more instances per role, of `spec`'s settings, placed on free devices."""
         return rollout.replan(spec, self.now.inventory, self.now.plan.instances, self.cordoned, **add)
 
-    def start(self, spec: DeploySpec, add: dict[str, int]) -> None:
+    def start(self, spec: DeploySpec, add: dict[str, int], joining: list[str] = ()) -> None:
+        """Start `add` more instances per role; with `joining` (hosts new to the deployment) the playbook also runs
+        where none starts, so those hosts join the cluster."""
         add = {role: n for role, n in add.items() if n > 0}
-        if not add:
+        if not add and not joining:
             return
         plan = self.placed(spec, add)
         names = [i.name for i in plan.instances if i.name not in {j.name for j in self.now.plan.instances}]
         after = Deployment(self.session, rollout.with_counts(spec, plan), self.now.inventory, plan)
         # stored first: if the start fails half-way, `yrpd down` knows them and the same command resumes
         save_deployment(self.session, after.spec, after.inventory, plan)
-        self.session.journal(event="start", instances=names)
+        self.session.journal(event="start", instances=names, **({"hosts": list(joining)} if joining else {}))
         master = self._master(plan)
         secrets = credentials.ensure(self.session.path, spec.proxy_key(), etcd_ips=[master.reach_ip])
         ctx = StepContext(spec=after.spec, plan=plan, session_id=self.session.id,
                           options=RunOptions(secrets_dir=str(secrets)))
-        self.progress.message(f"starting {', '.join(names)}; the proxy routes to them once they answer")
+        if joining:
+            # the spec stored above names them already: a join stopped half-way is found here by the next change
+            self.session.set_state(joining=list(joining))
+            self.progress.message(f"joining {', '.join(joining)} to the cluster (the hosts that run are skipped)")
+        if names:
+            self.progress.message(f"starting {', '.join(names)}; the proxy routes to them once they answer")
         try:
             run_playbook(named_playbook(None), self.hosts, ctx, self.session, self.progress)
         except StepFailed as failure:
             failure.args = (f"{failure}\nthe instances already running serve on; fix the cause and run the same "
                             "command again to go on with the change",)
             raise
+        if joining:
+            self.session.set_state(joining=None)
         self.now = after
         self.added += names
 
@@ -170,6 +179,11 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
     rollout.refuse_unrollable(changes, session.id)
     if not spec.disaggregated:
         raise SpecError(what, "disaggregated cannot change under a running deployment", "pass --recreate")
+    joining = rollout.joined_hosts(deployment.spec, spec)
+    if joining:  # their devices, before anything is planned on them (the running hosts keep what is stored)
+        deployment = Deployment(session, deployment.spec, {**joined_inventory(spec, joining), **deployment.inventory},
+                                deployment.plan)
+    unfinished = [h.name for h in spec.hosts if h.name in (session.state.get("joining") or [])]
     cordoned = drained_hosts(session) if cordoned is None else cordoned  # hosts no new instance goes to
     replaced = rollout.stale(deployment.plan, spec)
     roles = sorted({i.role for i in replaced})
@@ -188,6 +202,9 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
                             f"scale {short[0]} up first (`yrpd scale --{short[0]} {counts[short[0]] + 1}`), free a "
                             "device, or pass --recreate")
     lines = rollout.describe(changes, deployment.plan, spec, max_unavailable)
+    if unfinished:
+        lines.append(f"join {', '.join(unfinished)}: their join stopped half-way, it goes on")
+        joining = list(dict.fromkeys(joining + unfinished))
     for line in lines:
         progress.message(line)
     if not lines:
@@ -195,23 +212,31 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
     session.journal(event="change", changes=lines, max_unavailable=max_unavailable)
     session.set_state(change="; ".join(lines))
     try:
-        mover = _roll(deployment, spec, max_unavailable, roles, drain_timeout_s, progress, cordoned)
+        mover = _roll(deployment, spec, max_unavailable, roles, drain_timeout_s, progress, cordoned, joining)
     except BaseException:
         session.set_state(change="stopped half-way (the same command goes on with it): " + "; ".join(lines))
         raise
     # the free fields (how to reach the hosts, timeouts) and the exact counts asked for
-    save_deployment(session, spec, deployment.inventory, mover.now.plan)
-    final = Deployment(session, spec, deployment.inventory, mover.now.plan)
+    save_deployment(session, spec, mover.now.inventory, mover.now.plan)
+    final = Deployment(session, spec, mover.now.inventory, mover.now.plan)
     session.journal(event="changed", changes=lines, added=mover.added, removed=mover.removed)
     session.set_state(SessionPhase.deployed, change=None, generation=int(session.state.get("generation", 1)) + 1)
     return Changed(session, mover.added, mover.removed, time.monotonic() - started, final, lines)
 
 
+def joined_inventory(spec: DeploySpec, names: list[str]) -> dict:
+    """The devices of the hosts `names` of `spec` (detected on them where the spec does not give them)."""
+    return resolve_inventory(spec.model_copy(update={"hosts": [h for h in spec.hosts if h.name in names]}),
+                             deploying=True)
+
+
 def _roll(deployment: Deployment, spec: DeploySpec, max_unavailable: int, roles: list[str], drain_timeout_s: float,
-          progress: Progress, cordoned: list[str]) -> _Mover:
+          progress: Progress, cordoned: list[str], joining: list[str] = ()) -> _Mover:
     session = deployment.session
     with host_group(spec) as group:
         mover = _Mover(deployment, runtime_group(group, spec, session.id), progress, drain_timeout_s, cordoned)
+        if joining:  # first: what the change starts may be placed there
+            mover.start(spec, {}, joining)
         if max_unavailable == 0:
             while old := rollout.stale(mover.now.plan, spec):
                 adding = rollout.surge(mover.now.plan, spec)
@@ -232,14 +257,24 @@ def _roll(deployment: Deployment, spec: DeploySpec, max_unavailable: int, roles:
 
 
 def scale(deployment: Deployment, *, prefill: int | None = None, decode: int | None = None,
-          drain_timeout_s: float = DRAIN_TIMEOUT_S, progress: Progress | None = None) -> Changed:
+          hosts: list[str] | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S,
+          progress: Progress | None = None) -> Changed:
     """Change how many prefill and decode instances a running deployment has, without failing a request: what runs
-    stays where it is, the highest-indexed instances go, added ones take free devices (`change` with new counts)."""
+    stays where it is, the highest-indexed instances go, added ones take free devices (`change` with new counts).
+    `hosts` join the deployment first (their data system workers join the cluster), so added instances may go
+    there; one the deployment has already is left as it is."""
     _check_live(deployment, "scale")
     counts = {k: v for k, v in (("prefill", prefill), ("decode", decode)) if v is not None}
-    if not counts:
-        raise SpecError("scale", "nothing to change", "pass --prefill N and/or --decode N")
-    spec = DeploySpec.model_validate({**deployment.spec.model_dump(mode="json"), **counts}).check()
+    have = {h.name for h in deployment.spec.hosts}
+    added = [] if hosts is None else [h for h in dict.fromkeys(a.strip() for a in hosts if a.strip())]
+    if hosts is not None and not added:
+        raise SpecError("--hosts", "names no host", "pass --hosts h3,h4 (hosts to add)")
+    fresh = [a for a in added if HostSpec(address=a).name not in have]
+    if not counts and not added:
+        raise SpecError("scale", "nothing to change", "pass --prefill N, --decode N and/or --hosts LIST")
+    data = deployment.spec.model_dump(mode="json")
+    data["hosts"] = data["hosts"] + [{"address": a} for a in fresh]
+    spec = DeploySpec.model_validate({**data, **counts}).check()
     return change(deployment, spec, drain_timeout_s=drain_timeout_s, progress=progress, what="scale")
 
 

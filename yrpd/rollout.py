@@ -4,7 +4,9 @@ Pure: `yrpd plan` shows the same diff and steps `yrpd deploy` then takes. Fields
 own settings (INSTANCE_FIELDS) roll, instance by instance (the new one starts and joins before the old one drains and
 stops, or the other way round where no device is spare); the instance counts scale (`yrpd scale`'s removal and
 addition); a few settings take effect without restarting anything; everything else (the cluster, the data system,
-hosts, ports, the runtime) cannot change under a running deployment and needs `--recreate` (down, then deploy).
+ports, the runtime, a host taken away) cannot change under a running deployment and needs `--recreate` (down, then
+deploy). Hosts added at the end of the list join: their data system workers join the cluster, and instances go
+there where a count change or a later scale places them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class ChangeKind(str, Enum):
     roll = "roll"  # instances are replaced one by one
     scale = "scale"  # instances are added or removed
     free = "free"  # read by yrpd itself: nothing restarts
+    join = "join"  # hosts added after the others: they join the cluster, nothing that runs restarts
     recreate = "recreate"  # cannot change under a running deployment
 
 
@@ -51,9 +54,27 @@ def kind_of(name: str) -> ChangeKind:
 
 
 def diff(old: DeploySpec, new: DeploySpec) -> list[Change]:
-    """Every top-level spec field whose value differs, in the spec's field order."""
+    """Every top-level spec field whose value differs, in the spec's field order (hosts by name)."""
     a, b = old.model_dump(mode="json"), new.model_dump(mode="json")
-    return [Change(k, a.get(k), b.get(k), kind_of(k)) for k in b if a.get(k) != b.get(k)]
+    changes = []
+    for k in b:
+        if a.get(k) == b.get(k):
+            continue
+        if k == "hosts":
+            kind = ChangeKind.join if joined_hosts(old, new) else ChangeKind.recreate
+            changes.append(Change(k, [h.name for h in old.hosts], [h.name for h in new.hosts], kind))
+        else:
+            changes.append(Change(k, a.get(k), b.get(k), kind_of(k)))
+    return changes
+
+
+def joined_hosts(old: DeploySpec, new: DeploySpec) -> list[str]:
+    """The hosts `new` adds after all of `old`'s, each of those unchanged and in its place (so the master stays);
+    [] where the lists differ any other way."""
+    before, after = old.model_dump(mode="json")["hosts"], new.model_dump(mode="json")["hosts"]
+    if len(after) <= len(before) or after[:len(before)] != before:
+        return []
+    return [h.name for h in new.hosts[len(before):]]
 
 
 def stale(plan: Plan, spec: DeploySpec) -> list[InstancePlan]:
@@ -66,7 +87,7 @@ def refuse_unrollable(changes: list[Change], session_id: str) -> None:
     blocked = [c.field for c in changes if c.kind is ChangeKind.recreate]
     if blocked:
         raise SpecError("deploy", f"session {session_id} is running and {', '.join(blocked)} cannot change under it "
-                        "(only instance settings roll and instance counts scale)",
+                        "(only instance settings roll, instance counts scale and hosts added after the others join)",
                         "pass --recreate to tear it down and deploy anew (requests fail meanwhile), or undo that change")
 
 
@@ -118,6 +139,11 @@ def default_max_unavailable(spec: DeploySpec, inventory: dict[str, HostInventory
 def describe(changes: list[Change], plan: Plan, spec: DeploySpec, max_unavailable: int) -> list[str]:
     """What a deploy of `spec` does to the running `plan`, line by line (shown before it acts, and by `yrpd plan`)."""
     lines = [c.line() for c in changes]
+    for c in changes:
+        if c.kind is ChangeKind.join:
+            added = c.new[len(c.old):]
+            lines.append(f"join {', '.join(added)}: {'its' if len(added) == 1 else 'their'} data system worker joins "
+                         "the cluster, nothing that runs restarts")
     replaced = stale(plan, spec)
     if replaced:
         how = ("start each new instance, then drain and stop the old one" if max_unavailable == 0 else

@@ -1,6 +1,7 @@
-"""`yrpd scale` under load on 3 fake hosts (issue 34): 1 prefill + 1 decode -> 1P2D -> 1P1D while clients keep
-sending requests, none of which may fail or come back wrong; the new decode instance serves within its start time
-plus 10 s; the removed one is drained before it stops (its last requests end with their full answers).
+"""`yrpd scale` under load on 3 fake hosts (issue 34): 1 prefill + 1 decode on h1 and h2 -> 1P2D with h3 added to the
+deployment by the same command -> 1P1D while clients keep sending requests, none of which may fail or come back wrong;
+the new decode instance serves within its start time plus 10 s; the removed one is drained before it stops (its last
+requests end with their full answers).
 
     YRPD_SCALE_REPORT=FILE.json writes the figures with their provenance.
 """
@@ -68,7 +69,7 @@ def test_scale_out_and_back_in_under_load_fails_no_request(fake_lab, tmp_path):
     d = TwoHosts(lab, tmp_path, n=3)
     figures: dict = {}
     try:
-        figures["deploy_s"] = round(d.deploy(), 1)
+        figures["deploy_s"] = round(d.deploy(on=2), 1)  # h3 joins with the scale-out
         expected = {p: d.ask(p, 16, timeout=120).text for p in PROMPTS}
         assert all(expected.values()), expected
         before, _ = d.healthy()
@@ -76,10 +77,11 @@ def test_scale_out_and_back_in_under_load_fails_no_request(fake_lab, tmp_path):
         with Load(d.proxy, expected) as load:
             time.sleep(5)
             t0 = time.monotonic()
-            [documented] = commands(scales_a_deployment)  # the README's: 1 decode instance -> 2
+            [documented] = commands(scales_a_deployment)  # the README's: 1 decode instance -> 2, h3 added
             out = d.cli(*words(documented), timeout=900)
             figures["scale_out_s"] = round(time.monotonic() - t0, 1)
             assert "now runs 1 prefill and 2 decode instances: added decode-1" in out.stderr, out.stderr
+            assert "join h3: its data system worker joins the cluster" in out.stderr, out.stderr
             # it serves: the proxy routes requests to it, within its start plus 10 s
             served_at = None
             while served_at is None and time.monotonic() - t0 < figures["scale_out_s"] + 10:
@@ -100,6 +102,8 @@ def test_scale_out_and_back_in_under_load_fails_no_request(fake_lab, tmp_path):
             time.sleep(5)
         after, _ = d.healthy()
         assert [i["name"] for i in after["instances"]] == ["prefill-0", "decode-0"]
+        # h3 stays in the deployment: its data system worker is part of the cluster, in status and torn down by down
+        assert {c["host"] for c in after["cluster"]["components"]} == {"h1", "h2", "h3"}
         assert (before.get("generation"), after.get("generation")) == (1, 3)  # deployed, scaled out, scaled in
         figures.update(requests=len(load.calls), failed=len(load.bad()), decode_1_requests=routed,
                        during_scale_in=sum(1 for c in load.calls if c.started >= t1 - 1))

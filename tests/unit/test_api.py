@@ -203,7 +203,7 @@ def test_a_change_that_cannot_roll_is_refused_naming_it_and_recreate_tears_the_s
             api.deploy(other, playbook_file=playbook)
         assert str(exc.value) == (
             f"deploy: session {first.id} is running and datasystem_memory_mb cannot change under it (only instance "
-            "settings roll and instance counts scale); pass --recreate to tear it down and deploy anew (requests fail "
+            "settings roll, instance counts scale and hosts added after the others join); pass --recreate to tear it down and deploy anew (requests fail "
             "meanwhile), or undo that change")
         assert len(hosts.calls) == calls and store.all() == [first]  # refused before any host or session
         control = api.deploy(spec_for(tmp_path), playbook_file=playbook)  # the same spec: resumed, no refusal

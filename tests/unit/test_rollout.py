@@ -35,6 +35,22 @@ def test_each_changed_field_is_sorted_into_what_rolls_scales_takes_effect_or_nee
     assert rollout.diff(old, spec()) == []  # the control: the same spec changes nothing
 
 
+def test_hosts_added_after_the_others_join_and_any_other_change_of_the_hosts_needs_recreate():
+    old = spec(hosts="h1,h2")
+    [joined] = rollout.diff(old, spec(hosts="h1,h2,h3"))
+    assert (joined.kind, joined.line()) == (rollout.ChangeKind.join, "hosts: ['h1', 'h2'] -> ['h1', 'h2', 'h3'] (join)")
+    assert rollout.joined_hosts(old, spec(hosts="h1,h2,h3,h4")) == ["h3", "h4"]
+    # the master (the first host) would change, a host would go, or a running host's settings would change
+    for other in ("h3,h1,h2", "h1", "h1,h3", "h2,h1,h3"):
+        assert [c.kind for c in rollout.diff(old, spec(hosts=other))] == [rollout.ChangeKind.recreate], other
+    moved = build_spec({"hosts": [{"address": "h1"}, {"address": "h2", "ip": "10.9.9.9"}, {"address": "h3"}]},
+                       {"model": "/models/m", "device_kind": "npu", "ptp": 4, "dtp": 4})
+    assert rollout.joined_hosts(old, moved) == [] and rollout.diff(old, moved)[0].kind is rollout.ChangeKind.recreate
+    lines = rollout.describe(rollout.diff(old, spec(hosts="h1,h2,h3")), make_plan(old, inventory(hosts=("h1", "h2"))),
+                             spec(hosts="h1,h2,h3"), 0)
+    assert lines[1] == "join h3: its data system worker joins the cluster, nothing that runs restarts"
+
+
 def test_an_instance_is_stale_once_its_settings_differ_and_a_model_change_changes_its_group():
     plan = make_plan(spec(), inventory())
     assert rollout.stale(plan, spec()) == []
@@ -176,3 +192,24 @@ def test_a_drain_works_its_moves_out_one_on_another_and_refuses_to_leave_a_role_
         with pytest.raises(SpecError, match="^drain: decode-0 is the last decode instance"):
             api.drain_host(deployment, "h1")
     assert hosts.calls == [] and "drained" not in session.state  # nothing recorded either
+
+
+def test_plan_shows_a_host_added_to_the_running_session_as_a_join_and_deploy_would_not_refuse_it(tmp_path):
+    hosts = [{"address": h, "ip": f"10.0.0.{i + 1}"} for i, h in enumerate(("h1", "h2", "h3", "h4"))]
+    given = {"devices": "0-7", "device_kind": "npu", "model": "/models/m", "ptp": 4, "dtp": 4,
+             "session_root": str(tmp_path / "sessions")}
+    running = build_spec({"hosts": hosts[:3]}, given)
+    inv = inventory_from_json({h["address"]: {"kind": "npu", "devices": list(range(8)), "ip": h["ip"]}
+                               for h in hosts[:3]})
+    session = SessionStore(tmp_path / "sessions").create()
+    save_deployment(session, running, inv, make_plan(running, inv))
+    session.set_state(SessionPhase.deployed)
+    with ScriptedHosts() as calls:
+        view = api.plan(build_spec({"hosts": hosts}, given))
+    assert calls.calls == []
+    assert view.changes == [f"session {session.id} runs: `yrpd deploy` changes it while it serves",
+                            "hosts: ['h1', 'h2', 'h3'] -> ['h1', 'h2', 'h3', 'h4'] (join)",
+                            "join h4: its data system worker joins the cluster, nothing that runs restarts"]
+    # the control: a host taken away cannot change under it
+    assert api.plan(build_spec({"hosts": hosts[:2]}, given)).changes[-1] == \
+        "hosts cannot change under it: deploy refuses unless given --recreate"

@@ -93,3 +93,48 @@ def test_scale_refuses_what_it_cannot_do_before_touching_a_host(tmp_path):
         with pytest.raises(YrpdError, match="is down; deploy it first"):
             api.scale(deployment, decode=1)
     assert hosts.calls == []
+
+
+def test_hosts_added_by_scale_join_the_cluster_first_and_take_the_added_instance(tmp_path):
+    """`yrpd scale --hosts NEW --decode 3`: the deploy playbook runs on every host (those that run skip what runs), so
+    the new one joins the cluster; then the added decode instance is placed on the one host with free devices."""
+    deployment = one_p_two_d(tmp_path)  # h1 and h2: 4 cores each, 3 instances
+    new = "127.0.0.3"  # resolves to itself: the address the other hosts use
+    hosts = scripted()
+    hosts.default_exit = 0  # every step's check passes: the hosts "run" it already
+    with hosts:
+        done = api.scale(deployment, decode=3, hosts=[new])
+    assert done.added == ["decode-2"] and done.removed == []
+    assert done.deployment.plan.instance("decode-2").host == new
+    assert {"hosts: ['h1', 'h2'] -> ['h1', 'h2', '127.0.0.3'] (join)", "decode: 2 -> 3 (scale)",
+            "join 127.0.0.3: its data system worker joins the cluster, nothing that runs restarts"} <= set(done.lines)
+    assert hosts.ran(new, r"yr_cluster\.py") and hosts.ran(new, r"ds_kv_check\.py")  # it joined the cluster
+    assert not any(hosts.ran(h, r"\"action\": \"stop\"") for h in ("h1", "h2", new))  # nothing stopped
+    again = Deployment.load(Session(deployment.session.path))
+    assert [h.name for h in again.spec.hosts] == ["h1", "h2", new] and again.spec.decode == 3
+    assert again.inventory[new].ip == new and Session(deployment.session.path).state.get("joining") is None
+    starts = [e for e in deployment.session.journal_entries() if e.get("event") == "start"]
+    assert [(e["instances"], e.get("hosts")) for e in starts] == [([], [new]), (["decode-2"], None)]
+
+
+def test_a_join_stopped_half_way_is_finished_by_the_same_command(tmp_path):
+    deployment = one_p_two_d(tmp_path)
+    new = "127.0.0.3"
+    broken = scripted()
+    broken.on(r"ds_kv_check\.py", exit_code=1, stderr="cannot reach 10.0.0.1:31501", host=new)
+    broken.default_exit = 0
+    with broken:
+        with pytest.raises(YrpdError, match="127.0.0.3"):
+            api.scale(deployment, hosts=[new])
+    stopped = Deployment.load(Session(deployment.session.path))
+    assert [h.name for h in stopped.spec.hosts] == ["h1", "h2", new]  # stored: `yrpd down` knows the host
+    assert Session(deployment.session.path).state["joining"] == [new]
+    fixed = scripted()
+    fixed.default_exit = 0
+    with fixed:
+        done = api.scale(stopped, hosts=[new])  # the host is in the spec now: only the unfinished join goes on
+    assert done.lines == [f"join {new}: their join stopped half-way, it goes on"]
+    assert fixed.ran(new, r"ds_kv_check\.py") and Session(deployment.session.path).state["joining"] is None
+    with ScriptedHosts() as untouched:  # the control: once joined, the same command has nothing to do
+        quiet = api.scale(Deployment.load(Session(deployment.session.path)), hosts=[new])
+    assert untouched.calls == [] and quiet.lines == [] and quiet.added == []

@@ -33,15 +33,23 @@ def _moved(done) -> str:
 @ssh_options
 @click.option("--prefill", type=click.IntRange(1, 64), metavar="N", help="prefill instances wanted")
 @click.option("--decode", type=click.IntRange(1, 64), metavar="N", help="decode instances wanted")
+@click.option("--hosts", "add_hosts", metavar="LIST",
+              help="hosts to add first (h3,h4 or user@host:port): they join the cluster, and added instances may go there")
 @drain_timeout
 @version
 def scale(**params) -> int:
-    """Add or remove prefill/decode instances of a running deployment (latest session by default): new ones join
-    the proxy once they answer; removed ones are drained first, then stopped."""
+    """Add or remove prefill/decode instances of a running deployment (latest session by default), and add hosts:
+    new instances join the proxy once they answer; removed ones are drained first, then stopped."""
     api, deployment, progress = _open(params)
-    done = api.scale(deployment, prefill=params["prefill"], decode=params["decode"],
+    hosts = params["add_hosts"].split(",") if params["add_hosts"] is not None else None
+    done = api.scale(deployment, prefill=params["prefill"], decode=params["decode"], hosts=hosts,
                      drain_timeout_s=params["drain_timeout"], progress=progress)
     spec = done.deployment.spec
+    joined = [line for line in done.lines if line.startswith("join ")]
+    if joined and not done.added and not done.removed:
+        progress.message(f"session {done.session.id} now spans {', '.join(h.name for h in spec.hosts)}; it runs "
+                         f"{spec.prefill} prefill and {spec.decode} decode instances ({done.seconds:.1f}s)")
+        return 0
     if not done.added and not done.removed:
         progress.message(f"session {done.session.id} already has {spec.prefill} prefill and {spec.decode} decode "
                          "instances: nothing changed")
