@@ -661,6 +661,22 @@ def test_a_stream_whose_instance_is_declared_down_after_its_first_token_ends_wit
 # -- the membership file (scale out and in, draining)
 
 
+@contextlib.asynccontextmanager
+async def spare_decode(tmp_path: Path, probe_interval: float):
+    """A proxy reading a membership file, its prefill and decode instance, and one more decode instance that no
+    membership names yet."""
+    from tests.unit.proxy_fakes import FakeVLLM
+
+    path = tmp_path / "members.json"
+    async with running(probe_interval=probe_interval, instances_file=str(path), routing=Routing.load) as s:
+        (p0,), (d0,) = s.prefill, s.decode
+        d1 = await FakeVLLM("d1", "decode").start()
+        try:
+            yield s, path, p0, d0, d1
+        finally:
+            await d1.stop()
+
+
 def write_members(path: Path, *members) -> None:
     """Replace the membership file as the controller does: whole, by rename."""
     tmp = path.with_suffix(".tmp")
@@ -674,80 +690,64 @@ async def members(s) -> dict:
 
 def test_an_instance_written_into_the_membership_joins_once_its_probe_answers_and_a_draining_one_gets_no_new_leg(
         tmp_path):
-    from tests.unit.proxy_fakes import FakeVLLM
-
     async def go():
-        path = tmp_path / "members.json"
-        async with running(probe_interval=0.1, instances_file=str(path), routing=Routing.load) as s:
-            (p0,), (d0,) = s.prefill, s.decode
-            d1 = await FakeVLLM("d1", "decode").start()
-            try:
-                d1.health_status = 503
-                write_members(path, (p0, False), (d0, False), (d1, False))
-                await until(lambda: members(s), timeout=3)
-                await until(lambda: _member_has(s, d1.url), timeout=3)
-                body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
-                for _ in range(4):  # it does not answer yet: nothing goes there
-                    assert (await post(s, "/v1/completions", body))[0] == 200
-                assert d1.bodies == [] and (await members(s))[d1.url]["up"] is False
-                d1.health_status = 200
-                await until(lambda: _member_up(s, d1.url), timeout=3)
-                for _ in range(4):
-                    assert (await post(s, "/v1/completions", body))[0] == 200
-                assert d1.bodies, "a joined instance that answers gets legs"
-                # draining: listed and probed, but no new leg; the control is the same instance undrained
-                write_members(path, (p0, False), (d0, False), (d1, True))
-                await until(lambda: _member_draining(s, d1.url), timeout=3)
-                sent = len(d1.bodies)
-                for _ in range(4):
-                    assert (await post(s, "/v1/completions", body))[0] == 200
-                assert len(d1.bodies) == sent
-                write_members(path, (p0, False), (d0, False), (d1, False))
-                await until(lambda: _member_routable(s, d1.url), timeout=3)
-                for _ in range(4):
-                    assert (await post(s, "/v1/completions", body))[0] == 200
-                assert len(d1.bodies) > sent
-            finally:
-                await d1.stop()
+        async with spare_decode(tmp_path, probe_interval=0.1) as (s, path, p0, d0, d1):
+            d1.health_status = 503
+            write_members(path, (p0, False), (d0, False), (d1, False))
+            await until(lambda: members(s), timeout=3)
+            await until(lambda: _member_has(s, d1.url), timeout=3)
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+            for _ in range(4):  # it does not answer yet: nothing goes there
+                assert (await post(s, "/v1/completions", body))[0] == 200
+            assert d1.bodies == [] and (await members(s))[d1.url]["up"] is False
+            d1.health_status = 200
+            await until(lambda: _member_up(s, d1.url), timeout=3)
+            for _ in range(4):
+                assert (await post(s, "/v1/completions", body))[0] == 200
+            assert d1.bodies, "a joined instance that answers gets legs"
+            # draining: listed and probed, but no new leg; the control is the same instance undrained
+            write_members(path, (p0, False), (d0, False), (d1, True))
+            await until(lambda: _member_draining(s, d1.url), timeout=3)
+            sent = len(d1.bodies)
+            for _ in range(4):
+                assert (await post(s, "/v1/completions", body))[0] == 200
+            assert len(d1.bodies) == sent
+            write_members(path, (p0, False), (d0, False), (d1, False))
+            await until(lambda: _member_routable(s, d1.url), timeout=3)
+            for _ in range(4):
+                assert (await post(s, "/v1/completions", body))[0] == 200
+            assert len(d1.bodies) > sent
     run(go())
 
 
 def test_a_membership_that_adds_a_decode_instance_and_drains_the_old_one_at_once_refuses_no_request(tmp_path):
     """A rolling change writes "new one joins" and "old one drains" as two versions; when both land within one probe
     round the proxy reads them as one, and the new instance must be up before the old one stops taking requests."""
-    from tests.unit.proxy_fakes import FakeVLLM
-
     async def go():
-        path = tmp_path / "members.json"
-        async with running(probe_interval=0.3, instances_file=str(path), routing=Routing.load) as s:
-            (p0,), (d0,) = s.prefill, s.decode
-            d1 = await FakeVLLM("d1", "decode").start()
-            try:
-                write_members(path, (p0, False), (d0, False))
-                await until(lambda: _member_version(s, 1), timeout=3)
-                d1.health_delay = 0.5  # its probe takes a while: the time a request could find no decode up
-                body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
-                statuses = []
+        async with spare_decode(tmp_path, probe_interval=0.3) as (s, path, p0, d0, d1):
+            write_members(path, (p0, False), (d0, False))
+            await until(lambda: _member_version(s, 1), timeout=3)
+            d1.health_delay = 0.5  # its probe takes a while: the time a request could find no decode up
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+            statuses = []
 
-                async def load():
-                    while True:
-                        statuses.append((await post(s, "/v1/completions", body))[0])
-                        await asyncio.sleep(0.01)
+            async def load():
+                while True:
+                    statuses.append((await post(s, "/v1/completions", body))[0])
+                    await asyncio.sleep(0.01)
 
-                loader = asyncio.create_task(load())
-                await asyncio.sleep(0.2)
-                write_members(path, (p0, False), (d0, True), (d1, False))
-                await until(lambda: _member_version(s, 2), timeout=5)
-                await asyncio.sleep(0.05)  # a leg routed just before the drain reaches d0 still
-                sent = len(d0.bodies)
-                await asyncio.sleep(0.3)
-                loader.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await loader
-                assert statuses and set(statuses) == {200}, statuses
-                assert len(d0.bodies) == sent and d1.bodies, "the new one serves, the drained one takes nothing new"
-            finally:
-                await d1.stop()
+            loader = asyncio.create_task(load())
+            await asyncio.sleep(0.2)
+            write_members(path, (p0, False), (d0, True), (d1, False))
+            await until(lambda: _member_version(s, 2), timeout=5)
+            await asyncio.sleep(0.05)  # a leg routed just before the drain reaches d0 still
+            sent = len(d0.bodies)
+            await asyncio.sleep(0.3)
+            loader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loader
+            assert statuses and set(statuses) == {200}, statuses
+            assert len(d0.bodies) == sent and d1.bodies, "the new one serves, the drained one takes nothing new"
     run(go())
 
 
