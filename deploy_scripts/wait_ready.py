@@ -80,12 +80,15 @@ def members_up(target):
     """(all up, why not): the proxy's status lists every one of the target's members as up."""
     try:
         with urllib.request.urlopen(target["status_url"], timeout=3) as resp:
-            listed = {i["url"]: i for i in json.load(resp).get("instances", [])}
-    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+            report = json.load(resp)
+        listed = {i["url"]: i for i in report.get("instances", [])}
+        refused = (report.get("membership") or {}).get("error")
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return False, f"its status cannot be read ({exc})"
     down = [u for u in target["members"] if not listed.get(u, {}).get("up")]
     if down:
-        return False, f"it does not route to {', '.join(down)} yet (not up in its status)"
+        why = f"; it refused its membership file: {refused}" if refused else ""
+        return False, f"it does not route to {', '.join(down)} yet (not up in its status{why})"
     return True, ""
 
 

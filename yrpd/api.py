@@ -158,7 +158,7 @@ def deploy(spec: DeploySpec, *, playbook_file: str | Path | None = None, new_ses
         if running is not None and not same_deployment(running, spec):
             if not actions.recreate:
                 changed = live.change(running, spec, max_unavailable=max_unavailable,
-                                      drain_timeout_s=drain_timeout_s, progress=progress)
+                                      drain_timeout_s=drain_timeout_s, progress=progress, inventory=inventory)
                 endpoint = endpoint_url(spec, changed.deployment.plan) + "/v1"
                 return Deployed(changed.session, changed.deployment, endpoint, True, time.monotonic() - started,
                                 changes=changed.lines)

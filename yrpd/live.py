@@ -76,6 +76,10 @@ class _Mover:
         plan = self.placed(spec, add)
         names = [i.name for i in plan.instances if i.name not in {j.name for j in self.now.plan.instances}]
         after = Deployment(self.session, rollout.with_counts(spec, plan), self.now.inventory, plan)
+        if joining:
+            # before the spec that names them is stored: a join stopped anywhere from here on is found by the next
+            # change, which finishes it
+            self.session.set_state(joining=list(joining))
         # stored first: if the start fails half-way, `yrpd down` knows them and the same command resumes
         save_deployment(self.session, after.spec, after.inventory, plan)
         self.session.journal(event="start", instances=names, **({"hosts": list(joining)} if joining else {}))
@@ -84,8 +88,6 @@ class _Mover:
         ctx = StepContext(spec=after.spec, plan=plan, session_id=self.session.id,
                           options=RunOptions(secrets_dir=str(secrets)))
         if joining:
-            # the spec stored above names them already: a join stopped half-way is found here by the next change
-            self.session.set_state(joining=list(joining))
             self.progress.message(f"joining {', '.join(joining)} to the cluster (the hosts that run are skipped)")
         if names:
             self.progress.message(f"starting {', '.join(names)}; the proxy routes to them once they answer")
@@ -95,8 +97,8 @@ class _Mover:
             failure.args = (f"{failure}\nthe instances already running serve on; fix the cause and run the same "
                             "command again to go on with the change",)
             raise
-        if joining:
-            self.session.set_state(joining=None)
+        if self.session.state.get("joining"):
+            self.session.set_state(joining=None)  # the playbook ran on every host of the plan: each has joined
         self.now = after
         self.added += names
 
@@ -165,7 +167,7 @@ def _check_live(deployment: Deployment, what: str) -> None:
 
 def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | None = None,
            drain_timeout_s: float = DRAIN_TIMEOUT_S, progress: Progress | None = None, what: str = "deploy",
-           cordoned: list[str] | None = None) -> Changed:
+           cordoned: list[str] | None = None, inventory: dict | None = None) -> Changed:
     """Bring a running deployment to `spec` without failing a request: instance settings roll (INSTANCE_FIELDS:
     new instance up and serving, then the old one drained and stopped; with `max_unavailable` >= 1 the other way
     round, in batches that leave every role an instance serving), instance counts scale. Anything else is refused
@@ -180,9 +182,11 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
     if not spec.disaggregated:
         raise SpecError(what, "disaggregated cannot change under a running deployment", "pass --recreate")
     joining = rollout.joined_hosts(deployment.spec, spec)
-    if joining:  # their devices, before anything is planned on them (the running hosts keep what is stored)
-        deployment = Deployment(session, deployment.spec, {**joined_inventory(spec, joining), **deployment.inventory},
-                                deployment.plan)
+    if joining:  # their devices (`inventory`: detected by the caller), before anything is planned on them; the
+        # running hosts keep what is stored
+        found = inventory if inventory is not None else joined_inventory(spec, joining)
+        deployment = Deployment(session, deployment.spec,
+                                {**{h: found[h] for h in joining}, **deployment.inventory}, deployment.plan)
     unfinished = [h.name for h in spec.hosts if h.name in (session.state.get("joining") or [])]
     cordoned = drained_hosts(session) if cordoned is None else cordoned  # hosts no new instance goes to
     replaced = rollout.stale(deployment.plan, spec)
@@ -203,7 +207,7 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
                             "device, or pass --recreate")
     lines = rollout.describe(changes, deployment.plan, spec, max_unavailable)
     if unfinished:
-        lines.append(f"join {', '.join(unfinished)}: their join stopped half-way, it goes on")
+        lines.append(f"join {', '.join(unfinished)}: stopped half-way, it goes on")
         joining = list(dict.fromkeys(joining + unfinished))
     for line in lines:
         progress.message(line)

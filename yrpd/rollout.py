@@ -61,11 +61,23 @@ def diff(old: DeploySpec, new: DeploySpec) -> list[Change]:
         if a.get(k) == b.get(k):
             continue
         if k == "hosts":
-            kind = ChangeKind.join if joined_hosts(old, new) else ChangeKind.recreate
-            changes.append(Change(k, [h.name for h in old.hosts], [h.name for h in new.hosts], kind))
+            names = [h.name for h in old.hosts], [h.name for h in new.hosts]
+            if joined_hosts(old, new):
+                changes.append(Change(k, *names, ChangeKind.join))
+            elif names[0] != names[1]:
+                changes.append(Change(k, *names, ChangeKind.recreate))
+            else:  # the same hosts with other settings: show those
+                was, now = _set(a[k]), _set(b[k])
+                changes.append(Change(k, [h for h in was if h not in now], [h for h in now if h not in was],
+                                      ChangeKind.recreate))
         else:
             changes.append(Change(k, a.get(k), b.get(k), kind_of(k)))
     return changes
+
+
+def _set(hosts: list[dict]) -> list[dict]:
+    """Host entries with only the settings given (None left out), for a readable diff line."""
+    return [{k: v for k, v in h.items() if v is not None} for h in hosts]
 
 
 def joined_hosts(old: DeploySpec, new: DeploySpec) -> list[str]:

@@ -46,6 +46,10 @@ def test_hosts_added_after_the_others_join_and_any_other_change_of_the_hosts_nee
     moved = build_spec({"hosts": [{"address": "h1"}, {"address": "h2", "ip": "10.9.9.9"}, {"address": "h3"}]},
                        {"model": "/models/m", "device_kind": "npu", "ptp": 4, "dtp": 4})
     assert rollout.joined_hosts(old, moved) == [] and rollout.diff(old, moved)[0].kind is rollout.ChangeKind.recreate
+    same_names = build_spec({"hosts": [{"address": "h1"}, {"address": "h2", "ip": "10.9.9.9"}]},
+                            {"model": "/models/m", "device_kind": "npu", "ptp": 4, "dtp": 4})
+    assert rollout.diff(old, same_names)[0].line() == \
+        "hosts: [{'address': 'h2'}] -> [{'address': 'h2', 'ip': '10.9.9.9'}] (recreate)"  # what differs, named
     lines = rollout.describe(rollout.diff(old, spec(hosts="h1,h2,h3")), make_plan(old, inventory(hosts=("h1", "h2"))),
                              spec(hosts="h1,h2,h3"), 0)
     assert lines[1] == "join h3: its data system worker joins the cluster, nothing that runs restarts"

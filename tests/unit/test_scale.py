@@ -101,15 +101,20 @@ def test_hosts_added_by_scale_join_the_cluster_first_and_take_the_added_instance
     deployment = one_p_two_d(tmp_path)  # h1 and h2: 4 cores each, 3 instances
     new = "127.0.0.3"  # resolves to itself: the address the other hosts use
     hosts = scripted()
-    hosts.default_exit = 0  # every step's check passes: the hosts "run" it already
+    hosts.default_exit = 0  # every step's check passes: the hosts run it already ...
+    hosts.on(r'"action": "wait", .*"timeout": 0}', exit_code=1, host=new)  # ... but the new one runs no cluster yet
     with hosts:
         done = api.scale(deployment, decode=3, hosts=[new])
     assert done.added == ["decode-2"] and done.removed == []
     assert done.deployment.plan.instance("decode-2").host == new
     assert {"hosts: ['h1', 'h2'] -> ['h1', 'h2', '127.0.0.3'] (join)", "decode: 2 -> 3 (scale)",
             "join 127.0.0.3: its data system worker joins the cluster, nothing that runs restarts"} <= set(done.lines)
-    assert hosts.ran(new, r"yr_cluster\.py") and hosts.ran(new, r"ds_kv_check\.py")  # it joined the cluster
-    assert not any(hosts.ran(h, r"\"action\": \"stop\"") for h in ("h1", "h2", new))  # nothing stopped
+    # its data system worker started, joined to the master's etcd, and the cache was checked across hosts with it
+    assert hosts.ran(new, r"datasystem_worker\W+ --worker_address=127\.0\.0\.3:\d+ --etcd_address=10\.0\.0\.1:")
+    assert not hosts.ran("h1", r"datasystem_worker\W+ --worker_address") and \
+        not hosts.ran("h2", r"datasystem_worker\W+ --worker_address")  # the running ones were skipped
+    assert hosts.ran(new, r"ds_kv_check\.py")
+    assert not any(hosts.ran(h, r"\"action\": \"stop\"") for h in ("h1", "h2"))  # nothing that ran was stopped
     again = Deployment.load(Session(deployment.session.path))
     assert [h.name for h in again.spec.hosts] == ["h1", "h2", new] and again.spec.decode == 3
     assert again.inventory[new].ip == new and Session(deployment.session.path).state.get("joining") is None
@@ -133,7 +138,7 @@ def test_a_join_stopped_half_way_is_finished_by_the_same_command(tmp_path):
     fixed.default_exit = 0
     with fixed:
         done = api.scale(stopped, hosts=[new])  # the host is in the spec now: only the unfinished join goes on
-    assert done.lines == [f"join {new}: their join stopped half-way, it goes on"]
+    assert done.lines == [f"join {new}: stopped half-way, it goes on"]
     assert fixed.ran(new, r"ds_kv_check\.py") and Session(deployment.session.path).state["joining"] is None
     with ScriptedHosts() as untouched:  # the control: once joined, the same command has nothing to do
         quiet = api.scale(Deployment.load(Session(deployment.session.path)), hosts=[new])

@@ -235,11 +235,11 @@ class Proxy:
         seen = (st.st_mtime_ns, st.st_size)
         if seen == self._members_seen:
             return
-        self._members_seen = seen
         try:
             with open(path) as f:
                 members = parse_members(json.load(f))
         except (OSError, ValueError) as exc:
+            self._members_seen = seen  # named once; the next version is read again
             self._members_refused(f"{path}: {exc}")
             return
         known = {(i.url, i.role, i.group) for i in self.pool.instances if not i.leaving}
@@ -247,6 +247,7 @@ class Proxy:
                                    if (url.rstrip("/"), role, group) not in known))
         answered = dict(zip(fresh, await asyncio.gather(*(self._health_of(url) for url in fresh))))
         joined, left = self.pool.sync(members)
+        self._members_seen = seen  # only now: a round that failed before this reads the same version again
         for inst in joined:
             self.pool.probed(inst, *answered.get(inst.url, (False, None)))
         self.members_error = None
