@@ -585,6 +585,7 @@ def test_cli_serves_503_without_instances_and_stops_on_sigterm():
         out = proc.stdout.read()
         assert f"prefill: http://127.0.0.1:{nobody} (down); decode: http://127.0.0.1:{nobody} (down)" in out
         assert "GET /v1/models 401" in out and "GET /v1/models 503" in out
+        assert "(event loop: uvloop)" in out  # as deployed: beside vLLM, which depends on uvloop
     finally:
         if proc.poll() is None:
             proc.kill()
