@@ -678,10 +678,11 @@ async def spare_decode(tmp_path: Path, probe_interval: float):
             await d1.stop()
 
 
-def write_members(path: Path, *members) -> None:
+def write_members(path: Path, *members, group: str = "") -> None:
     """Replace the membership file as the controller does: whole, by rename."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"instances": [{"url": f.url, "role": f.role, "draining": d} for f, d in members]}))
+    tmp.write_text(json.dumps({"instances": [{"url": f.url, "role": f.role, "draining": d, "group": group}
+                                             for f, d in members]}))
     os.replace(tmp, path)
 
 
@@ -752,20 +753,26 @@ def test_a_membership_that_adds_a_decode_instance_and_drains_the_old_one_at_once
     run(go())
 
 
-def test_an_instance_left_out_of_the_membership_finishes_its_request_in_flight_then_goes(tmp_path):
+def test_an_instance_left_out_of_the_membership_finishes_its_request_in_flight_then_goes(tmp_path, caplog):
+    def logged(version: int) -> str:
+        return next(r.getMessage() for r in caplog.records if f"(version {version})" in r.getMessage())
+
     async def go():
         path = tmp_path / "members.json"
         async with running(decode=2, probe_interval=0.1, instances_file=str(path), routing=Routing.load) as s:
             (p0,), (d0, d1) = s.prefill, s.decode
-            write_members(path, (p0, False), (d0, False), (d1, False))
+            # a group, as the deploy writes: the command line's instances (no group) are replaced
+            write_members(path, (p0, False), (d0, False), (d1, False), group="tiny#0")
             await until(lambda: _member_version(s, 1), timeout=3)
+            # the first version takes over the command line's instances: joined, not also "leaving"
+            assert "leaving" not in logged(1) and d1.url in logged(1)
             for d in (d0, d1):
                 d.gate.clear()
             held = asyncio.create_task(post(s, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4}))
             await until(lambda: d0.bodies or d1.bodies, timeout=3)
             busy, other = (d0, d1) if d0.bodies else (d1, d0)
             other.gate.set()
-            write_members(path, (p0, False), (other, False))
+            write_members(path, (p0, False), (other, False), group="tiny#0")
             await until(lambda: _member_version(s, 2), timeout=3)
             listed = await members(s)
             assert listed[busy.url]["draining"] and listed[busy.url]["in_flight"] == 1  # still there: it has a leg
@@ -777,7 +784,9 @@ def test_an_instance_left_out_of_the_membership_finishes_its_request_in_flight_t
             status, _, data = await held
             assert status == 200 and json.loads(data)["choices"][0]["text"] == f"{busy.name} says hi"  # not cut
             await until(lambda: _member_gone(s, busy.url), timeout=3)
-    run(go())
+            assert f"leaving: {busy.url}" in logged(2)
+    with caplog.at_level("INFO", logger="yrpd.proxy"):
+        run(go())
 
 
 def test_a_membership_file_that_makes_no_sense_is_named_and_the_last_good_one_stays(tmp_path):

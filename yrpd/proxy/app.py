@@ -252,13 +252,16 @@ class Proxy:
             self.pool.probed(inst, *answered.get(inst.url, (False, None)))
         self.members_error = None
         up = [i.url for i in joined if i.up]
+        # An instance that only changed role or group leaves and joins at once (the first version does that to the
+        # command line's instances, which have no group): name it once, as joined.
+        gone = [i.url for i in left if i.url not in {j.url for j in joined}]
         self.members_version += 1
         draining = [u for u, _, d, _ in members if d]
         log.info("membership from %s (version %d): %d instances%s%s%s%s", path, self.members_version, len(members),
                  f"; joined up: {', '.join(up)}" if up else "",
                  f"; joining (once up): {', '.join(i.url for i in joined if not i.up)}" if len(up) < len(joined)
                  else "",
-                 f"; leaving: {', '.join(i.url for i in left)}" if left else "",
+                 f"; leaving: {', '.join(gone)}" if gone else "",
                  f"; draining: {', '.join(draining)}" if draining else "")
 
     def _members_refused(self, why: str) -> None:
