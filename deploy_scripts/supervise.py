@@ -5,12 +5,19 @@ Run by yrpd on the host (stdlib only), detached, as the process the session's pi
    "max_restarts": N (0: never restart), "window_s": seconds, "grace_s": seconds,
    "env_file": optional path of KEY=VALUE lines (the deployment's secrets) added to the command's environment at
    every start, so they are on no command line,
-   "health": optional {"url": an HTTP URL the command answers while it works (any status), "hang_after_s": N}}
+   "health": optional {"url": an HTTP URL the command answers while it works (any status), "hang_after_s": N},
+   "needs": optional ["HOST:PORT", ..], what the command cannot start without (the data-system worker: etcd)}
 The command runs in a process group of its own (in this supervisor's unix session). When it exits, the rest of its group is stopped too (a vLLM API
 server killed with -9 leaves its EngineCore and workers behind, holding memory, ports and devices), then it is
 started again after a backoff of 1, 2, 4 .. 30 s, unless it was already restarted max_restarts times within the last
 window_s seconds: then the state file says `failed` with the reason and this supervisor exits (`yrpd deploy` starts
 a new one). TERM or INT: stop the group (TERM, KILL after grace_s) and exit 0, restarting nothing.
+
+An exit while something in "needs" does not accept a TCP connection is not the command's fault, and starting it
+again before that answers only fails again: the supervisor waits (state backoff, the reason naming the address)
+until it answers, then restarts the command, without counting that restart against max_restarts. Otherwise a
+network cut longer than a few failed starts (openYuanrong's worker gives up on an unreachable etcd after about a
+minute) would use up the restarts and leave the worker down after the network is back.
 
 A command that is alive but hung (stopped, deadlocked, spinning) never exits, so exits alone do not catch it: given a
 health URL, the supervisor probes it every few seconds once it has answered once (a starting server is not judged;
@@ -32,6 +39,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -45,6 +53,7 @@ args = json.loads(sys.argv[1])
 name, state_path = args["name"], args["state"]
 max_restarts, window_s, grace_s = int(args.get("max_restarts", 3)), float(args.get("window_s", 600)), float(args.get("grace_s", 15))
 health = args.get("health") or {}
+needs = [tuple(a.rsplit(":", 1)) for a in args.get("needs") or []]
 hang_after_s = float(health.get("hang_after_s") or 0) if health.get("url") else 0.0
 # a probe every third of the hang bound (at most 5 s), each given as long to answer
 probe_every = min(5.0, hang_after_s / 3) if hang_after_s else 0.0
@@ -217,6 +226,21 @@ def main():
             say(f"{reason}; automatic restart is off (restart.max 0): `yrpd deploy` starts it again")
             write(state=EXITED, pid=None, last_exit=code, reason=reason)
             return 0
+        gone = unanswered()
+        if gone:
+            say(f"{reason} while {gone}, which it needs, does not answer; restarting it once that answers "
+                f"(not counted against the {max_restarts} restarts)")
+            write(state=BACKOFF, pid=None, last_exit=code, reason=f"{reason}; waiting for {gone}, which it needs")
+            while not stopping and unanswered():
+                for _ in range(20):
+                    reap()
+                    time.sleep(0.1)
+            if stopping:
+                write(state=STOPPED, reason="stopped by yrpd")
+                return 0
+            say(f"{gone} answers again: restarting {name}")
+            state["restarts"] += 1
+            continue
         if len(recent) >= max_restarts:
             reason = (f"{reason} after {len(recent)} restarts in {int(window_s)} s; not restarting it "
                       f"again (`yrpd deploy` starts it anew once the cause is fixed)")
@@ -236,6 +260,16 @@ def main():
             return 0
         recent.append(time.monotonic())
         state["restarts"] += 1
+
+
+def unanswered():
+    """The first address of `needs` that does not accept a TCP connection now, or None."""
+    for host, port in needs:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+        except OSError:
+            return f"{host}:{port}"
+    return None
 
 
 def wait_for(child):

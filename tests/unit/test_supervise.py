@@ -313,3 +313,31 @@ def test_shared_memory_left_by_a_killed_group_is_removed_unless_someone_still_ma
         for path in (lost, shared):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_exits_while_what_it_needs_does_not_answer_wait_for_it_and_spend_no_restarts(supervised, tmp_path):
+    """The data-system worker exits when etcd stays unreachable; restarted during a network cut it fails again, and
+    a cut longer than a few such starts would use up restart.max and leave it down after the network is back."""
+    import socket
+
+    port = free_port()
+    s = supervised("echo RUN; exit 7", max_restarts=1, needs=[f"127.0.0.1:{port}"])
+    waiting = s.wait_for(lambda st: st["state"] == "backoff" and "waiting for" in (st["reason"] or ""))
+    assert f"waiting for 127.0.0.1:{port}, which it needs" in waiting["reason"] and waiting["restarts"] == 0
+    time.sleep(3)  # it keeps waiting: nothing started, nothing given up
+    assert s.state()["state"] == "backoff" and s.log.read_text().count("RUN\n") == 1
+    with socket.socket() as listener:  # what it needs answers again
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        # restarted once that answers, not counted; exiting with it answering counts, and the one restart allowed
+        # is spent before it gives up
+        final = s.wait_for(lambda st: st["state"] == "failed", timeout=20)
+    assert final["restarts"] == 2 and "after 1 restarts in 600 s" in final["reason"], final
+    assert s.log.read_text().count("RUN\n") == 3
+
+
+def test_without_needs_the_same_command_gives_up_at_once(supervised):
+    """The control: the same exits and restart.max, nothing needed: failed after one restart."""
+    s = supervised("echo RUN; exit 7", max_restarts=1)
+    final = s.wait_for(lambda st: st["state"] == "failed", timeout=20)
+    assert final["restarts"] == 1 and s.log.read_text().count("RUN\n") == 2

@@ -280,7 +280,9 @@ def _start_supervised(ctx: StepContext, host: HostPlan) -> Command:
     for name, command in dscli_commands(ctx, host).items():
         if name == dsconfig.WORKER:
             lines.append(reach)
-        lines.append(processes.start_script(ctx, name, command, installed=True))
+        # a worker restarted while etcd is cut off fails again after a minute: its supervisor waits for etcd instead
+        needs = [etcd] if name == dsconfig.WORKER else None
+        lines.append(processes.start_script(ctx, name, command, installed=True, needs=needs))
     wait = host_python("yr_cluster.py", _dscli_args(ctx, host, "wait", START_TIMEOUT), timeout=START_TIMEOUT + 60)
     lines.append(f"if ! (\n{wait.script}); then\nyrpd_stop_started\nexit 1\nfi")
     shown = "; ".join(f"start {name} under a supervisor: {command}" for name, command in dscli_commands(ctx, host).items())
