@@ -90,10 +90,11 @@ def _run(coro) -> None:
     buffer it keeps and copies out only what arrived."""
     try:
         import uvloop
-    except ImportError:
-        asyncio.run(coro)
-    else:
-        uvloop.run(coro)
+
+        run = uvloop.run  # uvloop 0.18 and later
+    except (ImportError, AttributeError):
+        run = asyncio.run
+    run(coro)
 
 
 def main(argv: list[str] | None = None) -> int:
