@@ -266,7 +266,7 @@ def unanswered():
     """The first address of `needs` that does not accept a TCP connection now, or None."""
     for host, port in needs:
         try:
-            socket.create_connection((host, int(port)), timeout=2).close()
+            socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()  # [v6]:port too
         except OSError:
             return f"{host}:{port}"
     return None
