@@ -231,11 +231,7 @@ def main():
             say(f"{reason} while {gone}, which it needs, does not answer; restarting it once that answers "
                 f"(not counted against the {max_restarts} restarts)")
             write(state=BACKOFF, pid=None, last_exit=code, reason=f"{reason}; waiting for {gone}, which it needs")
-            while not stopping and unanswered():
-                for _ in range(20):
-                    reap()
-                    time.sleep(0.1)
-            if stopping:
+            if idle_until(lambda: not unanswered(), every=2.0):
                 write(state=STOPPED, reason="stopped by yrpd")
                 return 0
             say(f"{gone} answers again: restarting {name}")
@@ -252,14 +248,24 @@ def main():
             f"in {delay:.0f} s")
         write(state=BACKOFF, pid=None, last_exit=code, reason=reason)
         deadline = time.monotonic() + delay
-        while time.monotonic() < deadline and not stopping:
-            reap()
-            time.sleep(0.1)
-        if stopping:
+        if idle_until(lambda: time.monotonic() >= deadline):
             write(state=STOPPED, reason="stopped by yrpd")
             return 0
         recent.append(time.monotonic())
         state["restarts"] += 1
+
+
+def idle_until(done, every=0.1):
+    """Reap re-parented orphans until done() (asked every `every` s) or TERM/INT; True when asked to stop."""
+    next_check = 0.0
+    while not stopping:
+        if time.monotonic() >= next_check:
+            if done():
+                return False
+            next_check = time.monotonic() + every
+        reap()
+        time.sleep(0.1)
+    return True
 
 
 def unanswered():

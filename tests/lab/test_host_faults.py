@@ -74,7 +74,7 @@ def link_down(d: TwoHosts, host: str, seconds: float, expected: dict[str, str], 
         call.join(120)
     ends = [round(c.ended - cut, 1) if c.ended else None for c in calls]
     back = d.first_good(expected, within=seconds + 120)
-    after, settled = d.healthy()
+    d.healthy()
     healthy_after = time.monotonic() - mended
     time.sleep(SETTLE_S)
     after, _ = d.healthy()  # again: a worker that restarts itself after the cut must come back too

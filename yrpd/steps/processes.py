@@ -57,8 +57,9 @@ def start_script(ctx: StepContext, name: str, command: str, env: dict | None = N
     """Shell lines that start `command` detached as `name` unless it is already running; `env_file` (secrets)
     is read by its supervisor, so its values are on no command line; `health_url` is what its supervisor probes
     to find it hung (restart.hang_after_s); `needs`, HOST:PORT addresses it cannot start without, which its
-    supervisor waits for before a restart instead of spending restart.max on starts that must fail. `installed`: the command wrote the supervisor already
-    (supervisor_install), else these lines write it when they start the process."""
+    supervisor waits for before a restart instead of spending restart.max on starts that must fail. `installed`: the
+    command wrote the supervisor already (supervisor_install), else these lines write it when they start the
+    process."""
     if not _NAME_RE.match(name):
         raise ValueError(f"process name {name!r} must be letters, digits, . _ -")
     layout = ctx.layout
