@@ -23,7 +23,13 @@ eval "PYTHONPATH=\"\$PWD\" HF_HUB_OFFLINE=1 \"\$ENV_ROOT/vllm/bin/python\" $(.ve
 
 # every test runs, or fails naming the prerequisite it misses: no skips here, with or without CI (tests/prereq.py)
 export YRPD_NO_SKIP=1
+# each test's time, both passes: the durations table printed at the end (tests/durations.py)
+export YRPD_TEST_TIMES="${YRPD_TEST_TIMES:-$(mktemp /tmp/yrpd-test-times.XXXXXX)}"
+: > "$YRPD_TEST_TIMES"
+# the two passes (tests/passes.py): a user's -m EXPR narrows both, so they run exactly what it selects
+eval "$(.venv/bin/python -m tests.passes "$@")"
 rc=0
+empty=0
 run_pytest() {
     local py="$1"; shift
     set +e
@@ -31,11 +37,26 @@ run_pytest() {
     local r=$?
     set -e
     if [ $r -eq 5 ]; then
-        echo "test.sh: pytest collected no tests ($py): failing on purpose" >&2
-        r=1
+        empty=$((empty + 1))
+        if [ -z "$MARK_EXPR" ]; then
+            echo "test.sh: pytest collected no tests ($py): failing on purpose" >&2
+            r=1
+        else  # an expression may select nothing of one pass; both passes empty fails below
+            echo "test.sh: -m '$MARK_EXPR' selects no test of this pass ($py)" >&2
+            r=0
+        fi
     fi
     [ $r -eq 0 ] || rc=$r
 }
-run_pytest .venv/bin/python tests -m "not torch" "$@"
-run_pytest "$ENV_ROOT/vllm/bin/python" tests/connector -m torch -p no:cacheprovider "$@"
+run_pytest .venv/bin/python "${PASS_NOT_TORCH[@]}"
+run_pytest "$ENV_ROOT/vllm/bin/python" "${PASS_TORCH[@]}"
+if [ "$empty" -eq 2 ]; then
+    echo "test.sh: -m '$MARK_EXPR' selects no test at all: failing on purpose" >&2
+    rc=1
+fi
+if [ -s "$YRPD_TEST_TIMES" ]; then
+    echo
+    .venv/bin/python -m tests.durations "$YRPD_TEST_TIMES" --wall "$SECONDS"
+    echo "per-test times: $YRPD_TEST_TIMES (python -m tests.durations FILE --markdown: the table of docs/testing.md)"
+fi
 exit $rc

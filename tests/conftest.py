@@ -1,3 +1,6 @@
+import json
+import os
+
 import pytest
 
 from lab.cli import REPO, run_yrpd  # noqa: F401 - tests import run_yrpd and REPO from here
@@ -17,15 +20,38 @@ def yrpd():
     return run_yrpd
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """Where every test must run (tests/prereq.py: the README's test command, CI), a skip from anywhere (a plugin, an
-    importorskip, a skip marker) is a failure that names why it would have skipped."""
+def _fail_a_skip(report) -> None:
+    """Where every test must run (tests/prereq.py: the README's test command, CI), a skip is a failure that names why
+    it would have skipped."""
     from tests.prereq import must_run
 
-    outcome = yield
-    report = outcome.get_result()
     if report.skipped and must_run() and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped where every test must run: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A skip from a test (a plugin, an importorskip, a skip marker, a fixture)."""
+    outcome = yield
+    _fail_a_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A skip while collecting: a module-level `pytest.skip(allow_module_level=True)` or `importorskip` skips the whole
+    module before any test of it exists, so the hook above never sees it."""
+    outcome = yield
+    _fail_a_skip(outcome.get_result())
+
+
+def pytest_runtest_logreport(report):
+    """Each test's time (set-up, call and tear-down: a shared deployment's cost lands on the test that builds it), one
+    JSON line per phase appended to $YRPD_TEST_TIMES: scripts/test.sh sums both passes into the durations table
+    (tests/durations.py)."""
+    path = os.environ.get("YRPD_TEST_TIMES")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"test": report.nodeid, "when": report.when, "outcome": report.outcome,
+                                 "s": round(report.duration, 3)}) + "\n")

@@ -18,10 +18,21 @@ def test_marked():
     pytest.importorskip("no_such_module_yrpd")
 '''
 
+#: a module that skips while it is collected: no test of it exists for the per-test hook to see
+SKIPPING_MODULE = '''
+import pytest
 
-def run(tmp_path, **env):
+pytest.importorskip("no_such_module_at_collection_yrpd")
+
+
+def test_never_collected():
+    pass
+'''
+
+
+def run(tmp_path, source: str = SKIPPING, **env):
     path = tmp_path / "test_skipping.py"
-    path.write_text(SKIPPING)
+    path.write_text(source)
     clean = {k: v for k, v in os.environ.items() if k not in ("CI", "YRPD_NO_SKIP")}
     # the suite's conftest as a plugin: its skip hook is what is tested (the file lies outside tests/)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
@@ -36,9 +47,16 @@ def test_the_readme_command_and_ci_fail_a_missing_prerequisite_naming_it(tmp_pat
         assert proc.returncode == 1, (env, proc.stdout[-2000:])
         assert "2 failed" in proc.stdout and "the thing is not installed (install it)" in proc.stdout, env
         assert "no_such_module_yrpd" in proc.stdout, env
+        # a module that skips while collected is a collection error naming why (the run stops), not a silent skip
+        proc = run(tmp_path, SKIPPING_MODULE, **env)
+        assert proc.returncode == 2 and "1 error during collection" in proc.stdout, (env, proc.stdout[-2000:])
+        assert "skipped where every test must run" in proc.stdout, env
+        assert "no_such_module_at_collection_yrpd" in proc.stdout, env
 
 
 def test_elsewhere_a_missing_prerequisite_skips(tmp_path):
     for env in ({}, {"CI": "false"}, {"CI": "0"}):  # one reading of CI: false and 0 are not CI
         proc = run(tmp_path, **env)
         assert proc.returncode == 0 and "2 skipped" in proc.stdout, (env, proc.stdout[-2000:])
+        proc = run(tmp_path, SKIPPING_MODULE, **env)
+        assert proc.returncode == 5 and "1 skipped" in proc.stdout, (env, proc.stdout[-2000:])  # 5: nothing ran
