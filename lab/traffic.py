@@ -24,9 +24,10 @@ def body(prompt: str, max_tokens: int, stream: bool = False, **more) -> dict:
 class Call(threading.Thread):
     """One request through the proxy in a thread of its own; records how it ended and when."""
 
-    def __init__(self, base: str, body: dict, timeout: float = 120) -> None:
+    def __init__(self, base: str, body: dict, timeout: float = 120, request_id: str | None = None) -> None:
         super().__init__(daemon=True)
         self.base, self.body, self.timeout = base, body, timeout
+        self.request_id = request_id  # sent as X-Request-Id: `yrpd logs --request` follows it across hosts
         self.status: int | None = None
         self.chunks = 0  # SSE data events with text, for a stream
         self.error_event = False  # a stream that ended with an error event
@@ -41,7 +42,10 @@ class Call(threading.Thread):
         host, port = self.base.removeprefix("http://").rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=self.timeout)
         try:
-            conn.request("POST", "/v1/completions", json.dumps(self.body), {"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json"}
+            if self.request_id:
+                headers["X-Request-Id"] = self.request_id
+            conn.request("POST", "/v1/completions", json.dumps(self.body), headers)
             resp = conn.getresponse()
             self.status = resp.status
             if self.body.get("stream") and resp.status == 200:
@@ -113,8 +117,8 @@ class TwoHosts:
             assert time.monotonic() - started < within, report["problems"]
             time.sleep(1)
 
-    def ask(self, prompt: str, max_tokens: int = 16, timeout: float = 60) -> Call:
-        call = Call(self.proxy, body(prompt, max_tokens), timeout)
+    def ask(self, prompt: str, max_tokens: int = 16, timeout: float = 60, request_id: str | None = None) -> Call:
+        call = Call(self.proxy, body(prompt, max_tokens), timeout, request_id)
         call.run()
         return call
 

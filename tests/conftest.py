@@ -4,7 +4,7 @@ import os
 import pytest
 
 from lab.cli import REPO, run_yrpd  # noqa: F401 - tests import run_yrpd and REPO from here
-from tests.lab.fixtures import *  # noqa: F401,F403  (fake_lab fixture)
+from tests.lab.fixtures import fake_lab  # noqa: F401 - the fake-host lab, for tests outside tests/lab too
 
 
 @pytest.fixture

@@ -34,6 +34,12 @@ LONG = " ".join(_WORDS[:600])
 SHARED = " ".join(_WORDS[600:900])
 PREFIXED = [f"{SHARED} {' '.join(_WORDS[900 + 150 * i:1050 + 150 * i])}" for i in range(2)]
 COMPLETIONS = ["The capital of France is", LONG, *PREFIXED]
+#: 8 groups of 5 prompts; the members of a group share a 200-word prefix (about three 128-token KV blocks): the
+#: many-instances lab's load, answered 8 tokens each
+GROUPS = [" ".join(_WORDS[2000 + 260 * g:2200 + 260 * g]) for g in range(8)]
+GROUPED = [f"{prefix} {' '.join(_WORDS[2200 + 260 * g + 10 * n:2210 + 260 * g + 10 * n])}"
+           for g, prefix in enumerate(GROUPS) for n in range(5)]
+GROUPED_TOKENS = 8
 CHATS = ["What is the capital of France?", "What is 2 + 3?"]
 #: question -> what the answer must contain
 KNOWN = {"What is the capital of France?": "Paris", "What is 2 + 3?": "5"}
@@ -164,3 +170,37 @@ class Reference:
             time.sleep(0.1)
         unlink_unheld(sorted(segments))
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class ReferenceAnswers:
+    """What one plain instance answers to every prompt the lab tests compare with (`answers`, and GROUPED with
+    GROUPED_TOKENS each), asked once per dtype in a session and kept: the reference starts, answers everything and
+    stops, so no reference vLLM competes with a deployment for the lab's two cores (tests/lab/fixtures.py
+    `reference_answers`)."""
+
+    def __init__(self) -> None:
+        self._by_dtype: dict[str | None, dict[str, str]] = {}
+
+    def __call__(self, dtype: str | None) -> dict[str, str]:
+        if dtype not in self._by_dtype:
+            ensure_model()
+            reference = Reference(dtype)
+            try:
+                reference.wait()
+                got = answers(reference.url)
+                got.update({grouped_key(i): completion(reference.url, p, GROUPED_TOKENS) for i, p in enumerate(GROUPED)})
+            finally:
+                reference.close()
+            self._by_dtype[dtype] = got
+        return self._by_dtype[dtype]
+
+    def answers(self, dtype: str | None) -> dict[str, str]:
+        """The reference's `answers` (what `answers(url)` of a deployment is compared with)."""
+        return {k: v for k, v in self(dtype).items() if not k.startswith("grouped ")}
+
+    def grouped(self, dtype: str | None, prompts: list[str]) -> list[str]:
+        return [self(dtype)[grouped_key(GROUPED.index(p))] for p in prompts]
+
+
+def grouped_key(i: int) -> str:
+    return f"grouped {i}"

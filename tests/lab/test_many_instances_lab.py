@@ -18,14 +18,11 @@ from yrpd.credentials import instance_token
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
 
 _WORDS = Path(os.__file__).read_text().split()
-# 8 groups of 5 prompts; the members of a group share a 200-word prefix (about three 128-token KV blocks)
-GROUPS = [" ".join(_WORDS[2000 + 260 * g:2200 + 260 * g]) for g in range(8)]
-PROMPTS = [f"{prefix} {' '.join(_WORDS[2200 + 260 * g + 10 * n:2210 + 260 * g + 10 * n])}"
-           for g, prefix in enumerate(GROUPS) for n in range(5)]
+PROMPTS = rm.GROUPED  # 8 groups of 5 prompts sharing a prefix each (tests/lab/real_model.py)
 
 
 def complete(base: str, prompt: str, key: str | None = None) -> str:
-    return rm.completion(base, prompt, max_tokens=8, key=key)
+    return rm.completion(base, prompt, max_tokens=rm.GROUPED_TOKENS, key=key)
 
 
 def lab_cli(lab, tmp_path, n: int, extra: str = ""):
@@ -57,7 +54,8 @@ def down_leaves_nothing(cli, lab) -> None:
         assert procs == [] and ports == [], (host.name, procs)
 
 
-def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache(fake_lab, tmp_path):
+def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache(fake_lab, tmp_path,
+                                                                                 reference_answers):
     lab = fake_lab(4)
     home = tmp_path / "home"
     # float32: in bfloat16 2 of the 40 answers, batched 8 at a time, differed in a late greedy token from the plain
@@ -66,7 +64,7 @@ def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache
     hosts = "h1,h2,h3,h4"
     plan = json.loads(cli("plan", "--hosts", hosts, "--config", str(config), "--prefill", "2", "--decode", "2",
                           "--json", check=0).stdout)
-    reference = rm.Reference(plan["dtype"]["dtype"])
+    want = reference_answers.grouped(plan["dtype"]["dtype"], PROMPTS)  # before the deploy: the cores alone
     try:
         started = time.monotonic()
         deploy = cli("deploy", "--hosts", hosts, "--config", str(config), "--prefill", "2", "--decode", "2",
@@ -103,10 +101,8 @@ def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache
         assert p1["connector"]["loaded_blocks"] >= 4, p1["connector"]
 
         # 40 requests at concurrency 8 through the proxy: each answered as the plain instance answers it
-        reference.wait()
         with ThreadPoolExecutor(8) as pool:
             got = list(pool.map(lambda p: complete(proxy, p), PROMPTS))
-        want = [complete(reference.url, p) for p in PROMPTS]
         assert got == want, [(i, g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w][:3]
         assert all(got)
 
@@ -122,11 +118,11 @@ def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache
         down_leaves_nothing(cli, lab)
         print(f"measured: 4-host down {time.monotonic() - started:.1f}s")
     finally:
-        reference.close()
         cli("down", timeout=300)
 
 
-def test_a_decode_instance_whose_dp_ranks_span_two_hosts_serves_and_goes_down_as_one(fake_lab, tmp_path):
+def test_a_decode_instance_whose_dp_ranks_span_two_hosts_serves_and_goes_down_as_one(fake_lab, tmp_path,
+                                                                                     reference_answers):
     lab = fake_lab(3)
     cli, config = lab_cli(lab, tmp_path, 3)
     hosts = "h1,h2,h3"
@@ -138,7 +134,7 @@ def test_a_decode_instance_whose_dp_ranks_span_two_hosts_serves_and_goes_down_as
     plan = json.loads(cli("plan", "--hosts", hosts, "--config", str(config), "--ddp", "2", "--json", check=0).stdout)
     decode = next(i for i in plan["instances"] if i["role"] == "decode")
     assert [r["host"] for r in decode["ranks"]] == ["h2", "h3"], decode
-    reference = rm.Reference(plan["dtype"]["dtype"])
+    want = reference_answers.grouped(plan["dtype"]["dtype"], PROMPTS[:12])
     try:
         cli("deploy", "--hosts", hosts, "--config", str(config), "--ddp", "2", check=0, timeout=1500)
         report = json.loads(cli("status", "--json", check=0).stdout)
@@ -148,9 +144,8 @@ def test_a_decode_instance_whose_dp_ranks_span_two_hosts_serves_and_goes_down_as
         assert {(p["host"], p["name"]) for p in report["processes"]} >= {("h2", "decode-0"), ("h3", "decode-0-h3")}
 
         proxy = report["proxy"]["url"]
-        reference.wait()
         got = [complete(proxy, p) for p in PROMPTS[:12]]
-        assert got == [complete(reference.url, p) for p in PROMPTS[:12]]
+        assert got == want
         # vLLM's front end on h2 spread them over both ranks: the engine on h3 generated tokens too
         metrics = rm.http("GET", f"{row['url']}/metrics")[1].decode()
         per_engine = {line.split('engine="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
@@ -159,5 +154,4 @@ def test_a_decode_instance_whose_dp_ranks_span_two_hosts_serves_and_goes_down_as
 
         down_leaves_nothing(cli, lab)
     finally:
-        reference.close()
         cli("down", timeout=300)

@@ -13,18 +13,19 @@ import time
 import pytest
 
 from lab.hosts import assert_nothing_left
-from lab.report import report_and_down
 from lab.traffic import TwoHosts
 from tests.lab.test_scale_lab import PROMPTS, Load
 
 pytestmark = pytest.mark.lab
 
+REPORT_VARIABLE = "YRPD_MODEL_CHANGE_REPORT"
 
-def test_a_model_change_never_mixes_two_models_in_one_answer(fake_lab, tmp_path):
+
+def test_a_model_change_never_mixes_two_models_in_one_answer(fake_lab, tmp_path, lab_figures):
     lab = fake_lab(4)
     d = TwoHosts(lab, tmp_path, n=4)
     d.config.write_text(d.config.read_text() + "served_model_name: tiny-qwen2\n")
-    figures: dict = {}
+    figures = lab_figures
     try:
         figures["deploy_s"] = round(d.deploy(), 1)
         old = {p: d.ask(p, 16, timeout=120).text for p in PROMPTS}
@@ -63,4 +64,4 @@ def test_a_model_change_never_mixes_two_models_in_one_answer(fake_lab, tmp_path)
         assert "is down" in down.stderr
         assert_nothing_left(lab)
     finally:
-        report_and_down(d, figures, "YRPD_MODEL_CHANGE_REPORT", "tests/lab/test_model_change_lab.py")
+        d.cli("down", check=None, timeout=300)

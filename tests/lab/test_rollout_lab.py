@@ -1,9 +1,10 @@
-"""Host maintenance and a rolling spec change under load on 3 fake hosts (issue 34): `yrpd drain h2` moves h2's
-decode instance to h3, `yrpd undrain h2` brings h2 back, then `yrpd deploy` with a changed engine flag replaces every
-instance one by one, while clients keep sending requests, none of which may fail or come back different from the
-answers before (greedy: the same model and weights answer the same).
+"""Host maintenance and a rolling spec change under load on the shared 3-host deployment (issue 34;
+tests/lab/fixtures.py `three_hosts`, after the scale test joined h3): `yrpd drain h2` moves h2's decode instance to
+h3, `yrpd undrain h2` brings h2 back, then `yrpd deploy` with a changed engine flag replaces every instance one by
+one, while clients keep sending requests, none of which may fail or come back different from the answers before
+(greedy: the same model and weights answer the same). The changed spec stays the deployment's for the tests after.
 
-    YRPD_ROLLOUT_REPORT=FILE.json writes the figures with their provenance.
+    YRPD_ROLLOUT_REPORT=FILE.json writes the figures with their provenance and whether the test passed.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import time
 
 import pytest
 
-from lab.hosts import assert_nothing_left, session_processes
-from lab.report import report_and_down
-from lab.traffic import TwoHosts
+from lab.hosts import session_processes
 from tests.doc_commands import commands, moves_a_host, words
 from tests.lab.test_scale_lab import PROMPTS, Load
 
 pytestmark = pytest.mark.lab
+
+REPORT_VARIABLE = "YRPD_ROLLOUT_REPORT"
 
 FLAG = ["--max-num-seqs", "8"]
 
@@ -35,52 +36,45 @@ def placed(report: dict) -> list[tuple[str, str]]:
     return [(i["name"], i["host"]) for i in report["instances"]]
 
 
-def test_drain_a_host_then_roll_an_engine_flag_under_load_fails_no_request(fake_lab, tmp_path):
-    lab = fake_lab(3)
-    d = TwoHosts(lab, tmp_path, n=3)
-    figures: dict = {}
-    try:
-        figures["deploy_s"] = round(d.deploy(), 1)
-        expected = {p: d.ask(p, 16, timeout=120).text for p in PROMPTS}
-        assert all(expected.values()), expected
-        before, _ = d.healthy()
-        assert placed(before) == [("prefill-0", "h1"), ("decode-0", "h2")]
-        drain, undrain = commands(moves_a_host)  # the README's: yrpd drain h2, yrpd undrain h2
-        with Load(d.proxy, expected) as load:
-            time.sleep(5)
-            t0 = time.monotonic()
-            out = d.cli(*words(drain), timeout=900)
-            figures["drain_s"] = round(time.monotonic() - t0, 1)
-            assert "h2 is drained" in out.stderr and "added decode-1; drained and stopped decode-0" in out.stderr, \
-                out.stderr
-            report, _ = d.healthy()
-            assert placed(report) == [("prefill-0", "h1"), ("decode-1", "h3")] and report["drained"] == ["h2"]
-            assert instances_on(lab["h2"]) == [] and len(instances_on(lab["h3"])) == 1  # moved, nothing left on h2
-            back = d.cli(*words(undrain), timeout=300)
-            assert "h2 is back" in back.stderr and "nothing moved" in back.stderr, back.stderr
-            time.sleep(5)
+def test_drain_a_host_then_roll_an_engine_flag_under_load_fails_no_request(three_hosts, lab_figures, tmp_path):
+    d, lab, figures = three_hosts, three_hosts.lab, lab_figures
+    expected = {p: d.ask(p, 16, timeout=120).text for p in PROMPTS}
+    assert all(expected.values()), expected
+    before, _ = d.healthy()
+    assert placed(before) == [("prefill-0", "h1"), ("decode-0", "h2")]
+    assert {c["host"] for c in before["cluster"]["components"]} == {"h1", "h2", "h3"}  # h3 free, in the cluster
+    drain, undrain = commands(moves_a_host)  # the README's: yrpd drain h2, yrpd undrain h2
+    with Load(d.proxy, expected) as load:
+        time.sleep(5)
+        t0 = time.monotonic()
+        out = d.cli(*words(drain), timeout=900)
+        figures["drain_s"] = round(time.monotonic() - t0, 1)
+        assert "h2 is drained" in out.stderr and "added decode-1; drained and stopped decode-0" in out.stderr, \
+            out.stderr
+        report, _ = d.healthy()
+        assert placed(report) == [("prefill-0", "h1"), ("decode-1", "h3")] and report["drained"] == ["h2"]
+        assert instances_on(lab["h2"]) == [] and len(instances_on(lab["h3"])) == 1  # moved, nothing left on h2
+        back = d.cli(*words(undrain), timeout=300)
+        assert "h2 is back" in back.stderr and "nothing moved" in back.stderr, back.stderr
+        time.sleep(5)
 
-            changed = tmp_path / "changed.yaml"
-            changed.write_text(d.config.read_text() + f"engine_args: {json.dumps(FLAG)}\n")
-            t1 = time.monotonic()
-            rolled = d.cli("deploy", "--hosts", ",".join(d.names), "--config", str(changed), timeout=1500)
-            figures["roll_s"] = round(time.monotonic() - t1, 1)
-            assert "engine_args: [] -> ['--max-num-seqs', '8'] (roll)" in rolled.stderr, rolled.stderr
-            assert "changed session" in rolled.stderr and rolled.stdout.strip() == d.proxy, rolled.stdout
-            time.sleep(5)
-        after, _ = d.healthy()
-        # one instance at a time onto the one free device: prefill to h2, then decode to h1 (freed by prefill-0)
-        assert placed(after) == [("prefill-1", "h2"), ("decode-0", "h1")]
-        assert after["drained"] == [] and (before["generation"], after["generation"]) == (1, 4)
-        vllm = [p for h in lab.hosts for p in instances_on(h)]
-        assert len(vllm) == 2 and all(" ".join(FLAG) in p for p in vllm), vllm
-        figures.update(requests=len(load.calls), failed=len(load.bad()),
-                       during_roll=sum(1 for c in load.calls if c.started >= t1 - 1))
-        print(f"measured: rollout: {json.dumps(figures)}")
-        assert load.bad() == [], load.bad()[:5]
-        assert figures["during_roll"] > 0
-        down = d.cli("down", timeout=300)
-        assert "is down" in down.stderr
-        assert_nothing_left(lab)
-    finally:
-        report_and_down(d, figures, "YRPD_ROLLOUT_REPORT", "tests/lab/test_rollout_lab.py")
+        changed = tmp_path / "changed.yaml"
+        changed.write_text(d.config.read_text() + f"engine_args: {json.dumps(FLAG)}\n")
+        t1 = time.monotonic()
+        rolled = d.cli("deploy", "--hosts", ",".join(d.names), "--config", str(changed), timeout=1500)
+        figures["roll_s"] = round(time.monotonic() - t1, 1)
+        assert "engine_args: [] -> ['--max-num-seqs', '8'] (roll)" in rolled.stderr, rolled.stderr
+        assert "changed session" in rolled.stderr and rolled.stdout.strip() == d.proxy, rolled.stdout
+        d.config = changed  # the deployment's spec from now on, for the tests that use it after this one
+        time.sleep(5)
+    after, _ = d.healthy()
+    # one instance at a time onto the one free device: prefill to h2, then decode to h1 (freed by prefill-0)
+    assert placed(after) == [("prefill-1", "h2"), ("decode-0", "h1")]
+    assert after["drained"] == [] and after["generation"] - before["generation"] == 3  # drained, undrained, rolled
+    vllm = [p for h in lab.hosts for p in instances_on(h)]
+    assert len(vllm) == 2 and all(" ".join(FLAG) in p for p in vllm), vllm
+    figures.update(requests=len(load.calls), failed=len(load.bad()),
+                   during_roll=sum(1 for c in load.calls if c.started >= t1 - 1))
+    print(f"measured: rollout: {json.dumps(figures)}")
+    assert load.bad() == [], load.bad()[:5]
+    assert figures["during_roll"] > 0

@@ -296,34 +296,17 @@ def test_an_instance_that_crashes_on_every_start_is_given_up_and_reported(netns,
         d.yrpd("down", check=False)
 
 
-def test_on_two_hosts_kills_heal_and_a_host_that_comes_back_is_rebuilt_alone(fake_lab, tmp_path):
-    """Prefill, the proxy and the cluster master on h1, decode on h2. Kills on both hosts heal by themselves; then h2
-    loses every process (torn down and brought back, its disk kept): `yrpd deploy` rebuilds h2's parts only."""
-    from tests.conftest import run_yrpd
+def test_on_two_hosts_kills_heal_and_a_host_that_comes_back_is_rebuilt_alone(two_hosts):
+    """The shared 2-host deployment (tests/lab/fixtures.py): prefill, the proxy and the cluster master on h1, decode on
+    h2. Kills on both hosts heal by themselves; then h2 loses every process (torn down and brought back, its disk
+    kept): `yrpd deploy` rebuilds h2's parts only."""
     from tests.lab import real_model as rm
 
-    lab = fake_lab(2)
-    config = tmp_path / "yrpd.yaml"
-    config.write_text("hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n"
-                      f"device_kind: cpu\nmodel: builtin:tiny-qwen2\nenv_path: {rm.ENV_ROOT}\ndatasystem_memory_mb: 256\n"
-                      "cluster_mode: ds_only\n")
-    ssh = lab.cli_ssh_args
-    env = {"YRPD_HOME": str(tmp_path / "home")}
-
-    def cli(*args, check=0, timeout=900):
-        return run_yrpd(*args, *ssh, env=env, check=check, timeout=timeout)
-
-    def status() -> dict:
-        return json.loads(cli("status", "--json", check=None).stdout)
+    d = two_hosts
+    lab, proxy = d.lab, d.proxy
 
     def healthy(timeout: float = 60) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            report = status()
-            if report["healthy"] or time.monotonic() > deadline:
-                assert report["healthy"], report["problems"]
-                return report
-            time.sleep(2)
+        return d.healthy(within=timeout)[0]
 
     def ask_until_good(baseline: str | None, limit: float) -> tuple[float, str]:
         started = time.monotonic()
@@ -341,53 +324,49 @@ def test_on_two_hosts_kills_heal_and_a_host_that_comes_back_is_rebuilt_alone(fak
         raise AssertionError(f"no good answer within {limit}s")
 
     def host_pid(host: str, name: str) -> int:
-        session = status()["session"]
+        session = d.status()[0]["session"]
         return json.loads(lab[host].exec(f"cat /tmp/yrpd_sessions/{session}/run/{name}.state.json").stdout)["pid"]
 
-    try:
-        deploy = cli("deploy", "--hosts", "h1,h2", "--config", str(config), timeout=1500)
-        proxy = deploy.stdout.strip().splitlines()[-1]
-        _, baseline = ask_until_good(None, 30)
-        healthy()
-        matrix = [("h1", "etcd"), ("h2", "ds_worker"), ("h1", "prefill-0"),
-                  ("h1", "prefill-0:engine"), ("h2", "decode-0"), ("h2", "decode-0:engine"), ("h1", "proxy")]
-        def counts(report: dict) -> dict[tuple[str, str], int]:
-            out = {(c["host"], c["component"]): c["restarts"] for c in report["cluster"]["components"]}
-            out.update({(i["host"], i["name"]): i["restarts"] for i in report["instances"]})
-            out[(report["proxy"]["host"], "proxy")] = report["proxy"]["restarts"]
-            return out
+    _, baseline = ask_until_good(None, 30)
+    healthy()
+    matrix = [("h1", "etcd"), ("h2", "ds_worker"), ("h1", "prefill-0"),
+              ("h1", "prefill-0:engine"), ("h2", "decode-0"), ("h2", "decode-0:engine"), ("h1", "proxy")]
 
-        for host, what in matrix:
-            report = healthy()
-            name, _, part = what.partition(":")
-            if what in CLUSTER:
-                pid = next(c["pid"] for c in report["cluster"]["components"]
-                           if (c["host"], c["component"]) == (host, what))
-            else:
-                pid = host_pid(host, name)
-            group = pid  # every supervised command leads its own process group, in the host's pid namespace
-            if part:  # the API server's EngineCore
-                pid = int(lab[host].exec(f"pgrep -P {pid} EngineCor").stdout.split()[0])
-            before = counts(report)
-            lab[host].exec(f"kill -9 {pid}")
-            took, _ = ask_until_good(baseline, INSTANCE_RECOVERY_S)
-            print(f"measured: 2 hosts, kill -9 {what} on {host}: first good answer after {took:.1f}s")
-            after = counts(healthy())
-            assert after == {**before, (host, name): before[(host, name)] + 1}, (what, before, after)
-            left = lab[host].exec(f"pgrep -g {group} || true").stdout.split()
-            assert left == [], f"{what} on {host}: processes of the killed group are left: {left}"
-        before = pids(healthy())
+    def counts(report: dict) -> dict[tuple[str, str], int]:
+        out = {(c["host"], c["component"]): c["restarts"] for c in report["cluster"]["components"]}
+        out.update({(i["host"], i["name"]): i["restarts"] for i in report["instances"]})
+        out[(report["proxy"]["host"], "proxy")] = report["proxy"]["restarts"]
+        return out
 
-        lab.restart("h2")  # every process of h2 is gone; its /tmp (the session directory) is kept
-        down = status()
-        assert not down["healthy"] and any("decode-0" in p for p in down["problems"]), down["problems"]
-        started = time.monotonic()
-        heal = cli("deploy", "--hosts", "h1,h2", "--config", str(config), timeout=1500)
-        print(f"measured: re-deploy after h2 came back {time.monotonic() - started:.1f}s")
-        after = pids(healthy())
-        for name in ("prefill-0", "proxy", "etcd"):  # h1 kept its processes
-            assert after[name] == before[name], name
-        assert "done on h2" in heal.stderr.split("start the prefill and decode instances", 1)[1].splitlines()[1]
-        assert ask_until_good(baseline, 30)[1] == baseline
-    finally:
-        cli("down", check=None)
+    for host, what in matrix:
+        report = healthy()
+        name, _, part = what.partition(":")
+        if what in CLUSTER:
+            pid = next(c["pid"] for c in report["cluster"]["components"]
+                       if (c["host"], c["component"]) == (host, what))
+        else:
+            pid = host_pid(host, name)
+        group = pid  # every supervised command leads its own process group, in the host's pid namespace
+        if part:  # the API server's EngineCore
+            pid = int(lab[host].exec(f"pgrep -P {pid} EngineCor").stdout.split()[0])
+        before = counts(report)
+        lab[host].exec(f"kill -9 {pid}")
+        took, _ = ask_until_good(baseline, INSTANCE_RECOVERY_S)
+        print(f"measured: 2 hosts, kill -9 {what} on {host}: first good answer after {took:.1f}s")
+        after = counts(healthy())
+        assert after == {**before, (host, name): before[(host, name)] + 1}, (what, before, after)
+        left = lab[host].exec(f"pgrep -g {group} || true").stdout.split()
+        assert left == [], f"{what} on {host}: processes of the killed group are left: {left}"
+    before = pids(healthy())
+
+    lab.restart("h2")  # every process of h2 is gone; its /tmp (the session directory) is kept
+    down = d.status()[0]
+    assert not down["healthy"] and any("decode-0" in p for p in down["problems"]), down["problems"]
+    started = time.monotonic()
+    heal = d.cli("deploy", "--hosts", "h1,h2", "--config", str(d.config), timeout=1500)
+    print(f"measured: re-deploy after h2 came back {time.monotonic() - started:.1f}s")
+    after = pids(healthy())
+    for name in ("prefill-0", "proxy", "etcd"):  # h1 kept its processes
+        assert after[name] == before[name], name
+    assert "done on h2" in heal.stderr.split("start the prefill and decode instances", 1)[1].splitlines()[1]
+    assert ask_until_good(baseline, 30)[1] == baseline
