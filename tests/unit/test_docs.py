@@ -12,6 +12,8 @@ import pytest
 
 from tests.doc_commands import (REPO, RUNNERS, as_run_without_changes, commands, documented_commands,
                                 is_the_published_benchmark, needs_no_host, words)
+from tests.doc_figures import FIGURE, FIGURE_DOCS, blocks, found_in, numbers, provenance_missing, unsupported
+from yrpd.provenance import missing
 from yrpd.config_reference import render
 
 DOCS = REPO / "docs"
@@ -88,26 +90,50 @@ def test_published_benchmark_results_are_what_the_documented_command_produces(co
         assert target["metrics"]["total_output_tokens"] == dataset["prompts"] * params["output_len"], name
 
 
-#: reports docs/benchmarks.md links that were written before results carried their provenance (yrpd/provenance.py):
-#: closed, so every report linked from now on must say where it came from
-PREDATE_PROVENANCE = {
-    "cpu-bench-qwen2-results.json", "cpu-control-plane-results-2026-11-25-before.json",
-    "cpu-control-plane-results-2026-11-25-sc0.json", "cpu-control-plane-results-2026-11-25.json",
-    "cpu-control-plane-results.json", "cpu-smollm2-overflow-10x4-results.json", "exporter-cpu.json",
-    "planner-lab.json", "rollout-lab.json", "scale-lab.json",
-}
+@pytest.mark.parametrize("doc", FIGURE_DOCS)
+def test_every_measured_figure_rests_on_a_linked_report_that_says_where_it_came_from(doc):
+    """tests/doc_figures.py: each figure's paragraph, list item or table row (or what introduces it) links a report
+    under docs/bench/ that names its commit, CPU and command."""
+    problems = [why for block in blocks(doc) if (why := unsupported(block))]
+    assert problems == [], "\n".join(problems)
 
 
-def test_every_report_the_benchmarks_doc_links_exists_and_a_new_one_says_where_it_came_from():
-    import re
-
-    from yrpd.provenance import missing
-
-    linked = sorted(set(re.findall(r"\(bench/([A-Za-z0-9_.-]+\.json)\)", (DOCS / "benchmarks.md").read_text())))
+def test_every_report_any_doc_links_exists_and_says_where_it_came_from():
+    linked = {r for doc in ("README.md", *(p.relative_to(REPO).as_posix() for p in DOCS.glob("*.md")))
+              for block in blocks(doc) for r in block.reports()}
     assert linked
-    incomplete = {}
-    for name in linked:
-        doc = json.loads((DOCS / "bench" / name).read_text())
-        if name not in PREDATE_PROVENANCE and missing(doc):
-            incomplete[name] = missing(doc)
-    assert incomplete == {}, f"linked reports without provenance (write them with yrpd.provenance.record): {incomplete}"
+    lacking = {r: provenance_missing(r) for r in sorted(linked) if provenance_missing(r)}
+    assert lacking == {}, lacking
+
+
+def test_the_readmes_figures_are_the_ones_in_their_reports():
+    """Each figure README.md states (each end of a range) is a number of a report its row links, as rounded there."""
+    wrong = []
+    for block in blocks("README.md"):
+        pool = [n for r in block.reports() for n in numbers(r)]
+        for figure in block.figures():
+            match = FIGURE.match(figure)
+            for value in filter(None, match.groups()[:2]):
+                if not found_in(value, pool):
+                    wrong.append(f"README.md:{block.line}: {figure} ({value} is in none of {block.reports()})")
+    assert wrong == [], "\n".join(wrong)
+
+
+GOOD = {"provenance": {"commit": "abc1234", "dirty": False, "yrpd": "0", "vllm": "0", "python": "3.11", "cpu": "X",
+                       "cpu_flags": [], "cores": 2, "commands": ["yrpd bench run"], "inputs": {}, "recorded": "t"},
+        "figures": {"took_s": 1.25}}
+
+
+def test_the_figure_check_finds_what_it_must(tmp_path):
+    """The control: a figure without a link, one linking a report without provenance, and one with a good report."""
+    (tmp_path / "docs" / "bench").mkdir(parents=True)
+    (tmp_path / "docs" / "bench" / "good.json").write_text(json.dumps(GOOD))
+    (tmp_path / "docs" / "bench" / "bare.json").write_text(json.dumps({"figures": {"took_s": 1.25}}))
+    doc = "docs/x.md"
+    text = ("It took 1.25 s.\n\nIt took 1.25 s ([r](bench/bare.json)).\n\nIt took 1.25 s ([r](bench/good.json)).\n\n"
+            "A setting: `timeout 30 s`, no figure.\n\n| what | s |\n|---|---|\n| took 1.25 s | x |\n")
+    found = [unsupported(b, tmp_path) for b in blocks(doc, text)]
+    assert [f.split(": ", 2)[-1] if f else None for f in found] == [
+        "no report linked", "reports without provenance {'docs/bench/bare.json': " + str(missing({})) + "}", None,
+        None, None, "no report linked"]  # the table's head row has no figure; its row has
+    assert found_in("1.3", numbers("docs/bench/good.json", tmp_path)) and not found_in("1.5", [1.25])
