@@ -153,4 +153,5 @@ def found_in(value: str, candidates: list[float]) -> bool:
     """A figure as written (`0.52`, `31,394`) is one of the report's numbers, rounded to the figure's precision."""
     digits = len(value.split(".", 1)[1]) if "." in value else 0
     want = float(value.replace(",", ""))
-    return any(round(c, digits) == want for c in candidates)
+    half = 0.5 * 10 ** -digits + 1e-9  # 1.25 written as 1.3 (or as 1.2: either way of rounding a half)
+    return any(abs(c - want) <= half for c in candidates)
