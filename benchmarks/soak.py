@@ -14,7 +14,10 @@ and the data-system workers, and the psm_* segments in /dev/shm.
 Reported: per window of `--kill-every` minutes the p50/p99 latency of answered requests, errors and wrong answers;
 per sampled series its first and last value, its slope per hour (least squares over the samples of one pid, the
 longest such run) and that over the run's second half (past the warm-up), and the points themselves; after
-`yrpd down`, what differs from before the deploy (psm_* segments, listening ports, the session's processes). Provenance: commit (dirty or not), CPU, cores, the command.
+`yrpd down`, what differs from before the deploy (psm_* segments, listening ports, the session's processes).
+The tail: each request carries an X-Request-Id, and the slowest 1 % of the answered ones are broken down from the
+deployment's own log lines: the proxy's (its own time, the prefill leg, the decode leg), prefill's connector (the
+hand-over) and decode's (the wait for the hand-over's blocks, what it loaded). Provenance: yrpd.provenance.record.
 """
 
 from __future__ import annotations
@@ -22,9 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,6 +39,8 @@ sys.path.insert(0, str(REPO))
 from lab.fakehosts import FakeHostLab  # noqa: E402
 from lab.hosts import leftovers, session_processes  # noqa: E402
 from lab.traffic import LONG, Call, TwoHosts, body, restarts  # noqa: E402
+from yrpd.provenance import record  # noqa: E402
+from yrpd.versions import DEFAULT_ENV_ROOT  # noqa: E402
 
 KILLS = [("h2", "decode-0", ""), ("h1", "prefill-0", "engine"), ("h2", "ds_worker", ""), ("h1", "proxy", ""),
          ("h1", "etcd", ""), ("h2", "decode-0", "engine")]
@@ -121,6 +125,44 @@ def kill(d: TwoHosts, host: str, name: str, part: str) -> str:
     return f"kill -9 {name}{':' + part if part else ''} on {host} (pid {pid})"
 
 
+#: the proxy's line for one request: status, total ms, then key=value notes (yrpd/proxy/app.py `_record`)
+PROXY_LINE = re.compile(r"POST /v1/completions (\d+) (\d+)ms (.*)$")
+#: decode's connector on one request: what it loaded and how long it waited for the hand-over's blocks
+DECODE_LOADS = re.compile(r"request \S*?(soak-\d+-\d+)\S*: loads (nothing|\d+ blocks).*?waited (\d+) ms")
+
+
+def tail(d: TwoHosts, results: list[tuple], share: float = 0.01) -> dict:
+    """The slowest `share` of the answered requests, each broken down from the deployment's log lines."""
+    ok = sorted((r for r in results if r[2] == 200), key=lambda r: r[1], reverse=True)
+    slow = ok[:max(1, int(len(ok) * share))]
+    proxy: dict[str, dict] = {}
+    for line in d.cli("logs", "proxy", "-n", "1000000", timeout=600).stdout.splitlines():
+        m = PROXY_LINE.search(line)
+        if m:
+            notes = dict(kv.split("=", 1) for kv in m.group(3).split() if "=" in kv)
+            if notes.get("id", "").startswith("soak-"):
+                proxy[notes["id"]] = {"status": int(m.group(1)), "total_ms": int(m.group(2)), **notes}
+    decode: dict[str, dict] = {}
+    for line in d.cli("logs", "decode-0", "-n", "1000000", timeout=600).stdout.splitlines():
+        m = DECODE_LOADS.search(line)
+        if m:
+            decode[m.group(1)] = {"loads": m.group(2), "waited_ms": int(m.group(3))}
+    rows = []
+    for start, seconds, _status, _wrong, rid, prompt in slow:
+        p = proxy.get(rid, {})
+        prefill_ms = int(p.get("prefill_ms", 0) or 0)
+        own_ms = float(p.get("own_ms", 0) or 0)
+        rows.append({"id": rid, "at_s": round(start, 1), "client_s": round(seconds, 3), "prompt": prompt,
+                     "proxy_total_ms": p.get("total_ms"), "proxy_own_ms": own_ms, "prefill_leg_ms": prefill_ms,
+                     "decode_leg_ms": (p["total_ms"] - prefill_ms - round(own_ms)) if p else None,
+                     "prefill": p.get("prefill"), "decode": p.get("decode"), **{f"decode_{k}": v for k, v in
+                                                                                 decode.get(rid, {}).items()}})
+    everyone = [proxy[r[4]] for r in ok if r[4] in proxy]
+    return {"share": share, "requests": len(slow), "threshold_s": round(slow[-1][1], 3) if slow else None,
+            "median_prefill_leg_ms_all": statistics.median(int(p.get("prefill_ms", 0)) for p in everyone)
+            if everyone else None, "slowest": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=30)
@@ -128,12 +170,9 @@ def main() -> None:
     ap.add_argument("--kill-every", type=float, default=5, help="minutes")
     ap.add_argument("--out", default="")
     opts = ap.parse_args()
-    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
     report: dict = {
-        "commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), platform.processor()),
-        "cores": os.cpu_count(), "command": " ".join(["benchmarks/soak.py", *sys.argv[1:]]),
+        "provenance": record([" ".join(["benchmarks/soak.py", *sys.argv[1:]])],
+                             vllm_venv=Path(DEFAULT_ENV_ROOT) / "vllm"),
         "minutes": opts.minutes, "concurrency": opts.concurrency, "kill_every_min": opts.kill_every}
     shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
     with tempfile.TemporaryDirectory(prefix="yrpd-soak-") as tmp, FakeHostLab(2, Path(tmp) / "lab") as lab:
@@ -142,7 +181,7 @@ def main() -> None:
         expected = {p: d.ask(p, 16, timeout=120).text for p in PROMPTS}
         assert all(expected.values()), "the deployment did not answer before the load"
         before_restarts = restarts(d.healthy()[0])
-        results: list[tuple[float, float, int | None, bool]] = []  # (start, seconds, status, wrong)
+        results: list[tuple] = []  # (start, seconds, status, wrong, request id, prompt number)
         stop = threading.Event()
         started = time.monotonic()
 
@@ -150,10 +189,11 @@ def main() -> None:
             i = n
             while not stop.is_set():
                 prompt = PROMPTS[i % len(PROMPTS)]
-                call = Call(d.proxy, body(prompt, 16), timeout=120)
+                call = Call(d.proxy, body(prompt, 16), timeout=120, request_id=f"soak-{n}-{i}")
                 call.run()
                 results.append((call.started - started, call.ended - call.started, call.status,
-                                call.status == 200 and call.text != expected[prompt]))
+                                call.status == 200 and call.text != expected[prompt], call.request_id,
+                                i % len(PROMPTS)))
                 if call.status != 200:
                     time.sleep(0.5)  # a refused client backs off, as a real one would
                 i += 1
@@ -183,12 +223,14 @@ def main() -> None:
             rows = [r for r in results if w * width <= r[0] < (w + 1) * width]
             if not rows:
                 continue
-            ok = sorted(s for _, s, status, _ in rows if status == 200)
+            ok = sorted(r[1] for r in rows if r[2] == 200)
             windows.append({"from_min": round(w * width / 60, 1), "requests": len(rows), "ok": len(ok),
                             "errors": sum(1 for r in rows if r[2] != 200), "wrong": sum(1 for r in rows if r[3]),
                             "p50_s": round(ok[len(ok) // 2], 3) if ok else None,
-                            "p99_s": round(ok[min(len(ok) - 1, int(len(ok) * 0.99))], 3) if ok else None})
-        report.update(kills=kills, windows=windows, series=series(samples),
+                            "p99_s": round(ok[min(len(ok) - 1, int(len(ok) * 0.99))], 3) if ok else None,
+                            "p99_over_p50": round(ok[min(len(ok) - 1, int(len(ok) * 0.99))] / ok[len(ok) // 2], 1)
+                            if ok else None})
+        report.update(kills=kills, windows=windows, series=series(samples), tail=tail(d, results),
                       restarts={f"{h}/{n}": v - before_restarts.get((h, n), 0) for (h, n), v in restarts(after).items()},
                       totals={"requests": len(results), "errors": sum(1 for r in results if r[2] != 200),
                               "wrong": sum(1 for r in results if r[3])})
