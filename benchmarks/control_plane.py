@@ -19,6 +19,7 @@ queues here: the controller's own CPU time per `status` is reported beside its w
 `status` is timed once the machine's busy cores stop falling after the deploy (`settled`: what the deployment
 costs idle), then again with every host's data system processes paused (SIGSTOP; their ports still
 accept connections, so status finds them healthy), which leaves the shared cores to the status work itself.
+`--out` writes {"provenance": yrpd.provenance.record, "sizes": [one object per size]}.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from yrpd.provenance import record  # noqa: E402
+from yrpd.versions import DEFAULT_ENV_ROOT  # noqa: E402
 
 from lab.fakehosts import FakeHostLab  # noqa: E402
 from yrpd.connector.config import ConnectorConfig  # noqa: E402
@@ -197,7 +201,9 @@ def main() -> None:
               f"logs {r['logs_s']}s, down {r['down_s']}s, load {r['load_1min']:.1f}, busy cores idle "
               f"{r['settled']['busy_cores']} (settled after {r['settled']['waited_s']}s)")
     if args.out:
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        prov = record([" ".join(["benchmarks/control_plane.py", *sys.argv[1:]])],
+                      vllm_venv=Path(DEFAULT_ENV_ROOT) / "vllm")
+        args.out.write_text(json.dumps({"provenance": prov, "sizes": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

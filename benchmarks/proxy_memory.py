@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import signal
 import subprocess
 import sys
@@ -38,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from lab.traffic import LONG  # noqa: E402
+from yrpd.provenance import record  # noqa: E402
 from tests.unit.proxy_fakes import FakeVLLM  # noqa: E402
 
 PROMPTS = [f"{LONG}\n# question {i}" for i in range(4)] + [f"import module_{i}\n" * (i + 2) for i in range(4)]
@@ -161,13 +160,7 @@ def main() -> None:
     # SIGTERM ends the run through its `finally`, which stops the proxy it started
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = asyncio.run(run(args))
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                capture_output=True, text=True).stdout.strip())
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    report = {"commit": head.strip(), "dirty": dirty, "cpu": cpu, "cores": os.cpu_count(),
-              "command": "benchmarks/proxy_memory.py " + " ".join(sys.argv[1:]), **result}
+    report = {"provenance": record(["benchmarks/proxy_memory.py " + " ".join(sys.argv[1:])]), **result}
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
