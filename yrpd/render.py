@@ -204,9 +204,12 @@ def status_tables(report: StatusReport) -> list[Table | Text]:
             running = i.probe.get("requests_running")
             load = f"{_num(running)}/{_num(i.probe.get('requests_waiting'))}" if running is not None else "-"
             routed = f"{_num(i.routed.get('requests'))} ({_num(i.routed.get('prefix_routed'))})" if i.routed else "-"
+            saved = _num(conn.get("saved_blocks"))
+            if conn.get("save_failed_blocks"):  # the data system refused or dropped them (a warning says why)
+                saved += f" [yellow]({_num(conn['save_failed_blocks'])} failed)[/yellow]"
             inst.add_row(i.name, i.role, "+".join(i.hosts) or i.host, describe_devices(i.devices), str(i.port),
                          str(i.pid or "-"), health, str(i.restarts), load, routed, _num(conn.get("loaded_blocks")),
-                         _num(conn.get("saved_blocks")), _num(i.probe.get("external_cache_hit_tokens")))
+                         saved, _num(i.probe.get("external_cache_hit_tokens")))
         tables.append(inst)
     proxy = report.proxy
     if proxy:

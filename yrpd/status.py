@@ -267,8 +267,9 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
         entry.healthy = all(p["alive"] for p in own["processes"])
     live = {(p.host, p.name): p for p in procs}
     warnings: list[str] = [w for w in (_spill_full(deployment.spec, c) for c in components) if w]
+    ds_caches = {c.host: c.cache for c in components if c.component == "ds_worker" and c.cache}
     instances = [_instance(deployment, inst, live.get((inst.host, inst.name)), serving.get(inst.name), deployed,
-                           problems, warnings) for inst in deployment.plan.instances]
+                           problems, warnings, ds_caches.get(inst.host)) for inst in deployment.plan.instances]
     proxy = _proxy(deployment, live.get((deployment.plan.proxy_host, PROXY_NAME)), proxy_probe, deployed, problems)
     seen_by_proxy = {i["url"]: i for i in (((proxy_probe or {}).get("status") or {}).get("instances") or [])}
     for row in instances:
@@ -301,7 +302,9 @@ def _process_problem(p: ProcessStatus, host: str) -> str:
 
 
 def _instance(deployment: Deployment, inst: InstancePlan, proc: ProcessStatus | None, probe: dict | None,
-              deployed: bool, problems: list[str], warnings: list[str]) -> InstanceStatus:
+              deployed: bool, problems: list[str], warnings: list[str],
+              ds_cache: dict | None = None) -> InstanceStatus:
+    """`ds_cache`: what the data system worker on the instance's host says of its memory (ComponentStatus.cache)."""
     state = "not deployed" if proc is None else proc.condition
     answered = bool(probe and probe.get("healthy"))
     row = InstanceStatus(name=inst.name, role=inst.role, host=inst.host, devices=list(inst.devices), tp=inst.tp,
@@ -315,6 +318,9 @@ def _instance(deployment: Deployment, inst: InstancePlan, proc: ProcessStatus | 
         if counters.get("handoff_refused"):
             problems.append(f"{inst.name} refused {int(counters['handoff_refused'])} KV hand-over(s) computed with "
                             f"another dtype or model (`yrpd logs {inst.name}` says which)")
+        if counters.get("save_failed_blocks"):
+            warnings.append(_save_failed(deployment, inst, int(counters["save_failed_blocks"]),
+                                         int(counters.get("save_failed_memory_full_blocks") or 0), ds_cache))
         if counters.get("handoff_missed_blocks"):
             warnings.append(_handoff_missed(deployment, inst, int(counters["handoff_missed_blocks"])))
         row.error = probe.get("error")
@@ -347,6 +353,28 @@ def _spill_full(spec: DeploySpec, comp: ComponentStatus) -> str | None:
             f"datasystem_spill_mb allows {(cache['disk_limit'] - cache['disk_used']) >> 20} MB more: spills beyond it "
             f"fail and those KV blocks are computed again; free space there, or lower datasystem_spill_mb to what it "
             f"holds")
+
+
+def _save_failed(deployment: Deployment, inst: InstancePlan, failed: int, full: int, cache: dict | None) -> str:
+    """KV blocks the instance's connector could not put into the data system (save_failed_blocks, counted since it
+    started): nothing to hand over or reuse, so they are computed again. `full` of them found its worker without room
+    (save_failed_memory_full_blocks): it refused them (out of memory), or took them and evicted them within a moment,
+    which a worker does when its memory is full of entries it may not evict (another client's, written in the
+    client's default write mode): the new blocks are all it may evict."""
+    what = f"{inst.name} failed to save {failed} KV block(s) to the data system"
+    again = "decode computes those prompts again" if inst.role == "prefill" else "they are computed again"
+    if not full:
+        return f"{what} (it was out of reach or refused them; `yrpd logs {inst.name}` says why): {again}"
+    spec = deployment.spec
+    used = ""
+    if cache and cache.get("memory_limit") and cache.get("memory_used") is not None:
+        used = f"{cache['memory_used'] / 2**20:,.0f} of {cache['memory_limit'] / 2**20:,.0f} MB of memory in use now: "
+    more = f"give it more (datasystem_memory_mb, {spec.datasystem_memory_mb} MB a host now)"
+    if not spec.datasystem_spill_mb:
+        more += " or a disk tier (datasystem_spill_mb)"
+    return (f"{what}, {full} of them because the data system on {inst.host} had no room for them ({used}it refused "
+            f"them, or took them and evicted them within a moment, as it does when its memory is full of entries it "
+            f"may not evict: another client's?): {again}; free that memory or {more}")
 
 
 def _handoff_missed(deployment: Deployment, inst: InstancePlan, blocks: int) -> str:

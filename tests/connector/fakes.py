@@ -31,6 +31,12 @@ class FakeKVClient:
         self.fail: dict = {}  # op -> message: that call raises it (an error of the data system, not a dead worker)
         self.hold: dict = {}  # op -> threading.Event: that call waits for it (a slow data system)
         self.batch_limit: int | None = None  # refuse a call naming more keys, as the real one refuses 2000 and more
+        # a worker whose memory is full of entries it may not evict, as a real one behaves (tests/connector/
+        # test_ds_full.py): it answers mset_buffer with success, evicts some new blocks at once (`drop_writes`: those
+        # keys, True: all) and, with `evict_previous`, the blocks of the mset_buffer before (the next write's room)
+        self.drop_writes: bool | set = False
+        self.evict_previous = False
+        self._last_written: list = []
 
     def _check(self, op, keys=None):
         self.calls.append(op)
@@ -75,8 +81,16 @@ class FakeKVClient:
 
     def mset_buffer(self, bufs):
         self._check("mset_buffer")
+        if self.evict_previous:
+            for key in self._last_written:
+                self.store.pop(key, None)
+        self._last_written = []
         for b in bufs:
-            self.store[self.pending.pop(id(b))] = b
+            key = self.pending.pop(id(b))
+            if self.drop_writes is True or (self.drop_writes and key in self.drop_writes):
+                continue
+            self.store[key] = b
+            self._last_written.append(key)
 
     def get_read_only_buffers(self, keys, timeout_ms=0):
         self._check("get", keys)

@@ -19,6 +19,7 @@ import pytest
 
 from tests.connector import fakes
 from tests.connector.fakes import FakeKVClient
+from yrpd.connector import saver as saver_module
 from yrpd.connector.config import parse_config
 from yrpd.connector.saver import Job, ProcessSaver, Saver, shared_slab_factory
 from yrpd.connector.stats import ConnectorStats
@@ -48,6 +49,13 @@ def save_job(keys, fills, req_id: str = "r") -> Job:
 
 def value(ds: FakeKVClient, key: str) -> bytes:
     return bytes(ds.store[key].data)
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
 
 
 def since(stats: ConnectorStats):
@@ -132,6 +140,46 @@ def test_a_failed_write_counts_as_failed_not_saved_and_the_saver_carries_on(make
     assert saver.flush(5)
     assert value(ds, "x2") == bytes([2] * ROW)
     assert (moved("saved_blocks"), moved("save_failed_blocks")) == (2, 0)
+
+
+def test_blocks_a_full_worker_takes_and_evicts_count_as_failed_for_want_of_memory_not_saved(make, ds, monkeypatch):
+    """A worker whose memory is full of entries it may not evict answers every write with success, drops some new
+    blocks at once and evicts the rest at the next write (tests/connector/test_ds_full.py measures a real one). Each
+    job's one look after its write finds both: those blocks are failed saves, for want of memory, never saved ones;
+    while the worker evicts that way, an idle writer does not count what it still holds (the next write evicts it).
+    The control: the same writes into a worker that keeps them are saved, the last ones at an idle look."""
+    monkeypatch.setattr(saver_module, "CONFIRM_IDLE_S", 0.05)
+    saver = make()
+    moved = since(saver.stats)
+    ds.evict_previous, ds.drop_writes = True, {"a2"}
+    saver.submit(save_job(["a1", "a2"], [1, 2]))
+    saver.submit(save_job(["b1", "b2"], [3, 4]))
+    wait_for(lambda: moved("save_failed_blocks") == 2)  # a2 at once, a1 when b was written
+    time.sleep(0.3)  # idle, the b blocks still held: not counted while the worker evicts at each write
+    assert sorted(ds.store) == ["b1", "b2"]
+    assert (moved("saved_blocks"), moved("save_failed_blocks"), moved("save_failed_memory_full_blocks")) == (0, 2, 2)
+    assert ("exist", ["a1", "b1", "b2"]) in ds.key_log  # one look after b's write: a's held block and b's
+    saver.submit(save_job(["c1"], [5]))
+    wait_for(lambda: moved("save_failed_blocks") == 4)
+    assert moved("saved_blocks") == 0 and moved("ds_errors") == 0
+    ds.evict_previous, ds.drop_writes = False, False  # control: a worker with room keeps what it takes
+    saver.submit(save_job(["d1", "d2"], [6, 7]))
+    wait_for(lambda: moved("saved_blocks") == 3)  # c1 held after d's write, then d's at an idle look
+    assert (moved("saved_bytes"), moved("save_failed_blocks")) == (3 * ROW, 4)
+    assert sorted(ds.store) == ["c1", "d1", "d2"]
+
+
+def test_a_write_refused_for_want_of_memory_names_that_reason_and_other_failures_do_not(make, ds):
+    saver = make()
+    moved = since(saver.stats)
+    ds.fail["mset_buffer"] = "code: [Out of memory], msg: [Shared memory no space in arena: 9, traceId: x]"
+    saver.submit(save_job(["z1"], [1]))
+    assert saver.flush(5)
+    assert (moved("save_failed_blocks"), moved("save_failed_memory_full_blocks")) == (1, 1)
+    ds.fail["mset_buffer"] = "code: [Invalid parameter], msg: [something else]"
+    saver.submit(save_job(["z2"], [1]))
+    assert saver.flush(5)
+    assert (moved("save_failed_blocks"), moved("save_failed_memory_full_blocks")) == (2, 1)
 
 
 def test_a_failed_delete_is_counted_as_an_error_and_deletes_nothing(make, ds):
@@ -220,7 +268,8 @@ def test_stop_on_a_stuck_data_system_returns_and_counts_what_it_could_not_write(
 
 # The real writer (saver.child_main), with the in-memory data system in place of the client library; after every write
 # it leaves what it holds in $YRPD_TEST_DS_DUMP for the test to read (the child may end by a signal, so not at exit),
-# and $YRPD_TEST_DS_FAIL ({op: message}) makes its data system refuse those calls.
+# $YRPD_TEST_DS_FAIL ({op: message}) makes its data system refuse those calls, and $YRPD_TEST_DS_DROP (a list of
+# keys) and $YRPD_TEST_DS_EVICT make it a full worker that takes writes without error and evicts them (see fakes).
 CHILD = """
 import json, os, sys
 from tests.connector.fakes import FakeKVClient
@@ -234,6 +283,8 @@ class DumpingKVClient(FakeKVClient):
 
 ds = DumpingKVClient()
 ds.fail = json.loads(os.environ.get("YRPD_TEST_DS_FAIL", "{}"))
+ds.drop_writes = set(json.loads(os.environ.get("YRPD_TEST_DS_DROP", "[]")))
+ds.evict_previous = bool(os.environ.get("YRPD_TEST_DS_EVICT"))
 saver.kvclient_factory = lambda *a, **k: (lambda: ds)
 sys.exit(saver.child_main(sys.argv[1:]))
 """
@@ -297,6 +348,27 @@ def test_process_saver_counts_a_write_its_child_could_not_make_as_failed(tmp_pat
     finally:
         saver.stop(10.0)
     assert not (tmp_path / "ds.json").exists()
+    assert not fakes.stray_threads(before)
+
+
+def test_process_saver_counts_blocks_its_childs_full_worker_took_and_evicted_as_failed(tmp_path, monkeypatch):
+    monkeypatch.setenv("YRPD_TEST_DS_DUMP", str(tmp_path / "ds.json"))
+    monkeypatch.setenv("YRPD_TEST_DS_DROP", json.dumps(["b"]))
+    monkeypatch.setenv("YRPD_TEST_DS_EVICT", "1")
+    before = set(threading.enumerate())
+    pool = StagingPool([ROW, 2 * ROW], 1 << 20, slab_factory=shared_slab_factory)
+    saver = process_saver([sys.executable, "-c", CHILD], pool)
+    moved = since(saver.stats)
+    try:
+        saver.submit(staged_job(pool, ["a", "b"], [1, 2]))  # b dropped at once
+        saver.submit(staged_job(pool, ["c"], [3]))  # a evicted by this write
+        assert saver.flush(30)  # c, still held, counted at the flush
+        assert (moved("saved_blocks"), moved("saved_bytes"), moved("save_failed_blocks"),
+                moved("save_failed_memory_full_blocks"), moved("ds_errors")) == (1, 3 * ROW, 2, 2, 0)
+        assert saver.child_pid is not None
+    finally:
+        saver.stop(10.0)
+    assert sorted(json.loads((tmp_path / "ds.json").read_text())) == ["c"]
     assert not fakes.stray_threads(before)
 
 

@@ -84,6 +84,16 @@ def test_a_healthy_deployment_shows_every_table_and_says_healthy(tmp_path):
     assert shown(status_verdict(r)).strip() == "healthy"
 
 
+def test_failed_saves_are_shown_next_to_the_saved_blocks(tmp_path):
+    def failed(data):
+        data["serving"]["instances"][0]["connector"]["counters"]["save_failed_blocks"] = 48
+
+    r = report(tmp_path, edit={"h1": failed})
+    text = shown(*status_tables(r))
+    assert row(text, "prefill-0")[11] == "2 (48 failed)"
+    assert row(text, "decode-0")[11] == "2"  # nothing failed: the count alone
+
+
 def test_an_instance_whose_ranks_span_hosts_shows_them_all(tmp_path):
     r = report(tmp_path)
     decode = next(i for i in r.instances if i.name == "decode-0")

@@ -9,7 +9,9 @@ from yrpd import api
 from yrpd.render import status_verdict
 from yrpd.session import SessionPhase
 
-from tests.unit.sessions import recorded, scripted
+from yrpd.testing import ScriptedHosts
+
+from tests.unit.sessions import answer, recorded, scripted
 
 
 def test_a_healthy_deployment_reports_every_part(tmp_path):
@@ -52,6 +54,45 @@ def test_handed_over_kv_that_decode_computed_again_is_a_warning_naming_the_fix_n
     assert "datasystem_spill_mb" in warning  # no disk tier yet: the other fix
     assert status_verdict(report).splitlines()[1] == f"[yellow]warning[/yellow]: {warning}"
     assert report.to_json()["warnings"] == [warning]
+
+
+def prefill_counters(**counters) -> ScriptedHosts:
+    """The hosts of `scripted()`, prefill-0's connector (on h1) reporting these counters as well."""
+    hosts = ScriptedHosts()
+    for host in ("h1", "h2"):
+        data = json.loads(answer(host))
+        for inst in data["serving"]["instances"]:
+            if inst["name"] == "prefill-0":
+                inst["connector"]["counters"].update(counters)
+        hosts.on("serving_status", stdout=json.dumps(data), host=host)
+    return hosts
+
+
+def test_failed_saves_of_prefill_are_a_warning_naming_the_data_systems_full_memory_when_that_is_why(tmp_path):
+    """The data system's worker on h1 took prefill's blocks and evicted them at once (its memory full of entries it
+    may not evict), or refused them: the connector counts them failed, with that reason, and status says so."""
+    deployment = recorded(tmp_path)
+    with prefill_counters(save_failed_blocks=48, save_failed_memory_full_blocks=48):
+        report = api.status(deployment)
+    assert report.healthy and report.problems == []  # it serves, computing those prompts again
+    [warning] = report.warnings
+    assert warning.startswith("prefill-0 failed to save 48 KV block(s) to the data system, 48 of them because the "
+                              "data system on h1 had no room for them (200 of 256 MB of memory in use now: ")
+    assert "its memory is full of entries it may not evict" in warning
+    assert "decode computes those prompts again" in warning
+    assert f"datasystem_memory_mb, {deployment.spec.datasystem_memory_mb} MB a host now" in warning
+    assert "datasystem_spill_mb" in warning  # no disk tier yet: the other fix
+    assert status_verdict(report).splitlines()[1] == f"[yellow]warning[/yellow]: {warning}"
+    prefill = next(i for i in report.instances if i.name == "prefill-0")
+    assert prefill.connector["save_failed_blocks"] == 48  # in `yrpd status --json` as well
+    # failed for another reason (the data system out of reach, a refusal that is not for memory): the log says why
+    with prefill_counters(save_failed_blocks=3, save_failed_memory_full_blocks=0):
+        [warning] = api.status(deployment).warnings
+    assert warning == ("prefill-0 failed to save 3 KV block(s) to the data system (it was out of reach or refused "
+                       "them; `yrpd logs prefill-0` says why): decode computes those prompts again")
+    # the control: the same counters with nothing failed
+    with prefill_counters(save_failed_blocks=0, save_failed_memory_full_blocks=0):
+        assert api.status(deployment).warnings == []
 
 
 def test_a_disk_tier_whose_filesystem_is_full_is_a_warning_naming_the_host_and_the_fix(tmp_path):

@@ -2,7 +2,17 @@
 
 The worker half copies the blocks a step completed into staging memory (a memcpy, so vLLM may reuse them at once)
 and hands them to a `Saver`, whose thread writes them in order (`exist` -> skip present keys -> `mcreate` -> copy ->
-`mset_buffer`) and deletes loaded keys for `delete_after_load`.
+`mset_buffer` -> `exist` again, see `PendingSaves`) and deletes loaded keys for `delete_after_load`.
+
+A write the data system answers with success is not yet a saved block. A worker whose shared memory is full of
+entries it may not evict (another client's, written in the client's default write mode) takes every write without
+an error, status or failed key, and evicts it within a moment, since the new blocks are all it may evict (measured on
+openYuanrong 0.8.1, tests/connector/test_ds_full.py: from a tenth to two thirds of the blocks gone right after their
+`mset_buffer`, the others once the writer's next job is written, or at the worker's eviction round every 10 s when no
+write comes). So a block counts in `saved_blocks` once the worker still holds it after the writer's next write (or,
+when none follows, at a look CONFIRM_IDLE_S later, unless the worker is evicting the writer's blocks that way); one
+it does not hold counts in `save_failed_blocks` and `save_failed_memory_full_blocks`. The look is the one `exist`
+call after each job's write, over that job's keys and those of the job before (`PendingSaves`).
 
 Where the data system calls run matters: its Python client holds the GIL for the whole of each call (measured: a
 1.35 s `get` on a missing key stopped every other thread of the process for 1.35 s; `mcreate`/`mset_buffer` took
@@ -41,6 +51,8 @@ from yrpd.connector.transport import (
     StagingPool,
     TransportError,
     kvclient_factory,
+    memory_full,
+    value_nbytes,
     values_from_staged,
     write_mode,
 )
@@ -48,6 +60,8 @@ from yrpd.connector.transport import (
 logger = logging.getLogger("yrpd.connector")
 
 RESTART_BACKOFF_S = 5.0  # a child that died is started again at most this often
+CONFIRM_IDLE_S = 1.0  # a writer idle this long looks whether the worker still holds its last job's blocks
+FAILED_SAVE_LOG_S = 60.0  # failed saves are logged at WARNING at most this often (each one at DEBUG)
 _HEADER = struct.Struct("<I")
 
 
@@ -64,9 +78,56 @@ class Job:
         self.done = threading.Event()
 
 
-def write_job(transport: HostTransport, ttl_seconds: int, keys: Sequence[str], values: Sequence[Any]) -> dict:
+class PendingSaves:
+    """A writer's blocks that the worker held right after their write and that are not counted yet.
+
+    They count as saved once the worker still holds them after the writer's next write, or at a look when no write
+    follows (`confirm`); as failed, for want of memory, when it no longer does. `evicting`: the last look found some
+    of the writer's fresh blocks gone, as a worker full of entries it may not evict does with each one at the next
+    write: until a look finds them all held again, an idle look does not count them (only the next write tells)."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.nbytes: list[int] = []
+        self.evicting = False
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def answer(self) -> dict:
+        return {"pending": len(self.keys), "pending_bytes": sum(self.nbytes), "evicting": self.evicting}
+
+
+def _outcome(skipped: int = 0) -> dict:
+    """A writer's answer for one job or look: blocks saved (bytes), skipped (already there), failed and why."""
+    return {"saved": 0, "bytes": 0, "skipped": skipped, "failed": 0, "failed_memory_full": 0, "reason": ""}
+
+
+def _evicted(out: dict, gone: int, when: str) -> None:
+    if gone:
+        out["failed"] += gone
+        out["failed_memory_full"] += gone
+        out["reason"] = (f"the data system evicted {gone} block(s) it had taken without error {when} (out of memory: "
+                         f"its memory is full of entries it may not evict)")
+
+
+def _settle(out: dict, pending: PendingSaves, held: Sequence[bool], when: str) -> None:
+    """Count the pending blocks into `out` by `held` (whether the worker holds each), and forget them."""
+    out["saved"] += sum(held)
+    out["bytes"] += sum(n for n, there in zip(pending.nbytes, held) if there)
+    _evicted(out, len(held) - sum(held), when)
+    pending.keys, pending.nbytes = [], []
+
+
+def write_job(transport: HostTransport, ttl_seconds: int, keys: Sequence[str], values: Sequence[Any],
+              pending: PendingSaves | None = None) -> dict:
     """Save `values[i]` under `keys[i]` unless the key exists (then only its TTL is refreshed: a hot prefix stays).
-    Returns {"saved", "bytes", "skipped"}; raises TransportError/KeyError when the data system fails."""
+
+    With `pending` (the writer's PendingSaves), one `exist` after the write looks at this job's keys and the pending
+    ones: pending blocks still held are saved, gone ones failed; this job's blocks gone already are failed, the held
+    ones become the pending ones. Without it, what the data system took without error counts as saved (no look).
+    Returns {"saved", "bytes", "skipped", "failed", "failed_memory_full", "reason"} plus, with `pending`, its
+    `answer()`; raises TransportError/KeyError when the data system fails the job (the pending blocks stay pending)."""
     present = transport.exists(keys)
     missing = [i for i, there in enumerate(present) if not there]
     existing = [k for k, there in zip(keys, present) if there]
@@ -75,8 +136,47 @@ def write_job(transport: HostTransport, ttl_seconds: int, keys: Sequence[str], v
             transport.expire(existing, ttl_seconds)
         except (TransportError, KeyError):
             pass
-    written = transport.save([keys[i] for i in missing], [values[i] for i in missing], ttl_seconds) if missing else 0
-    return {"saved": len(missing), "bytes": written, "skipped": len(keys) - len(missing)}
+    out = _outcome(len(keys) - len(missing))
+    new = [keys[i] for i in missing]
+    if pending is not None and not set(new).isdisjoint(pending.keys):
+        # a pending block written again (the same block of another request): it was gone before this write
+        again = [k in set(new) for k in pending.keys]
+        _evicted(out, sum(again), "before it was written again")
+        pending.keys = [k for k, a in zip(pending.keys, again) if not a]
+        pending.nbytes = [n for n, a in zip(pending.nbytes, again) if not a]
+    written = transport.save(new, [values[i] for i in missing], ttl_seconds) if missing else 0
+    if pending is None:
+        out.update(saved=len(new), bytes=written)
+        return out
+    if not new:
+        return {**out, **pending.answer()}
+    try:
+        held = transport.held(pending.keys + new)
+    except TransportError as e:  # the look failed, not the write: the data system took them without error
+        logger.debug("yrpd connector: cannot look whether the worker holds the blocks just written: %s", e)
+        held = [True] * (len(pending) + len(new))
+    _settle(out, pending, held[:len(pending.keys)], "once the writer's next blocks were written")
+    fresh = held[len(held) - len(new):]
+    _evicted(out, fresh.count(False), "right after their write")
+    pending.keys = [k for k, there in zip(new, fresh) if there]
+    pending.nbytes = [value_nbytes(values[i]) for i, there in zip(missing, fresh) if there]
+    pending.evicting = out["failed"] > 0
+    return {**out, **pending.answer()}
+
+
+def confirm_pending(transport: HostTransport, pending: PendingSaves, force: bool = False) -> dict:
+    """The idle look at the pending blocks: held ones saved, gone ones failed. Skipped while the worker evicts the
+    writer's blocks at each next write (`pending.evicting`) unless `force` (flush, stop)."""
+    out = _outcome()
+    if pending and (force or not pending.evicting):
+        try:
+            held = transport.held(pending.keys)
+        except TransportError as e:  # the data system took them without error; it cannot say more now
+            logger.debug("yrpd connector: cannot look whether the worker holds the pending blocks: %s", e)
+            held = [True] * len(pending)
+        _settle(out, pending, held, "while the writer was idle")
+        pending.evicting = out["failed"] > 0
+    return {**out, **pending.answer()}
 
 
 class Saver:
@@ -96,6 +196,15 @@ class Saver:
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="yrpd-kv-saver", daemon=True)
         self._started = False
+        # blocks written but not counted yet: the PendingSaves where the writes run (this thread's; a ProcessSaver's
+        # child has its own) and what the writer's last answer said of them. With delete_after_load a consumer may
+        # delete what it loaded before the next write looks: no looks then
+        self._unconfirmed: PendingSaves | None = None if cfg.delete_after_load else PendingSaves()
+        self._unconfirmed_n = 0
+        self._unconfirmed_bytes = 0
+        self._evicting = False
+        self._failed_unlogged = 0  # failed blocks since the last WARNING about them
+        self._failed_logged_at = -1e9
 
     def start(self) -> None:
         if not self._started:
@@ -131,7 +240,12 @@ class Saver:
     def _run(self) -> None:
         self._open()
         while True:
-            job = self._q.get()
+            idle_look = self._unconfirmed_n and not self._evicting
+            try:
+                job = self._q.get(timeout=CONFIRM_IDLE_S if idle_look else None)
+            except queue.Empty:
+                self._confirm(force=False)
+                continue
             if job is None:
                 return
             try:
@@ -139,6 +253,8 @@ class Saver:
                     self._save(job)
                 elif job.kind == "delete":
                     self._delete(job)
+                elif job.kind == "flush" and self._unconfirmed_n:
+                    self._confirm(force=True)  # what a flush waits for is counted when it returns
             except Exception as e:  # noqa: BLE001 - never let the saver die
                 logger.warning("yrpd connector: %s job failed: %s", job.kind, e)
             finally:
@@ -151,25 +267,51 @@ class Saver:
                 job.done.set()
 
     def _count_save(self, n: int, result: dict | None, ms: float, error: str = "") -> None:
+        """Count a job of `n` blocks, or a look at the pending ones (`n` 0, `ms` None): `result` is the writer's
+        answer, None when the job failed (`error`: why)."""
         if result is None:
-            self.stats.inc("save_failed_blocks", n)
             self.stats.inc("ds_errors")
-            logger.debug("yrpd connector: save of %d blocks failed: %s", n, error)
+            self._count_failed(n, n if memory_full(error) else 0, error)
             return
         self.stats.inc("saved_blocks", result["saved"])
         self.stats.inc("saved_bytes", result["bytes"])
         self.stats.inc("save_skipped_existing", result["skipped"])
-        self.stats.observe("save", ms)
+        if ms is not None:
+            self.stats.observe("save", ms)
+        if result.get("failed"):
+            self._count_failed(result["failed"], result.get("failed_memory_full", 0), result.get("reason", ""))
+        if "pending" in result:
+            self._unconfirmed_n, self._unconfirmed_bytes = result["pending"], result["pending_bytes"]
+            self._evicting = result["evicting"]
+
+    def _count_failed(self, failed: int, full: int, reason: str) -> None:
+        """Blocks not in the data system: save_failed_blocks, and save_failed_memory_full_blocks for those its
+        worker had no room for (what `yrpd status` names); logged at WARNING at most every FAILED_SAVE_LOG_S."""
+        self.stats.inc("save_failed_blocks", failed)
+        self.stats.inc("save_failed_memory_full_blocks", full)
+        logger.debug("yrpd connector: %d block(s) not saved: %s", failed, reason)
+        self._failed_unlogged += failed
+        now = time.monotonic()
+        if now - self._failed_logged_at >= FAILED_SAVE_LOG_S:
+            logger.warning("yrpd connector: %d KV block(s) not saved to the data system since the last such warning "
+                           "(save_failed_blocks; what would have loaded them computes them again); the last: %s",
+                           self._failed_unlogged, reason[:300])
+            self._failed_unlogged, self._failed_logged_at = 0, now
 
     def _save(self, job: Job) -> None:
         t0 = time.perf_counter()
         try:
             result = write_job(self.transport, self.cfg.ttl_seconds, job.keys,
-                               values_from_staged(job.data, range(len(job.keys))))
+                               values_from_staged(job.data, range(len(job.keys))), self._unconfirmed)
         except (TransportError, KeyError) as e:
             self._count_save(len(job.keys), None, 0.0, str(e))
             return
         self._count_save(len(job.keys), result, (time.perf_counter() - t0) * 1000.0)
+
+    def _confirm(self, force: bool) -> None:
+        """Look whether the worker still holds the pending blocks, and count them."""
+        if self._unconfirmed is not None:
+            self._count_save(0, confirm_pending(self.transport, self._unconfirmed, force), None)
 
     def _delete(self, job: Job) -> None:
         try:
@@ -326,11 +468,12 @@ class ProcessSaver(Saver):
             proc.wait(5)
 
     def answer_deadline_s(self, n_keys: int) -> float:
-        """How long a job may take in the child: a reconnect, then per batch of keys at most four data-system
-        calls (exist, expire, mcreate, mset_buffer) that each end by the request timeout, and slack for a loaded
-        host. Past it the child is taken for hung."""
+        """How long a job may take in the child: a reconnect, then per batch of keys at most five data-system
+        calls (exist, expire, mcreate, mset_buffer, and the look after the write, whose keys may fill one more
+        batch) that each end by the request timeout, and slack for a loaded host. Past it the child is taken for
+        hung."""
         batches = max(1, -(-n_keys // self.cfg.max_batch_keys))
-        return (self.cfg.connect_timeout_ms + 4 * batches * self.cfg.request_timeout_ms) / 1000.0 + 10.0
+        return (self.cfg.connect_timeout_ms + (5 * batches + 1) * self.cfg.request_timeout_ms) / 1000.0 + 10.0
 
     def _call(self, request: dict) -> dict | None:
         """One request to the child and its answer; None (logged, once per failure) when it is gone, hung or out of
@@ -364,6 +507,10 @@ class ProcessSaver(Saver):
                 pass
         self.deaths += 1
         self.stats.inc("ds_errors")
+        if self._unconfirmed_n:  # its pending blocks were held at their last look; nothing can look at them now
+            self.stats.inc("saved_blocks", self._unconfirmed_n)
+            self.stats.inc("saved_bytes", self._unconfirmed_bytes)
+            self._unconfirmed_n, self._unconfirmed_bytes, self._evicting = 0, 0, False
         logger.error("yrpd connector: the writer process %d ended (exit %s%s); its saves fail until it is started "
                      "again (within %.0f s)", proc.pid, code, f": {why}" if why else "", RESTART_BACKOFF_S)
 
@@ -377,6 +524,13 @@ class ProcessSaver(Saver):
             self._count_save(len(job.keys), None, 0.0, (answer or {}).get("error", "writer process gone"))
             return
         self._count_save(len(job.keys), answer, answer["ms"])
+
+    def _confirm(self, force: bool) -> None:
+        answer = self._call({"op": "confirm", "force": force})
+        for event in (answer or {}).get("events", ()):
+            self._on_event(event)
+        if answer is not None and not answer.get("error"):
+            self._count_save(0, answer, None)
 
     def _delete(self, job: Job) -> None:
         answer = self._call({"op": "delete", "keys": job.keys})
@@ -463,6 +617,7 @@ def child_main(argv: Sequence[str]) -> int:
                                          cfg.exclusive_connection), "writer", cfg.retry_backoff_s, events.append)
     conn.connect()
     transport = HostTransport(conn, cfg.max_batch_keys, write_mode=write_mode(cfg))
+    pending = None if cfg.delete_after_load else PendingSaves()  # as Saver._unconfirmed
     slabs = _SlabViews()
     stdin = sys.stdin.fileno()
     while True:
@@ -476,7 +631,10 @@ def child_main(argv: Sequence[str]) -> int:
         try:
             if request["op"] == "save":
                 answer = write_job(transport, int(request["ttl"]), request["keys"],
-                                   slabs.values(request["slab"], len(request["keys"])))
+                                   slabs.values(request["slab"], len(request["keys"])), pending)
+            elif request["op"] == "confirm":
+                answer = confirm_pending(transport, pending, bool(request.get("force"))) if pending is not None \
+                    else _outcome()
             elif request["op"] == "delete":
                 transport.delete(request["keys"])
             else:

@@ -25,6 +25,9 @@ SCHEMA = "yrpd.connector.stats/1"
 COUNTERS = (
     # producer (worker side)
     "saved_blocks", "saved_bytes", "save_skipped_existing", "save_failed_blocks", "save_dropped_blocks",
+    # ... of save_failed_blocks, those the worker had no room for: refused (out of memory), or taken without error
+    # and evicted at once or by the writer's next write (its memory full of entries it may not evict; saver.py)
+    "save_failed_memory_full_blocks",
     # consumer (scheduler side): blocks asked about / found / not found before promising tokens
     "lookup_requests", "lookup_blocks", "lookup_hit_blocks", "lookup_miss_blocks", "lookup_errors",
     "lookup_waits", "handoff_missed_blocks", "handoff_refused",

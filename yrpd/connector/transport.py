@@ -36,6 +36,9 @@ _MISS_MARKERS = ("key not found", "not exist", "k_not_found", "object not found"
 _DOWN_MARKERS = ("rpc unavailable", "uds_connect_failed", "timeout", "timed out", "try again",
                  "connection", "not responded", "rpc_recv", "disconnect", "client is not init",
                  "shutdown")
+# ... and those of a worker whose shared memory has no room for a write ("code: [Out of memory], msg: [Shared memory
+# no space in arena: 9 ...]" from mcreate or mset_buffer).
+_FULL_MARKERS = ("out of memory", "out_of_memory", "no space")
 
 
 class TransportError(RuntimeError):
@@ -44,6 +47,12 @@ class TransportError(RuntimeError):
 
 class DsUnavailable(TransportError):
     """The data system is (currently) unreachable."""
+
+
+def memory_full(text: str) -> bool:
+    """Whether a data-system error's text says the worker's memory has no room for the write."""
+    text = text.lower()
+    return any(m in text for m in _FULL_MARKERS)
 
 
 def classify_error(exc: BaseException) -> str:
@@ -408,6 +417,11 @@ def _nbytes(piece: Any) -> int:
     return piece.nbytes if isinstance(piece, memoryview) else int(piece.numel())
 
 
+def value_nbytes(value: Any) -> int:
+    """Bytes of one value `HostTransport.save` takes (a piece or a list of pieces)."""
+    return sum(_nbytes(x) for x in _pieces(value))
+
+
 def _fill(dst: memoryview, pieces: Sequence[Any]) -> None:
     """Write the pieces one after the other into `dst` (a writable byte view of a data-system buffer)."""
     import ctypes
@@ -451,6 +465,17 @@ class HostTransport(Transport):
             out.extend(bool(x) for x in res)
         return out
 
+    def held(self, keys: Sequence[str]) -> list[bool]:
+        """`exists` for keys just written, where none being there is an answer, not an error (the client may raise
+        when none of a batch exists)."""
+        out: list[bool] = []
+        for lo, hi in self._batches(len(keys)):
+            try:
+                out.extend(self.exists(keys[lo:hi]))
+            except KeyError:
+                out.extend([False] * (hi - lo))
+        return out
+
     def save(self, keys: Sequence[str], values: Any, ttl_seconds: int) -> int:
         """values[i]: a 1-D uint8 tensor (e.g. a row of a 2-D staging tensor), a byte memoryview (a row of a shared
         staging slab, in the writer process, which has no torch), or a list of those written one after the other
@@ -458,7 +483,7 @@ class HostTransport(Transport):
         written = 0
         for lo, hi in self._batches(len(keys)):
             batch = list(keys[lo:hi])
-            sizes = [sum(_nbytes(x) for x in _pieces(values[i])) for i in range(lo, hi)]
+            sizes = [value_nbytes(values[i]) for i in range(lo, hi)]
             mode = {} if self.write_mode is None else {"write_mode": self.write_mode}
             bufs = self.conn.call("mcreate", lambda c: c.mcreate(batch, sizes, ttl_second=int(ttl_seconds), **mode))
             for j, buf in enumerate(bufs):
