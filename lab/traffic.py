@@ -103,6 +103,16 @@ class TwoHosts:
         self.proxy = out.stdout.strip().splitlines()[-1]
         return time.monotonic() - started
 
+    def spec_now(self, path: Path, **changes) -> Path:
+        """The spec the deployment runs now (its latest session's, as the commands before changed it: a host that
+        joined by `yrpd scale --hosts` has the devices detected there, not the ones `config` names) with `changes`,
+        written to `path` as a config a later `yrpd deploy` takes."""
+        import yaml
+
+        spec = json.loads((Path(self.env["YRPD_HOME"]) / "sessions" / "latest" / "spec.json").read_text())
+        path.write_text(yaml.safe_dump({**spec, **changes}, sort_keys=False))
+        return path
+
     def status(self) -> tuple[dict, float]:
         started = time.monotonic()
         report = json.loads(self.cli("status", "--json", check=None, timeout=120).stdout)

@@ -320,8 +320,8 @@ def decode_says(d: TwoHosts, request_id: str) -> str:
 
 def test_a_data_system_full_of_entries_it_may_not_evict(two_hosts, lab_figures):
     """Prefill's data-system worker (h1) filled with entries it may not evict, by another client of the deployment:
-    prefill's saves fail and its connector counts them failed (the data system refuses them), `yrpd status` says so,
-    decode computes the prompts again; answers stay right. Then the entries are deleted and the hand-overs come back
+    prefill's saves fail (the worker takes them and drops them, but for the few that fit in what is left) and its
+    connector counts them failed, `yrpd status` says so, decode computes those prompts again; answers stay right. Then the entries are deleted and the hand-overs come back
     (the control: the same counters and log lines with room in the worker)."""
     d = two_hosts
     before, _ = d.healthy()
@@ -353,6 +353,8 @@ def test_a_data_system_full_of_entries_it_may_not_evict(two_hosts, lab_figures):
         "filled": filled, "answers_during": [c.status for c in during],
         "during_s": [round(c.ended - c.started, 2) for c in during],
         "prefill_save_failed_blocks_delta": failed_delta,
+        "decode_missed_blocks_delta": delta("handoff_missed_blocks", connector_counts(report, "decode-0"),
+                                            connector_counts(before, "decode-0")),
         "prefill_saved_blocks_delta": delta("saved_blocks", saved1, saved0),
         "prefill_saved_blocks_delta_after_freeing": delta("saved_blocks", saved2, saved1),
         "warnings_during": report.get("warnings", [])[:4], "healthy_during": report["healthy"],
@@ -362,12 +364,12 @@ def test_a_data_system_full_of_entries_it_may_not_evict(two_hosts, lab_figures):
     assert filled["filled_mb"] > 0, filled
     for call, ref in zip(during, again):
         assert call.status == 200 and ref.status == 200 and call.text == ref.text, (call.status, call.raw[:300])
-    # prefill's counter tells the truth: the writes the data system refused are failed saves, and status says so
-    # (the writer counts a block once the worker still holds it after its next write or 1 s idle: a block the worker
-    # kept that long was saved; most are gone at once)
-    assert failed_delta > 0 and failed_delta >= figures["prefill_saved_blocks_delta"], figures
+    # prefill's counter tells the truth: the writes the data system dropped are failed saves (the worker keeps the
+    # few that fit in what the filler left, and those are saved), status says so, and no block decode found missing
+    # was counted saved (the old counter read 0 failed while decode computed prompts again)
+    assert failed_delta > 0 and figures["decode_missed_blocks_delta"] <= failed_delta, figures
     assert any(w.startswith("prefill-0") and "failed" in w for w in report["warnings"]), report["warnings"]
-    assert all("loads nothing" in says for says in full_says), full_says  # decode computed them again
+    assert any("loads nothing" in says for says in full_says), full_says  # decode computed them again
     # the control, once the entries are gone: saves counted saved, decode loads, no warning of failed saves
     assert figures["prefill_saved_blocks_delta_after_freeing"] > 0, figures
     assert all(" loads " in says and "loads nothing" not in says for says in freed_says), freed_says

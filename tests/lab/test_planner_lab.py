@@ -21,7 +21,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
 from lab.cli import REPO
 from tests.doc_commands import commands, plans_a_deployment, words
@@ -56,10 +55,9 @@ def test_the_planner_adds_an_instance_under_a_load_step_and_gives_it_back_when_t
         target = max(300.0, 3 * base["p90"])
         figures.update(ttft_p90_one_client_ms=base["p90"], target_ms=target)
         # the targets are a spec change that restarts nothing (a free field): the planner reads them from the session
-        with_planner = tmp_path / "planner.yaml"
-        with_planner.write_text(d.config.read_text() + yaml.safe_dump({"planner": {
+        with_planner = d.spec_now(tmp_path / "planner.yaml", planner={
             "ttft_p90_ms": target, "max_prefill": 2, "max_decode": 2, "window_s": 15, "interval_s": 3,
-            "cooldown_s": 20, "min_samples": 4}}))
+            "cooldown_s": 20, "min_samples": 4})
         changed = d.cli("deploy", "--hosts", ",".join(d.names), "--config", str(with_planner), timeout=600)
         assert "planner:" in changed.stderr and "(free)" in changed.stderr, changed.stderr
         d.config = with_planner  # the deployment's spec from now on

@@ -58,8 +58,7 @@ def test_drain_a_host_then_roll_an_engine_flag_under_load_fails_no_request(three
         assert "h2 is back" in back.stderr and "nothing moved" in back.stderr, back.stderr
         time.sleep(5)
 
-        changed = tmp_path / "changed.yaml"
-        changed.write_text(d.config.read_text() + f"engine_args: {json.dumps(FLAG)}\n")
+        changed = d.spec_now(tmp_path / "changed.yaml", engine_args=FLAG)
         t1 = time.monotonic()
         rolled = d.cli("deploy", "--hosts", ",".join(d.names), "--config", str(changed), timeout=1500)
         figures["roll_s"] = round(time.monotonic() - t1, 1)
