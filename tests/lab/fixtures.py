@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -312,5 +313,6 @@ def lab_figures(request):
     report = _REPORTS.setdefault(path, {"figures": {}, "tests": {}})
     report["figures"].update(figures)
     report["tests"][request.node.nodeid] = "failed" if failed else "passed"
-    write_report(path, report["figures"], command=f"{variable}=... pytest -s {request.node.path.relative_to(REPO)}",
+    # the run as it was typed: the tests that ran before this one on a shared deployment are part of what it measured
+    write_report(path, report["figures"], command=f"{variable}=... python -m pytest {' '.join(sys.argv[1:])}",
                  outcomes=report["tests"])
