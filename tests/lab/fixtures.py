@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from lab.cli import REPO
 from lab.fakehosts import SSHD, FakeHostLab, cleanup_stale
 from lab.hosts import assert_nothing_left
 from lab.report import write_report
