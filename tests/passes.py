@@ -1,7 +1,7 @@
 """The two pytest passes of scripts/test.sh, from the arguments it was given.
 
 Tests marked `torch` need torch in the interpreter, so they run in a second pass inside the vLLM venv; everything
-else runs in the first. A user's `-m EXPR` narrows both passes (`(EXPR) and not torch`, then `(EXPR) and torch`)
+else runs in the first, in two lanes at once (LANES). A user's `-m EXPR` narrows both passes (`(EXPR) and not torch`, then `(EXPR) and torch`)
 instead of being appended after the pass's own `-m`, where pytest would keep only the last one and the second pass
 would run what EXPR selects a second time, in the wrong interpreter.
 
@@ -14,6 +14,9 @@ import shlex
 import sys
 
 TORCH = "torch"
+#: the first pass in two pytest-xdist workers: each lane of heavy tests in one of them, one test after another, the
+#: light tests wherever a worker is free (tests/conftest.py `lane`); a user's own `-n 0` comes after and wins
+LANES = ["-n", "2", "--dist", "loadgroup"]
 
 
 def split_marks(args: list[str]) -> tuple[str | None, list[str]]:
@@ -40,7 +43,7 @@ def passes(args: list[str]) -> tuple[str | None, list[str], list[str]]:
     """(the user's expression, the first pass's pytest arguments, the second's)."""
     expr, rest = split_marks(args)
     narrow = f"({expr}) and " if expr else ""
-    first = ["tests", "-m", f"{narrow}not {TORCH}", *rest]
+    first = ["tests", "-m", f"{narrow}not {TORCH}", *LANES, *rest]
     second = ["tests/connector", "-m", f"{narrow}{TORCH}", "-p", "no:cacheprovider", *rest]
     return expr, first, second
 

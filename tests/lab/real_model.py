@@ -13,6 +13,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -123,9 +124,14 @@ def ensure_model() -> None:
 class Reference:
     """One plain vLLM instance (no connector, no proxy) with the deployment's engine flags and dtype."""
 
-    def __init__(self, dtype: str | None, port: int = 41871, core: int = 1):
+    def __init__(self, dtype: str | None, port: int | None = None, core: int = 1):
         from yrpd.serving import BASE_ENV, KIND_ENGINE_ARGS
         from yrpd.spec import DeviceKind
+
+        if port is None:  # a free one: tests in the other lane start servers on loopback too
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
 
         # short: vLLM puts IPC sockets under TMPDIR and a socket path must stay under 108 bytes
         workdir = self.workdir = Path(tempfile.mkdtemp(prefix="yrpd-ref-", dir="/tmp"))

@@ -62,3 +62,27 @@ def test_users_of_a_shared_deployment_run_together_in_its_order():
     order = [i.module.__name__.rsplit(".", 1)[-1] for i in order_shared_users(items)]
     assert order == ["test_a", "test_scale_lab", "test_rollout_lab", "test_planner_lab", "test_b",
                      "test_host_faults", "test_c"]
+
+
+class Marked(Item):
+    def __init__(self, module: str, fixtures: tuple[str, ...], markers: tuple[str, ...]) -> None:
+        super().__init__(module, fixtures)
+        self.markers = markers
+
+    def get_closest_marker(self, name: str):
+        return name if name in self.markers else None
+
+
+def test_the_heavy_tests_of_one_shared_fixture_share_a_lane_and_light_ones_have_none():
+    from tests.conftest import OWN_LANE, SHARED_LANE, lane
+
+    assert lane(Marked("test_host_faults", ("two_hosts",), ("lab", "e2e"))) == SHARED_LANE
+    assert lane(Marked("test_self_healing", ("two_hosts",), ("lab", "e2e"))) == SHARED_LANE
+    assert lane(Marked("test_serving_lab", ("fake_lab", "reference_answers"), ("lab", "e2e"))) == SHARED_LANE
+    assert lane(Marked("test_model_change_lab", ("fake_lab",), ("lab",))) == SHARED_LANE
+    # the same module's localhost tests: a lane of their own
+    assert lane(Marked("test_self_healing", ("netns",), ("lab", "e2e"))) == OWN_LANE
+    assert lane(Marked("test_e2e_pd", ("pd",), ("e2e",))) == OWN_LANE
+    # light: parsed sources, unit tests
+    assert lane(Marked("test_patch_sources", ("sources",), ("e2e",))) is None
+    assert lane(Marked("test_proxy", (), ())) is None

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from tests.passes import passes, split_marks
+from tests.passes import LANES, passes, split_marks
 
 
 def collected(args: list[str]) -> set[str]:
@@ -27,7 +27,7 @@ def test_marks_are_taken_out_of_the_arguments_and_joined():
 def test_without_an_expression_the_passes_split_on_torch():
     expr, first, second = passes(["-v"])
     assert expr is None
-    assert first == ["tests", "-m", "not torch", "-v"]
+    assert first == ["tests", "-m", "not torch", *LANES, "-v"]
     assert second == ["tests/connector", "-m", "torch", "-p", "no:cacheprovider", "-v"]
 
 
