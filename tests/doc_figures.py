@@ -4,8 +4,9 @@ A figure is a number with a unit of time, size, rate, share or ratio (`1.2 s`, `
 written in prose or a table; a number in `code` is a setting or a command's argument, not a measurement. A figure's
 evidence is a report under docs/bench/ linked from the same place: its paragraph, its list item (or the paragraph that
 introduces the list), its table row (or the paragraph right above the table). tests/unit/test_docs.py holds every
-figure to a linked report that says where it came from (yrpd/provenance.py for JSON; a commit, the CPU and the
-command in the first lines of a text report).
+figure to a linked report that says where it came from: its commit, its CPU and the command that produced it (in a
+JSON report's `provenance` object, yrpd/provenance.py, or at its top level in reports older than that; in the first
+lines of a text report).
 """
 
 from __future__ import annotations
@@ -134,10 +135,14 @@ def provenance_missing(report: str, root: Path = REPO) -> list[str]:
     if not path.is_file():
         return ["the file"]
     if path.suffix == ".json":
-        from yrpd.provenance import missing
-
         doc = json.loads(path.read_text())
-        return missing(doc) if isinstance(doc, dict) else ["a provenance object (the report is a bare list)"]
+        if not isinstance(doc, dict):
+            return ["commit", "cpu", "command"]  # a bare list of figures
+        # yrpd.provenance.record's object, or (reports written before it) the same facts at the top
+        prov = doc["provenance"] if isinstance(doc.get("provenance"), dict) else doc
+        named = {"commit": prov.get("commit"), "cpu": prov.get("cpu"),
+                 "command": prov.get("commands") or prov.get("command")}
+        return [name for name, value in named.items() if not value]
     head = "\n".join(path.read_text(errors="replace").splitlines()[:12]).lower()
     wanted = {"commit": r"commit:?\s+[0-9a-f]{7,}", "cpu": r"\bcpu\b", "command": r"\bcommand:?\s"}
     return [name for name, pattern in wanted.items() if not re.search(pattern, head)]
