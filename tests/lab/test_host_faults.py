@@ -100,6 +100,7 @@ def test_a_hosts_link_cut_ends_requests_cleanly_and_heals(two_hosts, lab_figures
     figures[key] = {
         "link_down_s": round(mended - cut, 1),
         "in_flight_ended_s_after_cut": ends,
+        "in_flight_ended_s_after_link_up": [round(c.ended - mended, 1) if c.ended else None for c in calls],
         "in_flight": [{"status": c.status, "chunks": c.chunks, "error_event": c.error_event, "failure": c.failure}
                       for c in calls],
         "new_request_during": {"status": refused.status, "failure": refused.failure,
