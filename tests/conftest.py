@@ -86,7 +86,8 @@ def heavy(item) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist names the groups
 def pytest_collection_modifyitems(config, items):
     """With pytest-xdist (`-n 2 --dist loadgroup`, as scripts/test.sh runs the first pass) each lane is a group."""
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
+    # (in a worker `dist` reads "no": the controller's choice is `loadgroup`; the mark does nothing without it)
+    if config.pluginmanager.hasplugin("xdist"):
         for item in items:
             if (name := lane(item)) is not None:
                 item.add_marker(pytest.mark.xdist_group(name))
