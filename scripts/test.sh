@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: fast unit tests, fake-host lab tests and end-to-end tests (pytest markers
 # `lab` and `e2e` select them; this script runs all). Installs what it needs first.
-# Tests marked `torch` need torch in the interpreter: they run in a second pass inside the vLLM venv.
+# Tests marked `torch` need torch in the interpreter: they run in a last pass inside the vLLM venv; the rest first,
+# in two pytest processes at once (tests/passes.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
@@ -26,31 +27,47 @@ export YRPD_NO_SKIP=1
 # each test's time, both passes: the durations table printed at the end (tests/durations.py)
 export YRPD_TEST_TIMES="${YRPD_TEST_TIMES:-$(mktemp /tmp/yrpd-test-times.XXXXXX)}"
 : > "$YRPD_TEST_TIMES"
-# the two passes (tests/passes.py): a user's -m EXPR narrows both, so they run exactly what it selects
+# the runs (tests/passes.py): each lane of the first pass in a pytest process of its own, both at once, then the torch
+# pass; a user's -m EXPR narrows every run, so together they run exactly what it selects
 eval "$(.venv/bin/python -m tests.passes "$@")"
 rc=0
 empty=0
-run_pytest() {
-    local py="$1"; shift
+lanes_dir="$(mktemp -d /tmp/yrpd-test-lanes.XXXXXX)"
+run_pytest() {  # run_pytest NAME PYTHON ARGS...: its exit code in $lanes_dir/NAME.rc
+    local name="$1" py="$2"; shift 2
     set +e
     PYTHONPATH="$PWD" "$py" -m pytest "$@"
-    local r=$?
+    echo $? > "$lanes_dir/$name.rc"
     set -e
-    if [ $r -eq 5 ]; then
+}
+judge() {  # judge NAME PYTHON: pytest's "no tests collected" (5) fails, but where a -m EXPR selects nothing here
+    local r
+    r="$(cat "$lanes_dir/$1.rc")"
+    if [ "$r" -eq 5 ]; then
         empty=$((empty + 1))
         if [ -z "$MARK_EXPR" ]; then
-            echo "test.sh: pytest collected no tests ($py): failing on purpose" >&2
+            echo "test.sh: pytest collected no tests ($1, $2): failing on purpose" >&2
             r=1
-        else  # an expression may select nothing of one pass; both passes empty fails below
-            echo "test.sh: -m '$MARK_EXPR' selects no test of this pass ($py)" >&2
+        else
+            echo "test.sh: -m '$MARK_EXPR' selects no test of $1 ($2)" >&2
             r=0
         fi
     fi
-    [ $r -eq 0 ] || rc=$r
+    [ "$r" -eq 0 ] || rc=$r
 }
-run_pytest .venv/bin/python "${PASS_NOT_TORCH[@]}"
-run_pytest "$ENV_ROOT/vllm/bin/python" "${PASS_TORCH[@]}"
-if [ "$empty" -eq 2 ]; then
+# the "own" lane prints to a file, shown once both have ended; the "shared" lane prints as it goes
+run_pytest own .venv/bin/python "${PASS_OWN[@]}" > "$lanes_dir/own.log" 2>&1 &
+own_pid=$!
+run_pytest shared .venv/bin/python "${PASS_SHARED[@]}"
+wait "$own_pid"
+echo
+echo "== test.sh: the other lane (own) =="
+cat "$lanes_dir/own.log"
+judge shared .venv/bin/python
+judge own .venv/bin/python
+run_pytest torch "$ENV_ROOT/vllm/bin/python" "${PASS_TORCH[@]}"
+judge torch "$ENV_ROOT/vllm/bin/python"
+if [ "$empty" -eq 3 ]; then
     echo "test.sh: -m '$MARK_EXPR' selects no test at all: failing on purpose" >&2
     rc=1
 fi

@@ -49,45 +49,40 @@ def pytest_make_collect_report(collector):
 def pytest_runtest_logreport(report):
     """Each test's time (set-up, call and tear-down: a shared deployment's cost lands on the test that builds it), one
     JSON line per phase appended to $YRPD_TEST_TIMES: scripts/test.sh sums both passes into the durations table
-    (tests/durations.py). Under pytest-xdist the controller writes them (it hears every worker's reports)."""
+    (tests/durations.py)."""
     path = os.environ.get("YRPD_TEST_TIMES")
-    if path and not os.environ.get("PYTEST_XDIST_WORKER"):
+    if path:
         with open(path, "a") as fh:
             fh.write(json.dumps({"test": report.nodeid, "when": report.when, "outcome": report.outcome,
                                  "s": round(report.duration, 3)}) + "\n")
 
 
-#: modules marked `lab` or `e2e` whose tests start no deployment, no vLLM server and no fake host: sources parsed,
-#: wheels fetched, a name resolved. They run beside the heavy tests, as the unit tests do.
-LIGHT = {"test_ascend_store_sources", "test_brought_wheels", "test_npu_transport_api", "test_patch_sources"}
-#: the pytest-xdist lanes (groups) of the heavy tests: each lane is one worker running its tests one after another,
-#: in the order they were collected, beside the other lane. "shared": the tests of a shared deployment or of the one
-#: reference vLLM (their fixtures live per worker: tests/lab/fixtures.py), and the model change's 4 hosts; "own": the
-#: rest (connector end-to-end, localhost namespaces, the bench, the cluster, docker and deploy labs)
+#: the two lanes of the first pass: scripts/test.sh runs one pytest process per lane, both at once, each running its
+#: tests one after another in the order collected. "shared": the tests of the shared deployments and of the one
+#: reference vLLM (their fixtures live per process: tests/lab/fixtures.py) and the model change's 4 hosts; "own":
+#: everything else (connector end-to-end, the localhost namespaces, the bench, the cluster, docker and deploy labs,
+#: the unit tests)
 SHARED_LANE, OWN_LANE = "shared", "own"
+LANES = (SHARED_LANE, OWN_LANE)
 _SHARED_FIXTURES = {"two_hosts", "three_hosts", "reference_answers"}
 
 
-def lane(item) -> str | None:
-    """The lane of a heavy test (None: a light one, run wherever a worker is free)."""
-    if not heavy(item):
-        return None
-    module = item.module.__name__.rsplit(".", 1)[-1]
+def lane(item) -> str:
+    module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
     if _SHARED_FIXTURES & set(getattr(item, "fixturenames", ())) or module == "test_model_change_lab":
         return SHARED_LANE
     return OWN_LANE
 
 
-def heavy(item) -> bool:
-    module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
-    return bool(item.get_closest_marker("lab") or item.get_closest_marker("e2e")) and module not in LIGHT
+def pytest_addoption(parser):
+    parser.addoption("--lane", choices=LANES, help="run only this lane's tests (scripts/test.sh runs both at once)")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist names the groups
 def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist (`-n 2 --dist loadgroup`, as scripts/test.sh runs the first pass) each lane is a group."""
-    # (in a worker `dist` reads "no": the controller's choice is `loadgroup`; the mark does nothing without it)
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            if (name := lane(item)) is not None:
-                item.add_marker(pytest.mark.xdist_group(name))
+    """`--lane NAME`: the other lane's tests are deselected (before the lab's conftest orders what is left)."""
+    chosen = config.getoption("lane")
+    if chosen:
+        other = [item for item in items if lane(item) != chosen]
+        if other:
+            config.hook.pytest_deselected(items=other)
+            items[:] = [item for item in items if lane(item) == chosen]

@@ -1,11 +1,13 @@
-"""The two pytest passes of scripts/test.sh, from the arguments it was given.
+"""The pytest runs of scripts/test.sh, from the arguments it was given.
 
-Tests marked `torch` need torch in the interpreter, so they run in a second pass inside the vLLM venv; everything
-else runs in the first, in two lanes at once (LANES). A user's `-m EXPR` narrows both passes (`(EXPR) and not torch`, then `(EXPR) and torch`)
-instead of being appended after the pass's own `-m`, where pytest would keep only the last one and the second pass
-would run what EXPR selects a second time, in the wrong interpreter.
+Tests marked `torch` need torch in the interpreter, so they run in a last pass inside the vLLM venv. Everything else
+runs first, as two pytest processes at once, one per lane (tests/conftest.py `lane`: the tests of the shared
+deployments and the one reference vLLM in one, the rest in the other), each running its tests one after another.
+A user's `-m EXPR` narrows every run (`(EXPR) and not torch`, then `(EXPR) and torch`) instead of being appended after
+the run's own `-m`, where pytest would keep only the last one and the torch pass would run what EXPR selects a second
+time, in the wrong interpreter.
 
-    python -m tests.passes ARG...   prints bash assignments: MARK_EXPR, PASS_NOT_TORCH=(...), PASS_TORCH=(...)
+    python -m tests.passes ARG...   prints bash assignments: MARK_EXPR, PASS_<LANE>=(...) per lane, PASS_TORCH=(...)
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ from __future__ import annotations
 import shlex
 import sys
 
+from tests.conftest import LANES
+
 TORCH = "torch"
-#: the first pass in two pytest-xdist workers: each lane of heavy tests in one of them, one test after another, the
-#: light tests wherever a worker is free (tests/conftest.py `lane`); a user's own `-n 0` comes after and wins
-LANES = ["-n", "2", "--dist", "loadgroup"]
 
 
 def split_marks(args: list[str]) -> tuple[str | None, list[str]]:
@@ -39,20 +40,24 @@ def split_marks(args: list[str]) -> tuple[str | None, list[str]]:
     return " and ".join(f"({e})" for e in exprs), rest
 
 
-def passes(args: list[str]) -> tuple[str | None, list[str], list[str]]:
-    """(the user's expression, the first pass's pytest arguments, the second's)."""
+def passes(args: list[str]) -> tuple[str | None, dict[str, list[str]], list[str]]:
+    """(the user's expression, each lane's pytest arguments, the torch pass's)."""
     expr, rest = split_marks(args)
     narrow = f"({expr}) and " if expr else ""
-    first = ["tests", "-m", f"{narrow}not {TORCH}", *LANES, *rest]
-    second = ["tests/connector", "-m", f"{narrow}{TORCH}", "-p", "no:cacheprovider", *rest]
-    return expr, first, second
+    # each lane its own cache directory: the two processes end at different times and would write one file
+    lanes = {name: ["tests", "-m", f"{narrow}not {TORCH}", "--lane", name, "-o", f"cache_dir=.pytest_cache/{name}",
+                    *rest] for name in LANES}
+    torch = ["tests/connector", "-m", f"{narrow}{TORCH}", "-p", "no:cacheprovider", *rest]
+    return expr, lanes, torch
 
 
 def main(argv: list[str]) -> int:
-    expr, first, second = passes(argv)
+    expr, lanes, torch = passes(argv)
     print(f"MARK_EXPR={shlex.quote(expr or '')}")
-    print(f"PASS_NOT_TORCH=({' '.join(map(shlex.quote, first))})")
-    print(f"PASS_TORCH=({' '.join(map(shlex.quote, second))})")
+    print(f"LANES=({' '.join(lanes)})")
+    for name, run in lanes.items():
+        print(f"PASS_{name.upper()}=({' '.join(map(shlex.quote, run))})")
+    print(f"PASS_TORCH=({' '.join(map(shlex.quote, torch))})")
     return 0
 
 

@@ -64,25 +64,14 @@ def test_users_of_a_shared_deployment_run_together_in_its_order():
                      "test_host_faults", "test_c"]
 
 
-class Marked(Item):
-    def __init__(self, module: str, fixtures: tuple[str, ...], markers: tuple[str, ...]) -> None:
-        super().__init__(module, fixtures)
-        self.markers = markers
-
-    def get_closest_marker(self, name: str):
-        return name if name in self.markers else None
-
-
-def test_the_heavy_tests_of_one_shared_fixture_share_a_lane_and_light_ones_have_none():
+def test_the_tests_of_a_shared_fixture_share_a_lane():
     from tests.conftest import OWN_LANE, SHARED_LANE, lane
 
-    assert lane(Marked("test_host_faults", ("two_hosts",), ("lab", "e2e"))) == SHARED_LANE
-    assert lane(Marked("test_self_healing", ("two_hosts",), ("lab", "e2e"))) == SHARED_LANE
-    assert lane(Marked("test_serving_lab", ("fake_lab", "reference_answers"), ("lab", "e2e"))) == SHARED_LANE
-    assert lane(Marked("test_model_change_lab", ("fake_lab",), ("lab",))) == SHARED_LANE
-    # the same module's localhost tests: a lane of their own
-    assert lane(Marked("test_self_healing", ("netns",), ("lab", "e2e"))) == OWN_LANE
-    assert lane(Marked("test_e2e_pd", ("pd",), ("e2e",))) == OWN_LANE
-    # light: parsed sources, unit tests
-    assert lane(Marked("test_patch_sources", ("sources",), ("e2e",))) is None
-    assert lane(Marked("test_proxy", (), ())) is None
+    assert lane(Item("test_host_faults", ("two_hosts",))) == SHARED_LANE
+    assert lane(Item("test_self_healing", ("two_hosts",))) == SHARED_LANE
+    assert lane(Item("test_serving_lab", ("fake_lab", "reference_answers"))) == SHARED_LANE
+    assert lane(Item("test_model_change_lab", ("fake_lab",))) == SHARED_LANE
+    # the same module's localhost tests, the connector's, the unit tests: the other lane
+    assert lane(Item("test_self_healing", ("netns",))) == OWN_LANE
+    assert lane(Item("test_e2e_pd", ("pd",))) == OWN_LANE
+    assert lane(Item("test_proxy", ())) == OWN_LANE

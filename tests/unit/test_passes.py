@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from tests.passes import LANES, passes, split_marks
+from tests.conftest import LANES
+from tests.passes import passes, split_marks
 
 
 def collected(args: list[str]) -> set[str]:
@@ -24,20 +25,22 @@ def test_marks_are_taken_out_of_the_arguments_and_joined():
     assert split_marks(["--maxfail", "1"]) == (None, ["--maxfail", "1"])  # a long option is not -m
 
 
-def test_without_an_expression_the_passes_split_on_torch():
-    expr, first, second = passes(["-v"])
-    assert expr is None
-    assert first == ["tests", "-m", "not torch", *LANES, "-v"]
-    assert second == ["tests/connector", "-m", "torch", "-p", "no:cacheprovider", "-v"]
+def test_without_an_expression_the_runs_split_on_torch_and_by_lane():
+    expr, lanes, torch = passes(["-v"])
+    assert expr is None and list(lanes) == list(LANES)
+    for name, run in lanes.items():
+        assert run == ["tests", "-m", "not torch", "--lane", name, "-o", f"cache_dir=.pytest_cache/{name}", "-v"]
+    assert torch == ["tests/connector", "-m", "torch", "-p", "no:cacheprovider", "-v"]
 
 
-@pytest.mark.parametrize("expr", ["lab", "not lab and not e2e", "e2e"])
-def test_both_passes_together_select_exactly_what_the_expression_selects(expr):
-    _, first, second = passes(["-m", expr])
-    one, two = collected(first), collected(second)
-    assert one & two == set(), "a test would run in both passes"
-    assert one | two == collected(["tests", "-m", expr])
-    assert all(t.startswith("tests/connector/") for t in two)
+@pytest.mark.parametrize("expr", [None, "lab", "not lab and not e2e", "e2e"])
+def test_the_runs_together_select_exactly_what_the_expression_selects(expr):
+    _, lanes, torch = passes(["-m", expr] if expr else [])
+    runs = [collected(run) for run in (*lanes.values(), torch)]
+    everything = set().union(*runs)
+    assert sum(len(r) for r in runs) == len(everything), "a test would run twice"
+    assert everything == collected(["tests", *(["-m", expr] if expr else [])])
+    assert all(t.startswith("tests/connector/") for t in runs[-1])
 
 
 def test_the_old_way_ran_a_selection_twice():
@@ -47,6 +50,9 @@ def test_the_old_way_ran_a_selection_twice():
     assert old_first & old_second, "e2e tests of tests/connector ran in both passes"
 
 
-def test_every_torch_test_is_in_the_second_pass():
+def test_every_torch_test_is_in_the_torch_pass_and_the_shared_lane_holds_the_shared_deployments():
     torch_tests = collected(["tests", "-m", "torch"])
     assert torch_tests and torch_tests == collected(passes([])[2])
+    shared = collected(passes([])[1]["shared"])
+    assert any("test_host_faults" in t for t in shared) and any("test_scale_lab" in t for t in shared)
+    assert not any(t.startswith("tests/unit/") for t in shared)
