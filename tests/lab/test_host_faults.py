@@ -79,7 +79,8 @@ def test_a_hosts_link_cut_ends_requests_cleanly_and_heals(two_hosts, lab_figures
         for call in calls:
             call.join(max(0.0, cut + bound - time.monotonic()))
         during_status, status_took = d.status()
-        refused = d.ask("The capital of France is", timeout=30)
+        # on the endpoint's own host nothing answers: the client's bound is what it waits (kept inside the cut)
+        refused = d.ask("The capital of France is", timeout=30 if host != "h1" else 10)
         remaining = seconds - (time.monotonic() - cut)
         if remaining > 0:
             time.sleep(remaining)
