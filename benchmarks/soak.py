@@ -136,14 +136,14 @@ def tail(d: TwoHosts, results: list[tuple], share: float = 0.01) -> dict:
     ok = sorted((r for r in results if r[2] == 200), key=lambda r: r[1], reverse=True)
     slow = ok[:max(1, int(len(ok) * share))]
     proxy: dict[str, dict] = {}
-    for line in d.cli("logs", "proxy", "-n", "1000000", timeout=600).stdout.splitlines():
+    for line in d.cli("logs", "proxy", "-n", "100000", timeout=600).stdout.splitlines():
         m = PROXY_LINE.search(line)
         if m:
             notes = dict(kv.split("=", 1) for kv in m.group(3).split() if "=" in kv)
             if notes.get("id", "").startswith("soak-"):
                 proxy[notes["id"]] = {"status": int(m.group(1)), "total_ms": int(m.group(2)), **notes}
     decode: dict[str, dict] = {}
-    for line in d.cli("logs", "decode-0", "-n", "1000000", timeout=600).stdout.splitlines():
+    for line in d.cli("logs", "decode-0", "-n", "100000", timeout=600).stdout.splitlines():
         m = DECODE_LOADS.search(line)
         if m:
             decode[m.group(1)] = {"loads": m.group(2), "waited_ms": int(m.group(3))}
