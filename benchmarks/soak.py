@@ -23,6 +23,7 @@ hand-over) and decode's (the wait for the hand-over's blocks, what it loaded). P
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import re
@@ -163,12 +164,27 @@ def tail(d: TwoHosts, results: list[tuple], share: float = 0.01) -> dict:
             if everyone else None, "slowest": rows}
 
 
+def copy_logs(lab, session: str, into: Path) -> None:
+    """Every *.log and *.state.json of the session, per host (each host's /tmp is its own); the data system's rocksdb
+    write-ahead logs (*.log too) are not logs."""
+    for host in lab.hosts:
+        listing = host.exec(f"cd /tmp/yrpd_sessions/{session} && find . -path '*/rocksdb' -prune -o "
+                            "\\( -name '*.log' -o -name '*.state.json' \\) -print", check=False).stdout.split()
+        for rel in listing:
+            target = into / host.name / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # base64: a log may hold bytes that are not text (the data system's binary-prefixed lines)
+            got = host.exec(f"base64 -w0 /tmp/yrpd_sessions/{session}/{rel}", check=False, timeout=120).stdout
+            target.write_bytes(base64.b64decode(got))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=30)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--kill-every", type=float, default=5, help="minutes")
     ap.add_argument("--out", default="")
+    ap.add_argument("--logs", default="", help="copy every host's session logs here before `down` (the evidence)")
     opts = ap.parse_args()
     report: dict = {
         "provenance": record([" ".join(["benchmarks/soak.py", *sys.argv[1:]])],
@@ -183,7 +199,7 @@ def main() -> None:
         before_restarts = restarts(d.healthy()[0])
         results: list[tuple] = []  # (start, seconds, status, wrong, request id, prompt number)
         stop = threading.Event()
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time()
 
         def client(n: int) -> None:
             i = n
@@ -230,6 +246,9 @@ def main() -> None:
                             "p99_s": round(ok[min(len(ok) - 1, int(len(ok) * 0.99))], 3) if ok else None,
                             "p99_over_p50": round(ok[min(len(ok) - 1, int(len(ok) * 0.99))] / ok[len(ok) // 2], 1)
                             if ok else None})
+        report["started_at"] = round(started_wall, 3)  # the requests' at_s count from here; the logs' clocks are wall
+        if opts.logs:
+            copy_logs(lab, d.status()[0]["session"], Path(opts.logs))
         report.update(kills=kills, windows=windows, series=series(samples), tail=tail(d, results),
                       restarts={f"{h}/{n}": v - before_restarts.get((h, n), 0) for (h, n), v in restarts(after).items()},
                       totals={"requests": len(results), "errors": sum(1 for r in results if r[2] != 200),

@@ -364,6 +364,45 @@ def cpu_spin_is_capped_and_an_idle_reader_still_wakes(env: Env):
 
 
 @check
+def a_capped_reader_whose_wake_up_is_lost_still_reads_the_message_at_its_next_look(env: Env):
+    import threading
+
+    from vllm.distributed.device_communicators.shm_broadcast import SHM_READER_RECHECK_INTERVAL_MS, MessageQueue
+
+    from yrpd.connector.cpu_spin import RECHECK_MS
+
+    c = env.connector("kv_consumer", "scheduler")
+    writer = MessageQueue(1, 1)
+    handle = writer.export_handle()
+    got: list = []
+    slept: list = []  # every timeout the reader's poller was given
+
+    def read():
+        reader = MessageQueue.create_from_handle(handle, 0)
+        reader.wait_until_ready()
+        poller = reader._spin_condition.poller
+        poll = poller.poll
+        poller.poll = lambda timeout=None: (slept.append(timeout), poll(timeout))[1]
+        got.extend(reader.dequeue(timeout=30) for _ in range(2))
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    writer.wait_until_ready()
+    writer.enqueue("first")
+    time.sleep(0.3)  # the reader sleeps on the notification socket by now
+    writer._spin_condition.notify = lambda: None  # the wake-up of the next message is lost, as a full PUB drops it
+    t0 = time.monotonic()
+    writer.enqueue("second")
+    t.join(15)
+    took = time.monotonic() - t0
+    assert got == ["first", "second"], got
+    # vLLM alone would look again after SHM_READER_RECHECK_INTERVAL_MS (5 s): the capped reader within RECHECK_MS
+    assert slept and max(slept) <= RECHECK_MS < SHM_READER_RECHECK_INTERVAL_MS, (max(slept or [0]), RECHECK_MS)
+    assert took < SHM_READER_RECHECK_INTERVAL_MS / 1000 / 2, f"the lost wake-up held the message {took:.1f} s"
+    c.shutdown()
+
+
+@check
 def prefill_tells_how_many_blocks_it_loaded_from_the_data_system(env: Env):
     env.ds.store.clear()
     c = env.connector("kv_both", "scheduler")
