@@ -60,14 +60,14 @@ def pytest_runtest_logreport(report):
 #: the two lanes of the first pass: scripts/test.sh runs one pytest process per lane, both at once, each running its
 #: tests one after another in the order collected. "shared": the tests of the shared deployments and of the one
 #: reference vLLM (their fixtures live per process: tests/lab/fixtures.py), and a few others for balance; "own":
-#: everything else (connector end-to-end, the bench, the self-healing namespaces, the cluster and deploy labs,
+#: everything else (connector end-to-end, the bench, the self-healing namespaces, the cluster, docker and deploy labs,
 #: the unit tests)
 SHARED_LANE, OWN_LANE = "shared", "own"
 LANES = (SHARED_LANE, OWN_LANE)
 _SHARED_FIXTURES = {"two_hosts", "three_hosts", "reference_answers"}
 #: modules in the shared lane for balance alone: the lanes end within a minute of each other (the durations table of
 #: docs/testing.md: each lane's sum)
-_SHARED_FOR_BALANCE = {"test_model_change_lab", "test_embedded_default", "test_containers_py312", "test_docker_lab"}
+_SHARED_FOR_BALANCE = {"test_model_change_lab", "test_embedded_default", "test_containers_py312"}
 
 
 def lane(item) -> str:

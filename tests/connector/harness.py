@@ -382,12 +382,18 @@ def build_tiny_model(venv: Path, out_dir: Path) -> Path:
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
-def ds_tool(venv: Path, ds: DsWorker, action: str, keys: list[str], timeout: float = 60) -> dict:
-    """Run tests/connector/scripts/ds_tool.py in the vLLM venv (it has yr.datasystem) against a worker."""
+def run_script(venv: Path, script: str, *args: str, stdin: str = "", timeout: float = 300) -> dict:
+    """Run tests/connector/scripts/SCRIPT in the vLLM venv (it has vLLM, torch and yr.datasystem); its last stdout
+    line is its JSON answer. A failed run raises, naming the script and its stderr's end."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run([str(venv / "bin/python"), str(SCRIPTS / "ds_tool.py"), ds.address, action],
-                          input=json.dumps(keys), capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run([str(venv / "bin/python"), str(SCRIPTS / script), *args], input=stdin,
+                          capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"ds_tool {action} failed: {proc.stderr[-2000:]}")
+        raise RuntimeError(f"{script} {' '.join(args)} failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def ds_tool(venv: Path, ds: DsWorker, action: str, keys: list[str], timeout: float = 60) -> dict:
+    """Run tests/connector/scripts/ds_tool.py against a worker."""
+    return run_script(venv, "ds_tool.py", ds.address, action, stdin=json.dumps(keys), timeout=timeout)

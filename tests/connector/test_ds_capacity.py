@@ -5,13 +5,10 @@ venv (tests/connector/scripts/ds_fill.py) against a worker started with dscli; a
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 
 import pytest
 
-from tests.connector.harness import REPO, SCRIPTS, Stack
+from tests.connector.harness import Stack, run_script
 
 pytestmark = pytest.mark.e2e
 
@@ -20,13 +17,8 @@ BLOCKS, BLOCK_BYTES = 200, 1 << 20  # about three times the worker's memory
 
 
 def fill(stack: Stack, address: str, evictable: bool, stop_after_failures: int = BLOCKS) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run([str(stack.venv / "bin/python"), str(SCRIPTS / "ds_fill.py"), address,
-                           str(evictable).lower(), str(BLOCKS), str(BLOCK_BYTES), str(stop_after_failures)],
-                          capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script(stack.venv, "ds_fill.py", address, str(evictable).lower(), str(BLOCKS), str(BLOCK_BYTES),
+                      str(stop_after_failures))
 
 
 def test_full_worker_keeps_accepting_evictable_saves(vllm_venv, session_stack, e2e_root):

@@ -13,13 +13,10 @@ counted as failed before this fix too.)"""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 
 import pytest
 
-from tests.connector.harness import REPO, SCRIPTS, Stack
+from tests.connector.harness import Stack, run_script
 
 pytestmark = pytest.mark.e2e
 
@@ -29,12 +26,7 @@ TAG = "yrpd-test-full"
 
 
 def ds_full(stack: Stack, address: str, *args: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run([str(stack.venv / "bin/python"), str(SCRIPTS / "ds_full.py"), address, *args],
-                          capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script(stack.venv, "ds_full.py", address, *args)
 
 
 def test_saves_a_full_worker_takes_and_evicts_count_as_failed_for_want_of_memory(vllm_venv, session_stack, e2e_root):

@@ -6,13 +6,10 @@ tests/connector/scripts/writer_process.py in the vLLM venv; about 20 s."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 
 import pytest
 
-from tests.connector.harness import REPO, SCRIPTS, Stack
+from tests.connector.harness import Stack, run_script
 
 pytestmark = pytest.mark.e2e
 
@@ -21,12 +18,7 @@ def test_writer_process_saves_restarts_and_never_outlives_its_worker(vllm_venv, 
     stack = Stack(e2e_root / "writer", venv=vllm_venv, ports=session_stack.ports)
     try:
         ds = stack.start_ds(shm_mb=256)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-        env["PYTHONPATH"] = str(REPO)
-        proc = subprocess.run([str(stack.venv / "bin/python"), str(SCRIPTS / "writer_process.py"), ds.address],
-                              capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        got = run_script(stack.venv, "writer_process.py", ds.address)
         print(f"measured: writer process {got}")
         assert got["flushed"] and got["saved"] == 64 and got["bit_exact"], got
         assert got["failed_after_kill"] == 3, got  # the job the killed writer never answered: counted, not lost

@@ -343,13 +343,19 @@ def test_a_data_system_full_of_entries_it_may_not_evict(two_hosts, lab_figures):
     loaded = loaded_blocks(report)
     freed = [d.ask(f"{LONG}\n# freed {i} {tag}", 8, timeout=120, request_id=f"freed-{i}-{tag}") for i in range(2)]
     assert all(c.status == 200 for c in freed), [(c.status, c.raw[:200]) for c in freed]
+    def delta(counter: str, later: dict, earlier: dict) -> int:
+        return (later.get(counter) or 0) - (earlier.get(counter) or 0)
+
+    # each side's counters reach status with its own stats flush (every STATS_INTERVAL_S), and prefill's writer
+    # counts a block saved only once it has looked again: wait for both sides, not for whichever flushes first
     deadline = time.monotonic() + 30
-    while loaded_blocks(after := d.status()[0]) <= loaded and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        after = d.status()[0]
+        if loaded_blocks(after) > loaded and delta("saved_blocks", connector_counts(after, "prefill-0"), saved1) > 0:
+            break
         time.sleep(2)
     saved2 = connector_counts(after, "prefill-0")
     freed_says = [decode_says(d, f"freed-{i}-{tag}") for i in range(2)]
-    def delta(counter: str, later: dict, earlier: dict) -> int:
-        return (later.get(counter) or 0) - (earlier.get(counter) or 0)
 
     failed_delta = delta("save_failed_blocks", saved1, saved0)
     figures = lab_figures["datasystem_memory_full_not_evictable"] = {
