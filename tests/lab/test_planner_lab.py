@@ -49,8 +49,8 @@ def test_the_planner_adds_an_instance_under_a_load_step_and_gives_it_back_when_t
         expected = {p: d.ask(p, 16, timeout=120).text for p in PROMPTS}
         assert all(expected.values()), expected
         with Load(d.proxy, expected, clients=1) as calm:
-            time.sleep(30)
-            base = latency(d.proxy, 30)["ttft_ms"]
+            time.sleep(20)
+            base = latency(d.proxy, 20)["ttft_ms"]
         assert base["n"] >= 3, base
         target = max(300.0, 3 * base["p90"])
         figures.update(ttft_p90_one_client_ms=base["p90"], target_ms=target)
@@ -62,8 +62,11 @@ def test_the_planner_adds_an_instance_under_a_load_step_and_gives_it_back_when_t
         assert "planner:" in changed.stderr and "(free)" in changed.stderr, changed.stderr
         d.config = with_planner  # the deployment's spec from now on
         [documented] = commands(plans_a_deployment)  # the README's `yrpd planner`
+        # PYTHONFAULTHANDLER: a planner that does not end after Ctrl-C is sent SIGABRT below, and Python then prints
+        # where each of its threads was (a run saw it not exit within 120 s, with no clue why)
         planner = subprocess.Popen([sys.executable, "-m", "yrpd", *words(documented), *d.lab.cli_ssh_args],
-                                   cwd=REPO, env={**os.environ, **d.env}, stdout=subprocess.PIPE,
+                                   cwd=REPO, env={**os.environ, **d.env, "PYTHONFAULTHANDLER": "1"},
+                                   stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
         t0 = time.monotonic()
         grown_at = None
@@ -73,7 +76,7 @@ def test_the_planner_adds_an_instance_under_a_load_step_and_gives_it_back_when_t
                 if grown_at is None and sum(counts(d.status()[0]).values()) == 3:
                     grown_at = time.monotonic() - t0
                     figures["ttft_p90_six_clients_before_ms"] = latency(d.proxy, 15)["ttft_ms"]["p90"]
-                if grown_at is not None and time.monotonic() - t0 > grown_at + 30:
+                if grown_at is not None and time.monotonic() - t0 > grown_at + 20:  # the after-figure's window
                     break
             figures["ttft_p90_six_clients_after_ms"] = latency(d.proxy, 15)["ttft_ms"]["p90"]
         assert grown_at is not None, d.status()[0].get("planner")
@@ -91,7 +94,13 @@ def test_the_planner_adds_an_instance_under_a_load_step_and_gives_it_back_when_t
         assert shrunk_at is not None, d.status()[0].get("planner")
         figures["instance_given_back_after_s"] = round(shrunk_at, 1)
         planner.send_signal(signal.SIGINT)
-        out, err = planner.communicate(timeout=120)
+        try:
+            out, err = planner.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            planner.send_signal(signal.SIGABRT)
+            out, err = planner.communicate(timeout=30)
+            raise AssertionError(f"yrpd planner still ran 120 s after Ctrl-C; its threads then:\n{err[-6000:]}") \
+                from None
         assert planner.returncode == 0 and "planner stopped" in err, (planner.returncode, err[-2000:])
         assert "planner: add" in err and "planner: remove" in err, err[-2000:]
         report, _ = d.healthy()

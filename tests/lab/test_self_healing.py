@@ -1,6 +1,7 @@
-"""Self-healing on `yrpd deploy --hosts localhost` (in a network namespace of its own): `kill -9`, one at a time, of
-etcd, the data system worker (both under yrpd's supervisors: the default dscli launcher), each API server, each
-EngineCore and the proxy. After each, with no command typed,
+"""Self-healing on `yrpd deploy --hosts localhost` (in a network namespace of its own): `kill -9` of etcd, the data
+system worker (both under yrpd's supervisors: the default dscli launcher) and the proxy, each alone, and of each API
+server and each EngineCore, two at a time (one of prefill with one of decode: ROUNDS). After each round, with no
+command typed,
 requests through the proxy succeed again with the same greedy answer, `yrpd status` is healthy with the restart
 shown, nothing of the killed process group is left, and what was healthy kept its pid. During the outage every
 answer is a clean 5xx JSON or a success, never 200-empty. Then the same kinds of kill with automatic restart off,
@@ -30,6 +31,11 @@ INSTANCE_RECOVERY_S = 240  # ... which a loaded 2-core machine stretches (vLLM s
 #: the cluster's processes under the default launcher (dscli: no data system master of its own)
 CLUSTER = ("etcd", "ds_worker")
 HANG_AFTER_S = 10
+#: the kills on localhost, a round at a time. The cluster's processes and the proxy alone (what each one breaks is
+#: its own); an instance's kills in pairs, one in prefill and one in decode, of different kinds: each instance restarts
+#: once and the other kinds still only their own (the two-host test kills each alone), in half the vLLM starts
+ROUNDS = (("etcd",), ("ds_worker",), ("prefill-0", "decode-0:engine"), ("prefill-0:engine", "decode-0"), ("proxy",),
+          ("decode-0:stop", "prefill-0:engine-stop"))
 PROMPT = {"model": "tiny-qwen2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 
 
@@ -190,38 +196,43 @@ def test_every_process_comes_back_by_itself_and_down_is_clean(netns, tmp_path): 
         report = wait_healthy(d)
         assert report["healthy"], report["problems"]
         figures = {}
-        targets = (*CLUSTER, "prefill-0", "prefill-0:engine", "decode-0", "decode-0:engine", "proxy",
-                   "decode-0:stop", "prefill-0:engine-stop")
-        for target in targets:
+        for kills in ROUNDS:
             before, counted = pids(report), restarts(report)
-            component, _, part = target.partition(":")
-            shm_of_run = set(state_file(report, component)["shm"]) if component not in (*CLUSTER, "proxy") else set()
-            pid, group = target_pid(report, target)
-            hang = part.endswith("stop")
-            os.kill(pid, signal.SIGSTOP if hang else signal.SIGKILL)
+            components = [k.partition(":")[0] for k in kills]
+            shm_of_run = {k: set(state_file(report, c)["shm"]) if c not in (*CLUSTER, "proxy") else set()
+                          for k, c in zip(kills, components)}
+            groups = {}
+            for target in kills:
+                pid, groups[target] = target_pid(report, target)
+                os.kill(pid, signal.SIGSTOP if target.endswith("stop") else signal.SIGKILL)
             started = time.monotonic()
-            limit = RECOVERY_S if target in (*CLUSTER, "proxy") else INSTANCE_RECOVERY_S
+            hang = any(k.endswith("stop") for k in kills)
+            limit = RECOVERY_S if set(components) <= {*CLUSTER, "proxy"} else INSTANCE_RECOVERY_S
             # a hung instance holds what reached it until its supervisor's bound (restart.hang_after_s):
             # the client waits longer than that, and must then get an answer, not its own timeout
-            figures[target], codes = wait_recovered(d, baseline, started, limit + (60 if hang else 0),
-                                                    timeout=75 if hang else 30)
-            if component != "proxy":  # with the proxy dead nobody answers: the client's connection is refused
-                assert 0 not in codes, f"{target}: a request hung until the client gave up ({codes})"
+            took, codes = wait_recovered(d, baseline, started, limit + (60 if hang else 0),
+                                         timeout=75 if hang else 30)
+            if "proxy" not in components:  # with the proxy dead nobody answers: the client's connection is refused
+                assert 0 not in codes, f"{kills}: a request hung until the client gave up ({codes})"
             report = wait_healthy(d)
-            assert report["healthy"], (target, report["problems"])
+            assert report["healthy"], (kills, report["problems"])
             after = pids(report)
-            kept = {k: v for k, v in before.items() if k != component}
-            assert {k: after[k] for k in kept} == kept, f"{target}: healthy components changed pid"
-            expected = {**counted, component: counted[component] + 1}
-            assert restarts(report) == expected, (target, counted, restarts(report))
-            assert group_alive(group) == [], f"{target}: processes of the killed group are left"
-            left = shm_of_run & shm_segments()
-            assert not left, f"{target}: its shared memory is left in /dev/shm: {sorted(left)}"
-            if hang:
-                assert "hung: " in d.yrpd("logs", component, "-n", "400").stdout, target
-            print(f"measured: {'SIGSTOP' if hang else 'kill -9'} {target}: first good answer after "
-                  f"{figures[target]:.1f}s ({len(codes) - 1} clean 5xx answers before; "
-                  f"{len(shm_of_run)} shared-memory segments of the killed run removed)")
+            kept = {k: v for k, v in before.items() if k not in components}
+            assert {k: after[k] for k in kept} == kept, f"{kills}: healthy components changed pid"
+            expected = {**counted, **{c: counted[c] + 1 for c in components}}
+            assert restarts(report) == expected, (kills, counted, restarts(report))
+            for target in kills:
+                assert group_alive(groups[target]) == [], f"{target}: processes of the killed group are left"
+                left = shm_of_run[target] & shm_segments()
+                assert not left, f"{target}: its shared memory is left in /dev/shm: {sorted(left)}"
+                if target.endswith("stop"):
+                    assert "hung: " in d.yrpd("logs", target.partition(":")[0], "-n", "400").stdout, target
+            for target in kills:
+                figures[target] = took
+                print(f"measured: {'SIGSTOP' if target.endswith('stop') else 'kill -9'} {target}"
+                      f"{' (with ' + ', '.join(k for k in kills if k != target) + ')' if len(kills) > 1 else ''}: "
+                      f"first good answer after {took:.1f}s ({len(codes) - 1} clean 5xx answers before; "
+                      f"{len(shm_of_run[target])} shared-memory segments of the killed run removed)")
         # right after a fault, down leaves nothing, first time
         pid, _ = target_pid(report, "decode-0")
         os.kill(pid, signal.SIGKILL)
@@ -347,8 +358,10 @@ def test_on_two_hosts_kills_heal_and_a_host_that_comes_back_is_rebuilt_alone(two
 
     _, baseline = ask_until_good(None, 30)
     healthy()
-    matrix = [("h1", "etcd"), ("h2", "ds_worker"), ("h1", "prefill-0"),
-              ("h1", "prefill-0:engine"), ("h2", "decode-0"), ("h2", "decode-0:engine"), ("h1", "proxy")]
+    # a round at a time; the instances' kills in pairs across the hosts, paired otherwise than on localhost (there the
+    # API server of one role goes with the EngineCore of the other), so that no pairing hides what one kill does
+    rounds = [(("h1", "etcd"),), (("h2", "ds_worker"),), (("h1", "prefill-0"), ("h2", "decode-0")),
+              (("h1", "prefill-0:engine"), ("h2", "decode-0:engine")), (("h1", "proxy"),)]
 
     def counts(report: dict) -> dict[tuple[str, str], int]:
         out = {(c["host"], c["component"]): c["restarts"] for c in report["cluster"]["components"]}
@@ -356,25 +369,33 @@ def test_on_two_hosts_kills_heal_and_a_host_that_comes_back_is_rebuilt_alone(two
         out[(report["proxy"]["host"], "proxy")] = report["proxy"]["restarts"]
         return out
 
-    for host, what in matrix:
+    for kills in rounds:
         report = healthy()
-        name, _, part = what.partition(":")
-        if what in CLUSTER:
-            pid = next(c["pid"] for c in report["cluster"]["components"]
-                       if (c["host"], c["component"]) == (host, what))
-        else:
-            pid = host_pid(host, name)
-        group = pid  # every supervised command leads its own process group, in the host's pid namespace
-        if part:  # the API server's EngineCore
-            pid = int(lab[host].exec(f"pgrep -P {pid} EngineCor").stdout.split()[0])
         before = counts(report)
-        lab[host].exec(f"kill -9 {pid}")
+        groups = {}
+        for host, what in kills:
+            name, _, part = what.partition(":")
+            if what in CLUSTER:
+                pid = next(c["pid"] for c in report["cluster"]["components"]
+                           if (c["host"], c["component"]) == (host, what))
+            else:
+                pid = host_pid(host, name)
+            groups[(host, what)] = pid  # every supervised command leads its own process group, in the host's pid
+            # namespace
+            if part:  # the API server's EngineCore
+                pid = int(lab[host].exec(f"pgrep -P {pid} EngineCor").stdout.split()[0])
+            lab[host].exec(f"kill -9 {pid}")
         took, _ = ask_until_good(baseline, INSTANCE_RECOVERY_S)
-        print(f"measured: 2 hosts, kill -9 {what} on {host}: first good answer after {took:.1f}s")
+        for host, what in kills:
+            beside = ", ".join(f"{w} on {h}" for h, w in kills if w != what)
+            print(f"measured: 2 hosts, kill -9 {what} on {host}{f' (with {beside})' if beside else ''}: "
+                  f"first good answer after {took:.1f}s")
         after = counts(healthy())
-        assert after == {**before, (host, name): before[(host, name)] + 1}, (what, before, after)
-        left = lab[host].exec(f"pgrep -g {group} || true").stdout.split()
-        assert left == [], f"{what} on {host}: processes of the killed group are left: {left}"
+        bumped = {(host, what.partition(":")[0]) for host, what in kills}
+        assert after == {**before, **{k: before[k] + 1 for k in bumped}}, (kills, before, after)
+        for (host, what), group in groups.items():
+            left = lab[host].exec(f"pgrep -g {group} || true").stdout.split()
+            assert left == [], f"{what} on {host}: processes of the killed group are left: {left}"
     before = pids(healthy())
 
     lab.restart("h2")  # every process of h2 is gone; its /tmp (the session directory) is kept
