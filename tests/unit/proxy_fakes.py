@@ -13,6 +13,56 @@ from aiohttp import web
 from yrpd.proxy.app import ProxyConfig, start
 
 KV = {"yrpd": {"num_blocks": 3, "block_size": 128, "ns": "test"}}
+CREATED = 1700000000
+
+
+# -- a toy language model: its next token depends on every token before it, so an answer carried over by token ids
+# goes on exactly as the unbroken one (what vLLM does for a greedy answer, but for a near-tie: docs/reliability.md)
+
+
+def toy_tokens(text: str) -> list[int]:
+    return [100 + sum(map(ord, word)) * 7 % 900 for word in text.split()]
+
+
+def toy_chat_prompt(messages: list[dict]) -> list[int]:
+    ids = [1]
+    for m in messages:
+        ids += [2, *toy_tokens(m["role"]), *toy_tokens(str(m["content"]))]
+    return [*ids, 3]
+
+
+def toy_next(context: list[int]) -> int:
+    return 100 + sum(t * (i + 1) for i, t in enumerate(context)) * 2654435761 % 900
+
+
+def toy_text(token: int) -> str:
+    return f" w{token}"
+
+
+def toy_answer(prompt_ids: list[int], n: int) -> list[int]:
+    context, out = list(prompt_ids), []
+    for _ in range(n):
+        out.append(toy_next(context))
+        context.append(out[-1])
+    return out
+
+
+@dataclass
+class Breaks:
+    """How toy instances' streams break, shared by the instances it is given to: the first `times` streams (of any
+    of them) break. kind: "between" (the connection drops after `after` token events), "inside" (half of event
+    `after` is sent, then the connection drops), "error" (an error event after `after` token events, as an engine
+    that died sends), "eof" (the stream just ends after `after` token events), "before_done" (after the last token
+    and the usage, before [DONE]), "body" (a whole answer cut off mid-body)."""
+
+    kind: str
+    after: int = 3
+    times: int = 1
+    seen: int = 0
+
+    def now(self) -> bool:
+        self.seen += 1
+        return self.seen <= self.times
 
 
 @dataclass
@@ -32,6 +82,9 @@ class FakeVLLM:
     bodies: list = field(default_factory=list)
     auth: list = field(default_factory=list)  # the Authorization header of each generation request (None: none)
     url: str = ""
+    toy: bool = False  # answer as vLLM does, from the toy model, token ids and all (what migration needs)
+    breaks: Breaks | None = None  # toy: how its streams break
+    paths: list = field(default_factory=list)  # the path of each generation request
 
     def __post_init__(self):
         self.gate = asyncio.Event()  # clear it to hold requests before they are answered
@@ -63,11 +116,14 @@ class FakeVLLM:
         self.auth.append(request.headers.get("Authorization"))
         self.received.set()
         chat = request.path.endswith("/chat/completions")
+        self.paths.append(request.path)
         try:
             await self.gate.wait()
             await asyncio.sleep(self.delay)
             if self.error:
                 return web.json_response(self.error[1], status=self.error[0])
+            if self.toy:
+                return await self._toy(request, body, chat)
             if not body.get("stream"):
                 data = json.dumps(self.answer(chat)).encode()
                 if self.break_after is None:
@@ -95,6 +151,99 @@ class FakeVLLM:
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
+
+    async def _toy(self, request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
+        """The toy model's answer in vLLM 0.32's format (its OpenAI server, `model_dump_json(exclude_unset=True)`)."""
+        if chat:
+            prompt_ids = toy_chat_prompt(body["messages"])
+            limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        else:
+            prompt = body["prompt"]
+            prompt_ids = list(prompt) if isinstance(prompt, list) else toy_tokens(prompt)
+            limit = body.get("max_tokens")
+        ids = toy_answer(prompt_ids, limit if limit is not None else 8)
+        asked = bool(body.get("return_token_ids"))
+        # vLLM names an answer after the request's X-Request-Id where it has one
+        rid = request.headers.get("X-Request-Id") or f"{self.name}-{len(self.bodies)}"
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+                "object": "chat.completion.chunk" if chat else "text_completion", "created": CREATED,
+                "model": body.get("model", "tiny")}
+        usage = {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + len(ids),
+                 "completion_tokens": len(ids)}
+        if not body.get("stream"):
+            text = "".join(map(toy_text, ids))
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else \
+                {"index": 0, "text": text}
+            answer = {**head, "object": "chat.completion" if chat else "text_completion",
+                      "choices": [{**choice, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                                   "token_ids": ids if asked else None}],
+                      "usage": usage, "prompt_token_ids": prompt_ids if asked else None,
+                      "kv_transfer_params": self.kv if self.role == "prefill" else None}
+            data = json.dumps(answer).encode()
+            if not (self.breaks and self.breaks.kind == "body" and self.breaks.now()):
+                return web.Response(body=data, content_type="application/json")
+            out = web.StreamResponse(headers={"Content-Type": "application/json"})
+            out.content_length = len(data)
+            await out.prepare(request)
+            await out.write(data[:10])
+            await asyncio.sleep(0.1)
+            request.transport.close()
+            return out
+        events = []
+        if chat:
+            role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                         "finish_reason": None}], "prompt_token_ids": prompt_ids if asked else None}
+            events.append((role, False))
+        for k, t in enumerate(ids):
+            last = k == len(ids) - 1
+            if chat:
+                choice = {"index": 0, "delta": {"content": toy_text(t)}, "logprobs": None,
+                          "finish_reason": "length" if last else None}
+            else:
+                choice = {"index": 0, "text": toy_text(t), "logprobs": None, "finish_reason": "length" if last else None,
+                          "stop_reason": None, "prompt_token_ids": prompt_ids if asked and k == 0 else None}
+            if chat and last:
+                choice["stop_reason"] = None
+            choice["token_ids"] = [t] if asked else None
+            events.append(({**head, "choices": [choice]}, True))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append(({**head, "choices": [], "usage": usage}, False))
+        wire = [f"data: {json.dumps(e, separators=(',', ':'))}\n\n".encode() for e, _ in events]
+        wire.append(b"data: [DONE]\n\n")
+        breaking = self.breaks is not None and self.breaks.now()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await out.prepare(request)
+        tokens = 0
+        for k, data in enumerate(wire):
+            token = k < len(events) and events[k][1]
+            if breaking:
+                kind = self.breaks.kind
+                if kind in ("between", "error", "eof") and token and tokens == self.breaks.after:
+                    if kind == "error":  # vLLM's own end of a stream whose engine died
+                        err = {"error": {"message": "EngineCore encountered an issue", "type": "InternalServerError",
+                                         "code": 500}}
+                        await out.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
+                        await out.write_eof()
+                        return out
+                    if kind == "eof":
+                        await out.write_eof()
+                        return out
+                    await asyncio.sleep(0.1)  # what was written leaves before the connection drops
+                    request.transport.close()
+                    return out
+                if kind == "inside" and token and tokens == self.breaks.after:
+                    await out.write(data[:len(data) // 2])
+                    await asyncio.sleep(0.1)
+                    request.transport.close()
+                    return out
+                if kind == "before_done" and k == len(wire) - 1:
+                    await asyncio.sleep(0.1)
+                    request.transport.close()
+                    return out
+            await out.write(data)
+            tokens += token
+        await out.write_eof()
+        return out
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
         await asyncio.sleep(self.health_delay)
@@ -143,10 +292,11 @@ class Setup:
 
 
 @contextlib.asynccontextmanager
-async def running(prefill: int = 1, decode: int = 1, **options):
-    """Fake instances, the real proxy in front of them (same runner settings as `python -m yrpd.proxy`), a client."""
-    fakes = [await FakeVLLM(f"p{n}", "prefill").start() for n in range(prefill)]
-    fakes += [await FakeVLLM(f"d{n}", "decode").start() for n in range(decode)]
+async def running(prefill: int = 1, decode: int = 1, toy: bool = False, **options):
+    """Fake instances (`toy`: answering from the toy model, as vLLM does), the real proxy in front of them (same runner
+    settings as `python -m yrpd.proxy`), a client."""
+    fakes = [await FakeVLLM(f"p{n}", "prefill", toy=toy).start() for n in range(prefill)]
+    fakes += [await FakeVLLM(f"d{n}", "decode", toy=toy).start() for n in range(decode)]
     runner = None
     try:
         options.setdefault("probe_interval", 60)  # tests that want the prober running ask for it

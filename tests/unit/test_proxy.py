@@ -71,7 +71,9 @@ def test_streamed_chat_reaches_the_client_byte_for_byte():
             [p] = s.prefill[0].bodies
             assert (p["stream"], p["max_tokens"], p["max_completion_tokens"]) == (False, 1, 1)
             assert "stream_options" not in p and "min_tokens" not in p  # vLLM would answer 400 to both
-            assert s.decode[0].bodies == [{**body, "kv_transfer_params": KV}]
+            # the stream's leg is asked for its token ids (what a migration goes on from); the client, who did not
+            # ask, gets none
+            assert s.decode[0].bodies == [{**body, "return_token_ids": True, "kv_transfer_params": KV}]
     run(go())
 
 

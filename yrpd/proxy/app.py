@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from . import resume
 from .metrics import LATENCY_KEPT_S, Metrics
 from .pool import ROLES, Instance, Lease, Pool
+from .resume import MAX_MIGRATIONS
 from .routing import Prompt, Routing
 
 log = logging.getLogger("yrpd.proxy")
@@ -47,6 +49,8 @@ class _Call:
     prompt: Prompt | None = None  # what prefix routing knows of the prompt (yrpd.proxy.routing)
     prefill_lease: Lease | None = None  # the prefill leg's instance and what routing expected of it there
     groups: set[str] | None = None  # the model groups its legs may go to (one, once the prefill leg has its instance)
+    migrations: list[str] = field(default_factory=list)  # why each time it was sent again or carried over
+    first_at: float = 0.0  # when its first event went out (streamed)
 
     @contextlib.contextmanager
     def waiting(self):
@@ -148,6 +152,11 @@ def _is_timeout(exc: BaseException) -> bool:
 
 def _text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _as_error(exc: Exception) -> ProxyError:
+    """What the client is answered for a leg that failed with `exc`, when nothing is sent again."""
+    return exc if isinstance(exc, ProxyError) else ProxyError(502, str(exc))
 
 
 def _sse_error(message: str, status: int) -> bytes:
@@ -360,9 +369,9 @@ class Proxy:
         request[_CALL].groups = self.pool.groups(body.get("model"))
         if not request[_CALL].groups and self.pool.up("prefill"):
             raise ProxyError(503, "no prefill and decode instance of one model are up (a model change is rolling?)")
-        kv = await self._prefill(request, body, headers)
-        # Without kv_transfer_params from prefill, decode computes the prompt itself: slower, still right.
-        return await self._decode(request, body if kv is None else {**body, "kv_transfer_params": kv}, headers)
+        if body.get("stream"):
+            return await self._stream(request, body, headers)
+        return await self._whole(request, body, headers)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         async with self._leg("decode", "GET", "/v1/models", request, None, self._forward_headers(request)) as (i, r, d):
@@ -380,31 +389,23 @@ class Proxy:
             headers["Authorization"] = request.headers["Authorization"]
         return headers
 
-    async def _again_if_down(self, leg):
-        """`leg()`, sent once more (to another instance: the probe took this one out of rotation) when the instance
-        it waited on was declared down before anything reached the client; a second such loss is a 502."""
-        try:
-            return await leg()
-        except InstanceDown as lost:
-            log.warning("%s; sending it to another %s instance", lost, lost.inst.role)
-            self.pool.failed(lost.inst, str(lost), down=False)  # the probe took it out of rotation already
-        try:
-            return await leg()
-        except InstanceDown as lost:
-            self.pool.failed(lost.inst, str(lost), down=False)
-            raise ProxyError(502, str(lost)) from None
+    async def _answering_leg(self, request: web.Request, path: str, body: dict, headers: dict,
+                             stack: contextlib.AsyncExitStack) -> tuple[Instance, aiohttp.ClientResponse, asyncio.Event]:
+        """The prefill leg, then the decode leg whose answer goes to the client, entered into `stack` (which ends
+        it)."""
+        kv = await self._prefill_leg(request, path, body, headers)
+        # Without kv_transfer_params from prefill, decode computes the prompt itself: slower, still right.
+        leg = body if kv is None else {**body, "kv_transfer_params": kv}
+        return await stack.enter_async_context(self._leg("decode", "POST", path, request, leg, headers))
 
-    async def _prefill(self, request: web.Request, body: dict, headers: dict) -> dict | None:
-        return await self._again_if_down(lambda: self._prefill_leg(request, body, headers))
-
-    async def _prefill_leg(self, request: web.Request, body: dict, headers: dict) -> dict | None:
+    async def _prefill_leg(self, request: web.Request, path: str, body: dict, headers: dict) -> dict | None:
         # min_tokens > max_tokens and stream_options without stream are 400s in vLLM.
-        leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+        leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "return_token_ids")}
         leg.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_KV))
         if "max_completion_tokens" in leg:
             leg["max_completion_tokens"] = 1
         t0 = time.monotonic()
-        async with self._leg("prefill", "POST", request.path, request, leg, headers) as (inst, resp, down):
+        async with self._leg("prefill", "POST", path, request, leg, headers) as (inst, resp, down):
             with request[_CALL].waiting():
                 data = await self._read(inst, resp, down)
         # the log line's split of a slow first token: the prefill leg against the rest (decode's queue and tail)
@@ -423,87 +424,180 @@ class Proxy:
             self.pool.observe(request[_CALL].prefill_lease, _loaded_blocks(kv))
         return kv
 
-    async def _decode(self, request: web.Request, body: dict, headers: dict) -> web.StreamResponse:
-        return await self._again_if_down(lambda: self._decode_leg(request, body, headers))
+    def _goes_on(self, request: web.Request, exc: Exception, tries: int) -> bool:
+        """Whether a request whose leg failed with `exc` is sent again (`tries` times so far): a lost instance or a
+        broken answer is, up to MAX_MIGRATIONS; an instance's own answer (a 4xx), a timeout (the instance may still
+        be working on it) and no instance up are not."""
+        if isinstance(exc, InstanceDown):
+            self.pool.failed(exc.inst, str(exc), down=False)  # the probe took it out of rotation already
+        elif not isinstance(exc, ProxyError) or exc.status != 502 or isinstance(exc, UpstreamAnswer):
+            return False
+        return tries < MAX_MIGRATIONS and self._can_serve(request)
 
-    async def _decode_leg(self, request: web.Request, body: dict, headers: dict) -> web.StreamResponse:
-        async with self._leg("decode", "POST", request.path, request, body, headers) as (inst, resp, down):
-            content_type = resp.headers.get("Content-Type", "application/json")
-            if body.get("stream") and resp.status == 200:
-                return await self._relay(request, inst, resp, content_type, down)
-            call = request[_CALL]
-            with call.waiting():
-                data = await self._read(inst, resp, down)
+    def _can_serve(self, request: web.Request) -> bool:
+        """Whether an instance of each role is up for the request's model group (another try has somewhere to go)."""
+        groups = request[_CALL].groups
+        return bool(self.pool.groups() & groups if groups is not None else self.pool.groups())
+
+    def _migrated(self, request: web.Request, why: str, how: str) -> None:
+        call = request[_CALL]
+        call.migrations.append(why)
+        call.note["migrated"] = len(call.migrations)
+        self.metrics.migrations[how] += 1
+        log.warning("%s %s: %s; %s", request.method, request.path, why, how)
+
+    async def _whole(self, request: web.Request, body: dict, headers: dict) -> web.StreamResponse:
+        """A request answered in one piece: nothing reached the client before the answer, so a leg that breaks
+        sends the whole request again (to other instances: the probe or the failure took the broken one out)."""
+        call = request[_CALL]
+        tries = 0
+        while True:
+            try:
+                async with contextlib.AsyncExitStack() as stack:
+                    inst, resp, down = await self._answering_leg(request, request.path, body, headers, stack)
+                    content_type = resp.headers.get("Content-Type", "application/json")
+                    with call.waiting():
+                        data = await self._read(inst, resp, down)
+            except (InstanceDown, ProxyError) as exc:
+                if not self._goes_on(request, exc, tries):
+                    raise _as_error(exc) from None
+                tries += 1
+                self._migrated(request, str(exc), "sent again")
+                continue
             if resp.status == 200:
                 own = call.own_s(time.monotonic())
                 self.metrics.observe_own(own)
                 call.note["own_ms"] = round(own * 1000, 1)  # the log line's split: the proxy's own part of it
             return web.Response(status=resp.status, body=data, headers={"Content-Type": content_type})
 
-    async def _relay(self, request: web.Request, inst: Instance, resp: aiohttp.ClientResponse,
-                     content_type: str, down: asyncio.Event) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, body: dict, headers: dict) -> web.StreamResponse:
+        """A streamed answer. Until its first event reaches the client a broken leg sends the request again; after
+        that it goes on as a continuation on another instance (yrpd.proxy.resume), and the client reads one stream.
+        Where it cannot go on (resume.not_resumable, MAX_MIGRATIONS reached, no instance left) the stream ends with
+        an error event: the 200 is already out."""
         call = request[_CALL]
-        # The answer's head goes to the client with its first chunk: until then the request can still go to
-        # another instance (InstanceDown) or end with a plain error status.
-        with call.waiting():
-            chunk = await self._read_chunk(inst, resp, down, "broke off the stream")
-        if not chunk:  # never a 200 with nothing in it
-            message = f"decode instance {inst.url} ended its stream without sending anything"
-            self._upstream_error(inst, message, down=False)
-            raise ProxyError(502, message)
-        out = web.StreamResponse(status=resp.status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
-        await out.prepare(request)
-        sse = content_type.startswith("text/event-stream")
-        pending = b""
-        first = True
-        tokens, first_at = 0, 0.0  # SSE events carrying a token (not [DONE]), for the time between tokens
+        st = resume.Stream(request.path, body)
+        out: web.StreamResponse | None = None
+        path, leg = request.path, st.leg_body()
         try:
             while True:
-                if not first:
-                    try:
-                        chunk = await self._read_chunk(inst, resp, down, "broke off the stream")
-                    except (ProxyError, InstanceDown) as exc:
-                        message = str(exc)
-                        if isinstance(exc, InstanceDown):
-                            self._upstream_error(inst, message, down=True)
-                        call.note["error"] = "stream-broken"
-                        # The 200 is already out: an event in the stream is the only way left to tell the client.
-                        if sse:
-                            await out.write(_sse_error(message, exc.status if isinstance(exc, ProxyError) else 502))
-                        pending = b""
-                        break
-                if not chunk:
-                    break
-                if first:
-                    first = False
-                    now = time.monotonic()
-                    ttft = now - call.started
-                    self.metrics.ttft.observe(ttft)
-                    self.metrics.observe_stream(now, ttft=ttft)
-                    first_at = now
-                    own = call.own_s(now)
-                    self.metrics.observe_own(own)
-                    call.note["ttft_ms"] = round(ttft * 1000)
-                    call.note["own_ms"] = round(own * 1000, 1)
-                if sse:
-                    tokens += chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
-                    # Whole events only, so a stream that breaks never leaves half an event before the error event.
-                    pending += chunk
-                    cut = pending.rfind(b"\n\n") + 2
-                    if cut < 2:
-                        continue
-                    chunk, pending = pending[:cut], pending[cut:]
-                await out.write(chunk)
-            if pending:
-                await out.write(pending)
-            await out.write_eof()
-            if tokens > 1 and "error" not in call.note:
-                now = time.monotonic()
-                self.metrics.observe_stream(now, itl=(now - first_at) / (tokens - 1))
+                try:
+                    async with contextlib.AsyncExitStack() as stack:
+                        inst, resp, down = await self._answering_leg(request, path, leg, headers, stack)
+                        content_type = resp.headers.get("Content-Type", "application/json")
+                        if resp.status != 200 or not content_type.startswith("text/event-stream"):
+                            with call.waiting():
+                                data = await self._read(inst, resp, down)
+                            if out is None:  # the instance's own answer (a 4xx): the client's, as it is
+                                return web.Response(status=resp.status, body=data,
+                                                    headers={"Content-Type": content_type})
+                            raise ProxyError(502, f"{inst.role} instance {inst.url} answered the continuation "
+                                             f"with {resp.status}: {data[:300].decode(errors='replace')}")
+                        out, broke = await self._pump(request, st, inst, resp, down, out, content_type)
+                except (InstanceDown, ProxyError) as exc:
+                    broke = exc
+                if broke is None:
+                    return out
+                why = str(broke)
+                if out is None:  # nothing reached the client: the same request again
+                    if not self._goes_on(request, broke, st.migrations):
+                        raise _as_error(broke)
+                    st.migrations += 1
+                    self._migrated(request, why, "sent again")
+                    continue
+                if st.complete or st.limit_reached():  # every token went out: what the break cost is the ending
+                    self._migrated(request, why, "ended by the proxy")
+                    await out.write(st.ending())
+                    await out.write_eof()
+                    return out
+                if isinstance(broke, InstanceDown):
+                    self.pool.failed(broke.inst, str(broke), down=False)
+                cont = None if st.why_not or st.migrations >= MAX_MIGRATIONS or not self._can_serve(request) \
+                    else st.continuation()
+                if cont is None:
+                    reason = st.why_not or (f"carried over {st.migrations} times already"
+                                            if st.migrations >= MAX_MIGRATIONS else
+                                            "no instance is up to go on" if not self._can_serve(request) else
+                                            "its instance gave no token ids")
+                    call.note["error"] = "stream-broken"
+                    self.metrics.migrations["not carried over"] += 1
+                    log.warning("%s %s: %s; not carried over: %s", request.method, request.path, why, reason)
+                    # The 200 is already out: an event in the stream is the only way left to tell the client.
+                    await out.write(_sse_error(why, broke.status if isinstance(broke, ProxyError) else 502))
+                    await out.write_eof()
+                    return out
+                st.begin_continuation()
+                self._migrated(request, why, "carried over")
+                path, leg = cont
         except ConnectionResetError:  # the client left; aiohttp finishes the closed response quietly
             call.client_gone = True
-            resp.close()
-        return out
+            return out if out is not None else web.Response(status=499)
+
+    async def _pump(self, request: web.Request, st: resume.Stream, inst: Instance, resp: aiohttp.ClientResponse,
+                    down: asyncio.Event, out: web.StreamResponse | None,
+                    content_type: str) -> tuple[web.StreamResponse | None, Exception | None]:
+        """Pass one leg's stream to the client, whole events only: (the client's response, prepared with the first
+        event that goes out; what broke the leg, None once the stream ended with [DONE])."""
+        call = request[_CALL]
+        pending = b""
+        while True:
+            try:
+                if out is None:
+                    with call.waiting():
+                        chunk = await self._read_chunk(inst, resp, down, "broke off the stream")
+                else:
+                    chunk = await self._read_chunk(inst, resp, down, "broke off the stream")
+            except InstanceDown as exc:
+                self._upstream_error(inst, str(exc), down=True)
+                return out, exc
+            except ProxyError as exc:
+                return out, exc
+            if not chunk:
+                if st.done:
+                    await out.write_eof()
+                    return out, None
+                what = "before its last token" if st.started else "without sending anything"
+                message = f"{inst.role} instance {inst.url} ended its stream {what}"
+                self._upstream_error(inst, message, down=False)
+                return out, ProxyError(502, message)
+            pending += chunk
+            while (cut := pending.find(b"\n\n")) >= 0:
+                raw, pending = pending[:cut + 2], pending[cut + 2:]
+                try:
+                    data = st.event(raw)
+                except resume.Broken as exc:
+                    message = f"{inst.role} instance {inst.url} ended its stream with an error: {exc}"
+                    self._upstream_error(inst, message, down=False)
+                    return out, ProxyError(502, message)
+                if not data:
+                    continue
+                if out is None:
+                    out = web.StreamResponse(status=200, headers={"Content-Type": content_type,
+                                                                  "Cache-Control": "no-cache"})
+                    await out.prepare(request)
+                    self._first_token(call)
+                await out.write(data)
+                if st.done:
+                    await out.write_eof()
+                    self._stream_ended(call, st)
+                    return out, None
+
+    def _first_token(self, call: _Call) -> None:
+        now = time.monotonic()
+        ttft = now - call.started
+        self.metrics.ttft.observe(ttft)
+        self.metrics.observe_stream(now, ttft=ttft)
+        call.first_at = now
+        own = call.own_s(now)
+        self.metrics.observe_own(own)
+        call.note["ttft_ms"] = round(ttft * 1000)
+        call.note["own_ms"] = round(own * 1000, 1)
+
+    def _stream_ended(self, call: _Call, st: resume.Stream) -> None:
+        tokens = st.token_events
+        if tokens > 1 and not call.migrations:  # a carried-over stream's gaps are not the instances' pace
+            now = time.monotonic()
+            self.metrics.observe_stream(now, itl=(now - call.first_at) / (tokens - 1))
 
     # -- one leg to one instance of a role
 

@@ -10,6 +10,7 @@ from .pool import Pool
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 OWN_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 RECENT = 2000  # own-overhead samples kept for percentiles
+MIGRATION_OUTCOMES = ("sent again", "carried over", "ended by the proxy", "not carried over")
 LATENCY_KEPT_S = 600.0  # how far back the TTFT/ITL windows of /yrpd/status may look (the SLA planner's input)
 
 
@@ -36,6 +37,9 @@ class Histogram:
 class Metrics:
     def __init__(self):
         self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) -> count
+        #: requests whose leg broke, by what the proxy did: "sent again" (nothing had reached the client), "carried
+        #: over" (a stream going on elsewhere), "ended by the proxy" (its last token was out), "not carried over"
+        self.migrations: Counter[str] = Counter()
         self.ttft = Histogram()
         self.own = Histogram(OWN_BUCKETS)
         self._recent_own: deque[float] = deque(maxlen=RECENT)
@@ -93,6 +97,11 @@ class Metrics:
                [("", labels, i.errors) for labels, i in instances])
         family("yrpd_proxy_upstream_requests_total", "counter", "Requests sent to an instance.",
                [("", labels, i.requests) for labels, i in instances])
+        family("yrpd_proxy_migrations_total", "counter",
+               "Requests whose instance broke off, by what the proxy did: sent again (nothing had reached the client), "
+               "carried over (a stream going on on another instance), ended by the proxy (its last token was out), "
+               "not carried over (the stream ended with an error event).",
+               [("", {"outcome": k}, self.migrations[k]) for k in MIGRATION_OUTCOMES])
         family("yrpd_proxy_ttft_seconds", "histogram",
                "Streamed requests: seconds from the request's arrival to the first byte from decode.",
                self.ttft.samples())

@@ -1,0 +1,179 @@
+"""Request migration (yrpd/proxy/resume.py and the proxy's use of it): an answer whose decode instance breaks off
+goes on on another instance, and the client reads what an unbroken run would have sent it, byte for byte.
+
+The instances are fakes answering from a toy model in vLLM 0.32's format (tests/unit/proxy_fakes.py); each case is
+run twice through the real proxy, once with a break and once without, and the client's bytes compared."""
+
+import asyncio
+import json
+
+import pytest
+
+from tests.unit.proxy_fakes import Breaks, running, toy_answer, toy_chat_prompt, toy_text, toy_tokens
+from yrpd.proxy.resume import MAX_MIGRATIONS
+
+PROMPT = "the quick brown fox jumps over the lazy dog"
+MESSAGES = [{"role": "user", "content": PROMPT}]
+N = 10
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+async def ask(setup, path: str, body: dict) -> tuple[int, bytes]:
+    async with setup.client.post(setup.url + path, json=body, headers={"X-Request-Id": "r1"}) as r:
+        return r.status, await r.read()
+
+
+def events(data: bytes) -> list[str]:
+    return [e.removeprefix("data: ") for e in data.decode().split("\n\n") if e]
+
+
+async def unbroken(path: str, body: dict) -> bytes:
+    async with running(prefill=1, decode=2, toy=True) as s:
+        status, data = await ask(s, path, body)
+        assert status == 200, data
+        return data
+
+
+async def broken(path: str, body: dict, breaks: Breaks):
+    """(status, the client's bytes, the setup's decode fakes) of one request whose first stream breaks."""
+    async with running(prefill=1, decode=2, toy=True) as s:
+        for fake in s.decode:
+            fake.breaks = breaks
+        status, data = await ask(s, path, body)
+        return status, data, s.decode, await s.metrics()
+
+
+def continuation_of(decode) -> tuple[str, dict]:
+    """The continuation the decode fakes were sent: the last request whose body's prompt is token ids."""
+    sent = [(path, body) for fake in decode for path, body in zip(fake.paths, fake.bodies)
+            if isinstance(body.get("prompt"), list)]
+    assert len(sent) == 1, sent
+    return sent[0]
+
+
+def completion(**more) -> dict:
+    return {"model": "tiny", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "stream": True, **more}
+
+
+def chat(**more) -> dict:
+    return {"model": "tiny", "messages": MESSAGES, "max_completion_tokens": N, "temperature": 0, "stream": True,
+            **more}
+
+
+USAGE = {"stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize("kind", ["between", "inside", "error", "eof"])
+def test_a_completion_stream_that_breaks_goes_on_elsewhere_and_the_client_reads_the_unbroken_stream(kind):
+    async def go():
+        body = completion(**USAGE)
+        want = await unbroken("/v1/completions", body)
+        status, got, decode, metrics = await broken("/v1/completions", body, Breaks(kind, after=3))
+        assert status == 200
+        assert got == want, (events(got), events(want))
+        # the continuation: the prompt's ids and the 3 sent, by token id, for what was left of max_tokens
+        path, sent = continuation_of(decode)
+        prompt_ids = toy_tokens(PROMPT)
+        assert path == "/v1/completions" and sent["prompt"] == [*prompt_ids, *toy_answer(prompt_ids, N)[:3]]
+        assert sent["max_tokens"] == N - 3 and sent["stream"] and sent["return_token_ids"]
+        assert 'yrpd_proxy_migrations_total{outcome="carried over"} 1' in metrics
+        # every token once, in order; one [DONE]; usage over the whole answer
+        texts = [json.loads(e)["choices"][0]["text"] for e in events(got)[:-1] if json.loads(e)["choices"]]
+        assert "".join(texts) == "".join(map(toy_text, toy_answer(prompt_ids, N)))
+        assert events(got).count("[DONE]") == 1 and "error" not in got.decode()
+        assert json.loads(events(got)[-2])["usage"] == {"prompt_tokens": len(prompt_ids),
+                                                        "total_tokens": len(prompt_ids) + N, "completion_tokens": N}
+    run(go())
+
+
+@pytest.mark.parametrize("kind", ["between", "inside", "error", "eof"])
+def test_a_chat_stream_that_breaks_goes_on_as_a_completion_and_the_client_reads_chat_chunks_as_unbroken(kind):
+    async def go():
+        body = chat(**USAGE)
+        want = await unbroken("/v1/chat/completions", body)
+        status, got, decode, _ = await broken("/v1/chat/completions", body, Breaks(kind, after=4))
+        assert status == 200
+        assert got == want, (events(got), events(want))
+        path, sent = continuation_of(decode)
+        prompt_ids = toy_chat_prompt(MESSAGES)
+        # the chat template's ids as the instance gave them, then the answer's first 4: nothing tokenized again
+        assert path == "/v1/completions" and sent["prompt"] == [*prompt_ids, *toy_answer(prompt_ids, N)[:4]]
+        assert sent["max_tokens"] == N - 4 and "messages" not in sent and sent["temperature"] == 0
+    run(go())
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", completion(**USAGE)), ("/v1/chat/completions", chat(**USAGE))])
+def test_a_break_after_the_last_token_is_ended_by_the_proxy_with_the_usage_and_done(path, body):
+    async def go():
+        want = await unbroken(path, body)
+        status, got, decode, metrics = await broken(path, body, Breaks("before_done"))
+        assert status == 200 and got == want, (events(got), events(want))
+        assert not any(isinstance(b.get("prompt"), list) for fake in decode for b in fake.bodies)  # no continuation
+        assert 'yrpd_proxy_migrations_total{outcome="ended by the proxy"} 1' in metrics
+    run(go())
+
+
+def test_a_client_that_asked_for_token_ids_gets_every_one_once_across_the_break():
+    async def go():
+        body = completion(return_token_ids=True)
+        want = await unbroken("/v1/completions", body)
+        status, got, _, _ = await broken("/v1/completions", body, Breaks("between", after=5))
+        assert status == 200 and got == want
+        choices = [json.loads(e)["choices"][0] for e in events(got)[:-1]]
+        prompt_ids = toy_tokens(PROMPT)
+        assert [c["prompt_token_ids"] for c in choices] == [prompt_ids] + [None] * (N - 1)
+        assert [t for c in choices for t in c["token_ids"]] == toy_answer(prompt_ids, N)
+    run(go())
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", completion(stream=False)),
+                                        ("/v1/chat/completions", chat(stream=False))])
+def test_a_whole_answer_cut_off_mid_body_is_sent_again_and_answered_as_unbroken(path, body):
+    async def go():
+        want = await unbroken(path, body)
+        status, got, decode, metrics = await broken(path, body, Breaks("body"))
+        assert status == 200 and got == want
+        assert sum(len(f.bodies) for f in decode) == 2  # the cut one, then once more
+        assert 'yrpd_proxy_migrations_total{outcome="sent again"} 1' in metrics
+    run(go())
+
+
+def test_a_stream_that_keeps_breaking_ends_after_the_cap_with_one_error_event_and_the_tokens_sent_once():
+    async def go():
+        status, got, decode, metrics = await broken("/v1/completions", completion(max_tokens=40),
+                                                    Breaks("error", after=2, times=99))
+        assert status == 200
+        *tokens, error, done = events(got)
+        assert done == "[DONE]" and json.loads(error)["error"]["code"] == 502
+        prompt_ids = toy_tokens(PROMPT)
+        # each leg sent 2 tokens before it broke: the first and MAX_MIGRATIONS continuations
+        texts = "".join(json.loads(e)["choices"][0]["text"] for e in tokens)
+        assert texts == "".join(map(toy_text, toy_answer(prompt_ids, 40)[:2 * (MAX_MIGRATIONS + 1)]))
+        assert f'yrpd_proxy_migrations_total{{outcome="carried over"}} {MAX_MIGRATIONS}' in metrics
+        assert 'yrpd_proxy_migrations_total{outcome="not carried over"} 1' in metrics
+    run(go())
+
+
+def test_a_stream_asking_for_several_answers_is_not_carried_over_and_its_instances_are_not_asked_for_ids():
+    async def go():
+        status, got, decode, metrics = await broken("/v1/completions", completion(n=2), Breaks("between", after=2))
+        assert status == 200
+        assert json.loads(events(got)[-2])["error"]["code"] == 502  # as before migration: an error event
+        assert not any("return_token_ids" in b for fake in decode for b in fake.bodies)
+        assert 'yrpd_proxy_migrations_total{outcome="not carried over"} 1' in metrics
+    run(go())
+
+
+def test_with_no_other_decode_instance_the_broken_stream_ends_with_an_error_event():
+    """Control of the cases above: the break is the same, but there is nowhere to go on."""
+    async def go():
+        async with running(prefill=1, decode=1, toy=True) as s:
+            s.decode[0].breaks = Breaks("between", after=3)
+            status, data = await ask(s, "/v1/completions", completion())
+            assert status == 200
+            *tokens, error, done = events(data)
+            assert len(tokens) == 3 and json.loads(error)["error"]["code"] == 502 and done == "[DONE]"
+    run(go())
