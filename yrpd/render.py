@@ -214,12 +214,17 @@ def status_tables(report: StatusReport) -> list[Table | Text]:
     proxy = report.proxy
     if proxy:
         table = Table(title="Proxy", title_justify="left")
-        for column in ("url", "host", "pid", "health", "in flight", "instances up"):
+        for column in ("url", "host", "pid", "health", "in flight", "instances up", "carried over"):
             table.add_column(column)
         up = proxy.instances_up or {}
-        table.add_row(proxy.url, proxy.host, str(proxy.pid or "-"),
-                      yes_no(proxy.healthy, "healthy", proxy.state if proxy.state != "running" else "unhealthy"),
-                      _num(proxy.in_flight), f"{sum(up.values())}/{len(up)}" if up else "-")
+        health = yes_no(proxy.healthy, "healthy", proxy.state if proxy.state != "running" else "unhealthy")
+        if proxy.degraded:
+            health = f"[yellow]degraded: no {' or '.join(proxy.degraded['missing'])}[/yellow]"
+        moved = proxy.migrations or {}
+        table.add_row(proxy.url, proxy.host, str(proxy.pid or "-"), health, _num(proxy.in_flight),
+                      f"{sum(up.values())}/{len(up)}" if up else "-",
+                      _num(moved.get("carried over", 0) + moved.get("sent again", 0)) if proxy.migrations is not None
+                      else "-")
         tables.append(table)
     tables.extend(_log_tails(report))
     return tables

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,14 @@ from yrpd.placement import HostPlan, InstancePlan
 from yrpd.serving import PROXY_NAME, instance_url, proxy_url
 from yrpd.session import SessionPhase
 from yrpd.spec import DeploySpec
-from yrpd.steps import ScriptCall, StepContext, cluster, host_python_parts, processes, resolve
+from yrpd.steps import (
+    ScriptCall,
+    StepContext,
+    cluster,
+    host_python_parts,
+    processes,
+    resolve,
+)
 from yrpd.tags import ComponentState, Condition, ProcessState
 
 #: what an instance's probe reports, copied as is (vLLM's metrics, summed over its ranks)
@@ -126,6 +134,10 @@ class ProxyStatus:
     restarts: int = 0
     instances_up: dict[str, bool] | None = None
     in_flight: int | None = None
+    #: PD degraded, as the proxy says: {"since": epoch s, "missing": [role], "message": ...}; None while PD serves
+    degraded: dict | None = None
+    #: requests whose instance broke off, by what the proxy did (yrpd.proxy.metrics.MIGRATION_OUTCOMES)
+    migrations: dict[str, int] | None = None
 
 
 @dataclass
@@ -400,6 +412,11 @@ def _proxy(deployment: Deployment, proc: ProcessStatus | None, probe: dict | Non
     if detail:
         row.instances_up = {i["url"]: i["up"] for i in detail.get("instances", [])}
         row.in_flight = sum(i.get("in_flight", 0) for i in detail.get("instances", []))
+        row.degraded, row.migrations = detail.get("degraded"), detail.get("migrations")
+        if deployed and row.degraded:
+            since = time.strftime("%H:%M:%S", time.localtime(row.degraded["since"]))
+            problems.append(f"serving degraded since {since} ({time.time() - row.degraded['since']:.0f} s): "
+                            f"{row.degraded['message']}")
     if deployed and state == Condition.running and not row.healthy:
         problems.append(f"proxy at {row.url} is not healthy" + (f" ({probe['error']})" if probe and probe.get("error") else ""))
     return row

@@ -283,7 +283,7 @@ def test_a_busy_decode_instance_is_passed_over():
     run(go())
 
 
-def test_a_dead_decode_instance_is_marked_down_and_the_request_retried_elsewhere():
+def test_a_dead_decode_instance_is_marked_down_and_the_request_retried_elsewhere_then_prefill_answers_alone():
     async def go():
         async with running(decode=2) as s:
             dead, alive = s.decode
@@ -297,31 +297,54 @@ def test_a_dead_decode_instance_is_marked_down_and_the_request_retried_elsewhere
             assert f'yrpd_proxy_instance_up{{instance="{dead.url}",role="decode"}} 0' in metrics
             assert f'yrpd_proxy_upstream_errors_total{{instance="{dead.url}",role="decode"}} 1' in metrics
 
+            # the last decode instance gone too: PD degrades, the prefill instance answers whole requests
             await alive.stop()
             status, _, data = await post(s, "/v1/completions", {"prompt": "x", "max_tokens": 4})
-            assert "unreachable" in error_of(status, data, 502)["message"]
+            assert status == 200 and json.loads(data)["choices"][0]["text"] == "p0 says hi"
+            assert s.prefill[0].bodies[-1] == {"prompt": "x", "max_tokens": 4}  # the client's request, no hand-over
             status, _, data = await post(s, "/v1/chat/completions", {"messages": [], "stream": True})
-            assert "no decode instance is up" in error_of(status, data, 503)["message"]
+            assert status == 200 and data == b"".join(s.prefill[0].events(chat=True))
             async with s.client.get(s.url + "/health") as r:
-                assert r.status == 503 and (await r.json())["missing"] == ["decode"]
-    run(go())
-
-
-def test_while_no_decode_instance_is_up_prefill_is_not_asked_to_work_for_nothing():
-    """A decode instance being restarted: requests get a clean 503 at once and prefill's CPU/NPU stays free for the
-    restart (on a CPU host the restarting instance competes with it)."""
-    async def go():
-        async with running() as s:
-            [decode], [prefill] = s.decode, s.prefill
-            await decode.stop()
+                health = await r.json()
+                assert r.status == 200 and health["status"] == "degraded" and health["missing"] == ["decode"]
+                assert "prefill instances answer whole requests" in health["message"]
+            # with no instance of either role up: a 503 at once
+            await s.prefill[0].stop()
+            await post(s, "/v1/completions", {"prompt": "x", "max_tokens": 4})  # finds prefill gone
             status, _, data = await post(s, "/v1/completions", {"prompt": "x", "max_tokens": 4})
-            error_of(status, data, 502)  # the first request finds decode gone (and takes it out)
-            asked = len(prefill.bodies)
-            for _ in range(3):
-                status, _, data = await post(s, "/v1/completions", {"prompt": "x", "max_tokens": 4})
-                assert "no decode instance is up" in error_of(status, data, 503)["message"]
-            assert len(prefill.bodies) == asked
+            assert "no prefill or decode instance is up" in error_of(status, data, 503)["message"]
+            async with s.client.get(s.url + "/health") as r:
+                assert r.status == 503 and sorted((await r.json())["missing"]) == ["decode", "prefill"]
     run(go())
+
+
+def test_while_no_decode_instance_is_up_prefill_answers_whole_requests_and_pd_resumes_when_decode_is_back(caplog):
+    """A decode instance being restarted: PD degrades (the prefill instances answer whole requests), says so in
+    /health, /yrpd/status, /metrics and the log, and resumes as soon as a decode instance is up again."""
+    async def go():
+        async with running(probe_interval=0.05) as s:
+            [decode], [prefill] = s.decode, s.prefill
+            body = {"prompt": "x", "max_tokens": 4}
+            decode.health_status = 500
+            await until(lambda: _up(s, decode, False))
+            for _ in range(2):
+                status, _, data = await post(s, "/v1/completions", body)
+                assert status == 200 and json.loads(data)["choices"][0]["text"] == "p0 says hi"
+            assert prefill.bodies[-2:] == [body, body] and decode.bodies == []
+            status = await s.status()
+            assert status["degraded"]["missing"] == ["decode"] and status["degraded"]["since"] <= time.time()
+            metrics = await s.metrics()
+            assert "yrpd_proxy_degraded 1" in metrics
+            assert 'yrpd_proxy_degraded_answers_total{how="prefill alone"} 2' in metrics
+            decode.health_status = 200
+            await until(lambda: _up(s, decode, True))
+            status, _, data = await post(s, "/v1/completions", body)
+            assert status == 200 and json.loads(data)["choices"][0]["text"] == "d0 says hi"  # PD again
+            assert prefill.bodies[-1]["max_tokens"] == 1 and decode.bodies == [{**body, "kv_transfer_params": KV}]
+            assert (await s.status())["degraded"] is None and "yrpd_proxy_degraded 0" in await s.metrics()
+    with caplog.at_level("INFO", logger="yrpd.proxy"):
+        run(go())
+    assert "serving degraded: no decode instance is up" in caplog.text and "PD serving resumed after" in caplog.text
 
 
 def test_a_5xx_takes_the_instance_out_and_the_leg_goes_to_the_other():
@@ -333,9 +356,12 @@ def test_a_5xx_takes_the_instance_out_and_the_leg_goes_to_the_other():
                 assert (await post(s, "/v1/completions", {"prompt": "x"}))[0] == 200
             assert len(sick.bodies) == 1 and len(well.bodies) == 2
             assert "engine dead" in (await s.instance(sick))["last_error"]
+            # both prefill instances failing: decode computes the prompt itself, and the client gets its answer
             well.error = (503, {"error": "overloaded"})
             status, _, data = await post(s, "/v1/completions", {"prompt": "x"})
-            assert "503" in error_of(status, data, 502)["message"]
+            assert status == 200 and json.loads(data)["choices"][0]["text"] == "d0 says hi"
+            assert s.decode[0].bodies[-1] == {"prompt": "x"}  # no hand-over to load
+            assert 'yrpd_proxy_degraded_answers_total{how="prefill leg failed"} 1' in await s.metrics()
     run(go())
 
 
@@ -347,9 +373,9 @@ def test_the_prober_takes_instances_out_and_brings_them_back():
             s.prefill[0].health_status = 500
             await until(lambda: _up(s, s.prefill[0], False))
             async with s.client.get(s.url + "/health") as r:
-                assert r.status == 503 and (await r.json())["missing"] == ["prefill"]
-            status, _, data = await post(s, "/v1/completions", {"prompt": "x"})
-            error_of(status, data, 503)
+                assert r.status == 200 and (await r.json())["missing"] == ["prefill"]
+            status, _, data = await post(s, "/v1/completions", {"prompt": "x"})  # decode alone: it computes the prompt
+            assert status == 200 and s.decode[0].bodies[-1] == {"prompt": "x"} and s.prefill[0].bodies == []
             s.prefill[0].health_status = 200
             await until(lambda: _up(s, s.prefill[0], True))
             assert (await post(s, "/v1/completions", {"prompt": "x"}))[0] == 200
@@ -398,10 +424,14 @@ def test_a_stream_that_breaks_ends_with_an_error_event():
     run(go())
 
 
-def test_a_non_stream_answer_that_breaks_gives_502():
+def test_a_non_stream_answer_that_breaks_is_sent_again_and_a_502_once_every_instance_broke():
     async def go():
         async with running() as s:
             s.decode[0].break_after = 0
+            status, _, data = await post(s, "/v1/completions", {"prompt": "x"})
+            assert status == 200 and json.loads(data)["choices"][0]["text"] == "p0 says hi"  # prefill, alone
+        async with running() as s:
+            s.decode[0].break_after = s.prefill[0].break_after = 0
             status, _, data = await post(s, "/v1/completions", {"prompt": "x"})
             assert "broke off" in error_of(status, data, 502)["message"]
     run(go())
@@ -803,10 +833,13 @@ def test_a_membership_file_that_makes_no_sense_is_named_and_the_last_good_one_st
                 status["membership"]["error"] and status["membership"]["version"] == 0
             body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
             assert (await post(s, "/v1/completions", body))[0] == 200  # the membership it had still serves
-            write_members(path, (p0, False), (d0, True))  # the control: a good file is taken (d0 drained: 503)
+            # the control: a good file is taken (d0 drained: prefill answers alone)
+            write_members(path, (p0, False), (d0, True))
             await until(lambda: _member_version(s, 1), timeout=3)
             assert (await s.status())["membership"]["error"] is None
-            assert (await post(s, "/v1/completions", body))[0] == 503
+            asked = len(d0.bodies)
+            status, _, data = await post(s, "/v1/completions", body)
+            assert status == 200 and json.loads(data)["choices"][0]["text"] == "p0 says hi" and len(d0.bodies) == asked
     run(go())
 
 

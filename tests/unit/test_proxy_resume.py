@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.unit.proxy_fakes import Breaks, running, toy_answer, toy_chat_prompt, toy_text, toy_tokens
+from tests.unit.proxy_fakes import Breaks, running, toy_answer, toy_chat_prompt, toy_text, toy_tokens, until
 from yrpd.proxy.resume import MAX_MIGRATIONS
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -167,13 +167,41 @@ def test_a_stream_asking_for_several_answers_is_not_carried_over_and_its_instanc
     run(go())
 
 
-def test_with_no_other_decode_instance_the_broken_stream_ends_with_an_error_event():
-    """Control of the cases above: the break is the same, but there is nowhere to go on."""
+def test_with_no_other_decode_instance_the_stream_goes_on_on_the_prefill_instance_alone():
+    """1 prefill + 1 decode, decode breaks: PD degrades for the rest of the answer, which the prefill instance
+    generates from the continuation."""
     async def go():
+        body = completion(**USAGE)
+        want = await unbroken("/v1/completions", body)
         async with running(prefill=1, decode=1, toy=True) as s:
             s.decode[0].breaks = Breaks("between", after=3)
-            status, data = await ask(s, "/v1/completions", completion())
+            status, got = await ask(s, "/v1/completions", body)
+            assert status == 200 and got == want
+            [prefill] = s.prefill
+            assert isinstance(prefill.bodies[-1]["prompt"], list) and prefill.bodies[-1]["stream"]  # it generated
+            assert 'yrpd_proxy_degraded_answers_total{how="prefill alone"} 1' in await s.metrics()
+    run(go())
+
+
+def test_with_no_instance_left_to_go_on_the_broken_stream_ends_with_an_error_event():
+    """Control of the cases above: the break is the same, but the only other instance is down by then."""
+    async def go():
+        async with running(prefill=1, decode=1, toy=True, probe_interval=0.05) as s:
+            [prefill], [decode] = s.prefill, s.decode
+            decode.breaks = Breaks("between", after=3)
+            decode.gate.clear()  # the decode leg waits until prefill is out of rotation
+            asked = asyncio.ensure_future(ask(s, "/v1/completions", completion()))
+            await decode.received.wait()
+            prefill.health_status = 500
+            await until(lambda: _down(s, prefill))
+            decode.gate.set()
+            status, data = await asked
             assert status == 200
             *tokens, error, done = events(data)
             assert len(tokens) == 3 and json.loads(error)["error"]["code"] == 502 and done == "[DONE]"
+            assert 'yrpd_proxy_migrations_total{outcome="not carried over"} 1' in await s.metrics()
     run(go())
+
+
+async def _down(s, fake) -> bool:
+    return not (await s.instance(fake))["up"]

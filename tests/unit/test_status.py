@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 from yrpd import api
 from yrpd.render import status_verdict
@@ -122,6 +123,35 @@ def test_a_dead_instance_an_unanswering_one_and_an_unreachable_host_are_each_one
     decode = next(i for i in report.instances if i.name == "decode-0")
     assert decode.state == "not deployed"  # nothing known about h2
     assert report.hosts[1].error and not report.hosts[1].reachable
+
+
+def test_pd_degraded_is_a_problem_saying_since_when_and_who_answers_and_the_proxy_row_says_so(tmp_path):
+    deployment = recorded(tmp_path)
+    since = time.time() - 42
+    degraded = {"since": since, "missing": ["decode"],
+                "message": "no decode instance is up: prefill instances answer whole requests (generating the answer)"}
+    with scripted(h1={"degraded": degraded}, h2={"dead": ("decode-0",)}):
+        report = api.status(deployment)
+    [line] = [p for p in report.problems if p.startswith("serving degraded")]
+    assert f"since {time.strftime('%H:%M:%S', time.localtime(since))} (4" in line
+    assert line.endswith("no decode instance is up: prefill instances answer whole requests (generating the answer)")
+    shown = render_text(report)
+    assert "degraded: no decode" in shown and "carried over" in shown
+    # the control: the same hosts with PD serving say nothing of it
+    with scripted(h2={"dead": ("decode-0",)}):
+        assert not any(p.startswith("serving degraded") for p in api.status(deployment).problems)
+
+
+def render_text(report) -> str:
+    import io
+
+    from rich.console import Console
+
+    from yrpd.render import status_tables
+    console = Console(width=250, record=True, file=io.StringIO())
+    for table in status_tables(report):
+        console.print(table)
+    return console.export_text()
 
 
 def test_a_cluster_component_that_was_restarted_and_is_back_is_healthy_with_its_restarts_shown(tmp_path):

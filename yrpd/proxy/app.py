@@ -48,7 +48,9 @@ class _Call:
     upstream_s: float = 0.0  # spent waiting for instances, up to the first token: the rest is the proxy's own
     prompt: Prompt | None = None  # what prefix routing knows of the prompt (yrpd.proxy.routing)
     prefill_lease: Lease | None = None  # the prefill leg's instance and what routing expected of it there
-    groups: set[str] | None = None  # the model groups its legs may go to (one, once the prefill leg has its instance)
+    groups: set[str] | None = None  # the model groups its next leg may go to (one, once the prefill leg has its instance)
+    model: object = None  # the request's "model"
+    group: str | None = None  # the model group of the instance that answers it: a try after a break stays with it
     migrations: list[str] = field(default_factory=list)  # why each time it was sent again or carried over
     first_at: float = 0.0  # when its first event went out (streamed)
 
@@ -184,6 +186,8 @@ class Proxy:
         self._members_seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file last read
         self.members_error: str | None = None  # why the file's last version was not taken
         self.members_version = 0  # versions of the file taken
+        self.degraded_since: float | None = None  # time.time() since when one role answers alone (PD degraded)
+        self.missing: list[str] = []  # the roles with no instance up, as of the last probe round
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._middleware])
@@ -280,6 +284,7 @@ class Proxy:
 
     async def _probe_all(self, announce: bool = True) -> None:
         await asyncio.gather(*(self._probe(i, announce) for i in self.pool.instances))
+        self._judge_degraded()
 
     async def _health_of(self, url: str) -> tuple[bool, str]:
         try:
@@ -362,13 +367,8 @@ class Proxy:
         body.pop("kv_transfer_params", None)  # the proxy owns this field on both legs
         if self.config.routing is Routing.prefix:
             request[_CALL].prompt = Prompt.of(body)
-        if not self.pool.up("decode"):
-            # fail before prefill works for nothing: while decode is away (restarting) that work would only slow
-            # down its restart and fill the cache with KV nobody loads
-            raise ProxyError(503, "no decode instance is up")
-        request[_CALL].groups = self.pool.groups(body.get("model"))
-        if not request[_CALL].groups and self.pool.up("prefill"):
-            raise ProxyError(503, "no prefill and decode instance of one model are up (a model change is rolling?)")
+        request[_CALL].model = body.get("model")
+        self._route(request)  # a 503 at once when no instance of either role is up
         if body.get("stream"):
             return await self._stream(request, body, headers)
         return await self._whole(request, body, headers)
@@ -389,14 +389,59 @@ class Proxy:
             headers["Authorization"] = request.headers["Authorization"]
         return headers
 
+    def _route(self, request: web.Request) -> tuple[bool, str]:
+        """How the request's next try is served: (whether a prefill leg comes first, the role whose instance
+        answers), with the model groups its legs may go to set on the call. PD where a model group has an instance
+        of each role up; else PD degrades: the role that is up answers whole requests (decode computing the prompt
+        itself, or prefill generating the answer). A 503 when no instance is up (of the call's model group, once a
+        leg of it had an instance: an answer never mixes two models)."""
+        call = request[_CALL]
+
+        def within(groups: set[str]) -> set[str]:
+            return groups & {call.group} if call.group is not None else groups
+
+        both = within(self.pool.groups(call.model))
+        if both:
+            call.groups = both
+            return True, "decode"
+        for role in ("decode", "prefill"):
+            alone = within(self.pool.groups(call.model, (role,)))
+            if alone:
+                call.groups = alone
+                return False, role
+        raise ProxyError(503, "no prefill or decode instance is up" if call.group is None else
+                         f"no instance of model {call.group} is up")
+
     async def _answering_leg(self, request: web.Request, path: str, body: dict, headers: dict,
                              stack: contextlib.AsyncExitStack) -> tuple[Instance, aiohttp.ClientResponse, asyncio.Event]:
-        """The prefill leg, then the decode leg whose answer goes to the client, entered into `stack` (which ends
-        it)."""
-        kv = await self._prefill_leg(request, path, body, headers)
+        """The prefill leg where there is one, then the leg whose answer goes to the client, entered into `stack`
+        (which ends it)."""
+        call = request[_CALL]
+        pd, role = self._route(request)
+        kv = None
+        if pd:
+            try:
+                kv = await self._prefill_leg(request, path, body, headers)
+            except UpstreamAnswer:
+                raise
+            except (InstanceDown, ProxyError) as exc:
+                if isinstance(exc, ProxyError) and exc.status != 502:
+                    raise
+                # the prefill instances tried failed: decode computes the prompt itself (slower, still right)
+                log.warning("%s %s: %s; decode computes the prompt itself", request.method, request.path, exc)
+                call.note["prefill"] = "failed"
+                self.metrics.degraded_answers["prefill leg failed"] += 1
+                pd, role = self._route(request)
+                if pd:
+                    role = "decode"
+        else:
+            call.note["degraded"] = f"{role} alone"
+            self.metrics.degraded_answers[f"{role} alone"] += 1
         # Without kv_transfer_params from prefill, decode computes the prompt itself: slower, still right.
         leg = body if kv is None else {**body, "kv_transfer_params": kv}
-        return await stack.enter_async_context(self._leg("decode", "POST", path, request, leg, headers))
+        answer = await stack.enter_async_context(self._leg(role, "POST", path, request, leg, headers))
+        call.group = answer[0].group  # every later leg of this answer: the same model
+        return answer
 
     async def _prefill_leg(self, request: web.Request, path: str, body: dict, headers: dict) -> dict | None:
         # min_tokens > max_tokens and stream_options without stream are 400s in vLLM.
@@ -435,9 +480,12 @@ class Proxy:
         return tries < MAX_MIGRATIONS and self._can_serve(request)
 
     def _can_serve(self, request: web.Request) -> bool:
-        """Whether an instance of each role is up for the request's model group (another try has somewhere to go)."""
-        groups = request[_CALL].groups
-        return bool(self.pool.groups() & groups if groups is not None else self.pool.groups())
+        """Whether another try has somewhere to go: an instance up for the call's model (group)."""
+        try:
+            self._route(request)
+        except ProxyError:
+            return False
+        return True
 
     def _migrated(self, request: web.Request, why: str, how: str) -> None:
         call = request[_CALL]
@@ -724,16 +772,45 @@ class Proxy:
     # -- monitoring
 
     async def health(self, request: web.Request) -> web.StreamResponse:
+        """200 while requests are answered: "ok" in PD, "degraded" while one role answers alone; 503 with none up."""
         up = {role: len(self.pool.up(role)) for role in ROLES}
-        missing = [role for role in ROLES if not up[role]]
-        body = {"status": "unavailable" if missing else "ok", "model": self.config.served_model_name,
-                "prefill_up": up["prefill"], "decode_up": up["decode"]}
+        missing = self.pool.missing()
+        down = len(missing) == len(ROLES)
+        body = {"status": "unavailable" if down else "degraded" if missing else "ok",
+                "model": self.config.served_model_name, "prefill_up": up["prefill"], "decode_up": up["decode"]}
         if missing:
-            body.update(missing=missing, message=f"no {' and no '.join(missing)} instance is up")
-        return web.json_response(body, status=503 if missing else 200)
+            body.update(missing=missing, message=self._degraded_message(missing))
+        if self.degraded_since is not None:
+            body["degraded_since"] = self.degraded_since
+        return web.json_response(body, status=503 if down else 200)
+
+    @staticmethod
+    def _degraded_message(missing: list[str]) -> str:
+        if len(missing) == len(ROLES):
+            return f"no {' and no '.join(missing)} instance is up"
+        other = next(r for r in ROLES if r not in missing)
+        return (f"no {missing[0]} instance is up: {other} instances answer whole requests "
+                f"({'computing the prompt themselves' if other == 'decode' else 'generating the answer'})")
+
+    def _judge_degraded(self) -> None:
+        """After each probe round: note when PD degrades (one role with no instance up, the other serving) and
+        when it resumes, in the log, /health, /yrpd/status and the metrics."""
+        missing = self.pool.missing()
+        degraded = len(missing) == 1
+        now = time.time()
+        if degraded and self.degraded_since is None:
+            self.degraded_since = now
+            log.warning("serving degraded: %s", self._degraded_message(missing))
+        elif not degraded and self.degraded_since is not None:
+            took = now - self.degraded_since
+            self.metrics.degraded_s += took
+            self.degraded_since = None
+            log.info("PD serving resumed after %.1f s degraded" if not missing else
+                     "degraded serving ended after %.1f s: no instance is up at all", took)
+        self.missing = missing
 
     async def metrics_page(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(body=self.metrics.render(self.pool).encode(),
+        return web.Response(body=self.metrics.render(self.pool, self.degraded_since).encode(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def status(self, request: web.Request) -> web.StreamResponse:
@@ -755,6 +832,11 @@ class Proxy:
                                   "membership": {"file": self.config.instances_file,
                                                  "version": self.members_version, "error": self.members_error},
                                   "own_overhead_ms": self.metrics.own_percentiles(),
+                                  # PD degraded: one role answers whole requests (null while PD serves)
+                                  "degraded": None if self.degraded_since is None else {
+                                      "since": self.degraded_since, "missing": self.missing,
+                                      "message": self._degraded_message(self.missing)},
+                                  "migrations": dict(self.metrics.migrations),
                                   # streamed requests of the last `window` s (?window=S): the SLA planner's input
                                   "latency": self.metrics.latency(window, time.monotonic())})
 

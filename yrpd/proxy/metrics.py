@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from collections import Counter, deque
 
 from .pool import Pool
@@ -10,6 +11,7 @@ from .pool import Pool
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 OWN_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 RECENT = 2000  # own-overhead samples kept for percentiles
+DEGRADED_HOW = ("decode alone", "prefill alone", "prefill leg failed")
 MIGRATION_OUTCOMES = ("sent again", "carried over", "ended by the proxy", "not carried over")
 LATENCY_KEPT_S = 600.0  # how far back the TTFT/ITL windows of /yrpd/status may look (the SLA planner's input)
 
@@ -40,6 +42,10 @@ class Metrics:
         #: requests whose leg broke, by what the proxy did: "sent again" (nothing had reached the client), "carried
         #: over" (a stream going on elsewhere), "ended by the proxy" (its last token was out), "not carried over"
         self.migrations: Counter[str] = Counter()
+        #: answers without a hand-over: "decode alone" / "prefill alone" (the other role had no instance up),
+        #: "prefill leg failed" (decode computed the prompt)
+        self.degraded_answers: Counter[str] = Counter()
+        self.degraded_s = 0.0  # seconds PD was degraded, the spells that ended
         self.ttft = Histogram()
         self.own = Histogram(OWN_BUCKETS)
         self._recent_own: deque[float] = deque(maxlen=RECENT)
@@ -77,7 +83,7 @@ class Metrics:
         return {"n": len(values), "p50": round(statistics.median(values) * 1000, 2), "p90": pick(0.9),
                 "p99": pick(0.99)}
 
-    def render(self, pool: Pool) -> str:
+    def render(self, pool: Pool, degraded_since: float | None = None) -> str:
         out: list[str] = []
 
         def family(name: str, kind: str, help_: str, samples) -> None:
@@ -102,6 +108,14 @@ class Metrics:
                "carried over (a stream going on on another instance), ended by the proxy (its last token was out), "
                "not carried over (the stream ended with an error event).",
                [("", {"outcome": k}, self.migrations[k]) for k in MIGRATION_OUTCOMES])
+        family("yrpd_proxy_degraded_answers_total", "counter",
+               "Answers without a hand-over: by one role alone (the other had no instance up) or after the prefill "
+               "leg failed (decode computed the prompt).",
+               [("", {"how": k}, self.degraded_answers[k]) for k in DEGRADED_HOW])
+        family("yrpd_proxy_degraded", "gauge", "1 while one role has no instance up and the other answers alone.",
+               [("", {}, int(degraded_since is not None))])
+        family("yrpd_proxy_degraded_seconds_total", "counter", "Seconds PD serving was degraded.",
+               [("", {}, round(self.degraded_s + (time.time() - degraded_since if degraded_since else 0.0), 3))])
         family("yrpd_proxy_ttft_seconds", "histogram",
                "Streamed requests: seconds from the request's arrival to the first byte from decode.",
                self.ttft.samples())

@@ -134,12 +134,16 @@ class Pool:
         self.reap()
         return joined, left
 
-    def groups(self, model: object = None) -> set[str]:
-        """The model groups with a prefill and a decode instance up, those serving `model` (the request's "model")
-        alone where any does."""
-        complete = {i.group for i in self.up("prefill")} & {i.group for i in self.up("decode")}
+    def groups(self, model: object = None, roles: tuple[str, ...] = ROLES) -> set[str]:
+        """The model groups with an instance of each of `roles` up (PD: a prefill and a decode instance), those
+        serving `model` (the request's "model") alone where any does."""
+        complete = set.intersection(*({i.group for i in self.up(role)} for role in roles))
         named = {g for g in complete if g.rsplit("#", 1)[0] == model}
         return named or complete
+
+    def missing(self) -> list[str]:
+        """The roles with no instance up."""
+        return [role for role in ROLES if not self.up(role)]
 
     def reap(self) -> None:
         """Drop the leaving instances whose last leg has ended."""
