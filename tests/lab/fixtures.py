@@ -112,7 +112,8 @@ class SharedSpec:
 
 #: fixture name -> what it deploys and who uses it (tests/lab/conftest.py runs the users in this order, together)
 SHARED: dict[str, SharedSpec] = {
-    "two_hosts": SharedSpec(hosts=2, deployed_on=2, users=("test_host_faults", "test_self_healing")),
+    "two_hosts": SharedSpec(hosts=2, deployed_on=2,
+                            users=("test_host_faults", "test_self_healing", "test_migration_lab")),
     # the scale test joins h3 (its documented command), which the drain and the planner then use
     "three_hosts": SharedSpec(hosts=3, deployed_on=2,
                               users=("test_scale_lab", "test_rollout_lab", "test_planner_lab")),

@@ -6,6 +6,7 @@ run twice through the real proxy, once with a break and once without, and the cl
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -205,3 +206,21 @@ def test_with_no_instance_left_to_go_on_the_broken_stream_ends_with_an_error_eve
 
 async def _down(s, fake) -> bool:
     return not (await s.instance(fake))["up"]
+
+
+def test_the_request_log_line_of_a_migrated_stream_names_both_instances_and_the_warning_why(caplog):
+    async def go():
+        async with running(prefill=1, decode=2, toy=True) as s:
+            breaks = Breaks("between", after=3)
+            for fake in s.decode:
+                fake.breaks = breaks
+            status, _ = await ask(s, "/v1/completions", completion())
+            assert status == 200
+            return {f.url for f in s.decode}
+    with caplog.at_level("INFO", logger="yrpd.proxy"):
+        decode = run(go())
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("POST /v1/completions 200")]
+    went = re.search(r" decode=(\S+)>(\S+) ", line)
+    assert "migrated=1" in line and went and set(went.groups()) == decode, line
+    [warning] = [r.getMessage() for r in caplog.records if r.getMessage().endswith("; carried over")]
+    assert went.group(1) in warning and "broke off the stream" in warning

@@ -685,7 +685,8 @@ class Proxy:
                 break
             inst = lease.instance
             tried.append(inst)
-            request[_CALL].note[role] = inst.url
+            seen = call.note.get(role)  # every instance a leg of the role went to, in order (a migration: several)
+            call.note[role] = inst.url if not seen or seen.endswith(inst.url) else f"{seen}>{inst.url}"
             if role == "prefill":
                 call.prefill_lease = lease
             down = self._down.setdefault(inst.url, asyncio.Event())
