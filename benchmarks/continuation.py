@@ -39,7 +39,8 @@ COMPLETION = [
 
 
 def stream(url: str, path: str, body: dict) -> list[dict]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
     out = []
     with urllib.request.urlopen(req, timeout=600) as resp:
         for line in resp:
@@ -98,8 +99,8 @@ def main() -> int:
         for chat, prompts in ((True, CHAT), (False, COMPLETION)):
             path = "/v1/chat/completions" if chat else "/v1/completions"
             for prompt in prompts:
-                body = {"model": args.name, "max_tokens": n, "temperature": 0, "stream": True, "return_token_ids": True,
-                        "ignore_eos": True}
+                body = {"model": args.name, "max_tokens": n, "temperature": 0, "stream": True,
+                        "return_token_ids": True, "ignore_eos": True}
                 body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
                 prompt_ids, per_event, texts = ids_and_text(stream(url, path, body), chat)
                 flat = [t for ids in per_event for t in ids]

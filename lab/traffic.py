@@ -36,6 +36,7 @@ class Call(threading.Thread):
         self.failure: str | None = None  # no HTTP answer at all (refused, reset, the client's own timeout)
         self.started: float | None = None
         self.ended: float | None = None
+        self.max_gap = 0.0  # a stream: the longest wait between two of its events (a migration shows as one)
 
     def run(self) -> None:
         self.started = time.monotonic()
@@ -49,10 +50,13 @@ class Call(threading.Thread):
             resp = conn.getresponse()
             self.status = resp.status
             if self.body.get("stream") and resp.status == 200:
+                last = time.monotonic()
                 for line in resp:
                     line = line.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
+                    now = time.monotonic()
+                    self.max_gap, last = max(self.max_gap, now - last), now
                     event = json.loads(line[6:])
                     if "error" in event:
                         self.error_event = True

@@ -35,7 +35,7 @@ def metric(proxy: str, name: str) -> dict[str, float]:
         text = resp.read().decode()
     out = {}
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             key, value = line.rsplit(" ", 1)
             out[key[len(name):]] = float(value)
     return out
@@ -92,7 +92,7 @@ def test_streams_go_on_through_instance_kills_and_no_client_sees_one(two_hosts, 
             in_flight = sum(1 for c in streams.calls if c.started and not c.ended)
             d.lab[host].exec(f"kill -9 {pid}")
             killed = time.monotonic()
-            _, took = d.healthy(within=240)
+            d.healthy(within=240)
             kills.append({"killed": f"{what} on {host}", "streams_in_flight": in_flight,
                           "healthy_after_s": round(time.monotonic() - killed, 1)})
             time.sleep(3)
