@@ -198,6 +198,80 @@ def test_connection_goes_down_fails_fast_and_reconnects():
     conn.close()
 
 
+def test_a_connection_with_the_workers_address_reconnects_as_soon_as_its_port_accepts_again():
+    """A restarted worker (its port refused, then accepting again) is used within a probe or two, not at the next
+    backoff: here the backoff is 30 s and the reconnect must come within a second. The control: a port that kept
+    accepting while clients failed waits the backoff out before the next client."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    server.close()  # the worker is gone: its port refuses
+    state = {"up": False, "made": 0}
+    events = []
+
+    def factory():
+        state["made"] += 1
+        if not state["up"]:
+            raise RuntimeError("code: [RPC unavailable], msg: [UDS_CONNECT_FAILED]")
+        return FlakyClient(lambda: None)
+
+    conn = DsConnection(factory, "t", backoff_s=30, on_event=events.append, address=("127.0.0.1", port))
+    assert not conn.connect() and events == ["down"]
+    time.sleep(0.5)
+    assert state["made"] == 1  # nothing tried while the port refuses
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(16)
+    try:
+        state["up"] = True
+        answered = time.monotonic()
+        while not conn.healthy and time.monotonic() - answered < 5:
+            time.sleep(0.02)
+        took = time.monotonic() - answered
+        assert conn.healthy and events == ["down", "up"] and took < 1.0, took
+        # the control: the port accepts but clients fail: one try at once (the client may only have been stale),
+        # the next after the backoff
+        state["up"] = False
+        made = state["made"]
+        with pytest.raises(DsUnavailable):
+            conn.call("exist", lambda c: (_ for _ in ()).throw(RuntimeError("code: [RPC unavailable]")))
+        time.sleep(1.0)
+        assert state["made"] == made + 1 and not conn.healthy
+    finally:
+        conn.close()
+        listener.close()
+
+
+def test_a_client_left_stale_by_a_worker_that_restarted_unasked_is_replaced_at_its_first_failure():
+    """An idle instance's worker restarted: its client's first call fails, and a new one is made at once (the port
+    accepts), not after the 30 s backoff."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    events = []
+    clients = [FlakyClient(lambda: RuntimeError("code: [RPC unavailable], msg: [UDS_CONNECT_FAILED]")),
+               FlakyClient(lambda: None)]
+    conn = DsConnection(lambda: clients.pop(0), "t", backoff_s=30, on_event=events.append,
+                        address=listener.getsockname())
+    try:
+        assert conn.connect() and conn.healthy
+        with pytest.raises(DsUnavailable):
+            conn.call("exist", lambda c: c.exist(["a"]))
+        failed = time.monotonic()
+        while not conn.healthy and time.monotonic() - failed < 5:
+            time.sleep(0.02)
+        assert conn.healthy and events == ["down", "up"] and time.monotonic() - failed < 1.0
+        assert conn.call("exist", lambda c: c.exist(["a"])) == [True]
+    finally:
+        conn.close()
+        listener.close()
+
+
 def test_connection_miss_and_other_errors_do_not_mark_down():
     conn = DsConnection(lambda: object(), "t")
     conn.connect()

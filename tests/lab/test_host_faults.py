@@ -21,6 +21,7 @@ import http.client
 import json
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -163,6 +164,40 @@ def worker_pid(report: dict, host: str) -> int:
     return next(c["pid"] for c in report["cluster"]["components"] if (c["host"], c["component"]) == (host, "ds_worker"))
 
 
+#: run on the decode host from the moment of a worker kill: when its port refuses and accepts again, and when
+#: decode's connector (its stats files, rewritten at once on each change) says the data system is down and back
+RECONNECT_WATCH = r"""
+import glob, json, socket, sys, time
+session, t0 = sys.argv[1], time.monotonic()
+files = glob.glob(f"/tmp/yrpd_sessions/{session}/run/kv-decode-0-*.json")
+host, port = json.load(open(files[0]))["ds_address"].rsplit(":", 1)
+seen = {}
+def at(name):
+    seen.setdefault(name, round(time.monotonic() - t0, 2))
+while time.monotonic() - t0 < 150:
+    try:
+        socket.create_connection((host, int(port)), timeout=0.2).close()
+        if "port_refused" in seen:
+            at("port_back")
+    except OSError:
+        at("port_refused")
+    healthy = []
+    for f in files:
+        try:
+            healthy.append(json.load(open(f)).get("ds_healthy"))
+        except (OSError, ValueError):
+            pass
+    if False in healthy:
+        at("connector_down")
+    elif "connector_down" in seen:
+        at("connector_back")
+    if "connector_back" in seen:
+        break
+    time.sleep(0.05)
+print(json.dumps(seen))
+"""
+
+
 def test_the_decode_hosts_worker_killed_mid_handover(two_hosts, lab_figures):
     """kill -9 the decode host's data-system worker while a hand-over is in flight (the proxy counts a decode leg
     under way): every answer right or a clean 5xx, the worker restarted exactly once by its supervisor, and decode
@@ -177,6 +212,10 @@ def test_the_decode_hosts_worker_killed_mid_handover(two_hosts, lab_figures):
     while (legs := in_flight(d)).get("decode", 0) == 0:  # a prompt handed over: decode's leg under way
         assert time.monotonic() < deadline and any(c.is_alive() for c in calls), "no decode leg was ever in flight"
         time.sleep(0.02)
+    watched: dict = {}
+    watch = threading.Thread(target=lambda: watched.update(json.loads(d.lab["h2"].exec(
+        f"python3 - {before['session']} <<'EOF'\n{RECONNECT_WATCH}\nEOF", timeout=200).stdout)), daemon=True)
+    watch.start()
     d.lab["h2"].exec(f"kill -9 {worker_pid(before, 'h2')}")
     killed = time.monotonic()
     for call in calls:
@@ -199,7 +238,14 @@ def test_the_decode_hosts_worker_killed_mid_handover(two_hosts, lab_figures):
         "healthy_s_after_kill": round(time.monotonic() - killed, 1),
         "worker_restarts": restarts(after)[("h2", "ds_worker")] - restarts(before)[("h2", "ds_worker")],
         "decode_loaded_blocks_after_restart": loaded_blocks(report) - loaded}
+    watch.join(200)
+    # seconds from the kill (the watcher started just before it): the worker's port, decode's connector
+    figures["reconnect"] = watched
     print(f"measured: ds_worker_killed_mid_handover: {json.dumps(figures)}")
+    # decode's connector met the dead worker (its loads in flight, or the next ones through its stale client) and
+    # uses the restarted one within 2 s of its port accepting again (or of finding out, when that came later)
+    assert "connector_down" in watched and "port_back" in watched and "connector_back" in watched, watched
+    assert watched["connector_back"] <= max(watched["port_back"], watched["connector_down"]) + 2, watched
     for call, ref in zip(calls, again):
         assert call.clean(), (call.status, call.failure, call.raw[:300])
         assert call.status != 200 or call.text == ref.text, "a wrong answer while the worker was down"

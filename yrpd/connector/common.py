@@ -163,7 +163,7 @@ class ConnectorHalf:
         c = self.cfg
         factory = kvclient_factory(c.ds_host, c.ds_port, c.connect_timeout_ms, c.request_timeout_ms,
                                    c.exclusive_connection)
-        return DsConnection(factory, name, c.retry_backoff_s, self._on_ds_event)
+        return DsConnection(factory, name, c.retry_backoff_s, self._on_ds_event, (c.ds_host, c.ds_port))
 
     def _on_ds_event(self, event: str) -> None:
         if event == "down":

@@ -614,7 +614,8 @@ def child_main(argv: Sequence[str]) -> int:
     cfg = parse_config(role, extra)
     events: list = []
     conn = DsConnection(kvclient_factory(cfg.ds_host, cfg.ds_port, cfg.connect_timeout_ms, cfg.request_timeout_ms,
-                                         cfg.exclusive_connection), "writer", cfg.retry_backoff_s, events.append)
+                                         cfg.exclusive_connection), "writer", cfg.retry_backoff_s, events.append,
+                        (cfg.ds_host, cfg.ds_port))
     conn.connect()
     transport = HostTransport(conn, cfg.max_batch_keys, write_mode=write_mode(cfg))
     pending = None if cfg.delete_after_load else PendingSaves()  # as Saver._unconfirmed

@@ -22,6 +22,7 @@ dropped, loads fail fast -> recompute) and a background thread reconnects after 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 import warnings
@@ -172,14 +173,29 @@ def set_param_for(ttl_seconds: int, set_param_cls: Callable, write_mode: Any = N
 # Connection with failure handling
 # ---------------------------------------------------------------------------------------------
 
+#: while a data-system worker is unreachable, how often its port is tried (a TCP connect, nothing sent)
+PROBE_S = 0.2
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=PROBE_S).close()
+    except OSError:
+        return False
+    return True
+
+
 class DsConnection:
     """A data-system client plus health state. Not thread-safe: use one per thread."""
 
     def __init__(self, factory: Callable[[], Any], name: str, backoff_s: float = 5.0,
-                 on_event: Callable[[str], None] | None = None) -> None:
+                 on_event: Callable[[str], None] | None = None, address: tuple[str, int] | None = None) -> None:
         self._factory = factory
         self.name = name
         self.backoff_s = backoff_s
+        #: the worker's (host, port): while down, a TCP connect there every PROBE_S tells when it answers again, and
+        #: the first new client is made then, not at the next backoff (a restarted worker is used within a second)
+        self.address = address
         self._on_event = on_event or (lambda _e: None)
         self._client: Any = None
         self._down_since: float | None = None
@@ -226,11 +242,22 @@ class DsConnection:
         threading.Thread(target=self._reconnect_loop, name=f"yrpd-ds-reconnect-{self.name}", daemon=True).start()
 
     def _reconnect_loop(self) -> None:
+        tried = time.monotonic()
+        # the worker's port as of the last probe: unknown at first, so that a port that accepts is tried at once (a
+        # client left stale by a worker that restarted before anything was asked of it), then once it opens again
+        answered = False
         try:
             while not self._closed:
-                time.sleep(self.backoff_s)
+                time.sleep(PROBE_S if self.address else self.backoff_s)
                 if self._closed:
                     return
+                if self.address:
+                    # a port that accepts again (a restarted worker) is tried at once; one that kept accepting
+                    # while clients failed, after the backoff
+                    was, answered = answered, _accepts(*self.address)
+                    if not answered or (was and time.monotonic() - tried < self.backoff_s):
+                        continue
+                tried = time.monotonic()
                 try:
                     client = self._factory()
                     status = client.health_check() if hasattr(client, "health_check") else None

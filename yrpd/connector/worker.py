@@ -144,7 +144,7 @@ class ConnectorWorker(ConnectorHalf):
         c = self.cfg
         device_id = c.device_id if c.device_id is not None else (parts[0].device.index or 0)
         conn = DsConnection(hetero_client_factory(c.ds_host, c.ds_port, c.connect_timeout_ms, c.request_timeout_ms),
-                            f"npu{self.tp_rank}", c.retry_backoff_s, self._on_ds_event)
+                            f"npu{self.tp_rank}", c.retry_backoff_s, self._on_ds_event, (c.ds_host, c.ds_port))
         conn.connect()
         self._conn = conn
         self._load_transport = NpuTransport(conn, device_id, Blob, DeviceBlobList, SetParam,
