@@ -181,7 +181,11 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
             assert set(cost) == {"h1", "h2"}, procs
             print(f"measured: exporter CPU % of a core, scraped every 1 s: {json.dumps(cost)}")
 
-        # decode dies: status says so within 10 s, the proxy answers a clean 5xx with a JSON error
+        # decode dies: status says so within 10 s
+        hello = {"model": rm.MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        status, body = rm.http("POST", f"{proxy}/v1/completions", hello, key=key)
+        assert status == 200, body[:300]
+        before = json.loads(body)["choices"][0]["text"]
         lab["h2"].exec(f"kill -9 {decode['pid']}")
         killed = time.monotonic()
         while True:
@@ -192,9 +196,12 @@ def test_pd_across_two_hosts_answers_like_one_instance_and_tears_down_clean(fake
             assert time.monotonic() - killed < 10, "status still reports the killed decode healthy"
         print(f"measured: killed decode reported after {time.monotonic() - killed:.1f}s")
         assert not report["healthy"] and any("decode-0" in p for p in report["problems"])
-        status, body = rm.http("POST", f"{proxy}/v1/completions",
-                               {"model": rm.MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0}, key=key)
-        assert 500 <= status < 600 and "message" in json.loads(body)["error"], (status, body[:300])
+        # PD degrades: the prefill instance answers whole requests, the same greedy answer, and status says so
+        status, body = rm.http("POST", f"{proxy}/v1/completions", hello, key=key)
+        assert status == 200 and json.loads(body)["choices"][0]["text"] == before, (status, body[:300])
+        report = json.loads(cli("status", "--json").stdout)
+        assert any(p.startswith("serving degraded since") and "no decode instance is up" in p
+                   for p in report["problems"]), report["problems"]
 
         started = time.monotonic()
         down = cli("down", check=0)
