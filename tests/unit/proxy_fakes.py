@@ -59,6 +59,7 @@ class Breaks:
     after: int = 3
     times: int = 1
     seen: int = 0
+    pause_s: float = 0.0  # kind "pause": the stream falls silent this long after `after` token events, then goes on
 
     def now(self) -> bool:
         self.seen += 1
@@ -236,6 +237,8 @@ class FakeVLLM:
                     await asyncio.sleep(0.1)
                     request.transport.close()
                     return out
+                if kind == "pause" and token and tokens == self.breaks.after:
+                    await asyncio.sleep(self.breaks.pause_s)
                 if kind == "before_done" and k == len(wire) - 1:
                     await asyncio.sleep(0.1)
                     request.transport.close()

@@ -224,3 +224,55 @@ def test_the_request_log_line_of_a_migrated_stream_names_both_instances_and_the_
     assert "migrated=1" in line and went and set(went.groups()) == decode, line
     [warning] = [r.getMessage() for r in caplog.records if r.getMessage().endswith("; carried over")]
     assert went.group(1) in warning and "broke off the stream" in warning
+
+
+# -- no stream hangs on a dead link
+
+
+def test_a_stream_that_falls_silent_gets_heartbeat_comments_and_its_events_are_those_of_the_unbroken_stream():
+    async def go():
+        body = completion(**USAGE)
+        want = await unbroken("/v1/completions", body)
+        async with running(prefill=1, decode=1, toy=True, heartbeat_s=0.3) as s:
+            s.decode[0].breaks = Breaks("pause", after=3, pause_s=1.2)
+            status, got = await ask(s, "/v1/completions", body)
+        assert status == 200
+        beats = got.count(b": keep-alive\n\n")
+        assert beats >= 2, got[:300]
+        assert got.replace(b": keep-alive\n\n", b"") == want
+    run(go())
+
+
+def keepalive_timer_of(local_port: int, remote_port: int) -> str:
+    """The timer field (`tr`) of the TCP socket local_port -> remote_port in /proc/net/tcp: 02 is keepalive."""
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == local_port and int(fields[2].split(":")[1], 16) == remote_port:
+            return fields[5].split(":")[0]
+    raise AssertionError(f"no socket {local_port} -> {remote_port}")
+
+
+def test_the_proxys_client_connections_carry_tcp_keepalive_and_a_plain_listener_does_not():
+    import socket
+
+    async def go():
+        async with running() as s:
+            port = int(s.url.rsplit(":", 1)[1])
+            client = socket.create_connection(("127.0.0.1", port))
+            try:
+                await asyncio.sleep(0.2)
+                assert keepalive_timer_of(port, client.getsockname()[1]) == "02"
+            finally:
+                client.close()
+        # the control: a listener without the proxy's options gives connections no keepalive timer
+        plain = socket.socket()
+        plain.bind(("127.0.0.1", 0))
+        plain.listen(4)
+        client = socket.create_connection(plain.getsockname())
+        accepted, _ = plain.accept()
+        try:
+            assert keepalive_timer_of(plain.getsockname()[1], client.getsockname()[1]) == "00"
+        finally:
+            for sock in (accepted, client, plain):
+                sock.close()
+    run(go())

@@ -8,6 +8,7 @@ import hmac
 import json
 import logging
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,6 +32,13 @@ PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False}
 MAX_BODY = 64 * 1024 * 1024
 # Shorter than uvicorn's 5 s keep-alive (vLLM's default), so a pooled connection is never one vLLM is closing.
 KEEPALIVE_S = 4.0
+HEARTBEAT_S = 10.0
+HEARTBEAT = b": keep-alive\n\n"
+#: a client's connection whose link died ends on the proxy's side within these bounds (set on the listening socket,
+#: which the accepted ones inherit): data not acknowledged for TCP_USER_TIMEOUT_MS (a stream, with its heartbeats),
+#: or an idle connection that misses TCP_KEEPCNT probes, one every TCP_KEEPINTVL after TCP_KEEPIDLE s: 25 s
+TCP_USER_TIMEOUT_MS = 30_000
+TCP_KEEPALIVE = (10, 5, 3)  # idle, interval (s), probes
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 502: "bad_gateway",
                 503: "service_unavailable", 504: "timeout"}
@@ -53,6 +61,7 @@ class _Call:
     group: str | None = None  # the model group of the instance that answers it: a try after a break stays with it
     migrations: list[str] = field(default_factory=list)  # why each time it was sent again or carried over
     first_at: float = 0.0  # when its first event went out (streamed)
+    heartbeat: asyncio.Task | None = None  # a stream's, from its first event on
 
     @contextlib.contextmanager
     def waiting(self):
@@ -68,6 +77,8 @@ class _Call:
 
 # aiohttp >= 3.13 wants typed keys for request storage (a warning otherwise); older ones take a string.
 _CALL = web.RequestKey("call", _Call) if hasattr(web, "RequestKey") else "yrpd_call"
+#: when a client's stream was last written to (the heartbeat writes only into silence)
+_LAST_WRITE = web.ResponseKey("last_write", float) if hasattr(web, "ResponseKey") else "yrpd_last_write"
 
 
 @dataclass
@@ -86,6 +97,9 @@ class ProxyConfig:
     #: the membership, where it exists: {"instances": [{"url", "role", "draining", "group"}]}, written by the controller
     #: (yrpd scale, rolling changes) and read again every probe round; it replaces `prefill`/`decode`
     instances_file: str | None = None
+    #: a stream whose head is out and that sent nothing for this long gets an SSE comment (`: keep-alive`): a client's
+    #: read timeout does not fire while it waits (a migration, a slow instance), and a dead client link shows
+    heartbeat_s: float = HEARTBEAT_S
 
 
 def parse_members(data) -> list[tuple[str, str, bool, str]]:
@@ -154,6 +168,12 @@ def _is_timeout(exc: BaseException) -> bool:
 
 def _text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+async def _write(out: web.StreamResponse, data: bytes) -> None:
+    """Write to a client's stream, noting when (the heartbeat writes only into silence)."""
+    out[_LAST_WRITE] = time.monotonic()
+    await out.write(data)
 
 
 def _as_error(exc: Exception) -> ProxyError:
@@ -555,7 +575,7 @@ class Proxy:
                     continue
                 if st.complete or st.limit_reached():  # every token went out: what the break cost is the ending
                     self._migrated(request, why, "ended by the proxy")
-                    await out.write(st.ending())
+                    await _write(out, st.ending())
                     await out.write_eof()
                     return out
                 if isinstance(broke, InstanceDown):
@@ -571,7 +591,7 @@ class Proxy:
                     self.metrics.migrations["not carried over"] += 1
                     log.warning("%s %s: %s; not carried over: %s", request.method, request.path, why, reason)
                     # The 200 is already out: an event in the stream is the only way left to tell the client.
-                    await out.write(_sse_error(why, broke.status if isinstance(broke, ProxyError) else 502))
+                    await _write(out, _sse_error(why, broke.status if isinstance(broke, ProxyError) else 502))
                     await out.write_eof()
                     return out
                 st.begin_continuation()
@@ -580,6 +600,22 @@ class Proxy:
         except ConnectionResetError:  # the client left; aiohttp finishes the closed response quietly
             call.client_gone = True
             return out if out is not None else web.Response(status=499)
+        finally:
+            if call.heartbeat is not None:
+                call.heartbeat.cancel()
+
+    async def _heartbeat(self, out: web.StreamResponse) -> None:
+        """An SSE comment whenever the stream sent nothing for `heartbeat_s` (clients skip comments)."""
+        interval = self.config.heartbeat_s
+        while True:  # cancelled when the stream ends
+            idle = time.monotonic() - out.get(_LAST_WRITE, 0.0)
+            if idle >= interval:
+                try:
+                    await _write(out, HEARTBEAT)
+                except (ConnectionResetError, RuntimeError):
+                    return
+                idle = 0.0
+            await asyncio.sleep(max(0.05, interval - idle))
 
     async def _pump(self, request: web.Request, st: resume.Stream, inst: Instance, resp: aiohttp.ClientResponse,
                     down: asyncio.Event, out: web.StreamResponse | None,
@@ -624,7 +660,9 @@ class Proxy:
                                                                   "Cache-Control": "no-cache"})
                     await out.prepare(request)
                     self._first_token(call)
-                await out.write(data)
+                    # the head is out: from now on the stream must not fall silent
+                    call.heartbeat = asyncio.ensure_future(self._heartbeat(out))
+                await _write(out, data)
                 if st.done:
                     await out.write_eof()
                     self._stream_ended(call, st)
@@ -854,8 +892,30 @@ async def start(config: ProxyConfig, host: str, port: int, shutdown_timeout: flo
                            shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.SockSite(runner, listening_socket(host, port)).start()
     except BaseException:
         await runner.cleanup()
         raise
     return runner
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The proxy's listening socket, with the bounds on a dead client link (TCP_USER_TIMEOUT_MS, TCP_KEEPALIVE) that
+    every accepted connection inherits."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        idle, interval, probes = TCP_KEEPALIVE
+        for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", probes),
+                            ("TCP_USER_TIMEOUT", TCP_USER_TIMEOUT_MS)):
+            if hasattr(socket, name):  # Linux has all four
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+        sock.bind((host, port))
+        sock.listen(1024)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
