@@ -147,34 +147,54 @@ def cpu_info():
     return flags or set(), model
 
 
-#: POSIX shared memory; Python's multiprocessing names its segments psm_* (vLLM's message queues among them)
+#: POSIX shared memory; Python's multiprocessing names its segments psm_* (vLLM's message queues among them) and its
+#: named semaphores sem.mp-* (a spawned process's locks: its resource tracker unlinks them at a clean exit, a kill -9
+#: of the group leaves them)
 SHM_DIR = "/dev/shm/"
-SHM_PREFIX = SHM_DIR + "psm_"
+SHM_PREFIX = (SHM_DIR + "psm_", SHM_DIR + "sem.mp-")
 
 
 def shm_mapped(pids):
-    """The psm_* segments the processes map (unlinked ones are skipped: nothing left to remove)."""
-    found = set()
+    """The psm_* segments and sem.mp-* semaphores the processes map (unlinked ones are skipped: nothing left to
+    remove). glibc maps a new semaphore under a temporary name, links it to its own and unlinks the temporary one, so
+    a semaphore is found by the inode of such a mapping."""
+    found, inodes = set(), set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as fh:
                 for line in fh:
                     parts = line.rstrip("\n").split(maxsplit=5)
-                    if len(parts) == 6 and parts[5].startswith(SHM_PREFIX) and not parts[5].endswith(" (deleted)"):
+                    if len(parts) != 6:
+                        continue
+                    if parts[5].startswith(SHM_PREFIX[0]) and not parts[5].endswith(" (deleted)"):
                         found.add(parts[5])
+                    elif parts[5].startswith(SHM_DIR + "sem."):
+                        inodes.add(int(parts[4]))
         except OSError:
             continue
+    if inodes:
+        try:
+            names = [n for n in os.listdir(SHM_DIR) if n.startswith("sem.mp-")]
+        except OSError:
+            names = []
+        for name in names:
+            try:
+                if os.stat(SHM_DIR + name).st_ino in inodes:
+                    found.add(SHM_DIR + name)
+            except OSError:
+                continue
     return found
 
 
 def unlink_unheld(segments):
-    """Unlink those of the psm_* segments that no live process maps or has open (in use, whoever made them); the
+    """Unlink those of the psm_* segments and sem.mp-* semaphores that no live process maps or has open (in use,
+    whoever made them); the
     ones that are gone (removed or never there) are returned too."""
     if not segments:
         return []
-    held = set()
-    for pid, *_ in proc_table():
-        held |= shm_mapped([pid])
+    pids = [pid for pid, *_ in proc_table()]
+    held = shm_mapped(pids)
+    for pid in pids:
         held.update(target for target in proc_fd_targets(pid) if target.startswith(SHM_DIR))
     removed = []
     for path in segments:

@@ -26,7 +26,8 @@ this way leaves the API server answering). When it has not answered, or a member
 hang_after_s seconds, the whole group is killed and restarted like a crash, with the reason "hung".
 
 Shared memory: the POSIX segments the group maps under /dev/shm (Python's multiprocessing names them psm_*; vLLM's
-message queues between its API server, engine and workers are such segments) are noted while it runs, in the state
+message queues between its API server, engine and workers are such segments; its named semaphores sem.mp-*) are
+noted while it runs, in the state
 file too; once the group is gone, those no live process maps or holds open are removed. A process killed with -9
 cannot unlink its own segments, and on a host that restarts instances for weeks they would pile up.
 

@@ -277,6 +277,27 @@ time.sleep(300)
 """
 
 
+LOCK_THEN_SLEEP = """import multiprocessing, time
+# a spawned program's lock: a named POSIX semaphore (/dev/shm/sem.mp-*), which its resource tracker (a process of the
+# same group) would unlink at a clean exit
+lock = multiprocessing.get_context("spawn").Lock()
+print("LOCKED", flush=True)
+time.sleep(300)
+"""
+
+
+def test_the_named_semaphores_of_a_killed_group_are_removed_too(supervised, tmp_path):
+    (tmp_path / "lock.py").write_text(LOCK_THEN_SLEEP)
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
+    s = supervised(f"exec {sys.executable} {tmp_path}/lock.py", max_restarts=0)
+    first = s.wait_for(lambda st: st["state"] == "running" and any("/sem.mp-" in p for p in st.get("shm") or []))
+    [semaphore] = [p for p in first["shm"] if "/sem.mp-" in p]
+    assert os.path.exists(semaphore) and Path(semaphore).name not in before
+    os.killpg(first["pid"], signal.SIGKILL)  # the program and its resource tracker: nobody unlinks it
+    s.wait_for(lambda st: st["state"] == "exited")
+    assert not os.path.exists(semaphore), "the killed group's semaphore is left in /dev/shm"
+
+
 def test_shared_memory_left_by_a_killed_group_is_removed_unless_someone_still_maps_it(supervised, tmp_path):
     import mmap
     import uuid
