@@ -144,8 +144,8 @@ def shm_segments() -> set[str]:
 
 def left_behind(before: set[str]) -> set[str]:
     """psm_* segments and sem.mp-* semaphores that appeared since `before` and that no live process maps or holds
-    open: what a run left
-    behind (/dev/shm is the machine's: the tests of the other lane have theirs, in use, meanwhile)."""
+    open: what a run left behind (/dev/shm is the machine's: the tests of the other lane have theirs, in use,
+    meanwhile)."""
     sys.path.insert(0, str(Path(__file__).parents[2] / "deploy_scripts"))
     from hostlib import proc_fd_targets, proc_table, shm_mapped
 
