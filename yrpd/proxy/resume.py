@@ -49,6 +49,8 @@ def not_resumable(path: str, body: dict) -> str | None:
     """Why a streamed request of `path` cannot go on on another instance, None when it can."""
     if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
         return "it asks for several answers (n)"
+    if body.get("echo"):
+        return "it echoes the prompt, whose ids vLLM then sends among the answer's"
     for key in _STRUCTURED:
         if body.get(key) not in (None, {}):
             return f"its output follows {key}, which a continuation would start over"
