@@ -63,9 +63,11 @@ def test_the_planner_adds_an_instance_under_a_load_step_and_gives_it_back_when_t
         d.config = with_planner  # the deployment's spec from now on
         [documented] = commands(plans_a_deployment)  # the README's `yrpd planner`
         # PYTHONFAULTHANDLER: a planner that does not end after Ctrl-C is sent SIGABRT below, and Python then prints
-        # where each of its threads was (a run saw it not exit within 120 s, with no clue why)
+        # where each of its threads was. Started with SIGINT ignored, as a script's background job is (a shell
+        # without job control does that): CI ran it so, and the planner used to keep running after its SIGINT
         planner = subprocess.Popen([sys.executable, "-m", "yrpd", *words(documented), *d.lab.cli_ssh_args],
                                    cwd=REPO, env={**os.environ, **d.env, "PYTHONFAULTHANDLER": "1"},
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
                                    stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
         t0 = time.monotonic()

@@ -3,6 +3,8 @@ a request."""
 
 from __future__ import annotations
 
+import signal
+
 # the library is imported inside the commands: `--help` and usage errors load none of it (yrpd.api: ~0.2 s)
 
 import click
@@ -106,6 +108,10 @@ def planner(**params) -> int:
         progress.message(f"planner for session {deployment.session.id}: TTFT p90 {settings.ttft_p90_ms:g} ms{itl}, "
                          f"prefill {settings.min_prefill}-{settings.max_prefill}, decode {settings.min_decode}-"
                          f"{settings.max_decode}; Ctrl-C stops it (what it changed stays)")
+    # Ctrl-C and a plain `kill` stop it, also where it was started in the background by a script: a shell without
+    # job control starts those with SIGINT ignored, and Python then leaves it ignored (seen in CI: the SIGINT was lost)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         decisions = api.run_planner(deployment, seconds=params["seconds"], progress=progress)
     except KeyboardInterrupt:
