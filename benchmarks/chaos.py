@@ -102,7 +102,7 @@ def main() -> None:
         for prompt in PROMPTS:
             call = Call(d.proxy, body(prompt, TOKENS, stream=True, ignore_eos=True), timeout=300)
             call.run()
-            assert call.status == 200 and call.chunks == TOKENS, (call.status, call.raw[:300])
+            assert call.status == 200 and call.text and not call.error_event, (call.status, call.raw[:300])
             expected[prompt] = call.text
         healthy, _ = d.healthy()
         report["instances"] = instances(healthy)
@@ -169,7 +169,7 @@ def main() -> None:
                 if notes.get("id", "").startswith("chaos-") and "migrated" in notes:
                     migrated[notes["id"]] = int(notes["migrated"])
         ended = [c for c in calls if c.ended]
-        broken = [c for c in ended if c.status != 200 or c.error_event or c.failure or c.chunks != TOKENS]
+        broken = [c for c in ended if c.status != 200 or c.error_event or c.failure or not c.text]
         wrong = [c for c in ended if c not in broken and c.text != expected[c.body["prompt"]]]
         plain_gaps = [c.max_gap for c in ended if c not in broken and c.request_id not in migrated]
         base = statistics.median(plain_gaps) if plain_gaps else 0.0

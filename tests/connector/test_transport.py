@@ -200,8 +200,7 @@ def test_connection_goes_down_fails_fast_and_reconnects():
 
 def test_a_connection_with_the_workers_address_reconnects_as_soon_as_its_port_accepts_again():
     """A restarted worker (its port refused, then accepting again) is used within a probe or two, not at the next
-    backoff: here the backoff is 30 s and the reconnect must come within a second. The control: a port that kept
-    accepting while clients failed waits the backoff out before the next client."""
+    backoff: here the backoff is 30 s and the reconnect must come within a second."""
     import socket
 
     server = socket.socket()
@@ -232,14 +231,14 @@ def test_a_connection_with_the_workers_address_reconnects_as_soon_as_its_port_ac
             time.sleep(0.02)
         took = time.monotonic() - answered
         assert conn.healthy and events == ["down", "up"] and took < 1.0, took
-        # the control: the port accepts but clients fail: one try at once (the client may only have been stale),
-        # the next after the backoff
+        # the control: the port accepts but clients fail (a restarted worker that listens before it serves): one
+        # try at once (the client may only have been stale), then one a second, not one a probe
         state["up"] = False
         made = state["made"]
         with pytest.raises(DsUnavailable):
             conn.call("exist", lambda c: (_ for _ in ()).throw(RuntimeError("code: [RPC unavailable]")))
-        time.sleep(1.0)
-        assert state["made"] == made + 1 and not conn.healthy
+        time.sleep(2.5)
+        assert 2 <= state["made"] - made <= 4 and not conn.healthy, state["made"] - made
     finally:
         conn.close()
         listener.close()

@@ -276,3 +276,21 @@ def test_the_proxys_client_connections_carry_tcp_keepalive_and_a_plain_listener_
             for sock in (accepted, client, plain):
                 sock.close()
     run(go())
+
+
+def test_a_request_routed_while_decode_was_up_that_finds_none_when_sent_goes_to_prefill_alone():
+    """The race of a decode instance taken out between routing and sending: not a 503, the request is routed again."""
+    async def go():
+        async with running(prefill=1, decode=1, toy=True, probe_interval=0.05) as s:
+            [prefill], [decode] = s.prefill, s.decode
+            prefill.gate.clear()  # the prefill leg waits; meanwhile the only decode instance goes out of rotation
+            asked = asyncio.ensure_future(ask(s, "/v1/completions", completion()))
+            await prefill.received.wait()
+            decode.health_status = 500
+            await until(lambda: _down(s, decode))
+            prefill.gate.set()
+            status, data = await asked
+            assert status == 200 and "error" not in data.decode() and events(data)[-1] == "[DONE]", data[:300]
+            assert 'yrpd_proxy_migrations_total{outcome="sent again"} 1' in await s.metrics()
+            assert decode.bodies == []
+    run(go())

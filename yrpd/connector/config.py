@@ -15,7 +15,8 @@ Keys (all optional except the data system address):
                         to appear before it is recomputed instead (default 3000)
   connect_timeout_ms    data-system connect timeout (default 2000)
   request_timeout_ms    data-system request timeout (default 5000)
-  retry_backoff_s       after a data-system failure, skip it for this long (default 5)
+  retry_backoff_s       after a data-system failure, skip it for this long where its worker's port cannot be
+                        watched (default 5); a watched port is tried every 0.2 s, a client every 1 s while it accepts
   exclusive_connection  KVClient exclusive connection (default true; faster IPC)
   stats_interval_s      INFO counter log and stats-file period (default 10)
   stats_file            path of a JSON file rewritten with the counters each period; may contain

@@ -173,8 +173,10 @@ def set_param_for(ttl_seconds: int, set_param_cls: Callable, write_mode: Any = N
 # Connection with failure handling
 # ---------------------------------------------------------------------------------------------
 
-#: while a data-system worker is unreachable, how often its port is tried (a TCP connect, nothing sent)
+#: while a data-system worker is unreachable, how often its port is tried (a TCP connect, nothing sent), and how often
+#: a new client is tried while the port accepts (without an address to watch: `backoff_s` between tries)
 PROBE_S = 0.2
+RETRY_S = 1.0
 
 
 def _accepts(host: str, port: int) -> bool:
@@ -194,7 +196,8 @@ class DsConnection:
         self.name = name
         self.backoff_s = backoff_s
         #: the worker's (host, port): while down, a TCP connect there every PROBE_S tells when it answers again, and
-        #: the first new client is made then, not at the next backoff (a restarted worker is used within a second)
+        #: the first new client is made then, and every RETRY_S while it accepts (a restarted worker is used within a
+        #: second of serving); `backoff_s` spaces the tries only where there is no address to watch
         self.address = address
         self._on_event = on_event or (lambda _e: None)
         self._client: Any = None
@@ -252,10 +255,11 @@ class DsConnection:
                 if self._closed:
                     return
                 if self.address:
-                    # a port that accepts again (a restarted worker) is tried at once; one that kept accepting
-                    # while clients failed, after the backoff
+                    # a port that accepts again (a restarted worker) is tried at once, then every RETRY_S while it
+                    # accepts and clients fail: a restarted worker listens some seconds before it serves ("Worker
+                    # not ready")
                     was, answered = answered, _accepts(*self.address)
-                    if not answered or (was and time.monotonic() - tried < self.backoff_s):
+                    if not answered or (was and time.monotonic() - tried < RETRY_S):
                         continue
                 tried = time.monotonic()
                 try:

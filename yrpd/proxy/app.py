@@ -143,6 +143,13 @@ class ProxyError(Exception):
         return web.json_response(self.payload(), status=self.status)
 
 
+class NoInstance(ProxyError):
+    """No instance of the leg's role is up right now (the probe or another request's failure took the last out)."""
+
+    def __init__(self, role: str):
+        super().__init__(503, f"no {role} instance is up")
+
+
 class UpstreamAnswer(ProxyError):
     """An instance's own error answer (4xx, e.g. a prompt that is too long), handed to the client unchanged."""
 
@@ -495,6 +502,8 @@ class Proxy:
         be working on it) and no instance up are not."""
         if isinstance(exc, InstanceDown):
             self.pool.failed(exc.inst, str(exc), down=False)  # the probe took it out of rotation already
+        elif isinstance(exc, NoInstance):
+            pass  # routed while one was up: routed again, to the role that is (PD degraded)
         elif not isinstance(exc, ProxyError) or exc.status != 502 or isinstance(exc, UpstreamAnswer):
             return False
         return tries < MAX_MIGRATIONS and self._can_serve(request)
@@ -764,7 +773,7 @@ class Proxy:
                 continue
             return lease, resp, down
         if problem is None:
-            raise ProxyError(503, f"no {role} instance is up")
+            raise NoInstance(role)
         raise ProxyError(502, problem)
 
     async def _read(self, inst: Instance, resp: aiohttp.ClientResponse, down: asyncio.Event) -> bytes:
