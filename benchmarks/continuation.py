@@ -82,8 +82,8 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     log = open(Path(args.out).with_suffix(".vllm.log"), "w")  # noqa: SIM115 - held for the server's life
     server = subprocess.Popen([str(VENV / "bin" / "vllm"), "serve", args.model, "--served-model-name", args.name,
-                               "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", "2048"],
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                               "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+                               "--max-model-len", "2048"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     cases = []
     try:
         deadline = time.monotonic() + 300
