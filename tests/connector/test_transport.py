@@ -271,6 +271,41 @@ def test_a_client_left_stale_by_a_worker_that_restarted_unasked_is_replaced_at_i
         listener.close()
 
 
+def test_while_the_worker_is_not_ready_each_try_is_the_quick_clients_and_the_real_one_follows_once_it_is():
+    """A restarted worker listens before it serves: a try then costs the quick client's short timeout, not the real
+    client's, and the real client is made as soon as the quick one gets through."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    state = {"ready": False, "quick": 0, "real": 0}
+
+    def quick():
+        state["quick"] += 1
+        if not state["ready"]:
+            raise RuntimeError("code: [Not ready], msg: [Worker not ready]")
+        return object()
+
+    def real():
+        state["real"] += 1
+        return FlakyClient(lambda: None)
+
+    conn = DsConnection(real, "t", backoff_s=30, address=listener.getsockname(), quick_factory=quick)
+    try:
+        conn._mark_down(RuntimeError("code: [RPC unavailable]"))
+        time.sleep(2.5)
+        assert state["real"] == 0 and state["quick"] >= 2 and not conn.healthy  # every try stopped at the quick one
+        state["ready"] = True
+        ready = time.monotonic()
+        while not conn.healthy and time.monotonic() - ready < 5:
+            time.sleep(0.02)
+        assert conn.healthy and state["real"] == 1 and time.monotonic() - ready < 1.5
+    finally:
+        conn.close()
+        listener.close()
+
+
 def test_connection_miss_and_other_errors_do_not_mark_down():
     conn = DsConnection(lambda: object(), "t")
     conn.connect()

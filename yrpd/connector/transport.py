@@ -177,6 +177,8 @@ def set_param_for(ttl_seconds: int, set_param_cls: Callable, write_mode: Any = N
 #: a new client is tried while the port accepts (without an address to watch: `backoff_s` between tries)
 PROBE_S = 0.2
 RETRY_S = 1.0
+#: the timeouts of the client tried first while reconnecting (DsConnection's quick_factory)
+QUICK_TIMEOUT_MS = 500
 
 
 def _accepts(host: str, port: int) -> bool:
@@ -191,8 +193,12 @@ class DsConnection:
     """A data-system client plus health state. Not thread-safe: use one per thread."""
 
     def __init__(self, factory: Callable[[], Any], name: str, backoff_s: float = 5.0,
-                 on_event: Callable[[str], None] | None = None, address: tuple[str, int] | None = None) -> None:
+                 on_event: Callable[[str], None] | None = None, address: tuple[str, int] | None = None,
+                 quick_factory: Callable[[], Any] | None = None) -> None:
         self._factory = factory
+        #: a client with short timeouts, made first on each try while down: a worker that is not ready yet turns it
+        #: away within a second, where the real client's init would wait out its own timeout (5 s) each time
+        self._quick_factory = quick_factory
         self.name = name
         self.backoff_s = backoff_s
         #: the worker's (host, port): while down, a TCP connect there every PROBE_S tells when it answers again, and
@@ -263,6 +269,8 @@ class DsConnection:
                         continue
                 tried = time.monotonic()
                 try:
+                    if self._quick_factory is not None:
+                        self._quick_factory()
                     client = self._factory()
                     status = client.health_check() if hasattr(client, "health_check") else None
                     if status is not None and hasattr(status, "is_ok") and not status.is_ok():
