@@ -11,13 +11,13 @@ unbroken run gives. The CI form of the chaos run (benchmarks/chaos.py has the lo
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.request
 
 import pytest
 
 from lab.traffic import LONG, Call, body
+from tests.lab.test_scale_lab import Load
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
 
@@ -45,34 +45,6 @@ def metric(proxy: str, name: str) -> dict[str, float]:
     return out
 
 
-class Streams:
-    """CLIENTS threads sending the prompts in turn, greedy and streamed, until stopped; every call kept."""
-
-    def __init__(self, proxy: str) -> None:
-        self.proxy = proxy
-        self.calls: list[Call] = []
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._client, args=(n,), daemon=True) for n in range(CLIENTS)]
-
-    def _client(self, n: int) -> None:
-        k = n
-        while not self.stop.is_set():
-            call = Call(self.proxy, body(PROMPTS[k % len(PROMPTS)], TOKENS, stream=True, ignore_eos=True), timeout=300)
-            self.calls.append(call)
-            call.run()
-            k += 1
-
-    def __enter__(self) -> Streams:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(360)
-
-
 def test_streams_go_on_through_instance_kills_and_no_client_sees_one(two_hosts, lab_figures):
     d, figures = two_hosts, lab_figures
     expected = {}
@@ -91,16 +63,15 @@ def test_streams_go_on_through_instance_kills_and_no_client_sees_one(two_hosts, 
         pid = json.loads(d.lab[host].exec(f"cat /tmp/yrpd_sessions/{session}/run/{name}.state.json").stdout)["pid"]
         if part:
             pid = int(d.lab[host].exec(f"pgrep -P {pid} EngineCor").stdout.split()[0])
-        with Streams(d.proxy) as streams:
+        with Load(d.proxy, expected, clients=CLIENTS, timeout=300,
+                  request=lambda prompt, i: body(prompt, TOKENS, stream=True, ignore_eos=True)) as streams:
             time.sleep(3)
-            in_flight = sum(1 for c in streams.calls if c.started and not c.ended)
             d.lab[host].exec(f"kill -9 {pid}")
             killed = time.monotonic()
             time.sleep(DEGRADED_S)
         calls += [c for c in streams.calls if c.ended]
         d.healthy(within=240)
-        kills.append({"killed": f"{what} on {host}", "streams_in_flight": in_flight,
-                      "healthy_after_s": round(time.monotonic() - killed, 1)})
+        kills.append({"killed": f"{what} on {host}", "healthy_after_s": round(time.monotonic() - killed, 1)})
     moved = {k: v - moved_before.get(k, 0) for k, v in metric(d.proxy, "yrpd_proxy_migrations_total").items()}
     degraded = {k: v - degraded_before.get(k, 0)
                 for k, v in metric(d.proxy, "yrpd_proxy_degraded_answers_total").items()}

@@ -29,11 +29,14 @@ PROMPTS = [f"{LONG}\n# scale {i}" for i in range(3)] + ["The capital of France i
 
 
 class Load:
-    """`clients` threads sending greedy requests in turn (every other one streamed) until stopped; each answer is
-    compared with the one the deployment gave before the load."""
+    """`clients` threads sending greedy requests in turn (every other one streamed, or `request(prompt, i)`'s body)
+    until stopped; each answer is compared with the one the deployment gave before the load."""
 
-    def __init__(self, proxy: str, expected: dict[str, str], clients: int = 4) -> None:
+    def __init__(self, proxy: str, expected: dict[str, str], clients: int = 4, request=None,
+                 timeout: float = 120) -> None:
         self.proxy, self.expected = proxy, expected
+        self.request = request or (lambda prompt, i: body(prompt, 16, stream=i % 2 == 1))
+        self.timeout = timeout
         self.calls: list[Call] = []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._client, args=(n,), daemon=True) for n in range(clients)]
@@ -42,7 +45,7 @@ class Load:
         i = n
         while not self.stop.is_set():
             prompt = list(self.expected)[i % len(self.expected)]
-            call = Call(self.proxy, body(prompt, 16, stream=i % 2 == 1), timeout=120)
+            call = Call(self.proxy, self.request(prompt, i), timeout=self.timeout)
             call.run()
             self.calls.append(call)
             i += 1
