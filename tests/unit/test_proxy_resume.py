@@ -294,3 +294,25 @@ def test_a_request_routed_while_decode_was_up_that_finds_none_when_sent_goes_to_
             assert 'yrpd_proxy_migrations_total{outcome="sent again"} 1' in await s.metrics()
             assert decode.bodies == []
     run(go())
+
+
+@pytest.mark.parametrize("path, body, why", [
+    ("/v1/completions", {"prompt": "x", "n": 2}, "several answers"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "several answers"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "several prompts"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, "echoes the prompt"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/chat/completions", {"messages": [], "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [], "tools": [{"type": "function"}]}, "tool calls"),
+    ("/v1/chat/completions", {"messages": [], "logprobs": True}, "log-probabilities"),
+])
+def test_what_a_continuation_cannot_express_is_named_and_its_control_can_go_on(path, body, why):
+    from yrpd.proxy.resume import not_resumable
+
+    assert why in not_resumable(path, body)
+    # the control: the same request without the field goes on
+    plain = {k: v for k, v in body.items() if k in ("prompt", "messages")}
+    if plain.get("prompt") == ["a", "b"]:
+        plain["prompt"] = [101, 102]  # one prompt by token ids
+    assert not_resumable(path, plain) is None
+    assert not_resumable(path, {**plain, "tools": [{"type": "function"}], "tool_choice": "none"}) is None
