@@ -36,9 +36,10 @@ HEARTBEAT_S = 10.0
 HEARTBEAT = b": keep-alive\n\n"
 #: a client's connection whose link died ends on the proxy's side within these bounds (set on the listening socket,
 #: which the accepted ones inherit): data not acknowledged for TCP_USER_TIMEOUT_MS (a stream, with its heartbeats),
-#: or an idle connection that misses TCP_KEEPCNT probes, one every TCP_KEEPINTVL after TCP_KEEPIDLE s: 25 s
-TCP_USER_TIMEOUT_MS = 30_000
-TCP_KEEPALIVE = (10, 5, 3)  # idle, interval (s), probes
+#: or an idle connection that misses TCP_KEEPCNT probes, one every TCP_KEEPINTVL after TCP_KEEPIDLE s: 60 s either
+#: way. A link that comes back sooner keeps its streams (30 s ended the lab's 30 s cut of the proxy's own host)
+TCP_USER_TIMEOUT_MS = 60_000
+TCP_KEEPALIVE = (30, 10, 3)  # idle, interval (s), probes
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 502: "bad_gateway",
                 503: "service_unavailable", 504: "timeout"}
