@@ -11,6 +11,7 @@ Uses the tiny model (the subject is the processes, not the language); kill-to-an
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -40,9 +41,10 @@ PROMPT = {"model": "tiny-qwen2", "prompt": "The capital of France is", "max_toke
 
 
 class Deployment:
-    def __init__(self, ns: str, home, extra: tuple = ()) -> None:
+    def __init__(self, ns: str, home, extra: tuple = (), model: str = "builtin:tiny-qwen2") -> None:
         self.ns, self.env = ns, {"YRPD_HOME": str(home)}
         self.extra = list(extra)
+        self.model = model
 
     def yrpd(self, *args, check=True, timeout=900):
         proc = in_ns(self.ns, *YRPD, *args, env=self.env, timeout=timeout)
@@ -51,7 +53,7 @@ class Deployment:
         return proc
 
     def deploy(self, *more):
-        return self.yrpd("deploy", "--hosts", "localhost", "--model", "builtin:tiny-qwen2", *self.extra, *more)
+        return self.yrpd("deploy", "--hosts", "localhost", "--model", self.model, *self.extra, *more)
 
     def status(self) -> dict:
         return json.loads(self.yrpd("status", "--json", check=False).stdout)
@@ -289,12 +291,16 @@ def test_with_restart_off_deploy_heals_only_what_is_dead(netns, tmp_path):  # no
 
 
 def test_an_instance_that_crashes_on_every_start_is_given_up_and_reported(netns, tmp_path):  # noqa: F811
+    # a copy of the model that this test may take away: the one under /opt/yrpd/venvs is every lab host's, and the
+    # other lane's deployments started instances from it meanwhile (a rollout's new instance failed so in CI)
+    model = str(tmp_path / "tiny-qwen2")
+    shutil.copytree("/opt/yrpd/venvs/models/tiny-qwen2", model)
     d = configured(netns, tmp_path, "restart: {max: 2, window_s: 600}\n")
+    d.model = model
     try:
         d.deploy()
         report = wait_healthy(d)
         # from now on every start of decode-0 fails: its model directory is gone
-        model = "/opt/yrpd/venvs/models/tiny-qwen2"
         os.rename(model, model + ".away")
         try:
             os.kill(target_pid(report, "decode-0")[0], signal.SIGKILL)
