@@ -264,8 +264,10 @@ class DsConnection:
                     # a port that accepts again (a restarted worker) is tried at once, then every RETRY_S while it
                     # accepts and clients fail: a restarted worker listens some seconds before it serves ("Worker
                     # not ready")
+                    # where the port cannot tell (it never accepts: a worker reached otherwise), every backoff_s
                     was, answered = answered, _accepts(*self.address)
-                    if not answered or (was and time.monotonic() - tried < RETRY_S):
+                    waited = time.monotonic() - tried
+                    if not (answered and (not was or waited >= RETRY_S)) and waited < self.backoff_s:
                         continue
                 tried = time.monotonic()
                 try:
