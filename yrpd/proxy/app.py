@@ -57,7 +57,8 @@ class _Call:
     upstream_s: float = 0.0  # spent waiting for instances, up to the first token: the rest is the proxy's own
     prompt: Prompt | None = None  # what prefix routing knows of the prompt (yrpd.proxy.routing)
     prefill_lease: Lease | None = None  # the prefill leg's instance and what routing expected of it there
-    groups: set[str] | None = None  # the model groups its next leg may go to (one, once the prefill leg has its instance)
+    #: the model groups its next leg may go to (one, once the prefill leg has its instance)
+    groups: set[str] | None = None
     model: object = None  # the request's "model"
     group: str | None = None  # the model group of the instance that answers it: a try after a break stays with it
     migrations: list[str] = field(default_factory=list)  # why each time it was sent again or carried over
@@ -441,7 +442,8 @@ class Proxy:
                          f"no instance of model {call.group} is up")
 
     async def _answering_leg(self, request: web.Request, path: str, body: dict, headers: dict,
-                             stack: contextlib.AsyncExitStack) -> tuple[Instance, aiohttp.ClientResponse, asyncio.Event]:
+                             stack: contextlib.AsyncExitStack
+                             ) -> tuple[Instance, aiohttp.ClientResponse, asyncio.Event]:
         """The prefill leg where there is one, then the leg whose answer goes to the client, entered into `stack`
         (which ends it)."""
         call = request[_CALL]
@@ -590,13 +592,12 @@ class Proxy:
                     return out
                 if isinstance(broke, InstanceDown):
                     self.pool.failed(broke.inst, str(broke), down=False)
-                cont = None if st.why_not or st.migrations >= MAX_MIGRATIONS or not self._can_serve(request) \
-                    else st.continuation()
+                reason = st.why_not or (f"carried over {st.migrations} times already"
+                                        if st.migrations >= MAX_MIGRATIONS else
+                                        "no instance is up to go on" if not self._can_serve(request) else None)
+                cont = None if reason else st.continuation()
                 if cont is None:
-                    reason = st.why_not or (f"carried over {st.migrations} times already"
-                                            if st.migrations >= MAX_MIGRATIONS else
-                                            "no instance is up to go on" if not self._can_serve(request) else
-                                            "its instance gave no token ids")
+                    reason = reason or "its instance gave no token ids"
                     call.note["error"] = "stream-broken"
                     self.metrics.migrations["not carried over"] += 1
                     log.warning("%s %s: %s; not carried over: %s", request.method, request.path, why, reason)

@@ -66,9 +66,9 @@ def not_resumable(path: str, body: dict) -> str | None:
     return None
 
 
-def _remaining(body: dict, key: str, sent: int) -> int | None:
-    value = body.get(key)
-    return max(0, value - sent) if isinstance(value, int) and not isinstance(value, bool) else None
+def _count(value: object) -> int | None:
+    """A token count a request gives (an int, not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class Stream:
@@ -153,8 +153,7 @@ class Stream:
         usage = d.get("usage")
         if isinstance(usage, dict):
             if self.continued and self.prompt_ids is not None:  # the whole answer's, not the continuation's
-                usage.update(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.ids),
-                             total_tokens=len(self.prompt_ids) + len(self.ids))
+                usage.update(self._usage())
             if not choices:
                 self.usage_sent = True
         return changed
@@ -179,15 +178,13 @@ class Stream:
         body = self.body
         if self.chat:
             cont = {k: body[k] for k in _CARRIED_FROM_CHAT if k in body}
-            limit = body.get("max_completion_tokens", body.get("max_tokens"))
         else:
             cont = {k: v for k, v in body.items() if k not in _DROPPED_FROM_COMPLETION}
-            limit = body.get("max_tokens")
-        if isinstance(limit, int) and not isinstance(limit, bool):
-            cont["max_tokens"] = max(1, limit - sent)
-        left = _remaining(body, "min_tokens", sent)
-        if left:
-            cont["min_tokens"] = left
+        if self._limit is not None:
+            cont["max_tokens"] = max(1, self._limit - sent)
+        least = _count(body.get("min_tokens"))
+        if least is not None and least > sent:
+            cont["min_tokens"] = least - sent
         cont.update(prompt=[*self.prompt_ids, *self.ids], stream=True, return_token_ids=True)
         return COMPLETIONS, cont
 
@@ -195,11 +192,21 @@ class Stream:
         self.continued = True
         self.migrations += 1
 
+    @property
+    def _limit(self) -> int | None:
+        """The most tokens the answer may have, where the request says."""
+        body = self.body
+        limit = body.get("max_completion_tokens", body.get("max_tokens")) if self.chat else body.get("max_tokens")
+        return _count(limit)
+
     def limit_reached(self) -> bool:
         """The answer has every token it may have, though its last event never came (a break right after it)."""
-        limit = self.body.get("max_completion_tokens", self.body.get("max_tokens")) if self.chat else \
-            self.body.get("max_tokens")
-        return isinstance(limit, int) and not isinstance(limit, bool) and len(self.ids) >= limit
+        return self._limit is not None and len(self.ids) >= self._limit
+
+    def _usage(self) -> dict:
+        """The whole answer's usage, in vLLM's order."""
+        return {"prompt_tokens": len(self.prompt_ids), "total_tokens": len(self.prompt_ids) + len(self.ids),
+                "completion_tokens": len(self.ids)}
 
     def ending(self) -> bytes:
         """What a stream whose last token went out still owes its client after a break: the usage event where it
@@ -213,9 +220,7 @@ class Stream:
             self.body["stream_options"].get("include_usage")
         if wants_usage and not self.usage_sent and self.prompt_ids is not None:
             self.usage_sent = True
-            out += self._framed({"choices": [], "usage": {
-                "prompt_tokens": len(self.prompt_ids), "total_tokens": len(self.prompt_ids) + len(self.ids),
-                "completion_tokens": len(self.ids)}})
+            out += self._framed({"choices": [], "usage": self._usage()})
         if not self.done:
             self.done = True
             out += b"data: [DONE]\n\n"
