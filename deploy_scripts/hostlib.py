@@ -188,8 +188,7 @@ def shm_mapped(pids):
 
 def unlink_unheld(segments):
     """Unlink those of the psm_* segments and sem.mp-* semaphores that no live process maps or has open (in use,
-    whoever made them); the
-    ones that are gone (removed or never there) are returned too."""
+    whoever made them); the ones that are gone (removed or never there) are returned too."""
     if not segments:
         return []
     pids = [pid for pid, *_ in proc_table()]

@@ -27,8 +27,8 @@ hang_after_s seconds, the whole group is killed and restarted like a crash, with
 
 Shared memory: the POSIX segments the group maps under /dev/shm (Python's multiprocessing names them psm_*; vLLM's
 message queues between its API server, engine and workers are such segments; its named semaphores sem.mp-*) are
-noted while it runs, in the state
-file too; once the group is gone, those no live process maps or holds open are removed. A process killed with -9
+noted while it runs, in the state file too; once the group is gone, those no live process maps or holds open are
+removed. A process killed with -9
 cannot unlink its own segments, and on a host that restarts instances for weeks they would pile up.
 
 This process is a child subreaper: what the command's processes leave behind is re-parented here and reaped, so no

@@ -104,11 +104,12 @@ def reference(session_stack, reference_server):
 @pytest.fixture
 def ds(monkeypatch):
     """The in-memory data system (tests/connector/fakes.py) the connector's halves connect to in the unit tests of
-    the scheduler and the worker: both open their connections through `common.kvclient_factory`."""
+    the scheduler and the worker: both open their connections through `transport.kv_connection`, which makes its
+    clients with `transport.kvclient_factory`."""
     from tests.connector.fakes import FakeKVClient
-    from yrpd.connector import common  # imports vLLM: only where a test asks for this fixture
+    from yrpd.connector import transport
 
     client = FakeKVClient()
-    monkeypatch.setattr(common, "kvclient_factory", lambda *a, **k: (lambda: client))
+    monkeypatch.setattr(transport, "kvclient_factory", lambda *a, **k: (lambda: client))
     return client
 

@@ -273,7 +273,7 @@ def test_stop_on_a_stuck_data_system_returns_and_counts_what_it_could_not_write(
 CHILD = """
 import json, os, sys
 from tests.connector.fakes import FakeKVClient
-from yrpd.connector import saver
+from yrpd.connector import saver, transport
 
 class DumpingKVClient(FakeKVClient):
     def mset_buffer(self, bufs):
@@ -285,7 +285,7 @@ ds = DumpingKVClient()
 ds.fail = json.loads(os.environ.get("YRPD_TEST_DS_FAIL", "{}"))
 ds.drop_writes = set(json.loads(os.environ.get("YRPD_TEST_DS_DROP", "[]")))
 ds.evict_previous = bool(os.environ.get("YRPD_TEST_DS_EVICT"))
-saver.kvclient_factory = lambda *a, **k: (lambda: ds)
+transport.kvclient_factory = lambda *a, **k: (lambda: ds)  # what saver's connection makes
 sys.exit(saver.child_main(sys.argv[1:]))
 """
 

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from yrpd.connector import keys as K
 from yrpd.connector.config import ConfigError, ConnectorConfig, parse_config
 from yrpd.connector.stats import ConnectorStats, StatsReporter
-from yrpd.connector.transport import QUICK_TIMEOUT_MS, DsConnection, kvclient_factory
+from yrpd.connector.transport import DsConnection, kv_connection
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -160,12 +160,7 @@ class ConnectorHalf:
         self._conn: DsConnection | None = None
 
     def _make_conn(self, name: str) -> DsConnection:
-        c = self.cfg
-        factory = kvclient_factory(c.ds_host, c.ds_port, c.connect_timeout_ms, c.request_timeout_ms,
-                                   c.exclusive_connection)
-        quick = kvclient_factory(c.ds_host, c.ds_port, min(QUICK_TIMEOUT_MS, c.connect_timeout_ms),
-                                 min(QUICK_TIMEOUT_MS, c.request_timeout_ms), c.exclusive_connection)
-        return DsConnection(factory, name, c.retry_backoff_s, self._on_ds_event, (c.ds_host, c.ds_port), quick)
+        return kv_connection(self.cfg, name, self._on_ds_event)
 
     def _on_ds_event(self, event: str) -> None:
         if event == "down":

@@ -46,12 +46,11 @@ from typing import Any, Callable, Sequence
 from yrpd.connector.config import ConnectorConfig, parse_config
 from yrpd.connector.stats import ConnectorStats
 from yrpd.connector.transport import (
-    QUICK_TIMEOUT_MS,
     DsConnection,
     HostTransport,
     StagingPool,
     TransportError,
-    kvclient_factory,
+    kv_connection,
     memory_full,
     value_nbytes,
     values_from_staged,
@@ -614,11 +613,7 @@ def child_main(argv: Sequence[str]) -> int:
     role, extra = argv[0], json.loads(argv[1])
     cfg = parse_config(role, extra)
     events: list = []
-    conn = DsConnection(kvclient_factory(cfg.ds_host, cfg.ds_port, cfg.connect_timeout_ms, cfg.request_timeout_ms,
-                                         cfg.exclusive_connection), "writer", cfg.retry_backoff_s, events.append,
-                        (cfg.ds_host, cfg.ds_port),
-                        kvclient_factory(cfg.ds_host, cfg.ds_port, min(QUICK_TIMEOUT_MS, cfg.connect_timeout_ms),
-                                         min(QUICK_TIMEOUT_MS, cfg.request_timeout_ms), cfg.exclusive_connection))
+    conn = kv_connection(cfg, "writer", events.append)
     conn.connect()
     transport = HostTransport(conn, cfg.max_batch_keys, write_mode=write_mode(cfg))
     pending = None if cfg.delete_after_load else PendingSaves()  # as Saver._unconfirmed

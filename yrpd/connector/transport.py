@@ -203,7 +203,7 @@ class DsConnection:
         self.backoff_s = backoff_s
         #: the worker's (host, port): while down, a TCP connect there every PROBE_S tells when it answers again, and
         #: the first new client is made then, and every RETRY_S while it accepts (a restarted worker is used within a
-        #: second of serving); `backoff_s` spaces the tries only where there is no address to watch
+        #: second of serving); `backoff_s` spaces the tries where the port never accepts or there is none to watch
         self.address = address
         self._on_event = on_event or (lambda _e: None)
         self._client: Any = None
@@ -262,9 +262,8 @@ class DsConnection:
                     return
                 if self.address:
                     # a port that accepts again (a restarted worker) is tried at once, then every RETRY_S while it
-                    # accepts and clients fail: a restarted worker listens some seconds before it serves ("Worker
-                    # not ready")
-                    # where the port cannot tell (it never accepts: a worker reached otherwise), every backoff_s
+                    # accepts and clients fail (a restarted worker listens some seconds before it serves: "Worker
+                    # not ready"); one that never accepts (a worker reached otherwise) every backoff_s
                     was, answered = answered, _accepts(*self.address)
                     waited = time.monotonic() - tried
                     if not (answered and (not was or waited >= RETRY_S)) and waited < self.backoff_s:
@@ -642,6 +641,19 @@ def kvclient_factory(host: str, port: int, connect_timeout_ms: int, request_time
         return client
 
     return make
+
+
+def kv_connection(cfg: Any, name: str, on_event: Callable[[str], None] | None = None) -> DsConnection:
+    """A DsConnection of KVClients to the worker `cfg` names (a ConnectorConfig), watching its port while down and
+    trying a quick client first (QUICK_TIMEOUT_MS)."""
+    def factory(cap_ms: int | None = None) -> Callable[[], Any]:
+        connect, request = cfg.connect_timeout_ms, cfg.request_timeout_ms
+        if cap_ms is not None:
+            connect, request = min(cap_ms, connect), min(cap_ms, request)
+        return kvclient_factory(cfg.ds_host, cfg.ds_port, connect, request, cfg.exclusive_connection)
+
+    return DsConnection(factory(), name, cfg.retry_backoff_s, on_event, (cfg.ds_host, cfg.ds_port),
+                        factory(QUICK_TIMEOUT_MS))
 
 
 def hetero_client_factory(host: str, port: int, connect_timeout_ms: int, request_timeout_ms: int

@@ -36,12 +36,12 @@ class Env:
     def __init__(self, model_dir: str) -> None:
         self.model_dir = model_dir
         self.ds = FakeKVClient()
-        import yrpd.connector.common as common
         import yrpd.connector.connector as impl
+        import yrpd.connector.transport as transport
 
         self.impl = impl
-        # both halves open their data-system connections through common's factory
-        common.kvclient_factory = lambda *a, **k: (lambda: self.ds)
+        # both halves open their data-system connections through transport.kv_connection, with this factory
+        transport.kvclient_factory = lambda *a, **k: (lambda: self.ds)
 
     def config(self, role: str, dtype: str = "bfloat16", **extra):
         from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
