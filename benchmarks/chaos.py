@@ -162,7 +162,7 @@ def main() -> None:
         moved = {k: v - moved0.get(k, 0) for k, v in metric(d.proxy, "yrpd_proxy_migrations_total").items()}
         degraded = {k: v - degraded0.get(k, 0) for k, v in metric(d.proxy, "yrpd_proxy_degraded_answers_total").items()}
         migrated = {}
-        for line in d.cli("logs", "proxy", "-n", "1000000", timeout=600).stdout.splitlines():
+        for line in d.cli("logs", "proxy", "-n", "100000", timeout=600).stdout.splitlines():
             m = PROXY_LINE.search(line)
             if m:
                 notes = dict(kv.split("=", 1) for kv in m.group(3).split() if "=" in kv)

@@ -1,6 +1,6 @@
 """Self-healing on `yrpd deploy --hosts localhost` (in a network namespace of its own): `kill -9` of etcd, the data
 system worker (both under yrpd's supervisors: the default dscli launcher) and the proxy, each alone, and of each API
-server and each EngineCore, two at a time (one of prefill with one of decode: ROUNDS). After each round, with no
+server and EngineCore, two at a time (one of prefill with one of decode: ROUNDS). After each round, with no
 command typed,
 requests through the proxy succeed again with the same greedy answer, `yrpd status` is healthy with the restart
 shown, nothing of the killed process group is left, and what was healthy kept its pid. During the outage every
@@ -34,8 +34,10 @@ CLUSTER = ("etcd", "ds_worker")
 HANG_AFTER_S = 10
 #: the kills on localhost, a round at a time. The cluster's processes and the proxy alone (what each one breaks is
 #: its own); an instance's kills in pairs, one in prefill and one in decode, of different kinds: each instance restarts
-#: once and the other kinds still only their own (the two-host test kills each alone), in half the vLLM starts
-ROUNDS = (("etcd",), ("ds_worker",), ("prefill-0", "decode-0:engine"), ("prefill-0:engine", "decode-0"), ("proxy",),
+#: once and the other kinds still only their own. The four kinds (API server or EngineCore, SIGKILL or SIGSTOP) in two
+#: rounds; the two-host test kills the API servers together and the EngineCores together, so that every kill of each
+#: role is seen somewhere, in the fewest vLLM starts
+ROUNDS = (("etcd",), ("ds_worker",), ("prefill-0", "decode-0:engine"), ("proxy",),
           ("decode-0:stop", "prefill-0:engine-stop"))
 PROMPT = {"model": "tiny-qwen2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 
@@ -255,9 +257,10 @@ def test_with_restart_off_deploy_heals_only_what_is_dead(netns, tmp_path):  # no
         status, body = d.ask()
         baseline = text_of(body)
         report = wait_healthy(d)
-        # the eight kinds of kill in two rounds, each healed by one re-deploy that leaves the rest alone
-        rounds = [(("prefill-0", "decode-0", *CLUSTER), ("proxy",)),
-                  (("prefill-0:engine", "decode-0:engine", "proxy"), CLUSTER)]
+        # what dies, in two rounds, each healed by one re-deploy that leaves the rest alone: an API server, an
+        # EngineCore and the cluster's processes (every vLLM start of the test in one round), then the proxy alone
+        rounds = [(("prefill-0", "decode-0:engine", *CLUSTER), ("proxy",)),
+                  (("proxy",), ("prefill-0", "decode-0", *CLUSTER))]
         for killed, untouched in rounds:
             before = pids(report)
             for target in killed:
