@@ -163,24 +163,39 @@ def worker_pid(report: dict, host: str) -> int:
     return next(c["pid"] for c in report["cluster"]["components"] if (c["host"], c["component"]) == (host, "ds_worker"))
 
 
-#: run on the decode host from the moment of a worker kill: when its port refuses and accepts again, the last time
-#: the restarted worker turned a client away as not ready yet (its log), and when decode's connector (its stats
-#: files, rewritten at once on each change) says the data system is down and back
+#: run on the decode host around a worker kill, its clock started by the kill (the worker's port refusing): when the
+#: port accepts again, when the restarted worker serves (it writes its ready file, `ready_check_path`, once clients
+#: can connect; its supervisor's command removes it before the start), and when decode's connector (its stats files,
+#: rewritten at once on each change) says the data system is down and back
 RECONNECT_WATCH = r"""
-import datetime, glob, json, socket, sys, time
-session, t0, wall0 = sys.argv[1], time.monotonic(), time.time()
+import glob, json, os, socket, sys, time
+session, ready = sys.argv[1], sys.argv[2]
 files = glob.glob(f"/tmp/yrpd_sessions/{session}/run/kv-decode-0-*.json")
 host, port = json.load(open(files[0]))["ds_address"].rsplit(":", 1)
-seen = {}
+serving = f"/tmp/yrpd_sessions/{session}/yr/ds_worker_0/ready"
+def accepts():
+    try:
+        socket.create_connection((host, int(port)), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+open(ready, "w").close()  # the test kills the worker once this exists
+limit = time.monotonic() + 120
+while accepts() and time.monotonic() < limit:
+    time.sleep(0.02)
+t0, wall0, seen = time.monotonic(), time.time(), {}
+os.unlink(ready)
 def at(name):
     seen.setdefault(name, round(time.monotonic() - t0, 2))
 while time.monotonic() - t0 < 150:
+    if accepts():
+        at("port_back")
     try:
-        socket.create_connection((host, int(port)), timeout=0.2).close()
-        if "port_refused" in seen:
-            at("port_back")
+        written = os.stat(serving).st_mtime - wall0
+        if written > 0:
+            seen.setdefault("worker_serves", round(written, 2))
     except OSError:
-        at("port_refused")
+        pass
     healthy = []
     for f in files:
         try:
@@ -191,15 +206,10 @@ while time.monotonic() - t0 < 150:
         at("connector_down")
     elif "connector_down" in seen:
         at("connector_back")
-    if "connector_back" in seen or ("connector_down" not in seen and "port_back" in seen
-                                    and time.monotonic() - t0 > seen["port_back"] + 60):
-        break  # back; or never down a minute after the worker (its client reconnected by itself)
+    if "worker_serves" in seen and ("connector_back" in seen or ("connector_down" not in seen and
+                                                                  time.monotonic() - t0 > seen["worker_serves"] + 60)):
+        break  # back; or never down a minute after the worker served (its client reconnected by itself)
     time.sleep(0.05)
-for line in open(f"/tmp/yrpd_sessions/{session}/logs/ds_worker.log", errors="replace"):
-    if "Not ready" in line and line[:4].isdigit():
-        at_s = datetime.datetime.fromisoformat(line.split(" | ", 1)[0].strip()).timestamp() - wall0
-        if at_s > 0:
-            seen["worker_not_ready_last"] = round(max(at_s, seen.get("worker_not_ready_last", 0)), 2)
 print(json.dumps(seen))
 """
 
@@ -210,6 +220,16 @@ def test_the_decode_hosts_worker_killed_mid_handover(two_hosts, lab_figures):
     loads hand-overs through the new worker."""
     d = two_hosts
     before, _ = d.healthy()
+    watched: dict = {}
+    ready = f"/tmp/yrpd-watch-{os.urandom(4).hex()}"
+    watch = threading.Thread(target=lambda: watched.update(json.loads(d.lab["h2"].exec(
+        f"python3 - {before['session']} {ready} <<'EOF'\n{RECONNECT_WATCH}\nEOF",
+        timeout=300).stdout)), daemon=True)
+    watch.start()
+    deadline = time.monotonic() + 60
+    while d.lab["h2"].exec(f"test -e {ready}", check=False).returncode != 0:
+        assert time.monotonic() < deadline and watch.is_alive(), "the reconnect watcher never started"
+        time.sleep(0.1)
     prompts = [f"{LONG}\n# request {i} {os.urandom(4).hex()}" for i in range(4)]
     calls = [Call(d.proxy, body(p, 64, ignore_eos=True), timeout=120) for p in prompts]
     for call in calls:
@@ -218,10 +238,6 @@ def test_the_decode_hosts_worker_killed_mid_handover(two_hosts, lab_figures):
     while (legs := in_flight(d)).get("decode", 0) == 0:  # a prompt handed over: decode's leg under way
         assert time.monotonic() < deadline and any(c.is_alive() for c in calls), "no decode leg was ever in flight"
         time.sleep(0.02)
-    watched: dict = {}
-    watch = threading.Thread(target=lambda: watched.update(json.loads(d.lab["h2"].exec(
-        f"python3 - {before['session']} <<'EOF'\n{RECONNECT_WATCH}\nEOF", timeout=200).stdout)), daemon=True)
-    watch.start()
     d.lab["h2"].exec(f"kill -9 {worker_pid(before, 'h2')}")
     killed = time.monotonic()
     for call in calls:
@@ -249,15 +265,14 @@ def test_the_decode_hosts_worker_killed_mid_handover(two_hosts, lab_figures):
     figures["reconnect"] = watched
     print(f"measured: ds_worker_killed_mid_handover: {json.dumps(figures)}")
     # where decode's connector met the dead worker (its loads in flight, or the next ones through its stale client),
-    # it uses the restarted one within 2 s of its serving: of its port accepting again, of its last "not ready" (a
-    # restarted worker listens some seconds before it serves), or of finding out, whichever came last. (Where its
-    # loads had all ended, the data system's client reconnects by itself and it never says down: the loads after the
-    # restart, checked below, are what shows it reads again.)
-    assert "port_back" in watched, watched
+    # it uses the restarted one within 2 s of the worker serving again (its ready file written) or of finding out,
+    # whichever came last. (Where its loads had all ended, the data system's
+    # client reconnects by itself and it never says down: the loads after the restart, checked below, are what shows
+    # it reads again.)
+    assert "port_back" in watched and "worker_serves" in watched, watched
     if "connector_down" in watched:
         assert "connector_back" in watched, watched
-        served = max(watched["port_back"], watched["connector_down"], watched.get("worker_not_ready_last", 0))
-        assert watched["connector_back"] <= served + 2, watched
+        assert watched["connector_back"] <= max(watched["worker_serves"], watched["connector_down"]) + 2, watched
     for call, ref in zip(calls, again):
         assert call.clean(), (call.status, call.failure, call.raw[:300])
         assert call.status != 200 or call.text == ref.text, "a wrong answer while the worker was down"

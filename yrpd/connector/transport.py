@@ -176,7 +176,7 @@ def set_param_for(ttl_seconds: int, set_param_cls: Callable, write_mode: Any = N
 #: while a data-system worker is unreachable, how often its port is tried (a TCP connect, nothing sent), and how often
 #: a new client is tried while the port accepts (without an address to watch: `backoff_s` between tries)
 PROBE_S = 0.2
-RETRY_S = 1.0
+RETRY_S = 0.5
 #: the timeouts of the client tried first while reconnecting (DsConnection's quick_factory)
 QUICK_TIMEOUT_MS = 500
 
@@ -202,8 +202,9 @@ class DsConnection:
         self.name = name
         self.backoff_s = backoff_s
         #: the worker's (host, port): while down, a TCP connect there every PROBE_S tells when it answers again, and
-        #: the first new client is made then, and every RETRY_S while it accepts (a restarted worker is used within a
-        #: second of serving); `backoff_s` spaces the tries where the port never accepts or there is none to watch
+        #: the first new client is made then, and every RETRY_S while it accepts (a restarted worker is used about
+        #: half a second after it serves); `backoff_s` spaces the tries where the port never accepts or there is none
+        #: to watch
         self.address = address
         self._on_event = on_event or (lambda _e: None)
         self._client: Any = None
