@@ -8,14 +8,17 @@ Two fake hosts (root needed), the tiny model. 1p1d: prefill, the proxy and etcd 
 devices a host, two prefill and two decode instances across them. `--concurrency` clients stream greedy answers of
 TOKENS tokens (ignore_eos) back to back, each compared with the answer the deployment streamed before the chaos.
 Meanwhile, for at least `--minutes` and until `--kills` instance kills are done: kill -9 of a prefill or decode
-instance's API server or EngineCore (chosen at random, `--seed`), each a random 2-10 s after the deployment was
-healthy again; after a third of the kills h2's data-system worker, after two thirds h2's link down 30 s.
+instance's API server or EngineCore (chosen at random, `--seed`), a random 2-10 s after the last fault: with one
+instance a role (1p1d) once the deployment is healthy again, with two (2p2d) as soon as an instance is up whose role
+keeps another up. After a third of the kills h2's data-system worker, after two thirds h2's link down 30 s (each
+once the deployment is healthy). The supervisors may restart an instance 100 times in 10 minutes (RESTART).
 
 Reported: streams sent, completed with the unbroken answer, broken (not 200, an error event, cut short, no answer),
 wrong (a whole 200 whose text differs), the proxy's migrations and degraded answers (its /metrics, deltas), the
 latency a migration adds (the longest gap between two events of each stream the proxy carried over, against the
 median longest gap of the others: p50, p99), every fault with the streams in flight at it, and after `yrpd down`
-what /dev/shm holds that it did not before. Provenance: yrpd.provenance.record.
+what /dev/shm holds that it did not before. A run that stops early (the deployment not healthy again within 300 s)
+says why under `failed`, with the streams counted so far. Provenance: yrpd.provenance.record.
 """
 
 from __future__ import annotations
@@ -72,12 +75,24 @@ def kill_instance(d: TwoHosts, report: dict, host: str, name: str, engine: bool)
     return f"kill -9 {name}{':engine' if engine else ''} on {host}"
 
 
+def victims(report: dict) -> list[tuple[str, str]]:
+    """(host, name) of the healthy instances whose role keeps another healthy instance up."""
+    up = [i for i in report["instances"] if i["healthy"]]
+    return [(i["host"], i["name"]) for i in up if sum(1 for j in up if j["role"] == i["role"]) > 1]
+
+
+#: the supervisors' restart cap (spec `restart.max` in `restart.window_s`): the default 3 in 600 s guards against a
+#: crash loop, and 20 kills in 10 minutes would pass it, the instance then given up (as a user would want of a loop)
+RESTART = "restart: {max: 100, window_s: 600}\n"
+
+
 def configure(d: TwoHosts, topology: str) -> None:
+    text = d.config.read_text()
     if topology == "2p2d":
-        text = d.config.read_text()
         for n, h in enumerate(d.names):
             text = text.replace(f"{{address: {h}, devices: [{n % 2}]}}", f"{{address: {h}, devices: [0, 1]}}")
-        d.config.write_text(text + "prefill: 2\ndecode: 2\n")
+        text += "prefill: 2\ndecode: 2\n"
+    d.config.write_text(text + RESTART)
 
 
 def main() -> None:
@@ -133,28 +148,45 @@ def main() -> None:
                   file=sys.stderr, flush=True)
 
         done = 0
-        while done < opts.kills or time.monotonic() - started < opts.minutes * 60:
-            now_report, _ = d.healthy(within=300)
-            time.sleep(rng.uniform(2, 10))
-            if done == opts.kills // 3 and not any("ds_worker" in f["what"] for f in faults):
-                pid = next(c["pid"] for c in now_report["cluster"]["components"]
-                           if (c["host"], c["component"]) == ("h2", "ds_worker"))
-                d.lab["h2"].exec(f"kill -9 {pid}")
-                fault("kill -9 ds_worker on h2")
-                continue
-            if done == 2 * opts.kills // 3 and not any("link" in f["what"] for f in faults):
-                fault("h2's link down 30 s")
-                d.lab.cut("h2")
-                try:
-                    time.sleep(30)
-                finally:
-                    d.lab.mend("h2")
-                continue
-            host, name = rng.choice(instances(now_report))
-            fault(kill_instance(d, now_report, host, name, engine=rng.random() < 0.5))
-            done += 1
-        d.healthy(within=300)
-        time.sleep(5)
+        try:
+            while done < opts.kills or time.monotonic() - started < opts.minutes * 60:
+                special = (done == opts.kills // 3 and not any("ds_worker" in f["what"] for f in faults)) or \
+                          (done == 2 * opts.kills // 3 and not any("link" in f["what"] for f in faults))
+                if opts.topology == "1p1d" or special:
+                    # one instance a role: the next kill once the last one's instance is back (else no role is up)
+                    now_report, _ = d.healthy(within=300)
+                    time.sleep(rng.uniform(2, 10))
+                    choices = instances(now_report)
+                else:
+                    # two a role: any instance whose role keeps another up, while the last one may still restart
+                    time.sleep(rng.uniform(2, 10))
+                    deadline = time.monotonic() + 300
+                    while not (choices := victims(now_report := d.status()[0])):
+                        assert time.monotonic() < deadline, now_report["problems"]
+                        time.sleep(2)
+                if done == opts.kills // 3 and not any("ds_worker" in f["what"] for f in faults):
+                    pid = next(c["pid"] for c in now_report["cluster"]["components"]
+                               if (c["host"], c["component"]) == ("h2", "ds_worker"))
+                    d.lab["h2"].exec(f"kill -9 {pid}")
+                    fault("kill -9 ds_worker on h2")
+                    continue
+                if done == 2 * opts.kills // 3 and not any("link" in f["what"] for f in faults):
+                    fault("h2's link down 30 s")
+                    d.lab.cut("h2")
+                    try:
+                        time.sleep(30)
+                    finally:
+                        d.lab.mend("h2")
+                    continue
+                host, name = rng.choice(choices)
+                fault(kill_instance(d, now_report, host, name, engine=rng.random() < 0.5))
+                done += 1
+        except Exception as e:  # noqa: BLE001 - the streams so far are still counted and the deployment torn down
+            report["failed"] = f"{type(e).__name__}: {e}"[:2000]
+            print(f"chaos stopped: {report['failed']}", file=sys.stderr, flush=True)
+        if "failed" not in report:
+            d.healthy(within=300)
+            time.sleep(5)
         stop.set()
         for t in threads:
             t.join(700)
