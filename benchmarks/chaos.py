@@ -193,13 +193,15 @@ def main() -> None:
         report["seconds"] = round(time.monotonic() - started, 1)
         moved = {k: v - moved0.get(k, 0) for k, v in metric(d.proxy, "yrpd_proxy_migrations_total").items()}
         degraded = {k: v - degraded0.get(k, 0) for k, v in metric(d.proxy, "yrpd_proxy_degraded_answers_total").items()}
-        migrated = {}
+        migrated, lines = {}, {}
         for line in d.cli("logs", "proxy", "-n", "100000", timeout=600).stdout.splitlines():
             m = PROXY_LINE.search(line)
             if m:
                 notes = dict(kv.split("=", 1) for kv in m.group(3).split() if "=" in kv)
-                if notes.get("id", "").startswith("chaos-") and "migrated" in notes:
-                    migrated[notes["id"]] = int(notes["migrated"])
+                if notes.get("id", "").startswith("chaos-"):
+                    lines[notes["id"]] = line  # the instances each leg went to, what failed, how it went on
+                    if "migrated" in notes:
+                        migrated[notes["id"]] = int(notes["migrated"])
         ended = [c for c in calls if c.ended]
         broken = [c for c in ended if c.status != 200 or c.error_event or c.failure or not c.text]
         wrong = [c for c in ended if c not in broken and c.text != expected[c.body["prompt"]]]
@@ -217,8 +219,10 @@ def main() -> None:
             migration_added_s={"p50": pick(0.5), "p99": pick(0.99), "n": len(added),
                                "median_longest_gap_unbroken_s": round(base, 3)},
             broken_detail=[{"id": c.request_id, "status": c.status, "error_event": c.error_event,
-                            "chunks": c.chunks, "failure": c.failure, "raw": c.raw[:200]} for c in broken][:10],
+                            "chunks": c.chunks, "failure": c.failure, "raw": c.raw[:200],
+                            "proxy_line": lines.get(c.request_id)} for c in broken][:10],
             wrong_detail=[{"id": c.request_id, "migrated": migrated.get(c.request_id),
+                           "proxy_line": lines.get(c.request_id),
                            "want": expected[c.body["prompt"]], "got": c.text} for c in wrong][:5])
         d.cli("down", timeout=600)
     report["dev_shm_left_after_down"] = sorted(shm() - shm_before)
