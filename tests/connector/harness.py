@@ -1,7 +1,7 @@
 """Process harness for the connector's end-to-end tests (stdlib only: runs in the test venv).
 
 Starts real `dscli` data-system workers and real `vllm serve` processes from the vLLM venv,
-each vLLM in its own process group pinned to one core, on 127.0.0.1 ports in 41000-41999, with a
+each vLLM in its own process group pinned to one core, on 127.0.0.1 ports in 24000-24999, with a
 private VLLM_CACHE_ROOT / TMPDIR, offline. Everything started is stopped by `Stack.close()`
 (idempotent; also registered with atexit), even when a test fails half-way.
 """
@@ -9,6 +9,7 @@ private VLLM_CACHE_ROOT / TMPDIR, offline. Everything started is stopped by `Sta
 from __future__ import annotations
 
 import atexit
+import http.client
 import json
 import os
 import random
@@ -69,9 +70,11 @@ def port_free(port: int) -> bool:
 
 
 class PortAllocator:
-    """Hands out free loopback ports from a private range (41000-41999 by default)."""
+    """Hands out free loopback ports from a private range (24000-24999 by default): below the kernel's ephemeral
+    ports (32768-60999), so that a poll of a port whose server has not bound it yet can never be given that same
+    port as its own source and connect to itself (a CI run read its own `GET /health` back from 41xxx so)."""
 
-    def __init__(self, lo: int = 41000, hi: int = 41999, seed: int | None = None) -> None:
+    def __init__(self, lo: int = 24000, hi: int = 24999, seed: int | None = None) -> None:
         self.lo, self.hi = lo, hi
         self._next = lo + (os.getpid() * 37 if seed is None else seed) % (hi - lo - 50)
         self._given: set[int] = set()
@@ -100,8 +103,8 @@ def http_status(url: str, timeout: float = 5.0) -> int:
             return resp.status
     except urllib.error.HTTPError as e:
         return e.code
-    except (urllib.error.URLError, OSError):
-        return 0
+    except (urllib.error.URLError, OSError, http.client.HTTPException):
+        return 0  # not answering HTTP yet
 
 
 def parse_metrics(text: str) -> dict[str, float]:
