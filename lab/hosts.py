@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 
 def leftovers(host):
     """Processes and listening TCP ports of the cluster still on the host."""
@@ -25,3 +29,21 @@ def assert_nothing_left(lab) -> None:
         assert session_processes(host) == [], host.name
         procs, ports = leftovers(host)
         assert procs == [] and ports == [], (host.name, procs, ports)
+
+
+def shm_segments() -> set[str]:
+    """This machine's vLLM shared-memory segments (psm_*) and multiprocessing semaphores (sem.mp-*)."""
+    return {f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
+
+
+def left_behind(before: set[str]) -> set[str]:
+    """psm_* segments and sem.mp-* semaphores that appeared since `before` and that no live process maps or holds
+    open: what a run left behind (/dev/shm is the machine's: the tests of the other lane have theirs, in use,
+    meanwhile)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "deploy_scripts"))
+    from hostlib import proc_fd_targets, proc_table, shm_mapped
+
+    held = set()
+    for pid, *_ in proc_table():
+        held |= shm_mapped([pid]) | set(proc_fd_targets(pid))
+    return {s for s in shm_segments() - before if s not in held}

@@ -9,6 +9,7 @@ private VLLM_CACHE_ROOT / TMPDIR, offline. Everything started is stopped by `Sta
 from __future__ import annotations
 
 import atexit
+import contextlib
 import http.client
 import json
 import os
@@ -24,6 +25,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from lab.hosts import left_behind, shm_segments
 
 DEFAULT_VENV = "/opt/yrpd/venvs/vllm"
 REPO = Path(__file__).resolve().parents[2]
@@ -215,6 +218,7 @@ class Stack:
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self._shm_before = shm_segments()
         atexit.register(self.close)
 
     # -- data system ----------------------------------------------------------------------------
@@ -319,6 +323,11 @@ class Stack:
             t.join()
         for w in self.workers:
             self.stop_ds(w)
+        # a vLLM killed with its group leaves its shared memory (psm_*, sem.mp-*) in /dev/shm: what appeared since
+        # this stack began and nothing alive maps or holds any more is gone with it
+        for path in left_behind(self._shm_before):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:

@@ -17,11 +17,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from lab.fakehosts import _ns_key, _pids_in_ns
+from lab.hosts import left_behind, shm_segments
 from tests.lab.test_embedded_default import in_ns, netns  # noqa: F401 - the namespace fixture
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
@@ -140,23 +140,6 @@ def target_pid(report: dict, target: str) -> tuple[int, int]:
         [engine] = children(api, "VLLM::EngineCor")
         return engine, api
     return api, api
-
-
-def shm_segments() -> set[str]:
-    return {f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
-
-
-def left_behind(before: set[str]) -> set[str]:
-    """psm_* segments and sem.mp-* semaphores that appeared since `before` and that no live process maps or holds
-    open: what a run left behind (/dev/shm is the machine's: the tests of the other lane have theirs, in use,
-    meanwhile)."""
-    sys.path.insert(0, str(Path(__file__).parents[2] / "deploy_scripts"))
-    from hostlib import proc_fd_targets, proc_table, shm_mapped
-
-    held = set()
-    for pid, *_ in proc_table():
-        held |= shm_mapped([pid]) | set(proc_fd_targets(pid))
-    return {s for s in shm_segments() - before if s not in held}
 
 
 def wait_recovered(d: Deployment, baseline: str, started: float, limit: float,
