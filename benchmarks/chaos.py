@@ -150,9 +150,10 @@ def main() -> None:
         done = 0
         try:
             while done < opts.kills or time.monotonic() - started < opts.minutes * 60:
-                special = (done == opts.kills // 3 and not any("ds_worker" in f["what"] for f in faults)) or \
-                          (done == 2 * opts.kills // 3 and not any("link" in f["what"] for f in faults))
-                if opts.topology == "1p1d" or special:
+                # the worker kill after a third of the kills, the link cut after two thirds, each once
+                due = ("worker" if done == opts.kills // 3 and not any("ds_worker" in f["what"] for f in faults) else
+                       "link" if done == 2 * opts.kills // 3 and not any("link" in f["what"] for f in faults) else None)
+                if opts.topology == "1p1d" or due:
                     # one instance a role: the next kill once the last one's instance is back (else no role is up)
                     now_report, _ = d.healthy(within=300)
                     time.sleep(rng.uniform(2, 10))
@@ -164,13 +165,13 @@ def main() -> None:
                     while not (choices := victims(now_report := d.status()[0])):
                         assert time.monotonic() < deadline, now_report["problems"]
                         time.sleep(2)
-                if done == opts.kills // 3 and not any("ds_worker" in f["what"] for f in faults):
+                if due == "worker":
                     pid = next(c["pid"] for c in now_report["cluster"]["components"]
                                if (c["host"], c["component"]) == ("h2", "ds_worker"))
                     d.lab["h2"].exec(f"kill -9 {pid}")
                     fault("kill -9 ds_worker on h2")
                     continue
-                if done == 2 * opts.kills // 3 and not any("link" in f["what"] for f in faults):
+                if due == "link":
                     fault("h2's link down 30 s")
                     d.lab.cut("h2")
                     try:

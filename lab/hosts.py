@@ -40,10 +40,21 @@ def left_behind(before: set[str]) -> set[str]:
     """psm_* segments and sem.mp-* semaphores that appeared since `before` and that no live process maps or holds
     open: what a run left behind (/dev/shm is the machine's: the tests of the other lane have theirs, in use,
     meanwhile)."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "deploy_scripts"))
-    from hostlib import proc_fd_targets, proc_table, shm_mapped
-
+    hostlib = _hostlib()
     held = set()
-    for pid, *_ in proc_table():
-        held |= shm_mapped([pid]) | set(proc_fd_targets(pid))
+    for pid, *_ in hostlib.proc_table():
+        held |= hostlib.shm_mapped([pid]) | set(hostlib.proc_fd_targets(pid))
     return {s for s in shm_segments() - before if s not in held}
+
+
+def remove_left_behind(before: set[str]) -> None:
+    """Unlink what `left_behind(before)` names (checked again at the unlink: one mapped meanwhile is kept)."""
+    _hostlib().unlink_unheld(sorted(shm_segments() - before))
+
+
+def _hostlib():
+    # the hosts' own helpers (deploy_scripts/hostlib.py), which read /proc as the supervisors do
+    sys.path.insert(0, str(Path(__file__).parents[1] / "deploy_scripts"))
+    import hostlib
+
+    return hostlib

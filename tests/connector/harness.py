@@ -9,7 +9,6 @@ private VLLM_CACHE_ROOT / TMPDIR, offline. Everything started is stopped by `Sta
 from __future__ import annotations
 
 import atexit
-import contextlib
 import http.client
 import json
 import os
@@ -26,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab.hosts import left_behind, shm_segments
+from lab.hosts import remove_left_behind, shm_segments
 
 DEFAULT_VENV = "/opt/yrpd/venvs/vllm"
 REPO = Path(__file__).resolve().parents[2]
@@ -325,9 +324,7 @@ class Stack:
             self.stop_ds(w)
         # a vLLM killed with its group leaves its shared memory (psm_*, sem.mp-*) in /dev/shm: what appeared since
         # this stack began and nothing alive maps or holds any more is gone with it
-        for path in left_behind(self._shm_before):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        remove_left_behind(self._shm_before)
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:

@@ -266,9 +266,8 @@ def test_the_decode_hosts_worker_killed_mid_handover(two_hosts, lab_figures):
     print(f"measured: ds_worker_killed_mid_handover: {json.dumps(figures)}")
     # where decode's connector met the dead worker (its loads in flight, or the next ones through its stale client),
     # it uses the restarted one within 2 s of the worker serving again (its ready file written) or of finding out,
-    # whichever came last. (Where its loads had all ended, the data system's
-    # client reconnects by itself and it never says down: the loads after the restart, checked below, are what shows
-    # it reads again.)
+    # whichever came last. (Where its loads had all ended, the data system's client reconnects by itself and it never
+    # says down: the loads after the restart, checked below, are what shows it reads again.)
     assert "port_back" in watched and "worker_serves" in watched, watched
     if "connector_down" in watched:
         assert "connector_back" in watched, watched
