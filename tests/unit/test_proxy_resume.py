@@ -11,6 +11,7 @@ import re
 import pytest
 
 from tests.unit.proxy_fakes import Breaks, running, toy_answer, toy_chat_prompt, toy_text, toy_tokens, until
+from yrpd.proxy import resume
 from yrpd.proxy.resume import MAX_MIGRATIONS
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -128,6 +129,44 @@ def test_a_client_that_asked_for_token_ids_gets_every_one_once_across_the_break(
         assert [c["prompt_token_ids"] for c in choices] == [prompt_ids] + [None] * (N - 1)
         assert [t for c in choices for t in c["token_ids"]] == toy_answer(prompt_ids, N)
     run(go())
+
+
+def _sse(d: dict) -> bytes:
+    return b"data: " + json.dumps(d).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("chat_path", [False, True])
+@pytest.mark.parametrize("show_ids", [False, True])
+def test_tokens_whose_text_was_held_back_at_a_break_are_made_again_by_the_continuation_not_put_in_its_prompt(
+        chat_path, show_ids):
+    # vLLM sends a token that ends inside a UTF-8 character with no text, and the character with the next token;
+    # tests/connector/test_continuation_vllm.py has the real instance's side of it
+    path = resume.CHAT if chat_path else resume.COMPLETIONS
+    body = (chat if chat_path else completion)(**({"return_token_ids": True} if show_ids else {}))
+    st = resume.Stream(path, body)
+
+    def piece(text: str, ids: list[int], first: bool = False, chat_event: bool = chat_path) -> dict:
+        choice = {"index": 0, "delta": {"content": text}} if chat_event else {"index": 0, "text": text}
+        choice["token_ids"] = ids
+        if first and not chat_event:
+            choice["prompt_token_ids"] = [1, 2]
+        head = {"prompt_token_ids": [1, 2]} if first and chat_event else {}
+        return {"id": "x", "created": 1, "model": "tiny", **head, "choices": [choice]}
+
+    sent = [st.event(_sse(piece("a", [5], first=True))), st.event(_sse(piece("", [6])))]
+    assert st.ids == [5, 6] and not st.limit_reached()
+    cont_path, cont = st.continuation()
+    assert cont_path == resume.COMPLETIONS and cont["prompt"] == [1, 2, 5] and cont["max_tokens"] == N - 1
+    st.begin_continuation()
+    sent.append(st.event(_sse(piece("\u00e9b", [6], first=True, chat_event=False))))
+    sent.append(st.event(_sse(piece("c", [7], chat_event=False))))
+    got = [json.loads(e[6:])["choices"][0] for e in sent]
+    texts = [c["delta"]["content"] if chat_path else c["text"] for c in got]
+    assert "".join(texts) == "a\u00e9bc" and st.ids == [5, 6, 7]
+    if show_ids:  # each id once, though the continuation sent the held one again
+        assert [t for c in got for t in c["token_ids"]] == [5, 6, 7]
+    else:
+        assert all(c["token_ids"] is None for c in got)
 
 
 @pytest.mark.parametrize("path, body", [("/v1/completions", completion(stream=False)),

@@ -6,9 +6,10 @@ event, each event's own with it). `Stream` reads every whole SSE event before it
 and takes out what the client did not ask for. When the leg breaks (its connection lost, its instance declared down,
 an error event in the stream, its end before the last token) `Stream.continuation()` is the request that goes on: to
 `/v1/completions`, the prompt's ids followed by the ids already sent (nothing is tokenized again), `max_tokens` less
-what was sent. Its events are put into the first stream's frame (id, created, model; for a chat request each text
-becomes a chat delta) so the client sees no error event, no token twice or missing, one `[DONE]`, and usage over the
-whole answer.
+what was sent; the last ids whose text vLLM still held back (an unfinished UTF-8 character) are left for the
+continuation to make again. Its events are put into the first stream's frame (id, created, model; for a chat request
+each text becomes a chat delta) so the client sees no error event, no token twice or missing, one `[DONE]`, and usage
+over the whole answer.
 
 What stays different from an unbroken run: the carried tokens' KV is computed in one prefill pass, not token by
 token, so a greedy answer can take the other branch where two tokens were within rounding of each other (docs/
@@ -81,6 +82,12 @@ class Stream:
         self.show_ids = bool(body.get("return_token_ids"))  # the client's own wish: its events keep the ids
         self.prompt_ids: list[int] | None = None
         self.ids: list[int] = []  # the answer's token ids the client was sent
+        # How many of `ids` came with their text. vLLM holds back the text of a token that ends inside a UTF-8
+        # character until the token that completes it; those ids are sent again by a continuation, never in its
+        # prompt: vLLM 0.32 (tokenizers 0.23) primes a request's detokenizer with its prompt, and a prompt that
+        # ends inside a character makes its first event carry the whole prompt's text.
+        self.shown = 0
+        self.taken_back: list[int] = []  # ids the client was sent that the continuation makes again
         self.finish: str | None = None  # the finish_reason the client was sent
         self.usage_sent = False
         self.done = False  # [DONE] went out
@@ -140,8 +147,18 @@ class Stream:
         for choice in (c for c in choices if isinstance(c, dict)):
             if not self.chat and "prompt_token_ids" in choice:
                 changed |= self._prompt_ids(choice)
-            self.ids.extend(choice.get("token_ids") or [])
-            self.token_events += bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+            ids = choice.get("token_ids") or []
+            self.ids.extend(ids)
+            if _text(choice, self.chat):
+                self.shown = len(self.ids)
+            if ids and self.taken_back:  # the client has these from the leg that broke, unless made otherwise
+                same = 0
+                while same < min(len(ids), len(self.taken_back)) and ids[same] == self.taken_back[same]:
+                    same += 1
+                choice["token_ids"] = ids[same:]
+                self.taken_back = self.taken_back[same:] if same == len(ids) else []
+                changed = True
+            self.token_events += _text(choice, self.chat)
             if not self.show_ids and choice.get("token_ids") is not None:
                 choice["token_ids"] = None  # as the instance sends them to a client that did not ask
                 changed = True
@@ -174,7 +191,7 @@ class Stream:
         came: an instance that does not give them)."""
         if self.prompt_ids is None:
             return None
-        sent = len(self.ids)
+        sent = self.shown
         body = self.body
         if self.chat:
             cont = {k: body[k] for k in _CARRIED_FROM_CHAT if k in body}
@@ -185,12 +202,15 @@ class Stream:
         least = _count(body.get("min_tokens"))
         if least is not None and least > sent:
             cont["min_tokens"] = least - sent
-        cont.update(prompt=[*self.prompt_ids, *self.ids], stream=True, return_token_ids=True)
+        cont.update(prompt=[*self.prompt_ids, *self.ids[:sent]], stream=True, return_token_ids=True)
         return COMPLETIONS, cont
 
     def begin_continuation(self) -> None:
+        """The continuation goes out: the ids whose text never came are the continuation's to make again."""
         self.continued = True
         self.migrations += 1
+        self.taken_back = self.ids[self.shown:] if self.show_ids else []
+        del self.ids[self.shown:]
 
     @property
     def _limit(self) -> int | None:
@@ -200,8 +220,9 @@ class Stream:
         return _count(limit)
 
     def limit_reached(self) -> bool:
-        """The answer has every token it may have, though its last event never came (a break right after it)."""
-        return self._limit is not None and len(self.ids) >= self._limit
+        """The answer has every token it may have, with its text, though its last event never came (a break right
+        after it)."""
+        return self._limit is not None and self.shown >= self._limit
 
     def _usage(self) -> dict:
         """The whole answer's usage, in vLLM's order."""
@@ -231,6 +252,14 @@ class Stream:
         head = {"id": ident, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": created, "model": model}
         return b"data: " + _dumps({**head, **d}) + b"\n\n"
+
+
+def _text(choice: dict, chat: bool) -> bool:
+    """Whether a choice brought text (a chat delta's content or reasoning, a completion's text)."""
+    if not chat:
+        return bool(choice.get("text"))
+    delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"))
 
 
 def _as_chat(choice: dict, show_ids: bool) -> dict:
