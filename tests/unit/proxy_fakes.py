@@ -39,6 +39,29 @@ def toy_text(token: int) -> str:
     return f" w{token}"
 
 
+#: what a held token and the one after it make together (`held` fakes): the held token ends inside this character,
+#: so vLLM sends it with no text and the character with the next token's text
+HELD = "\u00e9"
+
+
+def toy_held(token: int) -> bool:
+    return token % 7 == 0
+
+
+def toy_pieces(ids: list[int], held: bool) -> list[str]:
+    """The text each token's event carries, as vLLM's detokenizer streams it (`held`: with held tokens)."""
+    out = []
+    for k, t in enumerate(ids):
+        before = HELD if held and k and toy_held(ids[k - 1]) else ""
+        out.append(before + ("" if held and toy_held(t) else toy_text(t)))
+    return out
+
+
+def toy_decode(ids: list[int], held: bool) -> str:
+    """`ids` decoded whole (what /detokenize answers): a held token at the end is an unfinished character."""
+    return "".join(toy_pieces(ids, held)) + ("\ufffd" if held and ids and toy_held(ids[-1]) else "")
+
+
 def toy_answer(prompt_ids: list[int], n: int) -> list[int]:
     context, out = list(prompt_ids), []
     for _ in range(n):
@@ -53,7 +76,8 @@ class Breaks:
     of them) break. kind: "between" (the connection drops after `after` token events), "inside" (half of event
     `after` is sent, then the connection drops), "error" (an error event after `after` token events, as an engine
     that died sends), "eof" (the stream just ends after `after` token events), "before_done" (after the last token
-    and the usage, before [DONE]), "body" (a whole answer cut off mid-body)."""
+    and the usage, before [DONE]), "body" (a whole answer cut off mid-body), "merged" (tokens `after` - 1 and
+    `after` in one event, then the connection drops)."""
 
     kind: str
     after: int = 3
@@ -84,8 +108,10 @@ class FakeVLLM:
     auth: list = field(default_factory=list)  # the Authorization header of each generation request (None: none)
     url: str = ""
     toy: bool = False  # answer as vLLM does, from the toy model, token ids and all (what migration needs)
+    held: bool = False  # toy: some tokens end inside a character (toy_held), their text held back as vLLM does
     breaks: Breaks | None = None  # toy: how its streams break
     paths: list = field(default_factory=list)  # the path of each generation request
+    detokenized: list = field(default_factory=list)  # the ids of each /detokenize request
 
     def __post_init__(self):
         self.gate = asyncio.Event()  # clear it to hold requests before they are answered
@@ -171,8 +197,13 @@ class FakeVLLM:
                 "model": body.get("model", "tiny")}
         usage = {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + len(ids),
                  "completion_tokens": len(ids)}
+        pieces = toy_pieces(ids, self.held)
+        if self.held and isinstance(body.get("prompt"), list) and prompt_ids and toy_held(prompt_ids[-1]):
+            # vLLM 0.32 primes its detokenizer with the prompt: one that ends inside a character makes the first
+            # token's text the whole prompt's and answer's (tests/connector/test_continuation_vllm.py)
+            pieces[0] = toy_decode([*prompt_ids, ids[0]], True)
         if not body.get("stream"):
-            text = "".join(map(toy_text, ids))
+            text = "".join(pieces)
             choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else \
                 {"index": 0, "text": text}
             answer = {**head, "object": "chat.completion" if chat else "text_completion",
@@ -195,17 +226,28 @@ class FakeVLLM:
             role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                          "finish_reason": None}], "prompt_token_ids": prompt_ids if asked else None}
             events.append((role, False))
+        merge = self.breaks is not None and self.breaks.kind == "merged" and self.breaks.seen < self.breaks.times
         for k, t in enumerate(ids):
             last = k == len(ids) - 1
             if chat:
-                choice = {"index": 0, "delta": {"content": toy_text(t)}, "logprobs": None,
+                choice = {"index": 0, "delta": {"content": pieces[k]}, "logprobs": None,
                           "finish_reason": "length" if last else None}
             else:
-                choice = {"index": 0, "text": toy_text(t), "logprobs": None, "finish_reason": "length" if last else None,
+                choice = {"index": 0, "text": pieces[k], "logprobs": None, "finish_reason": "length" if last else None,
                           "stop_reason": None, "prompt_token_ids": prompt_ids if asked and k == 0 else None}
             if chat and last:
                 choice["stop_reason"] = None
             choice["token_ids"] = [t] if asked else None
+            if merge and k == self.breaks.after - 1:  # this token in one event with the one before (a slow reader)
+                before = events[-1][0]["choices"][0]
+                key = "delta" if chat else None
+                if key:
+                    before["delta"]["content"] += pieces[k]
+                else:
+                    before["text"] += pieces[k]
+                if asked:
+                    before["token_ids"] = before["token_ids"] + [t]
+                continue
             events.append(({**head, "choices": [choice]}, True))
         if (body.get("stream_options") or {}).get("include_usage"):
             events.append(({**head, "choices": [], "usage": usage}, False))
@@ -219,7 +261,8 @@ class FakeVLLM:
             token = k < len(events) and events[k][1]
             if breaking:
                 kind = self.breaks.kind
-                if kind in ("between", "error", "eof") and token and tokens == self.breaks.after:
+                if kind in ("between", "error", "eof", "merged") and token and \
+                        tokens == self.breaks.after - (kind == "merged"):
                     if kind == "error":  # vLLM's own end of a stream whose engine died
                         err = {"error": {"message": "EngineCore encountered an issue", "type": "InternalServerError",
                                          "code": 500}}
@@ -248,6 +291,11 @@ class FakeVLLM:
         await out.write_eof()
         return out
 
+    async def _detokenize(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.detokenized.append(body["tokens"])
+        return web.json_response({"prompt": toy_decode(body["tokens"], self.held)})
+
     async def _health(self, request: web.Request) -> web.StreamResponse:
         await asyncio.sleep(self.health_delay)
         return web.json_response({}, status=self.health_status)
@@ -259,6 +307,7 @@ class FakeVLLM:
         app = web.Application()
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
@@ -295,11 +344,11 @@ class Setup:
 
 
 @contextlib.asynccontextmanager
-async def running(prefill: int = 1, decode: int = 1, toy: bool = False, **options):
-    """Fake instances (`toy`: answering from the toy model, as vLLM does), the real proxy in front of them (same runner
-    settings as `python -m yrpd.proxy`), a client."""
-    fakes = [await FakeVLLM(f"p{n}", "prefill", toy=toy).start() for n in range(prefill)]
-    fakes += [await FakeVLLM(f"d{n}", "decode", toy=toy).start() for n in range(decode)]
+async def running(prefill: int = 1, decode: int = 1, toy: bool = False, held: bool = False, **options):
+    """Fake instances (`toy`: answering from the toy model, as vLLM does; `held`: with tokens whose text is held
+    back), the real proxy in front of them (same runner settings as `python -m yrpd.proxy`), a client."""
+    fakes = [await FakeVLLM(f"p{n}", "prefill", toy=toy, held=held).start() for n in range(prefill)]
+    fakes += [await FakeVLLM(f"d{n}", "decode", toy=toy, held=held).start() for n in range(decode)]
     runner = None
     try:
         options.setdefault("probe_interval", 60)  # tests that want the prober running ask for it

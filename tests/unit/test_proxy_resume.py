@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from tests.unit.proxy_fakes import Breaks, running, toy_answer, toy_chat_prompt, toy_text, toy_tokens, until
+from tests.unit.proxy_fakes import HELD, Breaks, running, toy_answer, toy_chat_prompt, toy_held, toy_text, \
+    toy_tokens, until
 from yrpd.proxy import resume
 from yrpd.proxy.resume import MAX_MIGRATIONS
 
@@ -32,20 +33,30 @@ def events(data: bytes) -> list[str]:
     return [e.removeprefix("data: ") for e in data.decode().split("\n\n") if e]
 
 
-async def unbroken(path: str, body: dict) -> bytes:
-    async with running(prefill=1, decode=2, toy=True) as s:
+async def unbroken(path: str, body: dict, held: bool = False) -> bytes:
+    async with running(prefill=1, decode=2, toy=True, held=held) as s:
         status, data = await ask(s, path, body)
         assert status == 200, data
         return data
 
 
-async def broken(path: str, body: dict, breaks: Breaks):
+async def broken(path: str, body: dict, breaks: Breaks, held: bool = False):
     """(status, the client's bytes, the setup's decode fakes) of one request whose first stream breaks."""
-    async with running(prefill=1, decode=2, toy=True) as s:
+    async with running(prefill=1, decode=2, toy=True, held=held) as s:
         for fake in s.decode:
             fake.breaks = breaks
         status, data = await ask(s, path, body)
         return status, data, s.decode, await s.metrics()
+
+
+def answer_text(data: bytes) -> str:
+    """The answer's text in a client's stream (completion or chat)."""
+    out = ""
+    for e in events(data):
+        if e.startswith("{"):
+            for c in json.loads(e)["choices"]:
+                out += c.get("text") or (c.get("delta") or {}).get("content") or ""
+    return out
 
 
 def continuation_of(decode) -> tuple[str, dict]:
@@ -128,6 +139,31 @@ def test_a_client_that_asked_for_token_ids_gets_every_one_once_across_the_break(
         prompt_ids = toy_tokens(PROMPT)
         assert [c["prompt_token_ids"] for c in choices] == [prompt_ids] + [None] * (N - 1)
         assert [t for c in choices for t in c["token_ids"]] == toy_answer(prompt_ids, N)
+    run(go())
+
+
+@pytest.mark.parametrize("kind", ["between", "merged"])
+@pytest.mark.parametrize("path, body", [("/v1/completions", completion(**USAGE)), ("/v1/chat/completions", chat(**USAGE))])
+def test_a_break_right_after_a_token_whose_text_was_held_back_goes_on_with_that_token_made_again(kind, path, body):
+    # "between": the held token came in an event of its own, with no text; "merged": in one event with the token
+    # before it (whose text it carries), which the proxy can only tell by asking an instance's /detokenize
+    prompt = toy_chat_prompt(MESSAGES) if path == resume.CHAT else toy_tokens(PROMPT)
+    ids = toy_answer(prompt, N)
+    h = next(k for k in range(1, N - 1) if toy_held(ids[k]) and not toy_held(ids[k - 1]))
+
+    async def go():
+        want = await unbroken(path, body, held=True)
+        assert HELD in want.decode()
+        status, got, decode, _ = await broken(path, body, Breaks(kind, after=h + 1), held=True)
+        assert status == 200
+        if kind == "merged":  # the merged event is the client's own: the text is the unbroken run's
+            assert answer_text(got) == answer_text(want) and events(got)[-1] == "[DONE]", events(got)
+        else:  # the held token's event once, though the continuation sent it again
+            assert got == want, (events(got), events(want))
+        _, sent = continuation_of(decode)
+        assert sent["prompt"] == prompt + ids[:h] and sent["max_tokens"] == N - h  # the held one made again
+        asked = [tokens for fake in decode for tokens in fake.detokenized]
+        assert asked == ([ids[:h + 1], ids[:h]] if kind == "merged" else [])
     run(go())
 
 

@@ -595,6 +595,8 @@ class Proxy:
                 reason = st.why_not or (f"carried over {st.migrations} times already"
                                         if st.migrations >= MAX_MIGRATIONS else
                                         "no instance is up to go on" if not self._can_serve(request) else None)
+                if not reason:
+                    await self._settle(request, st, headers)
                 cont = None if reason else st.continuation()
                 if cont is None:
                     reason = reason or "its instance gave no token ids"
@@ -614,6 +616,28 @@ class Proxy:
         finally:
             if call.heartbeat is not None:
                 call.heartbeat.cancel()
+
+    async def _settle(self, request: web.Request, st: resume.Stream, headers: dict) -> None:
+        """Which tokens of a last event that carried several the client read the text of (resume.Stream.settle),
+        decoded by an up instance of the answer's model; where none answers, what the events tell stays."""
+        group = request[_CALL].group
+        inst = next((i for role in ("decode", "prefill") for i in self.pool.up(role)
+                     if group is None or i.group == group), None)
+        if inst is None or not st.unsure:
+            return
+
+        async def decode(ids: list[int]) -> str:
+            async with self.session.post(f"{inst.url}/detokenize", json={"model": st.body.get("model"), "tokens": ids},
+                                         headers=headers, timeout=self._probe_timeout) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"/detokenize answered {resp.status}")
+                return (await resp.json())["prompt"]
+
+        try:
+            await st.settle(decode)
+        except (*_UPSTREAM_ERRORS, ValueError, KeyError, TypeError) as exc:
+            log.info("%s %s: cannot ask %s which tokens' text went out (%s); going on from the events", request.method,
+                     request.path, inst.url, _text(exc))
 
     async def _heartbeat(self, out: web.StreamResponse) -> None:
         """An SSE comment whenever the stream sent nothing for `heartbeat_s` (clients skip comments)."""

@@ -21,9 +21,12 @@ event as before.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 
 #: how often one request may be carried over; then its stream ends with an error event
 MAX_MIGRATIONS = 3
+#: the most tokens whose text vLLM may hold back at once: a UTF-8 character is at most 4 bytes, a byte-level token one
+HELD_MAX = 4
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -85,9 +88,12 @@ class Stream:
         # How many of `ids` came with their text. vLLM holds back the text of a token that ends inside a UTF-8
         # character until the token that completes it; those ids are sent again by a continuation, never in its
         # prompt: vLLM 0.32 (tokenizers 0.23) primes a request's detokenizer with its prompt, and a prompt that
-        # ends inside a character makes its first event carry the whole prompt's text.
+        # ends inside a character makes its first event carry the whole prompt's text. The events tell it where
+        # each carries one token; `settle` finds it where one carried several.
         self.shown = 0
-        self.taken_back: list[int] = []  # ids the client was sent that the continuation makes again
+        self.text: list[str] | None = []  # the answer's text as the client was sent it; None: not all of it text
+        self.unsure = False  # `shown` was set by an event of several tokens
+        self.taken_back: list[int] = []  # ids the client had events of that the continuation makes again
         self.finish: str | None = None  # the finish_reason the client was sent
         self.usage_sent = False
         self.done = False  # [DONE] went out
@@ -127,14 +133,17 @@ class Stream:
             err = d["error"]
             raise Broken(err.get("message", str(err)) if isinstance(err, dict) else str(err))
         changed = self._take(d)
+        if changed is None:
+            return b""
         return self._out(raw if not changed else b"data: " + _dumps(d) + b"\n\n")
 
     def _out(self, raw: bytes) -> bytes:
         self.started = self.started or bool(raw)
         return raw
 
-    def _take(self, d: dict) -> bool:
-        """Record what the event `d` tells and make it the client's; True when `d` was changed."""
+    def _take(self, d: dict) -> bool | None:
+        """Record what the event `d` tells and make it the client's; True when `d` was changed, None when the client
+        gets nothing of it."""
         changed = self.continued
         if self.frame is None:
             self.frame = (d.get("id"), d.get("created"), d.get("model"))
@@ -149,16 +158,26 @@ class Stream:
                 changed |= self._prompt_ids(choice)
             ids = choice.get("token_ids") or []
             self.ids.extend(ids)
-            if _text(choice, self.chat):
+            text, reasoning = _text(choice)
+            if text or reasoning:
                 self.shown = len(self.ids)
-            if ids and self.taken_back:  # the client has these from the leg that broke, unless made otherwise
+                self.unsure = len(ids) > 1  # the last of them may be held back: `settle` finds out
+            if reasoning:
+                self.text = None  # the answer's ids decode to more than the content the client reads
+            elif text and self.text is not None:
+                self.text.append(text)
+            if ids and self.taken_back:  # the client had events of these from the leg that broke, unless made otherwise
                 same = 0
                 while same < min(len(ids), len(self.taken_back)) and ids[same] == self.taken_back[same]:
                     same += 1
-                choice["token_ids"] = ids[same:]
                 self.taken_back = self.taken_back[same:] if same == len(ids) else []
-                changed = True
-            self.token_events += _text(choice, self.chat)
+                if same == len(ids) and not (text or reasoning or choice.get("finish_reason")) and len(choices) == 1 \
+                        and not d.get("usage"):
+                    return None  # the client had this event already
+                if self.show_ids:
+                    choice["token_ids"] = ids[same:]
+                    changed = True
+            self.token_events += bool(text or reasoning)
             if not self.show_ids and choice.get("token_ids") is not None:
                 choice["token_ids"] = None  # as the instance sends them to a client that did not ask
                 changed = True
@@ -186,6 +205,19 @@ class Stream:
         holder["prompt_token_ids"] = None  # as the instance sends them to a client that did not ask
         return True
 
+    async def settle(self, decode: Callable[[list[int]], Awaitable[str]]) -> None:
+        """Make `shown` the most ids whose text, decoded whole (`decode`: an instance's /detokenize), is exactly the
+        text the client was sent, looking back over the last HELD_MAX ids: an event that carried several tokens
+        may end with one whose text is held back. Left as the events tell where none matches (a detokenizer whose
+        whole decode differs from its stream's) or the client's text is not all there is."""
+        if not self.unsure or self.text is None:
+            return
+        sent = "".join(self.text)
+        for m in range(len(self.ids), max(-1, len(self.ids) - HELD_MAX - 1), -1):
+            if await decode(self.ids[:m]) == sent:
+                self.shown = m
+                return
+
     def continuation(self) -> tuple[str, dict] | None:
         """(path, body) of the request that goes on with the answer; None where it cannot (the prompt's ids never
         came: an instance that does not give them)."""
@@ -209,8 +241,9 @@ class Stream:
         """The continuation goes out: the ids whose text never came are the continuation's to make again."""
         self.continued = True
         self.migrations += 1
-        self.taken_back = self.ids[self.shown:] if self.show_ids else []
+        self.taken_back = self.ids[self.shown:]
         del self.ids[self.shown:]
+        self.unsure = False
 
     @property
     def _limit(self) -> int | None:
@@ -254,12 +287,13 @@ class Stream:
         return b"data: " + _dumps({**head, **d}) + b"\n\n"
 
 
-def _text(choice: dict, chat: bool) -> bool:
-    """Whether a choice brought text (a chat delta's content or reasoning, a completion's text)."""
-    if not chat:
-        return bool(choice.get("text"))
+def _text(choice: dict) -> tuple[str, bool]:
+    """The answer's text a choice brought (a completion's text, a chat delta's content: a chat stream's continuation
+    is a completion), and whether it brought reasoning (a chat delta's, text of the answer's tokens kept apart from
+    the content)."""
     delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"))
+    return (choice.get("text") or delta.get("content") or "",
+            bool(delta.get("reasoning_content") or delta.get("reasoning")))
 
 
 def _as_chat(choice: dict, show_ids: bool) -> dict:
