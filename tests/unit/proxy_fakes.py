@@ -112,6 +112,7 @@ class FakeVLLM:
     breaks: Breaks | None = None  # toy: how its streams break
     paths: list = field(default_factory=list)  # the path of each generation request
     detokenized: list = field(default_factory=list)  # the ids of each /detokenize request
+    detokenize_status: int = 200  # what /detokenize answers with (200: the toy's text)
 
     def __post_init__(self):
         self.gate = asyncio.Event()  # clear it to hold requests before they are answered
@@ -294,6 +295,8 @@ class FakeVLLM:
     async def _detokenize(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.detokenized.append(body["tokens"])
+        if self.detokenize_status != 200:
+            return web.json_response({"error": {"message": "no"}}, status=self.detokenize_status)
         return web.json_response({"prompt": toy_decode(body["tokens"], self.held)})
 
     async def _health(self, request: web.Request) -> web.StreamResponse:

@@ -40,11 +40,12 @@ async def unbroken(path: str, body: dict, held: bool = False) -> bytes:
         return data
 
 
-async def broken(path: str, body: dict, breaks: Breaks, held: bool = False):
+async def broken(path: str, body: dict, breaks: Breaks, held: bool = False, detokenize: int = 200):
     """(status, the client's bytes, the setup's decode fakes) of one request whose first stream breaks."""
     async with running(prefill=1, decode=2, toy=True, held=held) as s:
         for fake in s.decode:
             fake.breaks = breaks
+            fake.detokenize_status = detokenize
         status, data = await ask(s, path, body)
         return status, data, s.decode, await s.metrics()
 
@@ -142,11 +143,13 @@ def test_a_client_that_asked_for_token_ids_gets_every_one_once_across_the_break(
     run(go())
 
 
-@pytest.mark.parametrize("kind", ["between", "merged"])
+@pytest.mark.parametrize("kind, detokenize", [("between", 200), ("between", 500), ("merged", 200)])
 @pytest.mark.parametrize("path, body", [("/v1/completions", completion(**USAGE)), ("/v1/chat/completions", chat(**USAGE))])
-def test_a_break_right_after_a_token_whose_text_was_held_back_goes_on_with_that_token_made_again(kind, path, body):
+def test_a_break_right_after_a_token_whose_text_was_held_back_goes_on_with_that_token_made_again(kind, path, body,
+                                                                                                  detokenize):
     # "between": the held token came in an event of its own, with no text; "merged": in one event with the token
-    # before it (whose text it carries), which the proxy can only tell by asking an instance's /detokenize
+    # before it (whose text it carries), which the proxy tells by asking an instance's /detokenize (what the text
+    # decodes to); where /detokenize fails (500) the events still tell the first (the second is not claimed then)
     prompt = toy_chat_prompt(MESSAGES) if path == resume.CHAT else toy_tokens(PROMPT)
     ids = toy_answer(prompt, N)
     h = next(k for k in range(1, N - 1) if toy_held(ids[k]) and not toy_held(ids[k - 1]))
@@ -154,7 +157,8 @@ def test_a_break_right_after_a_token_whose_text_was_held_back_goes_on_with_that_
     async def go():
         want = await unbroken(path, body, held=True)
         assert HELD in want.decode()
-        status, got, decode, _ = await broken(path, body, Breaks(kind, after=h + 1), held=True)
+        status, got, decode, _ = await broken(path, body, Breaks(kind, after=h + 1), held=True,
+                                              detokenize=detokenize)
         assert status == 200
         if kind == "merged":  # the merged event is the client's own: the text is the unbroken run's
             assert answer_text(got) == answer_text(want) and events(got)[-1] == "[DONE]", events(got)
@@ -163,12 +167,22 @@ def test_a_break_right_after_a_token_whose_text_was_held_back_goes_on_with_that_
         _, sent = continuation_of(decode)
         assert sent["prompt"] == prompt + ids[:h] and sent["max_tokens"] == N - h  # the held one made again
         asked = [tokens for fake in decode for tokens in fake.detokenized]
-        assert asked == ([ids[:h + 1], ids[:h]] if kind == "merged" else [])
+        assert asked == ([prompt, prompt + ids[:h + 1], prompt + ids[:h]] if detokenize == 200 else [prompt])
     run(go())
 
 
 def _sse(d: dict) -> bytes:
     return b"data: " + json.dumps(d).encode() + b"\n\n"
+
+
+def _event(text: str, ids: list[int], first: bool = False, chat_event: bool = False) -> bytes:
+    """One event of a stream whose prompt's ids are [1, 2], as vLLM sends it with `return_token_ids`."""
+    choice = {"index": 0, "delta": {"content": text}} if chat_event else {"index": 0, "text": text}
+    choice["token_ids"] = ids
+    if first and not chat_event:
+        choice["prompt_token_ids"] = [1, 2]
+    head = {"prompt_token_ids": [1, 2]} if first and chat_event else {}
+    return _sse({"id": "x", "created": 1, "model": "tiny", **head, "choices": [choice]})
 
 
 @pytest.mark.parametrize("chat_path", [False, True])
@@ -180,22 +194,13 @@ def test_tokens_whose_text_was_held_back_at_a_break_are_made_again_by_the_contin
     path = resume.CHAT if chat_path else resume.COMPLETIONS
     body = (chat if chat_path else completion)(**({"return_token_ids": True} if show_ids else {}))
     st = resume.Stream(path, body)
-
-    def piece(text: str, ids: list[int], first: bool = False, chat_event: bool = chat_path) -> dict:
-        choice = {"index": 0, "delta": {"content": text}} if chat_event else {"index": 0, "text": text}
-        choice["token_ids"] = ids
-        if first and not chat_event:
-            choice["prompt_token_ids"] = [1, 2]
-        head = {"prompt_token_ids": [1, 2]} if first and chat_event else {}
-        return {"id": "x", "created": 1, "model": "tiny", **head, "choices": [choice]}
-
-    sent = [st.event(_sse(piece("a", [5], first=True))), st.event(_sse(piece("", [6])))]
+    sent = [st.event(_event("a", [5], True, chat_path)), st.event(_event("", [6], chat_event=chat_path))]
     assert st.ids == [5, 6] and not st.limit_reached()
     cont_path, cont = st.continuation()
     assert cont_path == resume.COMPLETIONS and cont["prompt"] == [1, 2, 5] and cont["max_tokens"] == N - 1
     st.begin_continuation()
-    sent.append(st.event(_sse(piece("\u00e9b", [6], first=True, chat_event=False))))
-    sent.append(st.event(_sse(piece("c", [7], chat_event=False))))
+    sent.append(st.event(_event("\u00e9b", [6], first=True)))
+    sent.append(st.event(_event("c", [7])))
     got = [json.loads(e[6:])["choices"][0] for e in sent]
     texts = [c["delta"]["content"] if chat_path else c["text"] for c in got]
     assert "".join(texts) == "a\u00e9bc" and st.ids == [5, 6, 7]
@@ -391,3 +396,23 @@ def test_what_a_continuation_cannot_express_is_named_and_its_control_can_go_on(p
         plain["prompt"] = [101, 102]  # one prompt by token ids
     assert not_resumable(path, plain) is None
     assert not_resumable(path, {**plain, "tools": [{"type": "function"}], "tool_choice": "none"}) is None
+
+
+@pytest.mark.parametrize("show_ids", [False, True])
+@pytest.mark.parametrize("first_sends", [False, True])
+def test_a_second_break_before_the_held_tokens_came_again_still_gives_the_client_each_event_once(first_sends, show_ids):
+    # a 3-byte character: 6 and 8 end inside it, 9 completes it. The first continuation breaks off before it sent
+    # anything (first_sends False) or after making 6 again and sending 8, still with no text (True)
+    st = resume.Stream(resume.COMPLETIONS, completion(**({"return_token_ids": True} if show_ids else {})))
+    out = [st.event(_event("a", [5], first=True)), st.event(_event("", [6]))]
+    st.begin_continuation()
+    if first_sends:
+        out += [st.event(_event("", [6], first=True)), st.event(_event("", [8]))]
+    assert st.continuation()[1]["prompt"] == [1, 2, 5]
+    st.begin_continuation()
+    out += [st.event(_event("", [6], first=True)), st.event(_event("", [8])), st.event(_event("\u20acb", [9]))]
+    got = [json.loads(e[6:])["choices"][0] for e in out if e]
+    assert "".join(c["text"] for c in got) == "a\u20acb" and st.ids == [5, 6, 8, 9]
+    assert len(got) == 4  # one event each of 5, 6, 8 and 9: none of the remade ones again
+    assert [t for c in got for t in c["token_ids"]] == [5, 6, 8, 9] if show_ids else \
+        all(c["token_ids"] is None for c in got)

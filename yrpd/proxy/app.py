@@ -34,6 +34,8 @@ MAX_BODY = 64 * 1024 * 1024
 KEEPALIVE_S = 4.0
 HEARTBEAT_S = 10.0
 HEARTBEAT = b": keep-alive\n\n"
+#: the most a break waits for an instance to say which tokens' text the client has (resume.Stream.settle)
+SETTLE_S = 5.0
 #: a client's connection whose link died ends on the proxy's side within these bounds (set on the listening socket,
 #: which the accepted ones inherit): data not acknowledged for TCP_USER_TIMEOUT_MS (a stream, with its heartbeats),
 #: or an idle connection that misses TCP_KEEPCNT probes, one every TCP_KEEPINTVL after TCP_KEEPIDLE s: 60 s either
@@ -559,11 +561,13 @@ class Proxy:
         st = resume.Stream(request.path, body)
         out: web.StreamResponse | None = None
         path, leg = request.path, st.leg_body()
+        leg_url = None  # the instance of the leg that answers now
         try:
             while True:
                 try:
                     async with contextlib.AsyncExitStack() as stack:
                         inst, resp, down = await self._answering_leg(request, path, leg, headers, stack)
+                        leg_url = inst.url
                         content_type = resp.headers.get("Content-Type", "application/json")
                         if resp.status != 200 or not content_type.startswith("text/event-stream"):
                             with call.waiting():
@@ -596,7 +600,8 @@ class Proxy:
                                         if st.migrations >= MAX_MIGRATIONS else
                                         "no instance is up to go on" if not self._can_serve(request) else None)
                 if not reason:
-                    await self._settle(request, st, headers)
+                    await self._settle(request, st, headers, broke.inst.url if isinstance(broke, InstanceDown) else
+                                       leg_url)
                 cont = None if reason else st.continuation()
                 if cont is None:
                     reason = reason or "its instance gave no token ids"
@@ -617,13 +622,14 @@ class Proxy:
             if call.heartbeat is not None:
                 call.heartbeat.cancel()
 
-    async def _settle(self, request: web.Request, st: resume.Stream, headers: dict) -> None:
-        """Which tokens of a last event that carried several the client read the text of (resume.Stream.settle),
-        decoded by an up instance of the answer's model; where none answers, what the events tell stays."""
+    async def _settle(self, request: web.Request, st: resume.Stream, headers: dict, broke: str | None) -> None:
+        """Where the continuation's prompt ends, from the text (resume.Stream.settle), decoded by an up instance of
+        the answer's model, another than the one that broke off where there is one; where none answers within
+        SETTLE_S, what the events tell stays."""
         group = request[_CALL].group
-        inst = next((i for role in ("decode", "prefill") for i in self.pool.up(role)
-                     if group is None or i.group == group), None)
-        if inst is None or not st.unsure:
+        up = [i for role in ("decode", "prefill") for i in self.pool.up(role) if group is None or i.group == group]
+        inst = next((i for i in up if i.url != broke), up[0] if up else None)
+        if inst is None:
             return
 
         async def decode(ids: list[int]) -> str:
@@ -634,7 +640,7 @@ class Proxy:
                 return (await resp.json())["prompt"]
 
         try:
-            await st.settle(decode)
+            await asyncio.wait_for(st.settle(decode), SETTLE_S)
         except (*_UPSTREAM_ERRORS, ValueError, KeyError, TypeError) as exc:
             log.info("%s %s: cannot ask %s which tokens' text went out (%s); going on from the events", request.method,
                      request.path, inst.url, _text(exc))

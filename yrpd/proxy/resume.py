@@ -85,14 +85,13 @@ class Stream:
         self.show_ids = bool(body.get("return_token_ids"))  # the client's own wish: its events keep the ids
         self.prompt_ids: list[int] | None = None
         self.ids: list[int] = []  # the answer's token ids the client was sent
-        # How many of `ids` came with their text. vLLM holds back the text of a token that ends inside a UTF-8
-        # character until the token that completes it; those ids are sent again by a continuation, never in its
-        # prompt: vLLM 0.32 (tokenizers 0.23) primes a request's detokenizer with its prompt, and a prompt that
-        # ends inside a character makes its first event carry the whole prompt's text. The events tell it where
-        # each carries one token; `settle` finds it where one carried several.
+        # How many of `ids` a continuation's prompt takes. vLLM holds back the text of a token that ends inside a
+        # UTF-8 character until the token that completes it, and vLLM 0.32 (tokenizers 0.23) primes a request's
+        # detokenizer with its prompt: a prompt that ends inside a character makes its first event carry the whole
+        # prompt's text. The prompt ends where the text is whole, the continuation makes the rest again. The events
+        # tell it for a token that came alone with no text; `settle` finds it in general.
         self.shown = 0
         self.text: list[str] | None = []  # the answer's text as the client was sent it; None: not all of it text
-        self.unsure = False  # `shown` was set by an event of several tokens
         self.taken_back: list[int] = []  # ids the client had events of that the continuation makes again
         self.finish: str | None = None  # the finish_reason the client was sent
         self.usage_sent = False
@@ -161,7 +160,6 @@ class Stream:
             text, reasoning = _text(choice)
             if text or reasoning:
                 self.shown = len(self.ids)
-                self.unsure = len(ids) > 1  # the last of them may be held back: `settle` finds out
             if reasoning:
                 self.text = None  # the answer's ids decode to more than the content the client reads
             elif text and self.text is not None:
@@ -206,15 +204,17 @@ class Stream:
         return True
 
     async def settle(self, decode: Callable[[list[int]], Awaitable[str]]) -> None:
-        """Make `shown` the most ids whose text, decoded whole (`decode`: an instance's /detokenize), is exactly the
-        text the client was sent, looking back over the last HELD_MAX ids: an event that carried several tokens
-        may end with one whose text is held back. Left as the events tell where none matches (a detokenizer whose
-        whole decode differs from its stream's) or the client's text is not all there is."""
-        if not self.unsure or self.text is None:
+        """Where the continuation's prompt ends (`shown`), from the text: the most ids, looking back over the last
+        HELD_MAX, that decoded after the prompt's ids (`decode`: an instance's /detokenize, the prompt giving the
+        first token's leading space as the stream had it) make exactly the prompt's text and what the client has.
+        An event of several tokens can end with a held one, which the events cannot tell. Left as the events tell
+        where none fits (a detokenizer whose whole decode differs from its stream's) or the client's text is not
+        all of the answer's."""
+        if self.text is None or self.prompt_ids is None or not self.ids:
             return
-        sent = "".join(self.text)
+        had = await decode(self.prompt_ids) + "".join(self.text)
         for m in range(len(self.ids), max(-1, len(self.ids) - HELD_MAX - 1), -1):
-            if await decode(self.ids[:m]) == sent:
+            if await decode([*self.prompt_ids, *self.ids[:m]]) == had:
                 self.shown = m
                 return
 
@@ -241,9 +241,8 @@ class Stream:
         """The continuation goes out: the ids whose text never came are the continuation's to make again."""
         self.continued = True
         self.migrations += 1
-        self.taken_back = self.ids[self.shown:]
+        self.taken_back = self.ids[self.shown:] + self.taken_back  # and what an earlier one had still to make
         del self.ids[self.shown:]
-        self.unsure = False
 
     @property
     def _limit(self) -> int | None:
