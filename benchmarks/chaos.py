@@ -16,9 +16,10 @@ once the deployment is healthy). The supervisors may restart an instance 100 tim
 Reported: streams sent, completed with the unbroken answer, broken (not 200, an error event, cut short, no answer),
 wrong (a whole 200 whose text differs), the proxy's migrations and degraded answers (its /metrics, deltas), the
 latency a migration adds (the longest gap between two events of each stream the proxy carried over, against the
-median longest gap of the others: p50, p99), every fault with the streams in flight at it, and after `yrpd down`
-what /dev/shm holds that it did not before. A run that stops early (the deployment not healthy again within 300 s)
-says why under `failed`, with the streams counted so far. Provenance: yrpd.provenance.record.
+median longest gap of the others: p50, p99, and by the kind of fault the stream met), every fault with the streams
+in flight at it, and after `yrpd down` what /dev/shm holds that it did not before. A run that stops early (the
+deployment not healthy again within 300 s) says why under `failed`, with the streams counted so far. Provenance:
+yrpd.provenance.record.
 """
 
 from __future__ import annotations
@@ -79,6 +80,18 @@ def victims(report: dict) -> list[tuple[str, str]]:
     """(host, name) of the healthy instances whose role keeps another healthy instance up."""
     up = [i for i in report["instances"] if i["healthy"]]
     return [(i["host"], i["name"]) for i in up if sum(1 for j in up if j["role"] == i["role"]) > 1]
+
+
+def fault_met(call, faults: list[dict], t0: float) -> str:
+    """The kind of fault a migrated stream met: the last one between 10 s before it began (a request sent to an
+    instance that was dying) and its end, a link cut counted while the link was down."""
+    hit = [f for f in faults if call.started - 10 <= t0 + f["at_s"] + (30 if "link" in f["what"] else 0)
+           and t0 + f["at_s"] <= call.ended]
+    if not hit:
+        return "none found"
+    what = hit[-1]["what"]
+    return ("link cut" if "link" in what else "worker kill" if "ds_worker" in what else
+            "EngineCore kill" if ":engine" in what else "API server kill")
 
 
 #: the supervisors' restart cap (spec `restart.max` in `restart.window_s`): the default 3 in 600 s guards against a
@@ -210,8 +223,13 @@ def main() -> None:
         base = statistics.median(plain_gaps) if plain_gaps else 0.0
         added = sorted(c.max_gap - base for c in ended if c.request_id in migrated and c not in broken)
 
-        def pick(q: float) -> float | None:
-            return round(added[min(len(added) - 1, int(q * len(added)))], 2) if added else None
+        def pick(q: float, values: list[float] = added) -> float | None:
+            return round(values[min(len(values) - 1, int(q * len(values)))], 2) if values else None
+
+        by_fault: dict[str, list[float]] = {}
+        for c in ended:
+            if c.request_id in migrated and c not in broken:
+                by_fault.setdefault(fault_met(c, faults, started), []).append(c.max_gap - base)
 
         report.update(
             streams=len(ended), identical=sum(1 for c in ended if c not in broken and c not in wrong),
@@ -219,6 +237,8 @@ def main() -> None:
             migrations=moved, degraded_answers=degraded, streams_carried_over=len(migrated),
             migration_added_s={"p50": pick(0.5), "p99": pick(0.99), "n": len(added),
                                "median_longest_gap_unbroken_s": round(base, 3)},
+            migration_added_by_fault={kind: {"n": len(v), "p50": pick(0.5, sorted(v)), "p99": pick(0.99, sorted(v)),
+                                             "max": round(max(v), 2)} for kind, v in sorted(by_fault.items())},
             broken_detail=[{"id": c.request_id, "status": c.status, "error_event": c.error_event,
                             "chunks": c.chunks, "failure": c.failure, "raw": c.raw[:200],
                             "proxy_line": lines.get(c.request_id)} for c in broken][:10],
