@@ -82,10 +82,14 @@ def victims(report: dict) -> list[tuple[str, str]]:
     return [(i["host"], i["name"]) for i in up if sum(1 for j in up if j["role"] == i["role"]) > 1]
 
 
+#: how long h2's link is cut, once
+LINK_DOWN_S = 30
+
+
 def fault_met(call, faults: list[dict], t0: float) -> str:
     """The kind of fault a migrated stream met: the last one between 10 s before it began (a request sent to an
     instance that was dying) and its end, a link cut counted while the link was down."""
-    hit = [f for f in faults if call.started - 10 <= t0 + f["at_s"] + (30 if "link" in f["what"] else 0)
+    hit = [f for f in faults if call.started - 10 <= t0 + f["at_s"] + (LINK_DOWN_S if "link" in f["what"] else 0)
            and t0 + f["at_s"] <= call.ended]
     if not hit:
         return "none found"
@@ -185,10 +189,10 @@ def main() -> None:
                     fault("kill -9 ds_worker on h2")
                     continue
                 if due == "link":
-                    fault("h2's link down 30 s")
+                    fault(f"h2's link down {LINK_DOWN_S} s")
                     d.lab.cut("h2")
                     try:
-                        time.sleep(30)
+                        time.sleep(LINK_DOWN_S)
                     finally:
                         d.lab.mend("h2")
                     continue

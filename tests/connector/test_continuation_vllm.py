@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from tests.connector.harness import make_prompts
+from tests.connector.harness import http_json, make_prompts
 from yrpd.proxy import resume
 
 pytestmark = pytest.mark.e2e
@@ -66,10 +66,7 @@ def merged(events: list[bytes], k: int) -> list[bytes]:
 
 def detokenizer(base: str):
     async def decode(ids: list[int]) -> str:
-        req = urllib.request.Request(base + "/detokenize", data=json.dumps({"model": "tiny", "tokens": ids}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return json.loads(resp.read())["prompt"]
+        return http_json("POST", base + "/detokenize", {"model": "tiny", "tokens": ids}, timeout=30)["prompt"]
     return decode
 
 

@@ -241,8 +241,7 @@ class FakeVLLM:
             choice["token_ids"] = [t] if asked else None
             if merge and k == self.breaks.after - 1:  # this token in one event with the one before (a slow reader)
                 before = events[-1][0]["choices"][0]
-                key = "delta" if chat else None
-                if key:
+                if chat:
                     before["delta"]["content"] += pieces[k]
                 else:
                     before["text"] += pieces[k]
