@@ -346,8 +346,10 @@ def test_a_slow_lossy_link_still_answers_right(two_hosts, lab_figures):
     over to it; each answer must equal the one the same prompt gets once the link is whole again. The delay must
     show: a TCP handshake with h2 takes at least the delay while it is applied, and far less before and after."""
     d = two_hosts
-    prompts = [f"{LONG}\n# lossy {i} {os.urandom(4).hex()}" for i in range(8)]
-    clean = Call(d.proxy, body(f"{LONG}\n# clean {os.urandom(4).hex()}", 32), timeout=120)
+    # each prompt starts with words of its own: decode holds none of its blocks, so every one is loaded across the
+    # link (behind a shared LONG, decode's own prefix cache held all but the last and most calls loaded nothing)
+    prompts = [f"# lossy {i} {os.urandom(4).hex()}\n{LONG}" for i in range(8)]
+    clean = Call(d.proxy, body(f"# clean {os.urandom(4).hex()}\n{LONG}", 32), timeout=120)
     clean.run()
     # the connector rewrites its counters every STATS_INTERVAL_S: the clean call's hand-over lands before `before`,
     # and the degraded link's have that long to show in `during` (a read right after the calls saw none of them)
