@@ -14,7 +14,7 @@ import pytest
 
 from lab.hosts import assert_nothing_left
 from lab.traffic import TwoHosts
-from tests.lab.test_scale_lab import PROMPTS, Load
+from tests.lab.test_scale_lab import PACE_S, PROMPTS, Load
 
 pytestmark = pytest.mark.lab
 
@@ -33,7 +33,7 @@ def test_a_model_change_never_mixes_two_models_in_one_answer(fake_lab, tmp_path,
         old_urls = {i["url"] for i in before["instances"]}
         changed = tmp_path / "changed.yaml"
         changed.write_text(d.config.read_text().replace("model: builtin:tiny-qwen2", "model: builtin:bench-qwen2"))
-        with Load(d.proxy, old) as load:
+        with Load(d.proxy, old, pace_s=PACE_S) as load:
             time.sleep(5)
             t0 = time.monotonic()
             rolled = d.cli("deploy", "--hosts", ",".join(d.names), "--config", str(changed), timeout=1500)

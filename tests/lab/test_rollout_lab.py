@@ -17,7 +17,7 @@ import pytest
 
 from lab.hosts import session_processes
 from tests.doc_commands import commands, moves_a_host, words
-from tests.lab.test_scale_lab import PROMPTS, Load
+from tests.lab.test_scale_lab import PACE_S, PROMPTS, Load
 
 pytestmark = pytest.mark.lab
 
@@ -44,7 +44,7 @@ def test_drain_a_host_then_roll_an_engine_flag_under_load_fails_no_request(three
     assert placed(before) == [("prefill-0", "h1"), ("decode-0", "h2")]
     assert {c["host"] for c in before["cluster"]["components"]} == {"h1", "h2", "h3"}  # h3 free, in the cluster
     drain, undrain = commands(moves_a_host)  # the README's: yrpd drain h2, yrpd undrain h2
-    with Load(d.proxy, expected) as load:
+    with Load(d.proxy, expected, pace_s=PACE_S) as load:
         time.sleep(5)
         t0 = time.monotonic()
         out = d.cli(*words(drain), timeout=900)

@@ -28,15 +28,22 @@ REPORT_VARIABLE = "YRPD_SCALE_REPORT"
 PROMPTS = [f"{LONG}\n# scale {i}" for i in range(3)] + ["The capital of France is", "import os\nimport sys\n"]
 
 
+#: each client's pause between answers where a change is made under traffic (scale, rollout, model change): requests
+#: go on arriving through every step, a few a second, without the clients holding both cores of the CI machine for
+#: the minutes a change takes (back to back they did: the other lane's tests waited on the CPU)
+PACE_S = 0.5
+
+
 class Load:
     """`clients` threads sending greedy requests in turn (every other one streamed, or `request(prompt, i)`'s body)
-    until stopped; each answer is compared with the one the deployment gave before the load."""
+    until stopped, each waiting `pace_s` after an answer before its next request (0: back to back); each answer is
+    compared with the one the deployment gave before the load."""
 
     def __init__(self, proxy: str, expected: dict[str, str], clients: int = 4, request=None,
-                 timeout: float = 120) -> None:
+                 timeout: float = 120, pace_s: float = 0.0) -> None:
         self.proxy, self.expected = proxy, expected
         self.request = request or (lambda prompt, i: body(prompt, 16, stream=i % 2 == 1))
-        self.timeout = timeout
+        self.timeout, self.pace_s = timeout, pace_s
         self.calls: list[Call] = []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._client, args=(n,), daemon=True) for n in range(clients)]
@@ -49,6 +56,7 @@ class Load:
             call.run()
             self.calls.append(call)
             i += 1
+            self.stop.wait(self.pace_s)
 
     def __enter__(self) -> "Load":
         for t in self.threads:
@@ -113,7 +121,7 @@ def test_scale_out_and_back_in_under_load_fails_no_request(three_hosts, lab_figu
     before, _ = d.healthy()
     assert [i["name"] for i in before["instances"]] == ["prefill-0", "decode-0"]
     assert {c["host"] for c in before["cluster"]["components"]} == {"h1", "h2"}  # h3 joins with the scale-out
-    with Load(d.proxy, expected) as load:
+    with Load(d.proxy, expected, pace_s=PACE_S) as load:
         time.sleep(5)
         t0 = time.monotonic()
         [documented] = commands(scales_a_deployment)  # the README's: 1 decode instance -> 2, h3 added

@@ -1,7 +1,7 @@
 """Self-healing on `yrpd deploy --hosts localhost` (in a network namespace of its own): `kill -9` of etcd, the data
-system worker (both under yrpd's supervisors: the default dscli launcher) and the proxy, each alone, and of each API
-server and EngineCore, two at a time (one of prefill with one of decode: ROUNDS). After each round, with no
-command typed,
+system worker (both under yrpd's supervisors: the default dscli launcher) and the proxy, each alone, and SIGSTOP of
+an API server and an EngineCore together (one of prefill with one of decode: ROUNDS; their `kill -9` is the two-host
+test's, below). After each round, with no command typed,
 requests through the proxy succeed again with the same greedy answer, `yrpd status` is healthy with the restart
 shown, nothing of the killed process group is left, and what was healthy kept its pid. During the outage every
 answer is a clean 5xx JSON or a success, never 200-empty. Then the same kinds of kill with automatic restart off,
@@ -33,12 +33,11 @@ INSTANCE_RECOVERY_S = 240  # ... which a loaded 2-core machine stretches (vLLM s
 CLUSTER = ("etcd", "ds_worker")
 HANG_AFTER_S = 10
 #: the kills on localhost, a round at a time. The cluster's processes and the proxy alone (what each one breaks is
-#: its own); an instance's kills in pairs, one in prefill and one in decode, of different kinds: each instance restarts
-#: once and the other kinds still only their own. The four kinds (API server or EngineCore, SIGKILL or SIGSTOP) in two
-#: rounds; the two-host test kills the API servers together and the EngineCores together, so that every kill of each
-#: role is seen somewhere, in the fewest vLLM starts
-ROUNDS = (("etcd",), ("ds_worker",), ("prefill-0", "decode-0:engine"), ("proxy",),
-          ("decode-0:stop", "prefill-0:engine-stop"))
+#: its own); the instances' hangs in one round, decode's API server and prefill's EngineCore stopped: each instance
+#: restarts once and the rest keeps its pid. The kill -9 of each kind in each role is the two-host test's (the API
+#: servers together, then the EngineCores together): every kill of each role is seen somewhere, in the fewest vLLM
+#: starts (a localhost round of kill -9 as well cost the suite two starts and saw nothing the two-host test does not)
+ROUNDS = (("etcd",), ("ds_worker",), ("proxy",), ("decode-0:stop", "prefill-0:engine-stop"))
 PROMPT = {"model": "tiny-qwen2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 
 
@@ -281,9 +280,10 @@ def test_with_restart_off_deploy_heals_only_what_is_dead(netns, tmp_path):  # no
         status, body = d.ask()
         baseline = text_of(body)
         report = wait_healthy(d)
-        # what dies, in two rounds, each healed by one re-deploy that leaves the rest alone: an API server, an
-        # EngineCore and the cluster's processes (every vLLM start of the test in one round), then the proxy alone
-        rounds = [(("prefill-0", "decode-0:engine", *CLUSTER), ("proxy",)),
+        # what dies, in two rounds, each healed by one re-deploy that leaves the rest alone: decode's EngineCore (its
+        # API server exits after it: with restart off an API server's death is the same to the supervisor) and the
+        # cluster's processes, prefill kept (the test's one vLLM start after the deploy), then the proxy alone
+        rounds = [(("decode-0:engine", *CLUSTER), ("prefill-0", "proxy")),
                   (("proxy",), ("prefill-0", "decode-0", *CLUSTER))]
         for killed, untouched in rounds:
             before = pids(report)
@@ -350,8 +350,8 @@ def test_on_two_hosts_kills_heal_and_a_host_that_comes_back_is_rebuilt_alone(two
 
     _, baseline = ask_until_good(None, 30)
     healthy()
-    # a round at a time; the instances' kills in pairs across the hosts, paired otherwise than on localhost (there the
-    # API server of one role goes with the EngineCore of the other), so that no pairing hides what one kill does
+    # a round at a time; the instances' kills in pairs across the hosts, paired otherwise than localhost's stops (there
+    # the API server of one role goes with the EngineCore of the other), so that no pairing hides what one kill does
     rounds = [(("h1", "etcd"),), (("h2", "ds_worker"),), (("h1", "prefill-0"), ("h2", "decode-0")),
               (("h1", "prefill-0:engine"), ("h2", "decode-0:engine")), (("h1", "proxy"),)]
 
