@@ -88,7 +88,8 @@ def record(out: Path, command: list[str]) -> int:
         libc.acct(None)
         stop.set()
         watcher.join(5)
-    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                            check=False).stdout.strip()
     out.with_suffix(".json").write_text(json.dumps({
         "command": command, "exit_code": rc, "started": int(started), "wall_s": round(time.time() - started, 1),
         "commit": commit,
@@ -144,9 +145,9 @@ def report(out: Path, top: int, each: str | None = None) -> str:
         cpu[k] += r["cpu_s"]
         count[k] += 1
     total = sum(cpu.values())
-    text = [f"command: {' '.join(meta.get('command', []))}", f"commit: {meta.get('commit', '?')}  cpu: "
-            f"{meta.get('cpu', '?')} x {meta.get('cores', '?')}  wall: {meta.get('wall_s', 0) / 60:.1f} min  "
-            f"exit: {meta.get('exit_code', '?')}",
+    text = [f"command: {' '.join(meta.get('command', []))}",
+            (f"commit: {meta.get('commit', '?')}  cpu: {meta.get('cpu', '?')} x {meta.get('cores', '?')}  "
+             f"wall: {meta.get('wall_s', 0) / 60:.1f} min  exit: {meta.get('exit_code', '?')}"),
             f"CPU of the processes that exited: {total / 60:.1f} min ({len(rows)} processes)", "",
             "  CPU min   share  processes  kind"]
     for k, v in cpu.most_common(top):
