@@ -1,8 +1,8 @@
 """The SLA planner against a real deployment under a load step, on the shared 3-host deployment (issue 34;
 tests/lab/fixtures.py `three_hosts`, after the scale and rollout tests): 1 prefill + 1 decode with h3 free; the TTFT
-target is set at 3x what one client sees; `yrpd planner` (the README's command) runs while the load steps from 1
-client to 6 and back. It must add an instance while the 6 clients push TTFT p90 over the
-target and give it back once the load drops, every decision in `yrpd status` and the journal, and no request may
+target is set between what one client and six clients see on this machine at the time (their geometric mean);
+`yrpd planner` (the README's command) runs while the load steps from 1 client to 6 and back. It must add an
+instance while the 6 clients push TTFT p90 over the target and give it back once the load drops, every decision in `yrpd status` and the journal, and no request may
 fail or come back wrong meanwhile. TTFT p90 before, during and after are reported, not asserted: this machine's two
 cores are shared by every fake host, so an instance added on h3 adds no compute (docs/benchmarks.md says so).
 
@@ -29,6 +29,10 @@ from tests.lab.test_scale_lab import PROMPTS, Load
 pytestmark = pytest.mark.lab
 
 REPORT_VARIABLE = "YRPD_PLANNER_REPORT"
+#: the least rise of TTFT p90 from one client to six that the test can plan on; with the target at the geometric
+#: mean, six clients' p90 is then at least 1.26 x the target and one client's at most 0.79 x, under SCALE_IN_BELOW
+STEP = 1.6
+SCALE_IN_BELOW = 0.9
 
 
 def latency(proxy: str, window: float) -> dict:
@@ -52,27 +56,39 @@ def test_the_planner_adds_an_instance_under_a_load_step_and_gives_it_back_when_t
             time.sleep(20)
             base = latency(d.proxy, 20)["ttft_ms"]
         assert base["n"] >= 3, base
-        target = max(300.0, 3 * base["p90"])
-        figures.update(ttft_p90_one_client_ms=base["p90"], target_ms=target)
-        # the targets are a spec change that restarts nothing (a free field): the planner reads them from the session
-        with_planner = d.spec_now(tmp_path / "planner.yaml", planner={
-            "ttft_p90_ms": target, "max_prefill": 2, "max_decode": 2, "window_s": 15, "interval_s": 3,
-            "cooldown_s": 20, "min_samples": 4})
-        changed = d.cli("deploy", "--hosts", ",".join(d.names), "--config", str(with_planner), timeout=600)
-        assert "planner:" in changed.stderr and "(free)" in changed.stderr, changed.stderr
-        d.config = with_planner  # the deployment's spec from now on
-        [documented] = commands(plans_a_deployment)  # the README's `yrpd planner`
-        # PYTHONFAULTHANDLER: a planner that does not end after Ctrl-C is sent SIGABRT below, and Python then prints
-        # where each of its threads was. Started with SIGINT ignored, as a script's background job is (a shell
-        # without job control does that): CI ran it so, and the planner used to keep running after its SIGINT
-        planner = subprocess.Popen([sys.executable, "-m", "yrpd", *words(documented), *d.lab.cli_ssh_args],
-                                   cwd=REPO, env={**os.environ, **d.env, "PYTHONFAULTHANDLER": "1"},
-                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-                                   stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-        t0 = time.monotonic()
-        grown_at = None
         with Load(d.proxy, expected, clients=6) as busy:
+            # the targets come from what this machine shows now, not a figure of another run: how much six clients
+            # raise TTFT depends on what else its two cores run (5 s in one CI run, 0.18 s in another)
+            time.sleep(15)
+            loaded = latency(d.proxy, 15)["ttft_ms"]
+            assert loaded["p90"] >= STEP * base["p90"], (
+                f"six clients raised TTFT p90 only from {base['p90']} to {loaded['p90']} ms: no step to plan on")
+            # between the two (their geometric mean): over the target under the step, and one client's p90 under
+            # scale_in_below of it, with room for noise either side
+            target = round((base["p90"] * loaded["p90"]) ** 0.5, 1)
+            figures.update(ttft_p90_one_client_ms=base["p90"], ttft_p90_six_clients_ms=loaded["p90"],
+                           target_ms=target)
+            # the targets are a spec change that restarts nothing (a free field): the planner reads them from the
+            # session
+            with_planner = d.spec_now(tmp_path / "planner.yaml", planner={
+                "ttft_p90_ms": target, "scale_in_below": SCALE_IN_BELOW, "max_prefill": 2, "max_decode": 2,
+                "window_s": 15, "interval_s": 3, "cooldown_s": 20, "min_samples": 4})
+            changed = d.cli("deploy", "--hosts", ",".join(d.names), "--config", str(with_planner), timeout=600)
+            assert "planner:" in changed.stderr and "(free)" in changed.stderr, changed.stderr
+            d.config = with_planner  # the deployment's spec from now on
+            [documented] = commands(plans_a_deployment)  # the README's `yrpd planner`
+            # PYTHONFAULTHANDLER: a planner that does not end after Ctrl-C is sent SIGABRT below, and Python then
+            # prints where each of its threads was. Started with SIGINT ignored, as a script's background job is (a
+            # shell without job control does that): CI ran it so, and the planner used to keep running after its
+            # SIGINT
+            # SIGINT ignored by the shell's trap, kept across its exec (no preexec_fn: the load's threads run)
+            planner = subprocess.Popen(["bash", "-c", 'trap "" INT; exec "$@"', "planner", sys.executable, "-m",
+                                        "yrpd", *words(documented), *d.lab.cli_ssh_args],
+                                       cwd=REPO, env={**os.environ, **d.env, "PYTHONFAULTHANDLER": "1"},
+                                       stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+            t0 = time.monotonic()
+            grown_at = None
             while time.monotonic() - t0 < 240:
                 time.sleep(3)
                 if grown_at is None and sum(counts(d.status()[0]).values()) == 3:
