@@ -17,8 +17,8 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import re
+import shlex
 import struct
 import subprocess
 import sys
@@ -26,6 +26,10 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from yrpd.provenance import record as provenance
 
 #: struct acct_v3 (linux/acct.h): 64 bytes, times as comp_t in AHZ (100) ticks
 RECORD = 64
@@ -88,20 +92,10 @@ def record(out: Path, command: list[str]) -> int:
         libc.acct(None)
         stop.set()
         watcher.join(5)
-    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                            check=False).stdout.strip()
     out.with_suffix(".json").write_text(json.dumps({
-        "command": command, "exit_code": rc, "started": int(started), "wall_s": round(time.time() - started, 1),
-        "commit": commit,
-        "cpu": platform.processor() or _cpu_model(), "cores": os.cpu_count()}, indent=2) + "\n")
+        "exit_code": rc, "started": int(started), "wall_s": round(time.time() - started, 1),
+        "provenance": provenance([shlex.join(command)])}, indent=2) + "\n")
     return rc
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def kind(comm: str, cmdline: str) -> str:
@@ -138,15 +132,17 @@ def report(out: Path, top: int, each: str | None = None) -> str:
             pid, cmd = json.loads(line)
             lines[pid] = cmd  # the last seen: after an exec
     meta = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {}
+    prov = meta.get("provenance", {})
     rows = records(out.with_suffix(".acct").read_bytes())
+    for r in rows:
+        r["kind"] = kind(r["comm"], lines.get(r["pid"], ""))
     cpu, count = Counter(), Counter()
     for r in rows:
-        k = kind(r["comm"], lines.get(r["pid"], ""))
-        cpu[k] += r["cpu_s"]
-        count[k] += 1
+        cpu[r["kind"]] += r["cpu_s"]
+        count[r["kind"]] += 1
     total = sum(cpu.values())
-    text = [f"command: {' '.join(meta.get('command', []))}",
-            (f"commit: {meta.get('commit', '?')}  cpu: {meta.get('cpu', '?')} x {meta.get('cores', '?')}  "
+    text = [f"command: {' '.join(prov.get('commands', []))}",
+            (f"commit: {prov.get('commit', '?')}  cpu: {prov.get('cpu', '?')} x {prov.get('cores', '?')}  "
              f"wall: {meta.get('wall_s', 0) / 60:.1f} min  exit: {meta.get('exit_code', '?')}"),
             f"CPU of the processes that exited: {total / 60:.1f} min ({len(rows)} processes)", "",
             "  CPU min   share  processes  kind"]
@@ -156,7 +152,7 @@ def report(out: Path, top: int, each: str | None = None) -> str:
         first = meta.get("started") or min(r["start"] for r in rows)
         text += ["", f"each {each} process: started (min after the command), life (s), CPU (s)"]
         for r in sorted(rows, key=lambda r: r["start"]):
-            if kind(r["comm"], lines.get(r["pid"], "")) == each:
+            if r["kind"] == each:
                 text.append(f"  +{(r['start'] - first) / 60:5.1f}  {r['life_s']:7.0f}  {r['cpu_s']:6.1f}")
     return "\n".join(text)
 

@@ -80,8 +80,7 @@ def test_the_planner_adds_an_instance_under_a_load_step_and_gives_it_back_when_t
             # PYTHONFAULTHANDLER: a planner that does not end after Ctrl-C is sent SIGABRT below, and Python then
             # prints where each of its threads was. Started with SIGINT ignored, as a script's background job is (a
             # shell without job control does that): CI ran it so, and the planner used to keep running after its
-            # SIGINT
-            # SIGINT ignored by the shell's trap, kept across its exec (no preexec_fn: the load's threads run)
+            # SIGINT. The shell's trap ignores it and its exec keeps that (no preexec_fn: the load's threads run)
             planner = subprocess.Popen(["bash", "-c", 'trap "" INT; exec "$@"', "planner", sys.executable, "-m",
                                         "yrpd", *words(documented), *d.lab.cli_ssh_args],
                                        cwd=REPO, env={**os.environ, **d.env, "PYTHONFAULTHANDLER": "1"},

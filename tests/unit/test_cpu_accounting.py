@@ -43,8 +43,10 @@ def test_the_report_sums_each_kind_and_lists_one_kind_process_by_process(tmp_pat
     out = tmp_path / "run"
     out.with_suffix(".acct").write_bytes(raw(1, "VLLM::Worker", 1200, 0, start=1_060) +
                                          raw(2, "VLLM::Worker", 600, 0, start=1_120) + raw(3, "etcd", 60, 0))
-    out.with_suffix(".json").write_text(json.dumps({"command": ["bash", ".ci/run"], "commit": "abc", "started": 1_000,
-                                                    "wall_s": 600, "cpu": "c", "cores": 2, "exit_code": 0}))
+    prov = {"commands": ["bash .ci/run"], "commit": "abc", "cpu": "c", "cores": 2}
+    out.with_suffix(".json").write_text(json.dumps({"started": 1_000, "wall_s": 600, "exit_code": 0,
+                                                    "provenance": prov}))
     text = acc.report(out, top=10, each="vLLM Worker")
+    assert "command: bash .ci/run" in text and "commit: abc  cpu: c x 2  wall: 10.0 min  exit: 0" in text
     assert "    0.30   96.8%          2  vLLM Worker" in text and "etcd" in text
     assert "  +  1.0      500    12.0" in text and "  +  2.0      500     6.0" in text
