@@ -11,6 +11,9 @@ BUILTIN_MODELS = {
     "bench-qwen2": ("yrpd.demo.tiny_model", "6-layer Qwen2 with random weights sized so CPU prefill dominates "
                                             "(benchmarks)"),
 }
+#: name -> (attention heads, layers): TP must divide the heads and PP split the layers, or vLLM refuses at start;
+#: the plan refuses first (the builders' configs: yrpd/demo)
+BUILTIN_SHAPES = {"smollm2": (9, 30), "tiny-qwen2": (4, 2), "bench-qwen2": (12, 6)}
 #: builtin models that `dtype: auto` serves in one dtype on every CPU, and why (else: the CPU's fastest)
 CPU_DTYPE = {
     "smollm2": ("float32", "its weights come from a 4-bit GGUF, and in bfloat16 on an Intel CPU with AMX its greedy "

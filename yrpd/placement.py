@@ -3,8 +3,11 @@
 Pure and deterministic: the same spec and inventory always give the same plan.
 
 Rules (documented in docs/architecture.md):
-- Every instance has `dp` data-parallel ranks; every rank is one tensor-parallel group of `tp` devices on
-  one host (a TP group never spans hosts; DP ranks of one instance may).
+- Every instance has `dp` data-parallel ranks; every rank is one group of `tp` x `pp` devices (tensor x
+  pipeline parallel) on one host where a host has room for it. DP ranks of one instance may be on several hosts.
+- A group no host has room for spans hosts when the instance has one DP rank: the fewest hosts that can hold equal
+  shares of its ranks (the hosts with most free devices, taken in host order: ranks contiguous, the first host is
+  its head). Equal shares because vLLM's launchers run the same number of ranks on every node.
 - Instances are placed prefill first, then decode, in index order. A rank goes to the host with the most
   free devices (ties: host order), except that later ranks of an instance stay on the host of its previous
   rank while it has room. This spreads prefill and decode over hosts: with two 8-NPU hosts and
@@ -57,6 +60,7 @@ class InstancePlan:
     port: int
     kv_port: int
     hccl_port: int
+    pp: int = 1
     #: what it was started with (DeploySpec.instance_config) and the model group it answers for (model_group):
     #: instances of one deployment differ while a rolling change replaces them one by one
     config: str = ""
@@ -69,9 +73,15 @@ class InstancePlan:
 
     @property
     def spans_hosts(self) -> bool:
-        """Its DP ranks run on more than one host: vLLM's DP coordination then listens on the head's cluster
-        address (its rpc port is kv_port); on one host it stays on 127.0.0.1."""
+        """Its ranks run on more than one host: its DP ranks (vLLM's DP coordination then listens on the head's
+        cluster address, its rpc port is kv_port; on one host it stays on 127.0.0.1), or its one TP x PP group
+        (`split`)."""
         return len(self.hosts) > 1
+
+    @property
+    def split(self) -> bool:
+        """Its TP x PP group spans hosts (one DP rank over several hosts): one vLLM world over the network."""
+        return len({r.host for r in self.ranks if r.dp_rank == 0}) > 1
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -140,6 +150,7 @@ class Plan:
                     "devices": list(i.devices),
                     "tp": i.tp,
                     "dp": i.dp,
+                    "pp": i.pp,
                     "port": i.port,
                     "kv_port": i.kv_port,
                     "hccl_port": i.hccl_port,
@@ -173,6 +184,12 @@ class RoleRequest:
     tp: int
     dp: int
     tp_field: str  # the spec field that sets tp, for error messages
+    pp: int = 1
+
+    @property
+    def world(self) -> int:
+        """Devices of one of its groups (TP x PP ranks, one device each)."""
+        return self.tp * self.pp
 
 
 @dataclass(frozen=True)
@@ -185,13 +202,17 @@ class PlacedInstance:
     tp: int
     dp: int
     ranks: tuple[RankPlacement, ...]
+    pp: int = 1
 
 
 def role_requests(spec: DeploySpec) -> list[RoleRequest]:
     if spec.disaggregated:
-        return [RoleRequest("prefill", spec.prefill, *spec.parallelism("prefill"), "prefill_tensor_parallel_size (--ptp)"),
-                RoleRequest("decode", spec.decode, *spec.parallelism("decode"), "decode_tensor_parallel_size (--dtp)")]
-    return [RoleRequest("single", spec.prefill, *spec.parallelism("single"), "prefill_tensor_parallel_size (--ptp)")]
+        return [RoleRequest("prefill", spec.prefill, *spec.parallelism("prefill"), "prefill_tensor_parallel_size (--ptp)",
+                            spec.pipeline("prefill")),
+                RoleRequest("decode", spec.decode, *spec.parallelism("decode"), "decode_tensor_parallel_size (--dtp)",
+                            spec.pipeline("decode"))]
+    return [RoleRequest("single", spec.prefill, *spec.parallelism("single"), "prefill_tensor_parallel_size (--ptp)",
+                        spec.pipeline("single"))]
 
 
 def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
@@ -220,12 +241,14 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
         if kind is not DeviceKind.cpu:
             for name in host_names:
                 n = len(inventory[name].devices)
-                if n and n % req.tp:
+                # a group fills hosts whole or shares one evenly: anything else strands devices
+                if n and (n % req.world if req.world <= n else req.world % n):
                     divisors = [d for d in range(1, n + 1) if n % d == 0]
+                    what = f"{req.tp}" if req.pp == 1 else f"tp {req.tp} x pp {req.pp} = {req.world}"
                     raise SpecError(
                         req.tp_field,
-                        f"{req.tp} does not divide the {n} {units} of {name}",
-                        f"use one of {', '.join(map(str, divisors))} (a TP group never spans hosts)",
+                        f"{what} neither divides the {n} {units} of {name} nor is a multiple of them",
+                        f"use one of {', '.join(map(str, divisors))}, or a multiple of {n} to span hosts",
                     )
 
     # a drained host keeps what runs there (until a change moves it) but takes nothing new
@@ -235,46 +258,42 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
     for inst in kept:
         for r in inst.ranks:
             free[r.host] = [d for d in free[r.host] if d not in r.devices]
-    needed = sum(r.count * r.tp * per_rank * r.dp for r in roles)
+    needed = sum(r.count * r.world * per_rank * r.dp for r in roles)
     offered = [len(free[n]) + sum(len(r.devices) for k in kept for r in k.ranks if r.host == n) for n in host_names]
     if needed > sum(offered):
-        need_text = " and ".join(f"{r.role} {r.count * r.dp} x {r.tp * per_rank} {units}" for r in roles)
+        need_text = " and ".join(f"{r.role} {r.count * r.dp} x {r.world * per_rank} {units}" for r in roles)
         need_text = need_text.replace(" ", " needs ", 1)
         raise SpecError(
             "devices",
             f"{need_text} = {needed}; hosts {','.join(host_names)} offer {' + '.join(map(str, offered))} = {sum(offered)}"
             + (f" ({', '.join(sorted(cordoned))} drained: `yrpd undrain` brings it back)" if cordoned else ""),
-            "add hosts or devices, or lower --prefill/--decode/--ptp/--dtp/--pdp/--ddp",
+            "add hosts or devices, or lower --prefill/--decode/--ptp/--dtp/--pdp/--ddp/--ppp/--dpp",
         )
 
     order = {n: i for i, n in enumerate(host_names)}
     placed: list[PlacedInstance] = []
     for req in roles:
-        mine = [PlacedInstance(k.name, k.role, k.index, k.tp, k.dp, k.ranks) for k in kept if k.role == req.role]
+        mine = [PlacedInstance(k.name, k.role, k.index, k.tp, k.dp, k.ranks, k.pp) for k in kept if k.role == req.role]
         # a new instance takes the lowest index no kept one has: names stay put while a change replaces some
         indices = (n for n in itertools.count() if n not in {p.index for p in mine})
         for index in itertools.islice(indices, req.count - len(mine)):
             ranks: list[RankPlacement] = []
-            width = req.tp * per_rank
+            width = req.world * per_rank
             for dp_rank in range(req.dp):
                 previous = ranks[-1].host if ranks else None
                 if previous is not None and len(free[previous]) >= width:
-                    host = previous
+                    shares = [(previous, width)]
                 else:
                     fitting = [n for n in host_names if len(free[n]) >= width]
-                    if not fitting:
-                        largest = max(host_names, key=lambda n: (len(free[n]), -order[n]))
-                        raise SpecError(
-                            "devices",
-                            f"{req.role}-{index} rank {dp_rank} needs {width} {units} on one host but the most left on "
-                            f"any host is {len(free[largest])} (on {largest})",
-                            "a TP group never spans hosts: use TP sizes that fit each host's devices",
-                        )
-                    host = min(fitting, key=lambda n: (-len(free[n]), order[n]))
-                taken = tuple(free[host][:width])
-                del free[host][:width]
-                ranks.append(RankPlacement(host=host, dp_rank=dp_rank, devices=taken))
-            mine.append(PlacedInstance(f"{req.role}-{index}", req.role, index, req.tp, req.dp, tuple(ranks)))
+                    if fitting:
+                        shares = [(min(fitting, key=lambda n: (-len(free[n]), order[n])), width)]
+                    else:
+                        shares = _spread(req, index, dp_rank, per_rank, free, host_names, units)
+                for host, n in shares:
+                    taken = tuple(free[host][:n])
+                    del free[host][:n]
+                    ranks.append(RankPlacement(host=host, dp_rank=dp_rank, devices=taken))
+            mine.append(PlacedInstance(f"{req.role}-{index}", req.role, index, req.tp, req.dp, tuple(ranks), req.pp))
         placed += sorted(mine, key=lambda p: p.index)
     kept_by_name = {k.name: k for k in kept}
 
@@ -302,6 +321,7 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
                 index=p.index,
                 tp=p.tp,
                 dp=p.dp,
+                pp=p.pp,
                 host=head,
                 ranks=p.ranks,
                 port=ports.instance_base + slot,
@@ -348,6 +368,29 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
     return Plan(hosts=tuple(hosts), instances=tuple(instances), proxy_host=master, proxy_port=ports.proxy, dtype=dtype)
 
 
+def _spread(req: RoleRequest, index: int, dp_rank: int, per_rank: int, free: dict[str, list[int]],
+            host_names: list[str], units: str) -> list[tuple[str, int]]:
+    """(host, devices) shares of one group that no host holds alone: the fewest hosts with room for equal shares,
+    those with most free devices first, listed in host order (its ranks contiguous, the first host its head)."""
+    order = {n: i for i, n in enumerate(host_names)}
+    name = f"{req.role}-{index}"
+    left = ", ".join(f"{n} {len(free[n])}" for n in host_names)
+    if req.dp > 1:
+        raise SpecError("devices", f"{name} rank {dp_rank} needs {req.world * per_rank} {units} on one host; free: "
+                        f"{left}", "a TP x PP group spans hosts only in an instance of one DP rank: use TP x PP "
+                        "sizes that fit a host, or DP size 1")
+    for k in range(2, len(host_names) + 1):
+        if req.world % k:
+            continue
+        share = req.world // k * per_rank
+        roomy = sorted((n for n in host_names if len(free[n]) >= share), key=lambda n: (-len(free[n]), order[n]))
+        if len(roomy) >= k:
+            return [(n, share) for n in sorted(roomy[:k], key=order.__getitem__)]
+    raise SpecError("devices", f"{name} needs {req.world * per_rank} {units} for its TP x PP group and no hosts have "
+                    f"room for equal shares of it (free: {left})",
+                    "add hosts or devices, or use TP x PP sizes that split evenly over hosts with room")
+
+
 def _kept(keep: Iterable[InstancePlan], roles: list[RoleRequest], devices: dict[str, set[int]]
           ) -> list[InstancePlan]:
     """The instances of the running plan that the new request keeps as they are: per role, up to the count asked
@@ -357,7 +400,7 @@ def _kept(keep: Iterable[InstancePlan], roles: list[RoleRequest], devices: dict[
     out: list[InstancePlan] = []
     for inst in sorted(keep, key=lambda i: (i.role, i.index)):
         req = wanted.get(inst.role)
-        if req and (req.tp, req.dp) == (inst.tp, inst.dp) and \
+        if req and (req.tp, req.dp, req.pp) == (inst.tp, inst.dp, inst.pp) and \
                 sum(1 for k in out if k.role == inst.role) < req.count and \
                 all(r.host in devices and set(r.devices) <= devices[r.host] for r in inst.ranks):
             out.append(inst)
@@ -368,7 +411,7 @@ def instances_from_dicts(rows: list[dict]) -> tuple[InstancePlan, ...]:
     """The instances of a stored plan (Plan.to_dict's "instances"), to keep where they are when it is planned again."""
     return tuple(InstancePlan(name=r["name"], role=r["role"], index=r["index"], tp=r["tp"], dp=r["dp"], host=r["host"],
                               ranks=tuple(RankPlacement(x["host"], x["dp_rank"], tuple(x["devices"])) for x in r["ranks"]),
-                              port=r["port"], kv_port=r["kv_port"], hccl_port=r["hccl_port"],
+                              port=r["port"], kv_port=r["kv_port"], hccl_port=r["hccl_port"], pp=r.get("pp", 1),
                               config=r.get("config", ""), group=r.get("group", "")) for r in rows)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from yrpd.models import BUILTIN_MODELS, DEFAULT_BUILTIN
+from yrpd.models import BUILTIN_MODELS, BUILTIN_SHAPES, DEFAULT_BUILTIN
 from yrpd.errors import SpecError
 from yrpd.hostgroup import SshOptions
 from yrpd.proxy.routing import Routing
@@ -58,6 +58,18 @@ class ClusterLauncher(str, Enum):
     dscli = "dscli"
     #: openYuanrong's `yr` CLI and its daemon (Python 3.10/3.11 only); the only launcher of full mode
     yr = "yr"
+
+
+class MultiNodeBackend(str, Enum):
+    """How vLLM runs an instance whose TP x PP group spans hosts."""
+
+    auto = "auto"  # ray on NPU and GPU hosts (vllm-ascend's multi-node tutorials), mp on CPU (Ray refuses it)
+    #: vLLM's multi-node recipe: a Ray cluster per instance (`ray start --head` on its first host, `ray start
+    #: --address` on the others), then `vllm serve --distributed-executor-backend ray` on the first host
+    ray = "ray"
+    #: vLLM's own launcher (>= 0.11, no Ray): the same `vllm serve` on every host with `--nnodes --node-rank
+    #: --master-addr --master-port`, `--headless` on all but the first
+    mp = "mp"
 
 
 class Runtime(str, Enum):
@@ -188,6 +200,9 @@ class HostSpec(BaseModel):
     device_kind: DeviceKind | None = None
     #: this host's device ids (default: the top-level devices, else detected)
     devices: list[int] | None = None
+    #: the network interface that holds `ip`: an instance spanning hosts names it to gloo, HCCL and NCCL
+    #: (GLOO_SOCKET_IFNAME and the like); default: detected at deploy
+    nic: str | None = None
 
     @field_validator("devices", mode="before")
     @classmethod
@@ -343,7 +358,8 @@ def _fmt_range(r: tuple[int, int]) -> str:
 
 #: the parallelism fields' short names, kept as aliases (flags and config files): field -> short name
 PARALLEL_ALIASES = {"prefill_tensor_parallel_size": "ptp", "decode_tensor_parallel_size": "dtp",
-                    "prefill_data_parallel_size": "pdp", "decode_data_parallel_size": "ddp"}
+                    "prefill_data_parallel_size": "pdp", "decode_data_parallel_size": "ddp",
+                    "prefill_pipeline_parallel_size": "ppp", "decode_pipeline_parallel_size": "dpp"}
 
 
 def _parallel_size(field: str) -> Any:
@@ -375,6 +391,14 @@ class TopologySection(BaseModel):
     prefill_data_parallel_size: int = _parallel_size("prefill_data_parallel_size")
     #: data parallel ranks of each decode instance (`--decode-data-parallel-size` or `--ddp`)
     decode_data_parallel_size: int = _parallel_size("decode_data_parallel_size")
+    #: pipeline stages of each prefill instance (`--prefill-pipeline-parallel-size` or `--ppp`); an instance's
+    #: TP x PP ranks that no one host holds span hosts (docs/architecture.md, "Instances bigger than a host")
+    prefill_pipeline_parallel_size: int = _parallel_size("prefill_pipeline_parallel_size")
+    #: pipeline stages of each decode instance (`--decode-pipeline-parallel-size` or `--dpp`)
+    decode_pipeline_parallel_size: int = _parallel_size("decode_pipeline_parallel_size")
+    #: how an instance spanning hosts runs: ray (vLLM's multi-node recipe), mp (vLLM's --nnodes launcher); auto: ray
+    #: on NPU/GPU hosts, mp on CPU hosts (`--multi-node-backend`)
+    multi_node_backend: MultiNodeBackend = MultiNodeBackend.auto
     #: CPU hosts only: cores each TP rank binds (devices are cores there)
     cores_per_rank: int = Field(1, ge=1, le=256)
     #: prefill/decode instances behind the proxy; false = `prefill` plain vLLM instances ("single-N", no
@@ -424,6 +448,16 @@ class TopologySection(BaseModel):
         if role == "decode":
             return self.decode_tensor_parallel_size, self.decode_data_parallel_size
         return self.prefill_tensor_parallel_size, self.prefill_data_parallel_size
+
+    def pipeline(self, role: str) -> int:
+        """Pipeline stages of each instance of `role` (plain instances take prefill's)."""
+        return self.decode_pipeline_parallel_size if role == "decode" else self.prefill_pipeline_parallel_size
+
+    def multi_node(self, kind: DeviceKind) -> MultiNodeBackend:
+        """The backend in effect for hosts of `kind`: auto resolved."""
+        if self.multi_node_backend is not MultiNodeBackend.auto:
+            return self.multi_node_backend
+        return MultiNodeBackend.mp if kind is DeviceKind.cpu else MultiNodeBackend.ray
 
     def _check_topology(self) -> None:
         if not self.hosts:
@@ -687,6 +721,32 @@ class ServingSection(BaseModel):
         """The proxy's API key, read where yrpd runs from the variable `api_key_env` names (None: no key)."""
         return (os.environ.get(self.api_key_env) or None) if self.api_key_env else None
 
+    def _check_shapes(self) -> None:
+        """Each role's TP x PP against the built-in model's heads and layers, and prefill's shape against decode's
+        where the connector hands KV over per rank."""
+        roles = ("prefill", "decode") if self.disaggregated else ("single",)
+        shape = self.builtin_model and BUILTIN_SHAPES.get(self.builtin_model)
+        for role in roles:
+            tp, pp = self.parallelism(role)[0], self.pipeline(role)
+            short = "p" if role != "decode" else "d"
+            if shape and shape[0] % tp:
+                raise SpecError(f"{'decode' if role == 'decode' else 'prefill'}_tensor_parallel_size",
+                                f"builtin:{self.builtin_model} has {shape[0]} attention heads, which {tp} does not "
+                                "divide", f"use --{short}tp " + " or ".join(
+                                    str(d) for d in range(1, shape[0] + 1) if shape[0] % d == 0))
+            if shape and pp > shape[1]:
+                raise SpecError(f"{'decode' if role == 'decode' else 'prefill'}_pipeline_parallel_size",
+                                f"builtin:{self.builtin_model} has {shape[1]} layers, fewer than {pp} stages",
+                                f"use --{short}pp {shape[1]} or less")
+        if self.disaggregated and self.kv_connector is KvConnector.yuanrong:
+            ps = (self.prefill_tensor_parallel_size, self.prefill_pipeline_parallel_size)
+            ds = (self.decode_tensor_parallel_size, self.decode_pipeline_parallel_size)
+            if ps != ds:
+                raise SpecError("decode_tensor_parallel_size" if ps[0] != ds[0] else "decode_pipeline_parallel_size",
+                                f"the yuanrong connector keys KV by TP rank and PP stage: decode (tp {ds[0]}, pp "
+                                f"{ds[1]}) would find none of prefill's (tp {ps[0]}, pp {ps[1]}) blocks",
+                                "give decode prefill's TP and PP sizes (DP may differ), or kv_connector: ascend-store")
+
     def _check_serving(self) -> None:
         if self.model is None and not self.is_embedded_default:
             raise SpecError(
@@ -698,6 +758,7 @@ class ServingSection(BaseModel):
                                 "use " + " or ".join(f"builtin:{n}" for n in BUILTIN_MODELS) + ", or an absolute path")
         if self.model is not None and not self.model.startswith("builtin:") and not self.model.startswith("/"):
             raise SpecError("model", f"{self.model!r} is not an absolute path", "give the model directory's absolute path on the hosts")
+        self._check_shapes()
         if self.served_model_name is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$", self.served_model_name):
             raise SpecError("served_model_name", f"{self.served_model_name!r} is not a usable name", "use letters, digits, . _ - /")
         if self.kv_connector is KvConnector.example and len(self.hosts) > 1:
@@ -714,7 +775,8 @@ class ServingSection(BaseModel):
             raise SpecError("kv_connector", "lmcache is a prefix store for plain instances here, not a PD handoff",
                             "set disaggregated: false with it, or use kv_connector: yuanrong")
         owned = ("--port", "--host", "--served-model-name", "--kv-transfer-config", "--tensor-parallel-size",
-                 "--data-parallel-size", "--headless", "--dtype")
+                 "--data-parallel-size", "--headless", "--dtype", "--pipeline-parallel-size", "--nnodes",
+                 "--node-rank", "--master-addr", "--master-port", "--distributed-executor-backend")
         for arg in self.engine_args:
             flag = arg.split("=", 1)[0]
             if flag in owned:

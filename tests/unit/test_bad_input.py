@@ -40,7 +40,25 @@ CASES = [
     ("ptp-under-both-names", GOOD, "ptp: 2\nprefill_tensor_parallel_size: 2\n",
      "prefill_tensor_parallel_size: given twice, as prefill_tensor_parallel_size and as ptp"),
     ("decode-negative", GOOD + ["--decode", "-1"], None, "decode"),
-    ("tp-not-dividing", without(GOOD, "--devices") + ["--devices", "0-5", "--ptp", "4"], None, "prefill_tensor_parallel_size (--ptp): 4 does not divide the 6 NPUs of h1"),
+    ("tp-not-dividing", without(GOOD, "--devices") + ["--devices", "0-5", "--ptp", "4", "--dtp", "4"], None,
+     "prefill_tensor_parallel_size (--ptp): 4 neither divides the 6 NPUs of h1 nor is a multiple of them"),
+    # a group bigger than a host fills whole hosts (the control: --ptp 16 --dtp 16 plans, test_placement.py)
+    ("split-not-whole-hosts", GOOD + ["--ptp", "12", "--dtp", "12"], None,
+     "12 neither divides the 8 NPUs of h1 nor is a multiple of them; use one of 1, 2, 4, 8, or a multiple of 8"),
+    ("split-with-dp", without(GOOD, "--hosts", "--devices") + ["--hosts", "h1,h2,h3,h4,h5,h6", "--devices", "0-3",
+                                                                "--ptp", "8", "--dtp", "8", "--pdp", "2"], None,
+     "spans hosts only in an instance of one DP rank"),
+    # the connector keys KV per TP rank and PP stage (the control: equal sizes plan, as every other case here)
+    ("tp-shapes-differ", GOOD + ["--ptp", "2", "--dtp", "4"], None,
+     "decode_tensor_parallel_size: the yuanrong connector keys KV by TP rank and PP stage: decode (tp 4, pp 1) would "
+     "find none of prefill's (tp 2, pp 1) blocks"),
+    ("pp-shapes-differ", GOOD + ["--ppp", "2"], None, "decode_pipeline_parallel_size: the yuanrong connector"),
+    ("tp-not-dividing-heads", without(GOOD, "--model", "--devices", "--device-kind") +
+     ["--model", "builtin:smollm2", "--device-kind", "cpu", "--devices", "0-3", "--ptp", "2", "--dtp", "2"], None,
+     "prefill_tensor_parallel_size: builtin:smollm2 has 9 attention heads, which 2 does not divide; use --ptp 1 or 3 "
+     "or 9"),
+    ("pp-over-layers", without(GOOD, "--model") + ["--model", "builtin:tiny-qwen2", "--ppp", "4", "--dpp", "4"], None,
+     "prefill_pipeline_parallel_size: builtin:tiny-qwen2 has 2 layers, fewer than 4 stages; use --ppp 2 or less"),
     ("too-few-devices", without(GOOD, "--devices") + ["--devices", "0-3", "--ptp", "4", "--dtp", "4", "--decode", "2"], None,
      "prefill needs 1 x 4 NPUs and decode 2 x 4 NPUs = 12; hosts h1,h2 offer 4 + 4 = 8"),
     ("duplicate-hosts", ["--hosts", "h1,h2,h1"] + GOOD[2:], None, "hosts[2]: h1 is listed twice"),
@@ -161,15 +179,16 @@ def test_bench_target_that_cannot_run_on_the_deployment_is_refused_before_anythi
 
 @pytest.mark.parametrize("way", ["short-flags", "long-flags", "short-config", "long-config"])
 def test_the_parallel_sizes_have_readable_names_and_keep_their_short_ones(tmp_path, yrpd, way):
-    """--ptp/--dtp/--pdp/--ddp and their long names (flags and config keys) plan the same; a plan with none of them
+    """--ptp/--dtp/--pdp/--ddp/--ppp/--dpp and their long names (flags and config keys) plan the same; a plan with none of them
     (the control) differs."""
     import json
 
     ssh_config = tmp_path / "ssh_config"
     ssh_config.write_text(SSH_CONFIG)
-    short = {"ptp": "2", "dtp": "4", "pdp": "2", "ddp": "1"}
+    short = {"ptp": "2", "dtp": "2", "pdp": "2", "ddp": "1", "ppp": "2", "dpp": "2"}
     long = {"ptp": "prefill-tensor-parallel-size", "dtp": "decode-tensor-parallel-size",
-            "pdp": "prefill-data-parallel-size", "ddp": "decode-data-parallel-size"}
+            "pdp": "prefill-data-parallel-size", "ddp": "decode-data-parallel-size",
+            "ppp": "prefill-pipeline-parallel-size", "dpp": "decode-pipeline-parallel-size"}
     base = ["plan", "--json", "--runtime", "host", "--ssh-config", str(ssh_config), *GOOD]
 
     def plan(*extra):
@@ -184,7 +203,8 @@ def test_the_parallel_sizes_have_readable_names_and_keep_their_short_ones(tmp_pa
         cfg.write_text("".join(f"{k if way == 'short-config' else long[k].replace('-', '_')}: {v}\n"
                                for k, v in short.items()))
         args = ["--config", str(cfg)]
-    wanted = plan("--ptp", "2", "--dtp", "4", "--pdp", "2", "--ddp", "1")
-    assert wanted == [("prefill-0", "h1", [0, 1, 2, 3]), ("decode-0", "h2", [0, 1, 2, 3])], wanted
+    wanted = plan("--ptp", "2", "--dtp", "2", "--pdp", "2", "--ddp", "1", "--ppp", "2", "--dpp", "2")
+    # prefill: two DP ranks of tp 2 x pp 2 on h1, decode's one on h2
+    assert wanted == [("prefill-0", "h1", list(range(8))), ("decode-0", "h2", [0, 1, 2, 3])], wanted
     assert plan(*args) == wanted
     assert plan() != wanted
