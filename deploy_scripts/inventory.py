@@ -1,9 +1,12 @@
 """Report this host's accelerator devices and CPU cores as one JSON line (run by yrpd, stdlib only)."""
+import fcntl
 import glob
 import json
 import os
 import re
 import shutil
+import socket
+import struct
 
 from hostlib import cpu_info
 
@@ -27,6 +30,20 @@ def cpu_features():
     return "avx512_bf16" in flags and "amx_bf16" not in flags, model
 
 
+def nics():
+    """Interface name -> its IPv4 address (SIOCGIFADDR): which one an address belongs to is what gloo, HCCL and
+    NCCL are told when an instance spans hosts."""
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue  # no IPv4 address
+            found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
 npus = ids("/dev/davinci*", r"davinci(\d+)")
 gpus = ids("/dev/nvidia*", r"nvidia(\d+)")
 cores = sorted(os.sched_getaffinity(0))
@@ -47,4 +64,5 @@ print(json.dumps({
     "cpu_model": cpu_features()[1],
     "npu_smi": shutil.which("npu-smi"),
     "hostname": os.uname().nodename,
+    "nics": nics(),
 }))

@@ -31,6 +31,16 @@ noted while it runs, in the state file too; once the group is gone, those no liv
 removed. A process killed with -9
 cannot unlink its own segments, and on a host that restarts instances for weeks they would pile up.
 
+Gang: the processes of one instance that spans hosts (vLLM's head on one host, its headless nodes or Ray's nodes on
+the others) live and die together, as vLLM cannot take a lost node back: a head whose node died fails at its next
+request, and a node whose head died waits forever. One of them leads: "gang": {"role": "leader", "members": [[name,
+"IP:PORT"], ..]}; each other one follows: "gang": {"role": "follower", "listen": "IP:PORT", "leader": name}. Every
+2 s the leader sends each member "JOIN <its run>"; a follower starts its command for that run (stopping the one it
+runs for an older run) and answers with its state. A follower whose command exits waits for its leader; a follower
+that hears nothing for GANG_LOST_S stops its command and waits too. The leader restarts its own command (counted
+like a crash) when a member's command exits or restarts, or its supervisor does not answer for GANG_LOST_S; its
+new run makes every follower start again. The leader alone decides; no loop of restarts between them.
+
 This process is a child subreaper: what the command's processes leave behind is re-parented here and reaped, so no
 zombie outlives its group. The state file (JSON, rewritten atomically) holds: state (running | backoff | failed |
 exited | stopped), pid (the command's), restarts (in total), last_exit, reason, since, shm (the segments of the
@@ -43,6 +53,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -59,6 +70,11 @@ hang_after_s = float(health.get("hang_after_s") or 0) if health.get("url") else 
 # a probe every third of the hang bound (at most 5 s), each given as long to answer
 probe_every = min(5.0, hang_after_s / 3) if hang_after_s else 0.0
 SHM_SCAN_S = 10.0
+gang = args.get("gang") or {}
+GANG_POLL_S, GANG_LOST_S = 2.0, 30.0
+#: a follower's view of its leader: the run it asks for and when it last asked; a leader's: its members' runs
+heard = {"wanted": None, "at": None, "joined": None}
+heard_lock = threading.Lock()
 stopping = False
 state = {"state": STARTING, "pid": None, "restarts": 0, "last_exit": None, "reason": None, "since": time.time(),
          "supervisor": os.getpid(), "shm": []}
@@ -168,6 +184,124 @@ def exit_reason(code):
     return f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
 
 
+def run_id():
+    return f"{os.getpid()}.{state['restarts']}.{time.time():.3f}"
+
+
+def serve_gang(address):
+    """A follower's listener: each connection sends "JOIN <run>" and gets this follower's state as one JSON line."""
+    host, port = address.rsplit(":", 1)
+    listener = socket.create_server((host.strip("[]"), int(port)), reuse_port=False)
+    listener.settimeout(1.0)
+
+    def loop():
+        while not stopping:
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.settimeout(2.0)
+                    words = conn.makefile().readline().split()
+                    if len(words) == 2 and words[0] == "JOIN":
+                        with heard_lock:
+                            heard.update(wanted=words[1], at=time.monotonic())
+                    with heard_lock:
+                        reply = {"run": state.get("run"), "joined": heard["joined"], "state": state["state"],
+                                 "reason": state.get("reason")}
+                    conn.sendall((json.dumps(reply) + "\n").encode())
+                except OSError:
+                    pass
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
+def ask_member(address, run):
+    """A member's answer to JOIN `run` (a dict), or None when its supervisor does not answer."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0) as conn:
+            conn.settimeout(2.0)
+            conn.sendall(f"JOIN {run}\n".encode())
+            return json.loads(conn.makefile().readline())
+    except (OSError, ValueError):
+        return None
+
+
+class GangWatch:
+    """The leader's check of its members during one run of its command: why the instance must restart, or None."""
+
+    def __init__(self, run):
+        self.run, self.started, self.next = run, time.monotonic(), 0.0
+        self.seen = {}  # member -> its run for ours, once it runs
+        self.answered = {}  # member -> when its supervisor last answered
+
+    def broken(self):
+        now = time.monotonic()
+        if now < self.next:
+            return None
+        self.next = now + GANG_POLL_S
+        for member, address in gang["members"]:
+            reply = ask_member(address, self.run)
+            if reply is None:
+                silent = now - self.answered.get(member, self.started)
+                if silent >= GANG_LOST_S:
+                    return f"{member} (supervisor at {address}) has not answered for {silent:.0f} s"
+                continue
+            self.answered[member] = now
+            if reply.get("joined") != self.run:
+                continue  # it starts for this run now
+            if reply.get("state") != RUNNING:
+                return f"{member} stopped ({reply.get('reason') or reply.get('state')})"
+            if self.seen.setdefault(member, reply.get("run")) != reply.get("run"):
+                return f"{member} restarted"
+        return None
+
+
+def follow():
+    """A follower's life: run its command for each run its leader asks for; never restart on its own."""
+    serve_gang(gang["listen"])
+    leader = gang["leader"]
+    write(state=BACKOFF, pid=None, reason=f"waiting for {leader} to start it")
+    while True:
+        if idle_until(lambda: heard["wanted"] is not None and heard["wanted"] != heard["joined"], every=0.5):
+            write(state=STOPPED, pid=None, reason="stopped by yrpd")
+            return 0
+        with heard_lock:
+            heard["joined"] = heard["wanted"]
+        try:
+            env = command_env()
+        except OSError as exc:
+            write(state=FAILED, pid=None, reason=f"cannot read its environment file: {exc}")
+            return 0
+        say(f"starting for {leader}'s run {heard['joined']}")
+        child = subprocess.Popen(["bash", "-c", args["command"]], preexec_fn=os.setpgrp, stdin=subprocess.DEVNULL,
+                                 env=env)
+        write(state=RUNNING, pid=child.pid, shm=[], run=run_id())
+        code, why = wait_for(child)
+        note_shm(child.pid)
+        stop_group(child.pid, grace=min(grace_s, 3.0) if (why or code is not None) else None)
+        remove_shm(state["shm"])
+        if code is None and not why:
+            write(state=STOPPED, pid=None, reason="stopped by yrpd")
+            return 0
+        reason = why or exit_reason(code)
+        if why is None:
+            state["restarts"] += 1
+        if max_restarts <= 0 and why is None:
+            say(f"{reason}; automatic restart is off (restart.max 0): `yrpd deploy` starts it again")
+            write(state=EXITED, pid=None, last_exit=code, reason=reason)
+            return 0
+        say(f"{reason}; waiting for {leader} to start the instance again")
+        write(state=BACKOFF, pid=None, last_exit=code, reason=f"{reason}; waiting for {leader} to start it again")
+        if why and heard["wanted"] == heard["joined"]:
+            with heard_lock:  # no word from the leader: the next JOIN, even for the same run, starts it again
+                heard["joined"] = None
+
+
 def main():
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -186,6 +320,8 @@ def main():
         stop_group(before["pid"])
         state["restarts"] = before.get("restarts", 0)
     remove_shm(before.get("shm") or [])  # the previous run's, whichever way it ended
+    if gang.get("role") == "follower":
+        return follow()
     recent = []
     while True:
         if stopping:  # TERM arrived while cleaning up or backing off: start nothing
@@ -202,8 +338,8 @@ def main():
             return 0
         child = subprocess.Popen(["bash", "-c", args["command"]], preexec_fn=os.setpgrp, stdin=subprocess.DEVNULL,
                                  env=env)
-        write(state=RUNNING, pid=child.pid, shm=[])
-        code, hung = wait_for(child)
+        write(state=RUNNING, pid=child.pid, shm=[], run=run_id())
+        code, hung = wait_for(child, GangWatch(state["run"]) if gang.get("role") == "leader" else None)
         note_shm(child.pid)  # what the survivors map, before they go
         if code is None and not hung:
             stop_group(child.pid)
@@ -279,10 +415,11 @@ def unanswered():
     return None
 
 
-def wait_for(child):
+def wait_for(child, watch=None):
     """(exit code, None) when the command exits (negative: killed by that signal); (None, None) once TERM/INT asks
-    us to stop; (None, why) when it is alive but has not answered its health probe for hang_after_s. Orphans
-    re-parented to us are reaped on the way; the group's shared memory is noted every SHM_SCAN_S."""
+    us to stop; (None, why) when it is alive but has not answered its health probe for hang_after_s, or its gang
+    broke (`watch`, a leader's GangWatch; a follower's leader moved on or went silent). Orphans re-parented to us
+    are reaped on the way; the group's shared memory is noted every SHM_SCAN_S."""
     now = time.monotonic()
     next_probe, next_scan = now + probe_every, now + 1.0
     last_ok = None  # judged only once it has answered: a starting server may take minutes
@@ -298,6 +435,17 @@ def wait_for(child):
         if pid:
             continue
         now = time.monotonic()
+        if watch is not None:
+            why = watch.broken()
+            if why:
+                return None, f"{why}: the instance spanning hosts restarts whole"
+        elif gang.get("role") == "follower":
+            with heard_lock:
+                wanted, at = heard["wanted"], heard["at"]
+            if wanted != heard["joined"]:
+                return None, f"{gang['leader']} started again (run {wanted})"
+            if now - at >= GANG_LOST_S:
+                return None, f"no word from {gang['leader']} for {now - at:.0f} s"
         if now >= next_scan:
             note_shm(child.pid)
             next_scan = now + SHM_SCAN_S

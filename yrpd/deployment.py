@@ -50,7 +50,10 @@ def needs_probe(spec: DeploySpec, deploying: bool = False) -> list[str]:
         kind = h.device_kind or spec.device_kind
         cpu_decides = spec.dtype is Dtype.auto and kind in (DeviceKind.auto, DeviceKind.cpu)
         arch_matters = deploying and spec.runtime is Runtime.docker
-        if not devices_given(spec, h) or cpu_decides or arch_matters:
+        # an instance of several ranks may span hosts, and its ranks then talk over the interface that holds the ip
+        nic_matters = deploying and not (h.nic or spec.nic) and any(
+            spec.parallelism(r)[0] * spec.pipeline(r) > 1 for r in ("prefill", "decode"))
+        if not devices_given(spec, h) or cpu_decides or arch_matters or nic_matters:
             missing.append(h.name)
     return missing
 
@@ -85,8 +88,10 @@ def resolve_inventory(spec: DeploySpec, group: HostGroup | None = None,
                 kind = DeviceKind(found["kind"])
             if devices is None:
                 devices = {"npu": found["npus"], "gpu": found["gpus"], "cpu": found["cores"]}[kind.value]
-        inventory[h.name] = HostInventory(kind=kind, devices=tuple(devices or ()), ip=resolve_host_ip(spec, h),
-                                          cpu_bf16=found.get("cpu_bf16"), arch=found.get("arch"))
+        ip = resolve_host_ip(spec, h)
+        nic = next((n for n, a in (found.get("nics") or {}).items() if a == ip), None)
+        inventory[h.name] = HostInventory(kind=kind, devices=tuple(devices or ()), ip=ip,
+                                          cpu_bf16=found.get("cpu_bf16"), arch=found.get("arch"), nic=nic)
     return inventory
 
 
@@ -117,12 +122,12 @@ def resolve_host_ip(spec: DeploySpec, host: HostSpec) -> str | None:
 
 def inventory_to_json(inventory: dict[str, HostInventory]) -> dict:
     return {name: {"kind": inv.kind.value, "devices": list(inv.devices), "ip": inv.ip, "cpu_bf16": inv.cpu_bf16,
-                   "arch": inv.arch} for name, inv in inventory.items()}
+                   "arch": inv.arch, "nic": inv.nic} for name, inv in inventory.items()}
 
 
 def inventory_from_json(data: dict) -> dict[str, HostInventory]:
     return {name: HostInventory(DeviceKind(v["kind"]), tuple(v["devices"]), v.get("ip"), v.get("cpu_bf16"),
-                                v.get("arch")) for name, v in data.items()}
+                                v.get("arch"), v.get("nic")) for name, v in data.items()}
 
 
 @dataclass

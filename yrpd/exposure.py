@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from enum import Enum
 
-from yrpd.placement import Plan
-from yrpd.spec import DeploySpec, DeviceKind, KvConnector
+from yrpd.placement import InstancePlan, Plan
+from yrpd.spec import DeploySpec, DeviceKind, KvConnector, MultiNodeBackend
 from yrpd.ascend_store import handover_port
+from yrpd.ports import INSTANCE_PORT_BLOCK
+from yrpd.serving import ray_ports
 
 
 class Guard(str, Enum):
@@ -58,12 +60,20 @@ def exposure(spec: DeploySpec, plan: Plan) -> list[PortAccess]:
             rows.append(PortAccess(inst.host, f"{first}-{first + inst.tp * inst.dp - 1}",
                                    f"{inst.name} Mooncake KV hand-over (vllm-ascend's MooncakeConnectorV1)",
                                    ip[inst.host], "the other role's instances", _open(ip[inst.host])))
-        if inst.spans_hosts:
+        others = ", ".join(h for h in inst.hosts if h != inst.host)
+        if inst.split:
+            rows += _split_rows(spec, inst, ip, spec.multi_node(kind[inst.host]), others)
+        elif inst.spans_hosts:
             rows.append(PortAccess(inst.host, str(inst.kv_port), f"{inst.name} DP coordination (and ports vLLM "
-                                   "picks for its engine sockets)", ip[inst.host],
-                                   f"its DP ranks on {', '.join(h for h in inst.hosts if h != inst.host)}",
+                                   "picks for its engine sockets)", ip[inst.host], f"its DP ranks on {others}",
                                    _open(ip[inst.host])))
-        if kind[inst.host] is DeviceKind.npu:
+        if kind[inst.host] is DeviceKind.npu and inst.split:
+            slots = {inst.host: inst.port - spec.ports.instance_base, **dict(inst.node_slots)}
+            for h in inst.hosts:
+                first = spec.ports.hccl_base + INSTANCE_PORT_BLOCK * slots[h]
+                rows.append(PortAccess(h, f"{first}-{first + INSTANCE_PORT_BLOCK - 1}", f"{inst.name} HCCL", ip[h],
+                                       f"its NPU ranks on {', '.join(inst.hosts)}", _open(ip[h])))
+        elif kind[inst.host] is DeviceKind.npu:
             rows.append(PortAccess(inst.host, f"{inst.hccl_port}-{inst.hccl_port + 15}", f"{inst.name} HCCL",
                                    ip[inst.host], "its own NPU ranks", _open(ip[inst.host])))
     for h in plan.hosts:
@@ -85,6 +95,29 @@ def exposure(spec: DeploySpec, plan: Plan) -> list[PortAccess]:
             guard = Guard.curve if name in ("ds_master", "datasystem") else \
                 Guard.certificate if name in ("etcd", "etcd_peer") else _open(h.reach_ip)
             rows.append(PortAccess(h.name, str(port), what, h.reach_ip, callers, guard))
+    return rows
+
+
+def _split_rows(spec: DeploySpec, inst: InstancePlan, ip: dict[str, str], backend: MultiNodeBackend,
+                others: str) -> list[PortAccess]:
+    """The ports of an instance whose TP x PP group spans hosts: its rendezvous or Ray's, and its gang's."""
+    rows = []
+    slots = {inst.host: inst.port - spec.ports.instance_base, **dict(inst.node_slots)}
+    if backend is MultiNodeBackend.mp:
+        rows.append(PortAccess(inst.host, str(inst.kv_port), f"{inst.name} rendezvous (torch's store in rank 0; "
+                               "vLLM's message queues and gloo pick ports of their own)", ip[inst.host],
+                               f"its ranks on {others}", _open(ip[inst.host])))
+    for h in inst.hosts:
+        if backend is MultiNodeBackend.ray:
+            ports = ray_ports(spec, slots[h])
+            first, last = min(ports.values()), max(ports.values())
+            rows.append(PortAccess(h, f"{first}-{last}", f"{inst.name} Ray node ({'head: GCS ' + str(first) if h == inst.host else 'worker'}"
+                                   "; its workers take Ray's range 10002-19999)", ip[h],
+                                   f"the Ray nodes of {inst.name} on {', '.join(inst.hosts)}", _open(ip[h])))
+        if h != inst.host or backend is MultiNodeBackend.ray:
+            rows.append(PortAccess(h, str(spec.ports.kv_base + slots[h]), f"{inst.name} supervisor (its gang: one "
+                                   "dead process restarts the instance)", ip[h], f"the supervisor leading {inst.name} "
+                                   f"(on {inst.host})", _open(ip[h])))
     return rows
 
 

@@ -135,6 +135,11 @@ class HostPaths:
         """The `vllm` command installed beside that Python."""
         return f"{self.python.rsplit('/', 1)[0]}/vllm" if "/" in self.python else "vllm"
 
+    @property
+    def ray(self) -> str:
+        """Ray's CLI beside that Python (the vllm-ascend images ship Ray with vLLM)."""
+        return f"{self.python.rsplit('/', 1)[0]}/ray" if "/" in self.python else "ray"
+
     def peer_venv(self, name: str) -> str:
         """A bench peer's venv of its own that also sees the vLLM venv (yrpd.peers)."""
         return f"{self.env_root}/{name}"

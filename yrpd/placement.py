@@ -39,6 +39,7 @@ class HostInventory:
     ip: str | None = None  # address other hosts reach it at; None until resolved
     cpu_bf16: bool | None = None  # its CPU has bf16 instructions; None until detected
     arch: str | None = None  # `uname -m` (x86_64, aarch64); None until detected
+    nic: str | None = None  # the interface that holds `ip`; None until detected
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class InstancePlan:
     kv_port: int
     hccl_port: int
     pp: int = 1
+    #: the port slot it holds on each of its other hosts (a headless node's, or a Ray node's, ports count from it)
+    node_slots: tuple[tuple[str, int], ...] = ()
     #: what it was started with (DeploySpec.instance_config) and the model group it answers for (model_group):
     #: instances of one deployment differ while a rolling change replaces them one by one
     config: str = ""
@@ -103,6 +106,7 @@ class HostPlan:
     ports: dict[str, int] = field(default_factory=dict)
     ip: str | None = None  # None only in a plan made where the host's name does not resolve (deploy needs `ip:`)
     arch: str | None = None
+    nic: str | None = None  # the interface that holds `ip` (spec `nic`, else detected)
 
     #: shown in place of an address that could not be resolved (TEST-NET-1: routes nowhere)
     UNRESOLVED = "192.0.2.1"
@@ -138,6 +142,7 @@ class Plan:
                     "ports": dict(h.ports),
                     "ip": h.ip,
                     "arch": h.arch,
+                    "nic": h.nic,
                 }
                 for h in self.hosts
             ],
@@ -156,6 +161,7 @@ class Plan:
                     "hccl_port": i.hccl_port,
                     "config": i.config,
                     "group": i.group,
+                    "node_slots": [list(x) for x in i.node_slots],
                     "ranks": [asdict(r) | {"devices": list(r.devices)} for r in i.ranks],
                 }
                 for i in self.instances
@@ -301,6 +307,8 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
     taken: dict[str, set[int]] = {n: set() for n in host_names}  # port slots in use on each host
     for inst in kept:
         taken[inst.host].add(inst.port - ports.instance_base)
+        for h, slot in inst.node_slots:
+            taken[h].add(slot)
     instances: list[InstancePlan] = []
     for p in placed:
         head = p.ranks[0].host
@@ -310,6 +318,9 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
             if r.host not in slot_per_host:
                 if old is not None and r.host == head:
                     slot_per_host[r.host] = old.port - ports.instance_base
+                    continue
+                if old is not None and r.host in dict(old.node_slots):
+                    slot_per_host[r.host] = dict(old.node_slots)[r.host]
                     continue
                 slot_per_host[r.host] = min(set(range(len(taken[r.host]) + 1)) - taken[r.host])
                 taken[r.host].add(slot_per_host[r.host])
@@ -322,6 +333,7 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
                 tp=p.tp,
                 dp=p.dp,
                 pp=p.pp,
+                node_slots=tuple((h, n) for h, n in slot_per_host.items() if h != head),
                 host=head,
                 ranks=p.ranks,
                 port=ports.instance_base + slot,
@@ -360,6 +372,7 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
                 ports=host_ports,
                 ip=inventory[h.name].ip,
                 arch=inventory[h.name].arch,
+                nic=h.nic or spec.nic or inventory[h.name].nic,
             )
         )
     serving = {r.host for i in instances for r in i.ranks}
@@ -412,7 +425,8 @@ def instances_from_dicts(rows: list[dict]) -> tuple[InstancePlan, ...]:
     return tuple(InstancePlan(name=r["name"], role=r["role"], index=r["index"], tp=r["tp"], dp=r["dp"], host=r["host"],
                               ranks=tuple(RankPlacement(x["host"], x["dp_rank"], tuple(x["devices"])) for x in r["ranks"]),
                               port=r["port"], kv_port=r["kv_port"], hccl_port=r["hccl_port"], pp=r.get("pp", 1),
-                              config=r.get("config", ""), group=r.get("group", "")) for r in rows)
+                              config=r.get("config", ""), group=r.get("group", ""),
+                              node_slots=tuple((h, n) for h, n in r.get("node_slots", ()))) for r in rows)
 
 
 def ports_on_host(plan: Plan, host: str) -> list[tuple[int, str]]:

@@ -10,7 +10,8 @@ from rich.text import Text
 
 from yrpd.placement import Plan, describe_devices, unit_name
 from yrpd.playbook import PlannedStep
-from yrpd.spec import ClusterLauncher, DeploySpec, Dtype, KvConnector, Runtime
+from yrpd.serving import host_of
+from yrpd.spec import ClusterLauncher, DeploySpec, Dtype, KvConnector, MultiNodeBackend, Runtime
 from yrpd.status import StatusReport
 from yrpd.steps import NotNeeded, StepContext
 from yrpd.tags import Condition, ProcessState
@@ -22,18 +23,28 @@ from yrpd.steps.brought import needed
 def plan_table(spec: DeploySpec, plan: Plan) -> list:
     kinds = {h.kind for h in plan.hosts}
     units = unit_name(kinds.pop()) if len(kinds) == 1 else "devices"
-    (ptp, pdp), (dtp, ddp) = spec.parallelism("prefill"), spec.parallelism("decode")
-    summary = Text(f"Placement: {spec.prefill} prefill x (dp {pdp}, tp {ptp}), {spec.decode} decode x (dp {ddp}, tp {dtp}); "
-                   f"proxy on {plan.proxy_host}:{plan.proxy_port}", style="bold")
+    def shape(role: str) -> str:
+        tp, dp = spec.parallelism(role)
+        pp = spec.pipeline(role)
+        return f"dp {dp}, tp {tp}" + (f", pp {pp}" if pp > 1 else "")
+
+    summary = Text(f"Placement: {spec.prefill} prefill x ({shape('prefill')}), {spec.decode} decode x "
+                   f"({shape('decode')}); proxy on {plan.proxy_host}:{plan.proxy_port}", style="bold")
     table = Table()
-    for column in ("host", "instance", "role", units, "http port", "dp rpc port", "hccl ports"):
+    for column in ("host", "instance", "role", units, "http port", "coordination port", "hccl ports"):
         table.add_column(column)
     for inst in plan.instances:
+        first = 0  # an instance spanning hosts: its global ranks on each host, in host order
         for host in inst.hosts:
             devices = tuple(d for r in inst.ranks if r.host == host for d in r.devices)
             ranks = [r.dp_rank for r in inst.ranks if r.host == host]
-            name = inst.name if inst.dp == 1 else f"{inst.name} (dp {','.join(map(str, ranks))})"
             head = host == inst.host
+            if inst.split:
+                count = inst.tp * inst.pp // len(inst.hosts)
+                name = f"{inst.name} (ranks {first}-{first + count - 1}{', head' if head else ''})"
+                first += count
+            else:
+                name = inst.name if inst.dp == 1 else f"{inst.name} (dp {','.join(map(str, ranks))})"
             table.add_row(
                 host, name, inst.role, describe_devices(devices),
                 str(inst.port) if head else "-", str(inst.kv_port) if head and inst.spans_hosts else "-",
@@ -48,6 +59,14 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
                       ", ".join(f"{k} {v}" for k, v in h.ports.items()))
     how = f"{plan.dtype.reason}; --dtype overrides" if spec.dtype is Dtype.auto else "set with --dtype"
     lines = [summary, Text(f"dtype: {plan.dtype.shown} - {how}")]
+    for inst in plan.instances:
+        if inst.split:
+            nics = ", ".join(f"{h.name} {h.nic or 'not detected yet'}" for h in plan.hosts if h.name in inst.hosts)
+            how_run = ("a Ray cluster of its own (head on its first host), vllm serve --distributed-executor-backend "
+                       "ray there" if spec.multi_node(host_of(plan, inst.host).kind) is MultiNodeBackend.ray else
+                       "vLLM's multi-node launcher (--nnodes, --headless on all but its first host)")
+            lines.append(Text(f"{inst.name} spans {', '.join(inst.hosts)} (tp {inst.tp} x pp {inst.pp}): {how_run}; "
+                              f"its ranks talk over {nics}; one dead process restarts all of them"))
     spill = (f", then {spec.datasystem_spill_mb} MB on disk ({spec.datasystem_spill_dir or 'in the session directory'})"
              if spec.datasystem_spill_mb else "; full memory evicts the oldest KV (no disk tier)")
     lines.append(Text(f"KV cache in the data system: {spec.datasystem_memory_mb} MB shared memory per host{spill}"))

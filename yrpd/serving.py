@@ -14,7 +14,8 @@ from yrpd.layout import HostPaths
 from yrpd.peers import PEER_VENVS
 from yrpd.placement import HostPlan, InstancePlan, Plan
 from yrpd import ascend_store, credentials
-from yrpd.spec import BUILTIN_MODEL, DeploySpec, DeviceKind, KvConnector
+from yrpd.ports import INSTANCE_PORT_BLOCK, RAY_PORT_BLOCK
+from yrpd.spec import BUILTIN_MODEL, DeploySpec, DeviceKind, KvConnector, MultiNodeBackend
 
 #: role -> connector role; with prefix reuse, prefill also loads prefixes other requests stored
 CONNECTOR_ROLES = {("prefill", False): "kv_producer", ("prefill", True): "kv_both",
@@ -55,6 +56,9 @@ class Launch:
     env_file: str | None = None
     #: its KV connector talks to the data system: ready only once that link is up (it starts before openYuanrong)
     ds_link: bool = False
+    #: one of the processes of an instance spanning hosts, which live and die together (supervise.py's "gang":
+    #: {"role": "leader", "members": [[name, "IP:PORT"], ..]} or {"role": "follower", "listen": .., "leader": ..})
+    gang: dict | None = None
 
     @property
     def command(self) -> str:
@@ -148,15 +152,23 @@ def ascend_store_config(spec: DeploySpec, plan: Plan, inst: InstancePlan) -> dic
     return ascend_store.kv_transfer_config(UPSTREAM_ROLES[inst.role], lookup_port=inst.kv_port, handover=handover)
 
 
-def device_env(kind: DeviceKind, devices: tuple[int, ...], tp: int) -> dict[str, str]:
+#: the variables that name the interface an instance spanning hosts talks over, per device kind: gloo (vLLM's CPU
+#: groups, and every kind's CPU-side groups), HCCL and its TCP side (vllm-ascend's multi-node tutorials), NCCL
+NIC_ENV = {DeviceKind.cpu: ("GLOO_SOCKET_IFNAME",),
+           DeviceKind.npu: ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME"),
+           DeviceKind.gpu: ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+
+
+def device_env(kind: DeviceKind, devices: tuple[int, ...], ranks: int) -> dict[str, str]:
+    """Which devices the process(es) of `ranks` ranks on one host use."""
     ids = ",".join(map(str, devices))
     if kind is DeviceKind.npu:
         return {"ASCEND_RT_VISIBLE_DEVICES": ids}
     if kind is DeviceKind.gpu:
         return {"CUDA_VISIBLE_DEVICES": ids}
-    # CPU: each TP rank gets its share of the planned cores ("0,1|2,3" binds rank 0 to 0-1, rank 1 to 2-3)
-    per_rank = max(1, len(devices) // tp)
-    groups = [devices[i:i + per_rank] for i in range(0, per_rank * tp, per_rank)]
+    # CPU: each rank gets its share of the planned cores ("0,1|2,3" binds rank 0 to 0-1, rank 1 to 2-3)
+    per_rank = max(1, len(devices) // ranks)
+    groups = [devices[i:i + per_rank] for i in range(0, per_rank * ranks, per_rank)]
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
 
 
@@ -170,6 +182,8 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
     vllm = [f"{paths.peer_venv(peer.name)}/bin/python", "-m", "vllm.entrypoints.cli.main"] if peer else [paths.vllm]
     common = [*vllm, "serve", model_path(spec, paths), "--served-model-name", spec.model_name,
               "--tensor-parallel-size", str(inst.tp)]
+    if inst.pp > 1:
+        common += ["--pipeline-parallel-size", str(inst.pp)]
     uses_store = spec.single_kv_store or spec.kv_connector is KvConnector.lmcache
     # else the non-disaggregated baseline: plain vLLM
     with_kv = inst.role != "single" or uses_store
@@ -204,22 +218,88 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
     secrets = paths.session.env_file(credentials.INSTANCE) if paths.session else None
     ds_link = with_kv and spec.kv_connector is KvConnector.yuanrong
     launches = []
+    # ranks each host runs: a DP rank's TP x PP group, or a share of the group that spans hosts
+    local_ranks = inst.tp * inst.pp // (len(by_host) if inst.split else 1)
     for h, ranks in by_host.items():
         devices = tuple(d for r in ranks for d in r.devices)
-        host_env = {**env, **device_env(host_of(plan, h).kind, devices, inst.tp), "VLLM_HOST_IP": host_of(plan, h).reach_ip}
+        host_env = {**env, **device_env(host_of(plan, h).kind, devices, local_ranks),
+                    "VLLM_HOST_IP": host_of(plan, h).reach_ip}
+        if inst.split and host_of(plan, h).nic:
+            host_env.update((k, host_of(plan, h).nic) for k in NIC_ENV.get(kind, ()))
+        if inst.split and kind is DeviceKind.npu:  # its block on this host: slots differ from host to host
+            slot = dict(inst.node_slots).get(h, inst.port - spec.ports.instance_base)
+            host_env["HCCL_IF_BASE_PORT"] = str(spec.ports.hccl_base + INSTANCE_PORT_BLOCK * slot)
         if with_kv and spec.kv_connector is KvConnector.ascend_store:
             host_env.update(ascend_store.worker_env(f"{host_of(plan, h).reach_ip}:{spec.ports.datasystem}"))
         host_env.update(spec.env)
         if with_kv:
             kv = json.dumps(kv_transfer_config(spec, plan, inst, paths, on=h), separators=(",", ":"))
             dp_args[h] = ["--kv-transfer-config", kv, *dp_args[h]]
-        if h == inst.host:
+        if inst.split:
+            launches += split_launches(spec, plan, inst, paths, h, [*common, *dp_args[h]], host_env, secrets, ds_link)
+        elif h == inst.host:
             argv = [*common, "--host", head.reach_ip, "--port", str(inst.port), *dp_args[h], *spec.engine_args]
             launches.append(Launch(inst.name, h, argv, host_env, f"{instance_url(plan, inst)}/health", secrets, ds_link))
         else:
             argv = [*common, *dp_args[h], *spec.engine_args]
             launches.append(Launch(f"{inst.name}-{h}", h, argv, host_env, env_file=secrets))
     return launches
+
+
+def ray_ports(spec: DeploySpec, slot: int) -> dict[str, int]:
+    """A Ray node's ports (yrpd.ports.RAY_PORT_BLOCK) from the instance's port slot on its host."""
+    base = spec.ports.ray_base + RAY_PORT_BLOCK * slot
+    names = ("port", "node-manager-port", "object-manager-port", "runtime-env-agent-port",
+             "dashboard-agent-grpc-port", "dashboard-agent-listen-port", "metrics-export-port",
+             "ray-client-server-port")
+    return {name: base + i for i, name in enumerate(names)}
+
+
+def split_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: HostPaths, h: str, argv: list[str],
+                   env: dict[str, str], secrets: str | None, ds_link: bool) -> list[Launch]:
+    """The processes on host `h` of an instance whose TP x PP group spans hosts: one vLLM world over the network.
+
+    mp (vLLM's own launcher): the same `vllm serve` on each host, `--node-rank` its place, `--headless` but on the
+    head; the head's rank 0 holds the rendezvous on its kv_port. ray (vLLM's recipe): a Ray node on each host
+    (`ray start --head` on the head host, `--address` of it on the others), and `vllm serve` with the Ray executor on
+    the head. Either way the processes are one gang (supervise.py): one leads, every other follows on the port
+    kv_base + its slot on its host, and a dead one restarts them all."""
+    head = host_of(plan, inst.host)
+    slots = {inst.host: inst.port - spec.ports.instance_base, **dict(inst.node_slots)}
+    ip = host_of(plan, h).reach_ip
+    listen = f"{ip}:{spec.ports.kv_base + slots[h]}"
+    health = f"{instance_url(plan, inst)}/health"
+    if spec.multi_node(head.kind) is MultiNodeBackend.mp:
+        rank = inst.hosts.index(h)
+        nodes = ["--nnodes", str(len(inst.hosts)), "--node-rank", str(rank), "--master-addr", head.reach_ip,
+                 "--master-port", str(inst.kv_port)]
+        if h != inst.host:
+            follower = {"role": "follower", "listen": listen, "leader": f"{inst.name} on {inst.host}"}
+            return [Launch(f"{inst.name}-{h}", h, [*argv, *nodes, "--headless", *spec.engine_args], env,
+                           env_file=secrets, gang=follower)]
+        members = [[f"{inst.name}-{o}", f"{host_of(plan, o).reach_ip}:{spec.ports.kv_base + slots[o]}"]
+                   for o in inst.hosts if o != inst.host]
+        return [Launch(inst.name, h, [*argv, "--host", ip, "--port", str(inst.port), *nodes, *spec.engine_args],
+                       env, health, secrets, ds_link, gang={"role": "leader", "members": members})]
+    # Ray: its workers are the raylet's children and get the node's environment, ours included (PYTHONPATH, NICs)
+    gcs = f"{head.reach_ip}:{ray_ports(spec, slots[inst.host])['port']}"
+    node = [paths.ray, "start", "--block", "--node-ip-address", ip, "--disable-usage-stats"]
+    own = ray_ports(spec, slots[h])
+    leader = f"{inst.name}-ray on {inst.host}"
+    if h != inst.host:
+        ports = [f"--{k}={v}" for k, v in own.items() if k not in ("port", "ray-client-server-port")]
+        return [Launch(f"{inst.name}-ray-{h}", h, [*node, f"--address={gcs}", *ports], env, env_file=secrets,
+                       gang={"role": "follower", "listen": listen, "leader": leader})]
+    members = [[inst.name, listen]] + [
+        [f"{inst.name}-ray-{o}", f"{host_of(plan, o).reach_ip}:{spec.ports.kv_base + slots[o]}"]
+        for o in inst.hosts if o != inst.host]
+    ray_head = Launch(f"{inst.name}-ray", h, [*node, "--head", *(f"--{k}={v}" for k, v in own.items()),
+                                              "--include-dashboard=false"], env, env_file=secrets,
+                      gang={"role": "leader", "members": members})
+    serve = Launch(inst.name, h, [*argv, "--host", ip, "--port", str(inst.port), "--distributed-executor-backend",
+                                  "ray", *spec.engine_args], {**env, "RAY_ADDRESS": gcs}, health, secrets, ds_link,
+                   gang={"role": "follower", "listen": listen, "leader": leader})
+    return [ray_head, serve]
 
 
 LMCACHE_NAME = "lmcache-server"

@@ -20,6 +20,7 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from yrpd.models import BUILTIN_MODELS, BUILTIN_SHAPES, DEFAULT_BUILTIN
+from yrpd.ports import RAY_PORT_BLOCK
 from yrpd.errors import SpecError
 from yrpd.hostgroup import SshOptions
 from yrpd.proxy.routing import Routing
@@ -311,20 +312,22 @@ class Ports(BaseModel):
     #: the k-th instance's hand-over block, mooncake_base+16k .. +15: kv_connector ascend-store's Mooncake listens
     #: there, kv_connector nixl's side channel on its first port
     mooncake_base: int = 62600
+    #: the k-th instance's Ray node ports, ray_base+8k .. +7 (multi_node_backend ray: an instance spanning hosts)
+    ray_base: int = 64200
     #: instances a host may run: instance_base and kv_base reserve this many ports, hccl_base 16 each
     span: int = 100
 
     @model_validator(mode="after")
     def _check(self) -> "Ports":
         for name in ("proxy", "datasystem", "ds_master", "etcd", "lmcache", "exporter", "instance_base", "kv_base",
-                     "hccl_base", "mooncake_base"):
+                     "hccl_base", "mooncake_base", "ray_base"):
             value = getattr(self, name)
             if not 1 <= value <= 65535:
                 raise ValueError(f"{name}: {value} is not in 1-65535")
         if not 1 <= self.span <= 1000:
             raise ValueError(f"span: {self.span} is not in 1-1000")
         widths = {"instance_base": self.span, "kv_base": self.span, "hccl_base": 16 * self.span,
-                  "mooncake_base": 16 * self.span}
+                  "mooncake_base": 16 * self.span, "ray_base": RAY_PORT_BLOCK * self.span}
         for name, width in widths.items():
             top = getattr(self, name) + width - 1
             if top > 65535:
@@ -340,6 +343,7 @@ class Ports(BaseModel):
             "kv_base": (self.kv_base, self.kv_base + self.span - 1),
             "hccl_base": (self.hccl_base, self.hccl_base + 16 * self.span - 1),
             "mooncake_base": (self.mooncake_base, self.mooncake_base + 16 * self.span - 1),
+            "ray_base": (self.ray_base, self.ray_base + RAY_PORT_BLOCK * self.span - 1),
         }
         names = list(ranges)
         for i, a in enumerate(names):
@@ -399,6 +403,8 @@ class TopologySection(BaseModel):
     #: how an instance spanning hosts runs: ray (vLLM's multi-node recipe), mp (vLLM's --nnodes launcher); auto: ray
     #: on NPU/GPU hosts, mp on CPU hosts (`--multi-node-backend`)
     multi_node_backend: MultiNodeBackend = MultiNodeBackend.auto
+    #: the network interface of every host that holds its `ip` (a host's own `nic` wins); default: detected
+    nic: str | None = None
     #: CPU hosts only: cores each TP rank binds (devices are cores there)
     cores_per_rank: int = Field(1, ge=1, le=256)
     #: prefill/decode instances behind the proxy; false = `prefill` plain vLLM instances ("single-N", no

@@ -24,7 +24,8 @@ def start(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     if not launches:
         return NotNeeded("no instance on this host")
     script = start_scripts(ctx, [dict(name=launch.name, command=launch.exec_command, env=launch.env, settle=1.0,
-                                      env_file=launch.env_file, health_url=launch.health_url) for launch in launches])
+                                      env_file=launch.env_file, health_url=launch.health_url, gang=launch.gang)
+                                 for launch in launches])
     display = "\n".join(f"start {launch.name} detached: {' '.join(f'{k}={v}' for k, v in launch.env.items())} "
                         f"{launch.command}  (secrets from {launch.env_file}; log {ctx.layout.log(launch.name)})" for launch in launches)
     return Command(script, display=display, timeout=60)

@@ -53,11 +53,12 @@ def start_scripts(ctx: StepContext, starts: list[dict]) -> str:
 
 def start_script(ctx: StepContext, name: str, command: str, env: dict | None = None, settle: float = 0.5,
                  env_file: str | None = None, health_url: str | None = None, installed: bool = False,
-                 needs: list[str] | None = None) -> str:
+                 needs: list[str] | None = None, gang: dict | None = None) -> str:
     """Shell lines that start `command` detached as `name` unless it is already running; `env_file` (secrets)
     is read by its supervisor, so its values are on no command line; `health_url` is what its supervisor probes
     to find it hung (restart.hang_after_s); `needs`, HOST:PORT addresses it cannot start without, which its
-    supervisor waits for before a restart instead of spending restart.max on starts that must fail. `installed`: the
+    supervisor waits for before a restart instead of spending restart.max on starts that must fail; `gang`, the
+    processes on other hosts it lives and dies with (yrpd.serving.Launch.gang). `installed`: the
     command wrote the supervisor already (supervisor_install), else these lines write it when they start the
     process."""
     if not _NAME_RE.match(name):
@@ -74,6 +75,7 @@ def start_script(ctx: StepContext, name: str, command: str, env: dict | None = N
                              "max_restarts": policy.max, "window_s": policy.window_s, "grace_s": policy.grace_s,
                              **({"env_file": env_file} if env_file else {}),
                              **({"needs": needs} if needs else {}),
+                             **({"gang": gang} if gang else {}),
                              **({"health": {"url": health_url, "hang_after_s": policy.hang_after_s}}
                                 if health_url and policy.hang_after_s else {})})
     sup = q(layout.supervisor)
