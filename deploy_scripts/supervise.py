@@ -37,7 +37,7 @@ request, and a node whose head died waits forever. One of them leads: "gang": {"
 "IP:PORT"], ..]}; each other one follows: "gang": {"role": "follower", "listen": "IP:PORT", "leader": name}. Every
 2 s the leader sends each member "JOIN <its run>"; a follower starts its command for that run (stopping the one it
 runs for an older run) and answers with its state. A follower whose command exits waits for its leader; a follower
-that hears nothing for GANG_LOST_S stops its command and waits too. The leader restarts its own command (counted
+that hears nothing for GANG_LOST_S ("lost_s", default 30) stops its command and waits too. The leader restarts its own command (counted
 like a crash) when a member's command exits or restarts, or its supervisor does not answer for GANG_LOST_S; its
 new run makes every follower start again. The leader alone decides; no loop of restarts between them.
 
@@ -71,7 +71,7 @@ hang_after_s = float(health.get("hang_after_s") or 0) if health.get("url") else 
 probe_every = min(5.0, hang_after_s / 3) if hang_after_s else 0.0
 SHM_SCAN_S = 10.0
 gang = args.get("gang") or {}
-GANG_POLL_S, GANG_LOST_S = 2.0, 30.0
+GANG_POLL_S, GANG_LOST_S = 2.0, float(gang.get("lost_s", 30.0))
 #: a follower's view of its leader: the run it asks for and when it last asked; a leader's: its members' runs
 heard = {"wanted": None, "at": None, "joined": None}
 heard_lock = threading.Lock()

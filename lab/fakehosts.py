@@ -42,6 +42,10 @@ Options for container tests (all off by default):
 * ``overlays=("/usr", "/etc")``: a private writable overlay on each path (upper
   dir under the host's directory), so a test can put fake driver files such as
   ``/usr/local/bin/npu-smi`` into a host without touching the machine.
+* ``private_shm=True``: a fresh tmpfs on ``/dev/shm``, as separate machines have (``fake_npus`` brings one
+  too).  vLLM tells the ranks of one node from those of others by whether they open each other's shared memory:
+  on a ``/dev/shm`` the hosts share, two hosts' ranks of one TP group take each other for one node and wait on
+  sockets in each other's private ``/tmp``.
 * ``docker=True``: a private ``/var/lib/docker`` and the cgroup hierarchies
   mounted again under ``/sys/fs/cgroup`` (``ip netns exec`` mounts a fresh sysfs
   whose ``/sys/fs/cgroup`` is empty), so a dockerd can run inside the host with
@@ -280,11 +284,13 @@ class FakeHost:
     """One fake host.  Created by FakeHostLab; do not instantiate directly."""
 
     def __init__(self, name: str, address: str, netns: str, veth: str, dir: Path,
-                 fake_npus: int = 0, overlays: tuple[str, ...] = (), docker: bool = False):
+                 fake_npus: int = 0, overlays: tuple[str, ...] = (), docker: bool = False,
+                 private_shm: bool = False):
         self.name = name
         self.fake_npus = fake_npus
         self.overlays = overlays
         self.docker = docker
+        self.private_shm = private_shm
         self.address = address
         self.netns = netns
         self.veth = veth
@@ -404,6 +410,8 @@ class FakeHost:
                       f"{shlex.quote(path)}"]
         if self.fake_npus:
             lines += _private_dev_lines(f"{d}/devfs", self.fake_npus)
+        elif self.private_shm:
+            lines += ["mount -t tmpfs -o mode=1777 shm /dev/shm"]
         if self.docker:
             # /var has an overlay (FakeHostLab adds it), so the mount point can be made without touching the
             # machine; the data root itself is a plain directory: overlay2 cannot sit on an overlay
@@ -423,10 +431,10 @@ class FakeHostLab:
     """n fake hosts h1..hn on a private bridge; use as a context manager."""
 
     def __init__(self, n: int, workdir: Path, prefix: str | None = None, *, fake_npus: int = 0,
-                 overlays: tuple[str, ...] = (), docker: bool = False):
+                 overlays: tuple[str, ...] = (), docker: bool = False, private_shm: bool = False):
         """prefix: names of the lab's namespaces and links; default: "yl" + 5 random
         characters.  Only "yl..." prefixes are covered by cleanup_stale()'s default.
-        fake_npus, overlays, docker: see the module docstring."""
+        fake_npus, overlays, docker, private_shm: see the module docstring."""
         for path in overlays:
             if not path.startswith("/") or path in ("/", "/tmp", "/run", "/dev", "/proc", "/sys"):
                 raise ValueError(f"overlays: {path!r} cannot have an overlay")
@@ -435,6 +443,7 @@ class FakeHostLab:
         self.fake_npus = fake_npus
         self.overlays = tuple(overlays)
         self.docker = docker
+        self.private_shm = private_shm
         if not 1 <= n <= _MAX_HOSTS:
             raise ValueError(f"n must be in 1..{_MAX_HOSTS}")
         if prefix is not None and not re.fullmatch(r"[a-z][a-z0-9]{0,9}", prefix):
@@ -494,7 +503,8 @@ class FakeHostLab:
                 self.hosts.append(FakeHost(
                     f"h{i}", str(self.subnet.network_address + 10 + i),
                     f"{self.prefix}h{i}", f"{self.prefix}v{i}", host_dir,
-                    fake_npus=self.fake_npus, overlays=self.overlays, docker=self.docker))
+                    fake_npus=self.fake_npus, overlays=self.overlays, docker=self.docker,
+                    private_shm=self.private_shm))
             self._write_keys_and_configs()
             for host in self.hosts:
                 self._create_host_network(host)

@@ -37,6 +37,8 @@ OWN_HOSTS: dict[str, str] = {
     "test_fakehosts": "tests the fake hosts themselves: start, exec, close, a crashed lab's leftovers",
     "test_deploy_lab": "deploy's first run and its refusals: unreachable and unknown hosts, a failed preflight",
     "test_cluster_lab": "the cluster alone, once per launcher (dscli, yr), without vLLM",
+    "test_spanning_lab": "an instance spanning hosts: a topology no shared deployment has (decode's TP group over two "
+                         "hosts of one core, prefill's on a host of two), and a rank killed to restart it whole",
     "test_docker_lab": "FAKE NPUs and a dockerd inside each host",
     "test_containers_pd": "a dockerd inside each host and the stand-in image, serving in containers",
     "test_containers_py312": "a dockerd inside each host and the Python 3.12 stand-in image",

@@ -279,3 +279,72 @@ def test_metrics_targets_list_the_proxy_and_every_instance_for_a_prometheus_file
                     for i in deployment.plan.instances]
     again = run_yrpd("metrics", "targets", env={"YRPD_HOME": str(yrpd_home)}, check=0)
     assert json.loads(again.stdout) == groups  # stdout without --out
+
+
+# -- an instance whose TP x PP group spans hosts
+
+
+def spanning(backend: str, **over):
+    """One prefill and one decode instance of TP 16 on four 8-NPU hosts, the NIC enp189s0f0 on each."""
+    return deployment(hosts=("h1", "h2", "h3", "h4"), **{"ptp": 16, "dtp": 16, "nic": "enp189s0f0",
+                                                         "multi_node_backend": backend, **over})
+
+
+def describe(launches) -> str:
+    """One block per process: where, its environment, its argv one word a line, its gang."""
+    out = []
+    for launch in launches:
+        out.append(f"# {launch.name} on {launch.host}" + (f" (health {launch.health_url})" if launch.health_url else ""))
+        out += [f"{k}={v}" for k, v in sorted(launch.env.items())]
+        out += ["  " + word for word in launch.argv]
+        out.append(f"gang: {json.dumps(launch.gang, sort_keys=True)}")
+    return "\n".join(out) + "\n"
+
+
+def test_tp_16_on_two_8_npu_hosts_over_ray_golden():
+    """vLLM's recipe: a Ray head on the instance's first host, a Ray worker on the second, `vllm serve` with the Ray
+    executor on the first; every process told the NIC, its own HCCL block and its host's address."""
+    from tests.unit.golden_files import check_golden
+
+    spec, plan = spanning("ray")
+    check_golden("multinode", "tp16-two-8npu-hosts-ray.txt",
+                 "".join(describe(instance_launches(spec, plan, inst, PATHS)) for inst in plan.instances))
+    head, serve, worker = instance_launches(spec, plan, plan.instances[0], PATHS)
+    assert (head.name, serve.name, worker.name) == ("prefill-0-ray", "prefill-0", "prefill-0-ray-h2")
+    assert "--head" in head.argv and "--address=10.0.0.1:64200" in worker.argv
+    assert flag(serve.argv, "--distributed-executor-backend") == "ray" and serve.env["RAY_ADDRESS"] == "10.0.0.1:64200"
+    assert flag(serve.argv, "--tensor-parallel-size") == "16" and serve.health_url == "http://10.0.0.1:8100/health"
+    # the Ray head leads: the API server and the worker node follow it
+    assert head.gang == {"role": "leader", "members": [["prefill-0", "10.0.0.1:8300"],
+                                                       ["prefill-0-ray-h2", "10.0.0.2:8300"]]}
+    assert serve.gang["role"] == worker.gang["role"] == "follower"
+    assert worker.env["VLLM_HOST_IP"] == "10.0.0.2" and worker.env["HCCL_SOCKET_IFNAME"] == "enp189s0f0"
+    assert worker.env["PYTHONPATH"] == PATHS.bundle_dir  # the connector runs in the Ray workers the raylet starts
+
+
+def test_the_same_instance_on_vllms_own_launcher_runs_one_serve_per_host():
+    spec, plan = spanning("mp")
+    head, node = instance_launches(spec, plan, plan.instances[1], PATHS)
+    assert (head.name, head.host, node.name, node.host) == ("decode-0", "h3", "decode-0-h4", "h4")
+    for launch, rank in ((head, "0"), (node, "1")):
+        assert (flag(launch.argv, "--nnodes"), flag(launch.argv, "--node-rank")) == ("2", rank)
+        assert (flag(launch.argv, "--master-addr"), flag(launch.argv, "--master-port")) == ("10.0.0.3", "8300")
+    assert "--headless" in node.argv and "--headless" not in head.argv and "--port" not in node.argv
+    assert head.gang == {"role": "leader", "members": [["decode-0-h4", "10.0.0.4:8300"]]}
+    assert node.gang == {"role": "follower", "listen": "10.0.0.4:8300", "leader": "decode-0 on h3"}
+    assert node.env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" and node.env["GLOO_SOCKET_IFNAME"] == "enp189s0f0"
+
+
+def test_an_instance_on_one_host_has_no_gang_nor_nic_settings():
+    # the control of the two above: TP 8 fits one host
+    spec, plan = spanning("mp", ptp=8, dtp=8)
+    (launch,) = instance_launches(spec, plan, plan.instances[0], PATHS)
+    assert launch.gang is None and "GLOO_SOCKET_IFNAME" not in launch.env and "--nnodes" not in launch.argv
+
+
+def test_pipeline_stages_are_passed_and_counted_in_a_hosts_cpu_binding():
+    spec, plan = deployment(DeviceKind.cpu, devices=5, hosts=("h1",), ptp=2, dtp=1, ppp=2, dpp=1,
+                            kv_connector="nixl")
+    (prefill,) = instance_launches(spec, plan, plan.instances[0], PATHS)
+    assert flag(prefill.argv, "--pipeline-parallel-size") == "2"
+    assert prefill.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1|2|3"  # four ranks: tp 2 x pp 2

@@ -362,3 +362,60 @@ def test_without_needs_the_same_command_gives_up_at_once(supervised):
     s = supervised("echo RUN; exit 7", max_restarts=1)
     final = s.wait_for(lambda st: st["state"] == "failed", timeout=20)
     assert final["restarts"] == 1 and s.log.read_text().count("RUN\n") == 2
+
+
+# -- a gang: the processes of one instance spanning hosts live and die together
+
+
+def gang(supervised, lost_s: float = 30):
+    """A leader and one follower, each running `sleep`, the follower listening on a free loopback port."""
+    address = f"127.0.0.1:{free_port()}"
+    leader = supervised("exec sleep 300", where="lead",
+                        gang={"role": "leader", "members": [["f", address]], "lost_s": lost_s})
+    follower = supervised("exec sleep 300", where="follow",
+                          gang={"role": "follower", "listen": address, "leader": "lead", "lost_s": lost_s})
+    return leader, follower
+
+
+def test_a_follower_runs_for_its_leaders_run_and_nothing_restarts_while_all_live(supervised):
+    leader, follower = gang(supervised)
+    lead = leader.wait_for(lambda st: st["state"] == "running")
+    follow = follower.wait_for(lambda st: st["state"] == "running")
+    assert "starting for lead's run " + lead["run"] in follower.log.read_text()
+    time.sleep(5)  # two rounds of the leader's JOIN at least: the same run again starts nothing (the control)
+    assert (leader.state()["pid"], leader.state()["restarts"]) == (lead["pid"], 0)
+    assert (follower.state()["pid"], follower.state()["run"]) == (follow["pid"], follow["run"])
+
+
+def test_a_killed_follower_restarts_the_whole_gang_once(supervised):
+    leader, follower = gang(supervised)
+    lead = leader.wait_for(lambda st: st["state"] == "running")
+    follow = follower.wait_for(lambda st: st["state"] == "running")
+    os.kill(follow["pid"], signal.SIGKILL)
+    again = leader.wait_for(lambda st: st["state"] == "running" and st["pid"] != lead["pid"], timeout=20)
+    assert again["restarts"] == 1 and "f stopped (killed by signal 9" in leader.log.read_text()
+    back = follower.wait_for(lambda st: st["state"] == "running" and st["pid"] != follow["pid"], timeout=20)
+    assert f"starting for lead's run {again['run']}" in follower.log.read_text()
+    time.sleep(5)  # and it settles: one restart each, no loop between them
+    assert leader.state()["pid"] == again["pid"] and follower.state()["pid"] == back["pid"]
+
+
+def test_a_killed_leader_restarts_its_followers(supervised):
+    leader, follower = gang(supervised)
+    lead = leader.wait_for(lambda st: st["state"] == "running")
+    follow = follower.wait_for(lambda st: st["state"] == "running")
+    os.kill(lead["pid"], signal.SIGKILL)
+    again = leader.wait_for(lambda st: st["state"] == "running" and st["pid"] != lead["pid"], timeout=20)
+    follower.wait_for(lambda st: st["state"] == "running" and st["pid"] != follow["pid"], timeout=20)
+    assert f"lead started again (run {again['run']})" in follower.log.read_text()
+    assert not alive(follow["pid"])
+
+
+def test_a_follower_whose_leader_went_silent_stops_its_command_and_waits(supervised):
+    leader, follower = gang(supervised, lost_s=3)
+    leader.wait_for(lambda st: st["state"] == "running")
+    follow = follower.wait_for(lambda st: st["state"] == "running")
+    leader.close()  # its supervisor stopped: no JOIN comes any more
+    waiting = follower.wait_for(lambda st: st["state"] == "backoff", timeout=15)
+    assert "no word from lead for" in waiting["reason"] and not alive(follow["pid"])
+    assert follower.proc.poll() is None  # it waits for a leader, it does not exit
