@@ -270,17 +270,18 @@ def follow():
         if idle_until(lambda: heard["wanted"] is not None and heard["wanted"] != heard["joined"], every=0.5):
             write(state=STOPPED, pid=None, reason="stopped by yrpd")
             return 0
-        with heard_lock:
-            heard["joined"] = heard["wanted"]
+        target = heard["wanted"]
         try:
             env = command_env()
         except OSError as exc:
             write(state=FAILED, pid=None, reason=f"cannot read its environment file: {exc}")
             return 0
-        say(f"starting for {leader}'s run {heard['joined']}")
+        say(f"starting for {leader}'s run {target}")
         child = subprocess.Popen(["bash", "-c", args["command"]], preexec_fn=os.setpgrp, stdin=subprocess.DEVNULL,
                                  env=env)
-        write(state=RUNNING, pid=child.pid, shm=[], run=run_id())
+        with heard_lock:  # one change for the leader's JOIN to see: joined its run and running, never one alone
+            heard["joined"] = target
+            write(state=RUNNING, pid=child.pid, shm=[], run=run_id())
         code, why = wait_for(child)
         note_shm(child.pid)
         stop_group(child.pid, grace=min(grace_s, 3.0) if (why or code is not None) else None)

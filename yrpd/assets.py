@@ -33,16 +33,33 @@ def deploy_script(name: str) -> str:
     so it runs as one piece from a here-document (where Python would find no module beside it)."""
     scripts = asset_dir("deploy_scripts")
     text = (scripts / name).read_text()
-    if not name.endswith(".py") or _HOSTLIB_IMPORT not in text:
+    if not name.endswith(".py"):
         return text
-    import ast  # only for the scripts that share hostlib
+    import ast  # only for the Python scripts
 
+    text = _short_docstring(text, name)
+    if _HOSTLIB_IMPORT not in text:
+        return text
     spans = [(n.lineno, n.end_lineno) for n in ast.parse(text).body
              if isinstance(n, ast.ImportFrom) and n.module == "hostlib"]
     lines = text.splitlines(keepends=True)
-    shared = (scripts / HOSTLIB).read_text()
+    shared = _short_docstring((scripts / HOSTLIB).read_text(), HOSTLIB)
     for first, last in reversed(spans):  # the whole statement, continuation lines too
         lines[first - 1:last] = [f"# --- deploy_scripts/{HOSTLIB} ---\n{shared}# --- end of {HOSTLIB} ---\n"]
+    return "".join(lines)
+
+
+def _short_docstring(text: str, name: str) -> str:
+    """The script with its module docstring cut to its first line: every host command must fit one exec argument
+    (128 KiB), and the supervisor travels in most of them; the full text stays in the source."""
+    import ast
+
+    first = ast.parse(text).body[0] if text.strip() else None
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)):
+        return text
+    lines = text.splitlines(keepends=True)
+    summary = first.value.value.strip().splitlines()[0] + f" (in full: yrpd's deploy_scripts/{name})"
+    lines[first.lineno - 1:first.end_lineno] = [repr(summary) + "\n"]
     return "".join(lines)
 
 
