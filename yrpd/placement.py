@@ -25,9 +25,9 @@ from typing import Iterable
 
 from yrpd.models import CPU_DTYPE
 from yrpd.errors import SpecError
-from yrpd.ports import INSTANCE_PORT_BLOCK
+from yrpd.ports import INSTANCE_PORT_BLOCK, RAY_PORT_BLOCK
 from yrpd.precision import DtypeChoice, choose
-from yrpd.spec import ClusterLauncher, DeploySpec, DeviceKind, KvConnector, format_device_list
+from yrpd.spec import ClusterLauncher, DeploySpec, DeviceKind, KvConnector, MultiNodeBackend, format_device_list
 
 
 @dataclass(frozen=True)
@@ -429,9 +429,11 @@ def instances_from_dicts(rows: list[dict]) -> tuple[InstancePlan, ...]:
                               node_slots=tuple((h, n) for h, n in r.get("node_slots", ()))) for r in rows)
 
 
-def ports_on_host(plan: Plan, host: str) -> list[tuple[int, str]]:
-    """Every port this deployment listens on at `host`, with what owns it (for preflight and status)."""
+def ports_on_host(plan: Plan, host: str, spec: DeploySpec | None = None) -> list[tuple[int, str]]:
+    """Every port this deployment listens on at `host`, with what owns it (for preflight and status); given the
+    spec, also those an instance spanning hosts holds on the others (its gang's, Ray's)."""
     owned: list[tuple[int, str]] = []
+    kinds = {h.name: h.kind for h in plan.hosts}
     for h in plan.hosts:
         if h.name == host:
             owned.extend((port, name) for name, port in h.ports.items())
@@ -439,6 +441,14 @@ def ports_on_host(plan: Plan, host: str) -> list[tuple[int, str]]:
         if inst.host == host:
             owned.append((inst.port, inst.name))
             owned.append((inst.kv_port, f"{inst.name} kv"))
+        if spec is None or not inst.split or host not in inst.hosts:
+            continue
+        slot = dict(inst.node_slots).get(host, inst.port - spec.ports.instance_base)
+        if host != inst.host:
+            owned.append((spec.ports.kv_base + slot, f"{inst.name} gang"))
+        if spec.multi_node(kinds[inst.host]) is MultiNodeBackend.ray:
+            base = spec.ports.ray_base + RAY_PORT_BLOCK * slot
+            owned.extend((p, f"{inst.name} ray") for p in range(base, base + RAY_PORT_BLOCK))
     return sorted(owned)
 
 

@@ -14,7 +14,7 @@ def check_hosts(ctx: StepContext, host: HostPlan) -> Command:
         "session_root": ctx.spec.remote_session_root,
         "session": ctx.session_id,
         "min_free_disk_gb": ctx.spec.min_free_disk_gb,
-        "ports": [[port, what] for port, what in ports_on_host(ctx.plan, host.name)],
+        "ports": [[port, what] for port, what in ports_on_host(ctx.plan, host.name, ctx.spec)],
         "device_kind": host.kind.value,
         "devices": list(host.used),
         "model": model if model and not model.startswith("builtin:") else None,

@@ -125,7 +125,7 @@ def stop_all(ctx: StepContext, host: HostPlan, grace: float = 10) -> Command:
     """Stop every process of the session on the host (TERM, then KILL after `grace` s) and prove none is left."""
     grace = _grace(ctx, grace)
     args = {**ctx.layout.for_scripts(), "id": ctx.session_id, "action": "stop", "grace": grace,
-            "ports": [[port, what] for port, what in ports_on_host(ctx.plan, host.name)]}
+            "ports": [[port, what] for port, what in ports_on_host(ctx.plan, host.name, ctx.spec)]}
     return host_python("session_processes.py", args, timeout=grace + 30)
 
 
