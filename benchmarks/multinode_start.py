@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from yrpd.provenance import record  # noqa: E402
+from yrpd.provenance import record
 
 VENV = Path(os.environ.get("YRPD_VLLM_VENV", "/opt/yrpd/venvs/vllm"))
 PORT, MASTER_PORT = 18190, 29690

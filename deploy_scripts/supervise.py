@@ -70,6 +70,9 @@ hang_after_s = float(health.get("hang_after_s") or 0) if health.get("url") else 
 # a probe every third of the hang bound (at most 5 s), each given as long to answer
 probe_every = min(5.0, hang_after_s / 3) if hang_after_s else 0.0
 SHM_SCAN_S = 10.0
+#: the command leads a process group of its own; without a preexec_fn where Python can (3.11), as a gang's
+#: supervisor runs a thread and a fork between a thread's locks is unsafe
+OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 gang = args.get("gang") or {}
 GANG_POLL_S, GANG_LOST_S = 2.0, float(gang.get("lost_s", 30.0))
 #: a follower's view of its leader: the run it asks for and when it last asked; a leader's: its members' runs
@@ -277,7 +280,7 @@ def follow():
             write(state=FAILED, pid=None, reason=f"cannot read its environment file: {exc}")
             return 0
         say(f"starting for {leader}'s run {target}")
-        child = subprocess.Popen(["bash", "-c", args["command"]], preexec_fn=os.setpgrp, stdin=subprocess.DEVNULL,
+        child = subprocess.Popen(["bash", "-c", args["command"]], **OWN_GROUP, stdin=subprocess.DEVNULL,
                                  env=env)
         with heard_lock:  # one change for the leader's JOIN to see: joined its run and running, never one alone
             heard["joined"] = target
@@ -337,7 +340,7 @@ def main():
             say(reason)
             write(state=FAILED, pid=None, reason=reason)
             return 0
-        child = subprocess.Popen(["bash", "-c", args["command"]], preexec_fn=os.setpgrp, stdin=subprocess.DEVNULL,
+        child = subprocess.Popen(["bash", "-c", args["command"]], **OWN_GROUP, stdin=subprocess.DEVNULL,
                                  env=env)
         write(state=RUNNING, pid=child.pid, shm=[], run=run_id())
         code, hung = wait_for(child, GangWatch(state["run"]) if gang.get("role") == "leader" else None)

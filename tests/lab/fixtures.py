@@ -37,13 +37,13 @@ OWN_HOSTS: dict[str, str] = {
     "test_fakehosts": "tests the fake hosts themselves: start, exec, close, a crashed lab's leftovers",
     "test_deploy_lab": "deploy's first run and its refusals: unreachable and unknown hosts, a failed preflight",
     "test_cluster_lab": "the cluster alone, once per launcher (dscli, yr), without vLLM",
-    "test_spanning_lab": "an instance spanning hosts: a topology no shared deployment has (decode's TP group over two "
-                         "hosts of one core, prefill's on a host of two), and a rank killed to restart it whole",
+    "test_spanning_lab": "instances spanning hosts: a topology no shared deployment has (decode's TP group over two "
+                         "hosts of one core, prefill's DP ranks over two of two), and a rank killed to restart it whole",
     "test_docker_lab": "FAKE NPUs and a dockerd inside each host",
     "test_containers_pd": "a dockerd inside each host and the stand-in image, serving in containers",
     "test_containers_py312": "a dockerd inside each host and the Python 3.12 stand-in image",
     "test_serving_lab": "the real model (SmolLM2) with a client key, and h3 as an outsider on the cluster network",
-    "test_many_instances_lab": "2 prefill and 2 decode instances of the real model, and a DP group spanning hosts",
+    "test_many_instances_lab": "2 prefill and 2 decode instances of the real model on four hosts",
     "test_model_change_lab": "a model change needs a free host per role (4 hosts)",
     "test_host_faults": "the disk tier on a 2 MB tmpfs needs a deployment configured for it",
     "test_embedded_default": "`yrpd deploy --hosts localhost`, the demo's command, in a namespace as a user runs it",

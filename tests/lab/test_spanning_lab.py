@@ -1,7 +1,8 @@
-"""An instance bigger than one host (issue 45): on three fake hosts, decode's TP 2 group spans h1 and h2 (one core
-each, vLLM's multi-node launcher over gloo) and prefill's TP 2 runs whole on h3 (two cores). PD answers are one
-instance's, both ranks of the spanning group load their KV shard from their own host's data system worker, a killed
-rank on h2 brings the whole instance back, and `down` leaves nothing.
+"""Instances spanning hosts both ways, on four fake hosts: decode's TP 2 group spans h1 and h2 (one core each, vLLM's
+multi-node launcher over gloo; issue 45) and prefill's two DP ranks of TP 2 span h3 and h4 (two cores each, a
+headless engine on h4). PD answers are one instance's, both prefill engines serve, both ranks of decode's group load
+their KV shard from their own host's data system worker, a killed rank on h2 brings the whole decode instance back,
+and `down` leaves nothing.
 
 The model is builtin:tiny-qwen2 (random weights, 4 attention heads): SmolLM2 has 9 heads, which no TP 2 splits
 (vLLM refuses it on one host as on two; `yrpd plan` says so first). Its answers are gibberish, so they are checked
@@ -52,14 +53,16 @@ def loaded_blocks(host, name: str) -> int:
     return int(json.loads(host.exec(f"cat {found[0]}").stdout)["counters"].get("loaded_blocks", 0))
 
 
-def test_a_decode_instance_whose_tp_group_spans_two_hosts_answers_like_one_instance_and_heals_whole(
+def test_instances_spanning_hosts_by_tp_and_by_dp_answer_like_one_instance_and_heal_whole(
         fake_lab, tmp_path, lab_figures):
-    lab = fake_lab(3, private_shm=True)  # as separate machines: else vLLM takes h1 and h2 for one node
+    lab = fake_lab(4, private_shm=True)  # as separate machines: else vLLM takes h1 and h2 for one node
     config = tmp_path / "yrpd.yaml"
     config.write_text(
-        "hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n  - {address: h3, devices: [0, 1]}\n"
+        "hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n"
+        "  - {address: h3, devices: [0, 1]}\n  - {address: h4, devices: [0, 1]}\n"
         f"device_kind: cpu\nmodel: builtin:{MODEL}\ndtype: float32\nenv_path: {rm.ENV_ROOT}\n"
-        "datasystem_memory_mb: 256\ncluster_mode: ds_only\nptp: 2\ndtp: 2\n")
+        "datasystem_memory_mb: 256\ncluster_mode: ds_only\nptp: 2\ndtp: 2\npdp: 2\n")
+    hosts = "h1,h2,h3,h4"
     home = tmp_path / "home"
 
     def cli(*args, check=None, timeout=600):
@@ -68,29 +71,30 @@ def test_a_decode_instance_whose_tp_group_spans_two_hosts_answers_like_one_insta
             run_yrpd(*args, *lab.cli_ssh_args, env={"YRPD_HOME": str(home)}, check=check, timeout=timeout)
 
     # the refusal beside its control: SmolLM2's 9 heads take no TP 2, in one line before any host is touched
-    refused = cli("plan", "--hosts", "h1,h2,h3", "--model", "builtin:smollm2")
+    refused = cli("plan", "--hosts", hosts, "--model", "builtin:smollm2")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "builtin:smollm2 has 9 attention heads, which 2 does not divide" in refused.stderr
-    plan = json.loads(cli("plan", "--hosts", "h1,h2,h3", "--json", check=0).stdout)
+    plan = json.loads(cli("plan", "--hosts", hosts, "--json", check=0).stdout)
     prefill, decode = plan["instances"]
-    assert [(r["host"], r["devices"]) for r in prefill["ranks"]] == [("h3", [0, 1])]
-    assert [(r["host"], r["devices"]) for r in decode["ranks"]] == [("h1", [0]), ("h2", [1])]
+    assert [(r["host"], r["dp_rank"], r["devices"]) for r in prefill["ranks"]] == [("h3", 0, [0, 1]), ("h4", 1, [0, 1])]
+    assert [(r["host"], r["dp_rank"], r["devices"]) for r in decode["ranks"]] == [("h1", 0, [0]), ("h2", 0, [1])]
     try:
         started = time.monotonic()
-        cli("deploy", "--hosts", "h1,h2,h3", check=0, timeout=1500)
+        cli("deploy", "--hosts", hosts, check=0, timeout=1500)
         lab_figures["deploy_s"] = round(time.monotonic() - started, 1)
         report = wait_healthy(cli, 120)
         procs = {(p["host"], p["name"]): p for p in report["processes"]}
-        assert {("h1", "decode-0"), ("h2", "decode-0-h2"), ("h3", "prefill-0")} <= set(procs), sorted(procs)
-        row = next(i for i in report["instances"] if i["name"] == "decode-0")
-        assert row["hosts"] == ["h1", "h2"] and row["tp"] == 2
+        assert {("h1", "decode-0"), ("h2", "decode-0-h2"), ("h3", "prefill-0"), ("h4", "prefill-0-h4")} <= set(procs)
+        rows = {i["name"]: i for i in report["instances"]}
+        assert (rows["decode-0"]["hosts"], rows["decode-0"]["tp"]) == (["h1", "h2"], 2)
+        assert (rows["prefill-0"]["hosts"], rows["prefill-0"]["dp"]) == (["h3", "h4"], 2)
 
         key = instance_token(home / "sessions" / report["session"])
         prefill_url = next(i["url"] for i in report["instances"] if i["name"] == "prefill-0")
         proxy = report["proxy"]["url"]
-        # one instance's answers: prefill's own (TP 2 on one host), asked directly, before PD hands any KV over
+        # one instance's answers: prefill's own (TP 2 on one host, either engine), asked directly, before PD hands KV over
         want = [complete(prefill_url, p, key) for p in PROMPTS]
-        h1, h2 = lab["h1"], lab["h2"]
+        h2 = lab["h2"]
         before = {h: loaded_blocks(lab[h], "decode-0") for h in ("h1", "h2")}
         got = [complete(proxy, p) for p in PROMPTS]
         assert got == want, [(p, g, w) for p, g, w in zip(PROMPTS, got, want) if g != w][:2]
@@ -99,6 +103,11 @@ def test_a_decode_instance_whose_tp_group_spans_two_hosts_answers_like_one_insta
         # each rank loaded its shard of the prompts' KV, on its own host
         assert all(after[h] > before[h] for h in after), (before, after)
         lab_figures["decode_loaded_blocks_per_rank"] = {h: after[h] - before[h] for h in after}
+        # vLLM's front end on h3 spread the prompts over both prefill engines: the one on h4 computed some too
+        metrics = rm.http("GET", f"{prefill_url}/metrics")[1].decode()
+        per_engine = {line.split('engine="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                      for line in metrics.splitlines() if line.startswith("vllm:prompt_tokens_total{")}
+        assert set(per_engine) == {"0", "1"} and min(per_engine.values()) > 0, per_engine
 
         # kill -9 the rank on h2 (its worker process): the instance restarts whole, on both hosts, by itself
         worker = h2.exec("pgrep -f 'VLLM::Worker' | head -n 1").stdout.strip()

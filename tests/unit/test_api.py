@@ -122,7 +122,7 @@ def test_deploy_records_the_session_and_reports_each_step_in_order(tmp_path, pla
     assert spec.runtime is Runtime.auto
     assert DeploySpec.model_validate(session.spec_data) == spec.model_copy(update={"runtime": Runtime.host})
     assert session.plan_data["inventory"]["h2"] == {"kind": "cpu", "devices": [0, 1, 2, 3], "ip": "10.0.0.2",
-                                                    "cpu_bf16": None, "arch": None}
+                                                    "cpu_bf16": None, "arch": None, "nic": None}
     assert progress.events == [
         ("message", f"session {session.id} ({session.path})"),
         ("started", 1, 2, CREATE), ("finished", CREATE, "done on h1, h2"),

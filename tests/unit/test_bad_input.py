@@ -50,13 +50,13 @@ CASES = [
      "spans hosts only in an instance of one DP rank"),
     # the connector keys KV per TP rank and PP stage (the control: equal sizes plan, as every other case here)
     ("tp-shapes-differ", GOOD + ["--ptp", "2", "--dtp", "4"], None,
-     "decode_tensor_parallel_size: the yuanrong connector keys KV by TP rank and PP stage: decode (tp 4, pp 1) would "
-     "find none of prefill's (tp 2, pp 1) blocks"),
+     ("decode_tensor_parallel_size: the yuanrong connector keys KV by TP rank and PP stage: decode (tp 4, pp 1) "
+      "would find none of prefill's (tp 2, pp 1) blocks")),
     ("pp-shapes-differ", GOOD + ["--ppp", "2"], None, "decode_pipeline_parallel_size: the yuanrong connector"),
     ("tp-not-dividing-heads", without(GOOD, "--model", "--devices", "--device-kind") +
      ["--model", "builtin:smollm2", "--device-kind", "cpu", "--devices", "0-3", "--ptp", "2", "--dtp", "2"], None,
-     "prefill_tensor_parallel_size: builtin:smollm2 has 9 attention heads, which 2 does not divide; use --ptp 1 or 3 "
-     "or 9"),
+     ("prefill_tensor_parallel_size: builtin:smollm2 has 9 attention heads, which 2 does not divide; use --ptp 1 or "
+      "3 or 9")),
     ("pp-over-layers", without(GOOD, "--model") + ["--model", "builtin:tiny-qwen2", "--ppp", "4", "--dpp", "4"], None,
      "prefill_pipeline_parallel_size: builtin:tiny-qwen2 has 2 layers, fewer than 4 stages; use --ppp 2 or less"),
     ("too-few-devices", without(GOOD, "--devices") + ["--devices", "0-3", "--ptp", "4", "--dtp", "4", "--decode", "2"], None,
