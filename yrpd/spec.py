@@ -305,7 +305,8 @@ class Ports(BaseModel):
     exporter: int = 32700
     #: the k-th instance on a host listens on instance_base+k
     instance_base: int = 8100
-    #: the k-th instance's DP rpc port, used only by a DP group spanning hosts (on its head host)
+    #: the k-th instance's DP rpc port, used only by a DP group spanning hosts (on its head host); a TP x PP group
+    #: spanning hosts: its rendezvous (backend mp) on its head, its gang port on each other host
     kv_base: int = 8300
     #: the k-th instance gets hccl_base+16k .. +15 for collective communication
     hccl_base: int = 61000
