@@ -306,9 +306,16 @@ def test_tp_16_on_two_8_npu_hosts_over_ray_golden():
     executor on the first; every process told the NIC, its own HCCL block and its host's address."""
     from tests.unit.golden_files import check_golden
 
+    from yrpd.exposure import exposure
+    from yrpd.placement import ports_on_host
+
     spec, plan = spanning("ray")
+    ports = [f"{r.host} {r.port}: {r.what} (listens on {r.listens_on}; for {r.callers})" for r in exposure(spec, plan)
+             if r.what.startswith(("prefill-0", "decode-0"))]
+    preflight = [f"{h.name} checks free: {ports_on_host(plan, h.name, spec)}" for h in plan.hosts]
     check_golden("multinode", "tp16-two-8npu-hosts-ray.txt",
-                 "".join(describe(instance_launches(spec, plan, inst, PATHS)) for inst in plan.instances))
+                 "".join(describe(instance_launches(spec, plan, inst, PATHS)) for inst in plan.instances)
+                 + "# ports (yrpd plan's exposure table)\n" + "\n".join(ports) + "\n" + "\n".join(preflight) + "\n")
     head, serve, worker = instance_launches(spec, plan, plan.instances[0], PATHS)
     assert (head.name, serve.name, worker.name) == ("prefill-0-ray", "prefill-0", "prefill-0-ray-h2")
     assert "--head" in head.argv and "--address=10.0.0.1:64200" in worker.argv
