@@ -266,7 +266,11 @@ class GangWatch:
 
 def follow():
     """A follower's life: run its command for each run its leader asks for; never restart on its own."""
-    serve_gang(gang["listen"])
+    try:
+        serve_gang(gang["listen"])
+    except OSError as exc:  # its port taken: say so, rather than leave the leader to find it silent
+        write(state=FAILED, pid=None, reason=f"cannot listen on {gang['listen']} for its gang: {exc}")
+        return 0
     leader = gang["leader"]
     write(state=BACKOFF, pid=None, reason=f"waiting for {leader} to start it")
     while True:
@@ -301,8 +305,8 @@ def follow():
             return 0
         say(f"{reason}; waiting for {leader} to start the instance again")
         write(state=BACKOFF, pid=None, last_exit=code, reason=f"{reason}; waiting for {leader} to start it again")
-        if why and heard["wanted"] == heard["joined"]:
-            with heard_lock:  # no word from the leader: the next JOIN, even for the same run, starts it again
+        if why and why.startswith("no word from"):
+            with heard_lock:  # the leader went silent: its next JOIN, even for the same run, starts it again
                 heard["joined"] = None
 
 
@@ -351,9 +355,10 @@ def main():
             write(state=STOPPED, pid=None, reason="stopped by yrpd")
             return 0
         if hung:
-            say(f"{hung}; killing its process group")
-            stop_group(child.pid, grace=0)  # a stopped or deadlocked process would not act on TERM
-            code = -signal.SIGKILL
+            say(f"{hung}; stopping its process group")
+            # a stopped or deadlocked process would not act on TERM; a gang's break leaves the command well
+            stop_group(child.pid, grace=0 if hung.startswith("hung") else min(grace_s, 3.0))
+            code = -signal.SIGKILL if hung.startswith("hung") else None
         left = group_members(child.pid)
         if left:
             say(f"{exit_reason(code)}; stopping what is left of it ({len(left)} processes)")

@@ -344,6 +344,14 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
                 group=(old.group if old is not None and old.group else spec.model_group),
             )
         )
+    for inst in instances:
+        if inst.split and spec.kv_connector is KvConnector.ascend_store:
+            raise SpecError("kv_connector", f"ascend-store counts {inst.name}'s Mooncake hand-over ports on its head "
+                            f"host, and it spans {', '.join(inst.hosts)}", "use kv_connector: yuanrong for instances "
+                            "bigger than a host, or TP x PP sizes that fit one")
+        if inst.split and kind is DeviceKind.cpu and spec.multi_node(kind) is MultiNodeBackend.ray:
+            raise SpecError("multi_node_backend", f"ray cannot run {inst.name} across {', '.join(inst.hosts)}: vLLM's "
+                            "Ray executor refuses the CPU platform", "use multi_node_backend: mp (auto on CPU hosts)")
     for name, used in taken.items():
         if used and max(used) + 1 > ports.span:
             raise SpecError("ports.span", f"{name} would run {max(used) + 1} instances but the port ranges hold "

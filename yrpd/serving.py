@@ -59,6 +59,8 @@ class Launch:
     #: one of the processes of an instance spanning hosts, which live and die together (supervise.py's "gang":
     #: {"role": "leader", "members": [[name, "IP:PORT"], ..]} or {"role": "follower", "listen": .., "leader": ..})
     gang: dict | None = None
+    #: what it writes outside the session directory, removed when it is stopped (Ray's temp root)
+    leaves: tuple[str, ...] = ()
 
     @property
     def command(self) -> str:
@@ -226,14 +228,24 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
                     "VLLM_HOST_IP": host_of(plan, h).reach_ip}
         if inst.split and host_of(plan, h).nic:
             host_env.update((k, host_of(plan, h).nic) for k in NIC_ENV.get(kind, ()))
-        if inst.split and kind is DeviceKind.npu:  # its block on this host: slots differ from host to host
+        if spec.kv_connector is KvConnector.nixl:  # each host's ranks answer on their own host
+            host_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host_of(plan, h).reach_ip
+        if inst.spans_hosts and kind is DeviceKind.npu:  # its block on this host: slots differ from host to host
             slot = dict(inst.node_slots).get(h, inst.port - spec.ports.instance_base)
             host_env["HCCL_IF_BASE_PORT"] = str(spec.ports.hccl_base + INSTANCE_PORT_BLOCK * slot)
         if with_kv and spec.kv_connector is KvConnector.ascend_store:
             host_env.update(ascend_store.worker_env(f"{host_of(plan, h).reach_ip}:{spec.ports.datasystem}"))
         host_env.update(spec.env)
+        ray = inst.split and spec.multi_node(kind) is MultiNodeBackend.ray
+        if with_kv and ray and spec.kv_connector is KvConnector.yuanrong:
+            # one --kv-transfer-config reaches the Ray workers of every host: each finds its own host's data system
+            # worker in the environment its Ray node gives it
+            host_env["YRPD_DS_ADDRESS"] = f"{host_of(plan, h).reach_ip}:{spec.ports.datasystem}"
         if with_kv:
-            kv = json.dumps(kv_transfer_config(spec, plan, inst, paths, on=h), separators=(",", ":"))
+            config = kv_transfer_config(spec, plan, inst, paths, on=h)
+            if ray and spec.kv_connector is KvConnector.yuanrong:
+                config["kv_connector_extra_config"].pop("ds_address")
+            kv = json.dumps(config, separators=(",", ":"))
             dp_args[h] = ["--kv-transfer-config", kv, *dp_args[h]]
         if inst.split:
             launches += split_launches(spec, plan, inst, paths, h, [*common, *dp_args[h]], host_env, secrets, ds_link)
@@ -283,19 +295,21 @@ def split_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: Host
                        env, health, secrets, ds_link, gang={"role": "leader", "members": members})]
     # Ray: its workers are the raylet's children and get the node's environment, ours included (PYTHONPATH, NICs)
     gcs = f"{head.reach_ip}:{ray_ports(spec, slots[inst.host])['port']}"
-    node = [paths.ray, "start", "--block", "--node-ip-address", ip, "--disable-usage-stats"]
+    # Ray's own temp root: its unix sockets' paths must stay under 108 bytes, which the session's tmp would not
+    temp = f"/tmp/yrpd-ray-{paths.session.session_id[-6:] if paths.session else 'x'}-{slots[h]}"
+    node = [paths.ray, "start", "--block", "--node-ip-address", ip, "--disable-usage-stats", f"--temp-dir={temp}"]
     own = ray_ports(spec, slots[h])
     leader = f"{inst.name}-ray on {inst.host}"
     if h != inst.host:
         ports = [f"--{k}={v}" for k, v in own.items() if k not in ("port", "ray-client-server-port")]
         return [Launch(f"{inst.name}-ray-{h}", h, [*node, f"--address={gcs}", *ports], env, env_file=secrets,
-                       gang={"role": "follower", "listen": listen, "leader": leader})]
+                       gang={"role": "follower", "listen": listen, "leader": leader}, leaves=(temp,))]
     members = [[inst.name, listen]] + [
         [f"{inst.name}-ray-{o}", f"{host_of(plan, o).reach_ip}:{spec.ports.kv_base + slots[o]}"]
         for o in inst.hosts if o != inst.host]
     ray_head = Launch(f"{inst.name}-ray", h, [*node, "--head", *(f"--{k}={v}" for k, v in own.items()),
                                               "--include-dashboard=false"], env, env_file=secrets,
-                      gang={"role": "leader", "members": members})
+                      gang={"role": "leader", "members": members}, leaves=(temp,))
     serve = Launch(inst.name, h, [*argv, "--host", ip, "--port", str(inst.port), "--distributed-executor-backend",
                                   "ray", *spec.engine_args], {**env, "RAY_ADDRESS": gcs}, health, secrets, ds_link,
                    gang={"role": "follower", "listen": listen, "leader": leader})

@@ -80,6 +80,22 @@ def test_tp_16_on_8_npu_hosts_takes_two_whole_hosts_per_instance():
                                               inventory(8, hosts=hosts)).instances)
 
 
+def test_ray_on_cpu_and_ascend_store_are_refused_for_an_instance_spanning_hosts_only():
+    hosts = ("h1", "h2", "h3")
+    cpu = inventory([1, 1, 2], kind=DeviceKind.cpu, hosts=hosts)
+    with pytest.raises(SpecError) as err:
+        make_plan(spec(hosts=",".join(hosts), ptp=2, dtp=2, device_kind="cpu", multi_node_backend="ray"), cpu)
+    assert str(err.value).startswith("multi_node_backend: ray cannot run decode-0 across h1, h2"), err.value
+    # the controls: the same on vLLM's launcher, and Ray where nothing spans
+    assert make_plan(spec(hosts=",".join(hosts), ptp=2, dtp=2, device_kind="cpu", multi_node_backend="mp"), cpu)
+    assert make_plan(spec(hosts=",".join(hosts), device_kind="cpu", multi_node_backend="ray"), cpu)
+    npu = {"runtime": "docker", "image": "quay.io/ascend/vllm-ascend:v0.23.0", "kv_connector": "ascend-store"}
+    with pytest.raises(SpecError) as err:
+        make_plan(spec(ptp=16, dtp=16, hosts="h1,h2,h3,h4", **npu), inventory(8, hosts=("h1", "h2", "h3", "h4")))
+    assert str(err.value).startswith("kv_connector: ascend-store counts prefill-0's Mooncake hand-over ports"), err.value
+    assert make_plan(spec(ptp=8, dtp=8, hosts="h1,h2,h3,h4", **npu), inventory(8, hosts=("h1", "h2", "h3", "h4")))
+
+
 def test_cpu_cores_fill_a_host_first_and_span_only_what_no_host_holds():
     # the lab's shape: h3 has two cores and takes prefill's TP 2 whole; decode's TP 2 then spans h1 and h2
     hosts = ("h1", "h2", "h3")

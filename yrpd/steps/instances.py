@@ -47,10 +47,14 @@ def wait_healthy(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
 
 
 def stop(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
-    command = stop_processes(ctx, host, [launch.name for launch in _launches(ctx, host)], grace=20)
-    if isinstance(command, NotNeeded) or ctx.spec.kv_connector is not KvConnector.example:
+    launches = _launches(ctx, host)
+    command = stop_processes(ctx, host, [launch.name for launch in launches], grace=20)
+    # once nothing can write them any more: what the processes leave outside the session directory (Ray's temp
+    # root), and the reference connector's KV files (tens of MB per prompt)
+    left = [path for launch in launches for path in launch.leaves]
+    if ctx.spec.kv_connector is KvConnector.example:
+        left.append(ctx.layout.kv_files)
+    if isinstance(command, NotNeeded) or not left:
         return command
-    # the reference connector's KV files (tens of MB per prompt) go once no instance can write them any more
-    files = shlex.quote(ctx.layout.kv_files)
-    return replace(command, script=f"{command.script}rm -rf {files}\n",
-                   display=f"{command.display}; rm -rf {files}")
+    words = " ".join(shlex.quote(p) for p in left)
+    return replace(command, script=f"{command.script}rm -rf {words}\n", display=f"{command.display}; rm -rf {words}")

@@ -161,7 +161,7 @@ def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNee
 def _peer_host(ctx: StepContext, host: HostPlan) -> NotNeeded | None:
     if ctx.spec.kv_connector not in PEER_VENVS:
         return NotNeeded(f"kv_connector {ctx.spec.kv_connector.value} needs no venv of its own")
-    if not any(i.host == host.name for i in ctx.plan.instances):
+    if not any(host.name in i.hosts for i in ctx.plan.instances):  # a headless node's host too
         return NotNeeded("no instance on this host")
     return None
 
