@@ -50,17 +50,21 @@ def deploy_script(name: str) -> str:
 
 
 def _short_docstring(text: str, name: str) -> str:
-    """The script with its module docstring cut to its first line: every host command must fit one exec argument
-    (128 KiB), and the supervisor travels in most of them; the full text stays in the source."""
+    """The script as it travels: its module docstring cut to its first line and its comment-only lines left out.
+    Every host command must fit one exec argument (128 KiB) and the supervisor travels in most of them; the full
+    text stays in the source."""
     import ast
+    import io
+    import tokenize
 
-    first = ast.parse(text).body[0] if text.strip() else None
-    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)):
-        return text
+    drop = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+            if tok.type == tokenize.COMMENT and not tok.line[:tok.start[1]].strip() and not tok.string.startswith("#!")}
     lines = text.splitlines(keepends=True)
-    summary = first.value.value.strip().splitlines()[0] + f" (in full: yrpd's deploy_scripts/{name})"
-    lines[first.lineno - 1:first.end_lineno] = [repr(summary) + "\n"]
-    return "".join(lines)
+    first = ast.parse(text).body[0] if text.strip() else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        summary = first.value.value.strip().splitlines()[0] + f" (in full: yrpd's deploy_scripts/{name})"
+        lines[first.lineno - 1:first.end_lineno] = [repr(summary) + "\n"] + [""] * (first.end_lineno - first.lineno)
+    return "".join(line for number, line in enumerate(lines, 1) if number not in drop)
 
 
 def playbook_path(name: str) -> Path:

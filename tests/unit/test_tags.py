@@ -111,7 +111,9 @@ def test_a_shipped_script_carries_hostlib_in_place_of_its_import_and_runs_alone(
             '"log": "%s/{name}.log"}' % ((tmp_path,) * 4))
     run = subprocess.run([sys.executable, "-", args], input=text, capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0 and '"processes": []' in run.stdout, run.stderr[-500:]
-    # no import: unchanged but for its module docstring, which travels as its first line (its --help still has it)
+    # no import: the same code, its module docstring travelling as its first line (its --help still has it) and its
+    # comment lines left out
     sent, source = deploy_script("ds_kv_check.py"), (SCRIPTS / "ds_kv_check.py").read_text()
     assert ast.get_docstring(ast.parse(sent)).startswith(ast.get_docstring(ast.parse(source)).splitlines()[0])
-    assert sent.split("\nimport ", 1)[1] == source.split("\nimport ", 1)[1]
+    assert [ast.dump(n) for n in ast.parse(sent).body[1:]] == [ast.dump(n) for n in ast.parse(source).body[1:]]
+    assert len(sent) < len(source) and sent.startswith("#!")
