@@ -387,28 +387,22 @@ def test_a_follower_runs_for_its_leaders_run_and_nothing_restarts_while_all_live
     assert (follower.state()["pid"], follower.state()["run"]) == (follow["pid"], follow["run"])
 
 
-def test_a_killed_follower_restarts_the_whole_gang_once(supervised):
+@pytest.mark.parametrize("killed", ["follower", "leader"])
+def test_a_killed_member_restarts_the_whole_gang_once(supervised, killed):
     leader, follower = gang(supervised)
     lead = leader.wait_for(lambda st: st["state"] == "running")
     follow = follower.wait_for(lambda st: st["state"] == "running")
-    os.kill(follow["pid"], signal.SIGKILL)
+    os.kill((follow if killed == "follower" else lead)["pid"], signal.SIGKILL)
     again = leader.wait_for(lambda st: st["state"] == "running" and st["pid"] != lead["pid"], timeout=20)
-    assert again["restarts"] == 1 and "f stopped (killed by signal 9" in leader.log.read_text()
     back = follower.wait_for(lambda st: st["state"] == "running" and st["pid"] != follow["pid"], timeout=20)
+    assert again["restarts"] == 1 and not alive(follow["pid"])
     assert f"starting for lead's run {again['run']}" in follower.log.read_text()
+    if killed == "follower":
+        assert "f stopped (killed by signal 9" in leader.log.read_text()
+    else:
+        assert f"lead started again (run {again['run']})" in follower.log.read_text()
     time.sleep(5)  # and it settles: one restart each, no loop between them
     assert leader.state()["pid"] == again["pid"] and follower.state()["pid"] == back["pid"]
-
-
-def test_a_killed_leader_restarts_its_followers(supervised):
-    leader, follower = gang(supervised)
-    lead = leader.wait_for(lambda st: st["state"] == "running")
-    follow = follower.wait_for(lambda st: st["state"] == "running")
-    os.kill(lead["pid"], signal.SIGKILL)
-    again = leader.wait_for(lambda st: st["state"] == "running" and st["pid"] != lead["pid"], timeout=20)
-    follower.wait_for(lambda st: st["state"] == "running" and st["pid"] != follow["pid"], timeout=20)
-    assert f"lead started again (run {again['run']})" in follower.log.read_text()
-    assert not alive(follow["pid"])
 
 
 def test_a_follower_whose_leader_went_silent_stops_its_command_and_waits(supervised):
