@@ -29,6 +29,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "deploy_scripts"))
+from hostlib import unlink_unheld
+
 from yrpd.provenance import record
 
 VENV = Path(os.environ.get("YRPD_VLLM_VENV", "/opt/yrpd/venvs/vllm"))
@@ -67,6 +70,7 @@ def answered(path: str, body: dict | None = None) -> bool:
 
 
 def one_run(model: str, way: str, logs: Path) -> dict:
+    before = set(os.listdir("/dev/shm"))
     started = time.monotonic()
     procs = launch(model, way, logs)
     try:
@@ -88,6 +92,8 @@ def one_run(model: str, way: str, logs: Path) -> dict:
                 pass
             p.wait()
         time.sleep(3)  # the ports and the cores free again before the next run
+        # killed with -9, vLLM leaves its shared memory (its CPU all-reduce buffers too): what no one holds goes
+        unlink_unheld(sorted(f"/dev/shm/{n}" for n in set(os.listdir("/dev/shm")) - before))
 
 
 def main() -> int:

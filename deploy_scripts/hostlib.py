@@ -151,11 +151,13 @@ def cpu_info():
 #: named semaphores sem.mp-* (a spawned process's locks: its resource tracker unlinks them at a clean exit, a kill -9
 #: of the group leaves them)
 SHM_DIR = "/dev/shm/"
-SHM_PREFIX = (SHM_DIR + "psm_", SHM_DIR + "sem.mp-")
+#: Python's multiprocessing segments and semaphores, and vLLM's CPU build's TP/PP all-reduce buffers (4 MB a rank)
+SHM_SEGMENTS = (SHM_DIR + "psm_", SHM_DIR + "vllm_dist_")
+SHM_PREFIX = (*SHM_SEGMENTS, SHM_DIR + "sem.mp-")
 
 
 def shm_mapped(pids):
-    """The psm_* segments and sem.mp-* semaphores the processes map (unlinked ones are skipped: nothing left to
+    """The psm_* and vllm_dist_* segments and sem.mp-* semaphores the processes map (unlinked ones are skipped: nothing left to
     remove). glibc maps a new semaphore under a temporary name, links it to its own and unlinks the temporary one, so
     a semaphore is found by the inode of such a mapping."""
     found, inodes = set(), set()
@@ -166,7 +168,7 @@ def shm_mapped(pids):
                     parts = line.rstrip("\n").split(maxsplit=5)
                     if len(parts) != 6:
                         continue
-                    if parts[5].startswith(SHM_PREFIX[0]) and not parts[5].endswith(" (deleted)"):
+                    if parts[5].startswith(SHM_SEGMENTS) and not parts[5].endswith(" (deleted)"):
                         found.add(parts[5])
                     elif parts[5].startswith(SHM_DIR + "sem."):
                         inodes.add(int(parts[4]))

@@ -304,7 +304,8 @@ def test_shared_memory_left_by_a_killed_group_is_removed_unless_someone_still_ma
 
     (tmp_path / "make_shm.py").write_text(MAKE_SHM)
     tag = uuid.uuid4().hex[:8]
-    lost, shared = f"/dev/shm/psm_yrpdtest_{tag}_lost", f"/dev/shm/psm_yrpdtest_{tag}_shared"
+    # named as vLLM's CPU build names a TP group's all-reduce buffer (found left by instances killed with -9)
+    lost, shared = f"/dev/shm/vllm_dist_yrpdtest{tag}-tp:0-[0-1]-cpushm_0", f"/dev/shm/psm_yrpdtest_{tag}_shared"
     s = supervised(f"exec {sys.executable} {tmp_path}/make_shm.py {Path(lost).name} {Path(shared).name}",
                    max_restarts=0)
     mapping = None
