@@ -244,6 +244,11 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
     per_rank = spec.cores_per_rank if kind is DeviceKind.cpu else 1
 
     for req in roles:
+        if kind is DeviceKind.cpu and req.pp > 1:
+            field = req.tp_field.replace("tensor", "pipeline").replace("tp)", "pp)")
+            raise SpecError(field, f"vLLM's CPU build fails at its first request with {req.pp} pipeline stages "
+                            "(measured on 0.32, on one host as across two: its later stage gets no intermediate "
+                            "tensors)", "use pipeline size 1 on CPU hosts; TP spans hosts there too")
         if kind is not DeviceKind.cpu:
             for name in host_names:
                 n = len(inventory[name].devices)

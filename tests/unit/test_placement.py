@@ -96,6 +96,15 @@ def test_ray_on_cpu_and_ascend_store_are_refused_for_an_instance_spanning_hosts_
     assert make_plan(spec(ptp=8, dtp=8, hosts="h1,h2,h3,h4", **npu), inventory(8, hosts=("h1", "h2", "h3", "h4")))
 
 
+def test_pipeline_stages_on_cpu_hosts_are_refused_where_vllms_cpu_build_fails_them():
+    with pytest.raises(SpecError) as err:
+        make_plan(spec(ptp=1, dtp=1, ppp=2, dpp=2, device_kind="cpu"), inventory(4, kind=DeviceKind.cpu))
+    assert str(err.value).startswith("prefill_pipeline_parallel_size (--ppp): vLLM's CPU build fails at its first "
+                                     "request with 2 pipeline stages"), err.value
+    # the control: the same stages on NPU hosts plan
+    assert make_plan(spec(ptp=1, dtp=1, ppp=2, dpp=2), inventory(4)).instances[0].pp == 2
+
+
 def test_cpu_cores_fill_a_host_first_and_span_only_what_no_host_holds():
     # the lab's shape: h3 has two cores and takes prefill's TP 2 whole; decode's TP 2 then spans h1 and h2
     hosts = ("h1", "h2", "h3")

@@ -349,9 +349,8 @@ def test_an_instance_on_one_host_has_no_gang_nor_nic_settings():
     assert launch.gang is None and "GLOO_SOCKET_IFNAME" not in launch.env and "--nnodes" not in launch.argv
 
 
-def test_pipeline_stages_are_passed_and_counted_in_a_hosts_cpu_binding():
-    spec, plan = deployment(DeviceKind.cpu, devices=5, hosts=("h1",), ptp=2, dtp=1, ppp=2, dpp=1,
-                            kv_connector="nixl")
+def test_pipeline_stages_are_passed_and_take_their_devices():
+    spec, plan = deployment(hosts=("h1", "h2"), ptp=2, dtp=2, ppp=2, dpp=2)
     (prefill,) = instance_launches(spec, plan, plan.instances[0], PATHS)
     assert flag(prefill.argv, "--pipeline-parallel-size") == "2"
-    assert prefill.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1|2|3"  # four ranks: tp 2 x pp 2
+    assert prefill.env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3"  # four ranks: tp 2 x pp 2
