@@ -305,7 +305,6 @@ def test_tp_16_on_two_8_npu_hosts_over_ray_golden():
     """vLLM's recipe: a Ray head on the instance's first host, a Ray worker on the second, `vllm serve` with the Ray
     executor on the first; every process told the NIC, its own HCCL block and its host's address."""
     from tests.unit.golden_files import check_golden
-
     from yrpd.exposure import exposure
     from yrpd.placement import ports_on_host
 
