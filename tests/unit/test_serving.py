@@ -353,3 +353,23 @@ def test_pipeline_stages_are_passed_and_take_their_devices():
     (prefill,) = instance_launches(spec, plan, plan.instances[0], PATHS)
     assert flag(prefill.argv, "--pipeline-parallel-size") == "2"
     assert prefill.env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3"  # four ranks: tp 2 x pp 2
+
+
+def test_a_host_without_the_ray_cli_fails_its_start_in_one_line_naming_it(tmp_path):
+    import subprocess
+
+    from yrpd.steps import StepContext
+    from yrpd.steps.instances import start
+    from yrpd.steps.vllm_env import paths
+
+    spec, plan = spanning("ray")
+    ctx = StepContext(spec, plan)
+    ray = paths(ctx).ray  # the vllm-ascend image's, which this machine has not: its start stops at the check
+    run = subprocess.run(["bash", "-c", start(ctx, plan.hosts[1]).script], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=30, check=False)
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [
+        (f"prefill-0-ray-h2 run on Ray (multi_node_backend ray) and there is no {ray} here: the vllm-ascend images "
+         "ship Ray beside vLLM; install it there, or set multi_node_backend: mp")], run.stderr
+    # the control: an instance on vLLM's launcher asks for no Ray
+    spec, plan = spanning("mp")
+    assert "command -v" not in start(StepContext(spec, plan), plan.hosts[1]).script.split("\n", 1)[0]

@@ -28,6 +28,14 @@ def start(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
                                  for launch in launches])
     display = "\n".join(f"start {launch.name} detached: {' '.join(f'{k}={v}' for k, v in launch.env.items())} "
                         f"{launch.command}  (secrets from {launch.env_file}; log {ctx.layout.log(launch.name)})" for launch in launches)
+    ray = paths(ctx).ray
+    on_ray = [launch.name for launch in launches if launch.argv[0] == ray]
+    if on_ray:  # one clear line here rather than a crash loop of `ray: not found` in the instance's log
+        q = shlex.quote
+        why = (f"{', '.join(on_ray)} run on Ray (multi_node_backend ray) and there is no {ray} here: the vllm-ascend "
+               "images ship Ray beside vLLM; install it there, or set multi_node_backend: mp")
+        script = f"command -v {q(ray)} >/dev/null 2>&1 || {{ echo {q(why)} >&2; exit 1; }}\n{script}"
+        display = f"check that {ray} is here (Ray's CLI)\n{display}"
     return Command(script, display=display, timeout=60)
 
 
