@@ -357,8 +357,9 @@ def main():
         if hung:
             say(f"{hung}; stopping its process group")
             # a stopped or deadlocked process would not act on TERM; a gang's break leaves the command well
-            stop_group(child.pid, grace=0 if hung.startswith("hung") else min(grace_s, 3.0))
-            code = -signal.SIGKILL if hung.startswith("hung") else None
+            stuck = hung.startswith("hung")
+            stop_group(child.pid, grace=0 if stuck else min(grace_s, 3.0))
+            code = -signal.SIGKILL if stuck else None
         left = group_members(child.pid)
         if left:
             say(f"{exit_reason(code)}; stopping what is left of it ({len(left)} processes)")

@@ -37,19 +37,20 @@ def deploy_script(name: str) -> str:
         return text
     import ast  # only for the Python scripts
 
-    text = _short_docstring(text, name)
+    text = _as_shipped(text, name)
     if _HOSTLIB_IMPORT not in text:
         return text
     spans = [(n.lineno, n.end_lineno) for n in ast.parse(text).body
              if isinstance(n, ast.ImportFrom) and n.module == "hostlib"]
     lines = text.splitlines(keepends=True)
-    shared = _short_docstring((scripts / HOSTLIB).read_text(), HOSTLIB)
+    shared = _as_shipped((scripts / HOSTLIB).read_text(), HOSTLIB)
     for first, last in reversed(spans):  # the whole statement, continuation lines too
         lines[first - 1:last] = [f"# --- deploy_scripts/{HOSTLIB} ---\n{shared}# --- end of {HOSTLIB} ---\n"]
     return "".join(lines)
 
 
-def _short_docstring(text: str, name: str) -> str:
+@lru_cache(maxsize=64)  # every host command carries one or more: tokenize and parse each text once
+def _as_shipped(text: str, name: str) -> str:
     """The script as it travels: its module docstring cut to its first line and its comment-only lines left out.
     Every host command must fit one exec argument (128 KiB) and the supervisor travels in most of them; the full
     text stays in the source."""

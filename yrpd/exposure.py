@@ -68,9 +68,8 @@ def exposure(spec: DeploySpec, plan: Plan) -> list[PortAccess]:
                                    "picks for its engine sockets)", ip[inst.host], f"its DP ranks on {others}",
                                    _open(ip[inst.host])))
         if kind[inst.host] is DeviceKind.npu and inst.split:
-            slots = {inst.host: inst.port - spec.ports.instance_base, **dict(inst.node_slots)}
             for h in inst.hosts:
-                first = spec.ports.hccl_base + INSTANCE_PORT_BLOCK * slots[h]
+                first = spec.ports.hccl_base + INSTANCE_PORT_BLOCK * inst.slot_on(h, spec.ports.instance_base)
                 rows.append(PortAccess(h, f"{first}-{first + INSTANCE_PORT_BLOCK - 1}", f"{inst.name} HCCL", ip[h],
                                        f"its NPU ranks on {', '.join(inst.hosts)}", _open(ip[h])))
         elif kind[inst.host] is DeviceKind.npu:
@@ -102,7 +101,7 @@ def _split_rows(spec: DeploySpec, inst: InstancePlan, ip: dict[str, str], backen
                 others: str) -> list[PortAccess]:
     """The ports of an instance whose TP x PP group spans hosts: its rendezvous or Ray's, and its gang's."""
     rows = []
-    slots = {inst.host: inst.port - spec.ports.instance_base, **dict(inst.node_slots)}
+    slots = {h: inst.slot_on(h, spec.ports.instance_base) for h in inst.hosts}
     if backend is MultiNodeBackend.mp:
         rows.append(PortAccess(inst.host, str(inst.kv_port), f"{inst.name} rendezvous (torch's store in rank 0; "
                                "vLLM's message queues and gloo pick ports of their own)", ip[inst.host],

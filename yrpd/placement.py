@@ -87,6 +87,15 @@ class InstancePlan:
         return len({r.host for r in self.ranks if r.dp_rank == 0}) > 1
 
     @property
+    def node_ranks(self) -> int:
+        """TP x PP ranks on each of its hosts: a group's share where it is split, else a whole group."""
+        return self.tp * self.pp // (len(self.hosts) if self.split else 1)
+
+    def slot_on(self, host: str, instance_base: int) -> int:
+        """Its port slot on `host`, one of its hosts: the head's from its HTTP port, another's as placed there."""
+        return dict(self.node_slots).get(host, self.port - instance_base)
+
+    @property
     def hosts(self) -> tuple[str, ...]:
         seen: list[str] = []
         for r in self.ranks:
@@ -324,8 +333,8 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
                 if old is not None and r.host == head:
                     slot_per_host[r.host] = old.port - ports.instance_base
                     continue
-                if old is not None and r.host in dict(old.node_slots):
-                    slot_per_host[r.host] = dict(old.node_slots)[r.host]
+                if old is not None and r.host in (old_slots := dict(old.node_slots)):
+                    slot_per_host[r.host] = old_slots[r.host]
                     continue
                 slot_per_host[r.host] = min(set(range(len(taken[r.host]) + 1)) - taken[r.host])
                 taken[r.host].add(slot_per_host[r.host])
@@ -456,7 +465,7 @@ def ports_on_host(plan: Plan, host: str, spec: DeploySpec | None = None) -> list
             owned.append((inst.kv_port, f"{inst.name} kv"))
         if spec is None or not inst.split or host not in inst.hosts:
             continue
-        slot = dict(inst.node_slots).get(host, inst.port - spec.ports.instance_base)
+        slot = inst.slot_on(host, spec.ports.instance_base)
         if host != inst.host:
             owned.append((spec.ports.kv_base + slot, f"{inst.name} gang"))
         if spec.multi_node(kinds[inst.host]) is MultiNodeBackend.ray:

@@ -40,9 +40,8 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
             ranks = [r.dp_rank for r in inst.ranks if r.host == host]
             head = host == inst.host
             if inst.split:
-                count = inst.tp * inst.pp // len(inst.hosts)
-                name = f"{inst.name} (ranks {first}-{first + count - 1}{', head' if head else ''})"
-                first += count
+                name = f"{inst.name} (ranks {first}-{first + inst.node_ranks - 1}{', head' if head else ''})"
+                first += inst.node_ranks
             else:
                 name = inst.name if inst.dp == 1 else f"{inst.name} (dp {','.join(map(str, ranks))})"
             table.add_row(

@@ -221,17 +221,16 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
     ds_link = with_kv and spec.kv_connector is KvConnector.yuanrong
     launches = []
     # ranks each host runs: a DP rank's TP x PP group, or a share of the group that spans hosts
-    local_ranks = inst.tp * inst.pp // (len(by_host) if inst.split else 1)
     for h, ranks in by_host.items():
         devices = tuple(d for r in ranks for d in r.devices)
-        host_env = {**env, **device_env(host_of(plan, h).kind, devices, local_ranks),
+        host_env = {**env, **device_env(host_of(plan, h).kind, devices, inst.node_ranks),
                     "VLLM_HOST_IP": host_of(plan, h).reach_ip}
         if inst.split and host_of(plan, h).nic:
             host_env.update((k, host_of(plan, h).nic) for k in NIC_ENV.get(kind, ()))
         if spec.kv_connector is KvConnector.nixl:  # each host's ranks answer on their own host
             host_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host_of(plan, h).reach_ip
         if inst.spans_hosts and kind is DeviceKind.npu:  # its block on this host: slots differ from host to host
-            slot = dict(inst.node_slots).get(h, inst.port - spec.ports.instance_base)
+            slot = inst.slot_on(h, spec.ports.instance_base)
             host_env["HCCL_IF_BASE_PORT"] = str(spec.ports.hccl_base + INSTANCE_PORT_BLOCK * slot)
         if with_kv and spec.kv_connector is KvConnector.ascend_store:
             host_env.update(ascend_store.worker_env(f"{host_of(plan, h).reach_ip}:{spec.ports.datasystem}"))
@@ -277,7 +276,7 @@ def split_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: Host
     the head. Either way the processes are one gang (supervise.py): one leads, every other follows on the port
     kv_base + its slot on its host, and a dead one restarts them all."""
     head = host_of(plan, inst.host)
-    slots = {inst.host: inst.port - spec.ports.instance_base, **dict(inst.node_slots)}
+    slots = {o: inst.slot_on(o, spec.ports.instance_base) for o in inst.hosts}
     ip = host_of(plan, h).reach_ip
     listen = f"{ip}:{spec.ports.kv_base + slots[h]}"
     health = f"{instance_url(plan, inst)}/health"
