@@ -292,6 +292,20 @@ def test_container_steps_under_runtime_docker():
     assert container.derived(ctx).startswith(GUIDE_IMAGE + "-yrpd-")
 
 
+def test_vllms_cache_outlives_the_container_unless_the_env_path_is_mounted_whole():
+    from yrpd.steps import container, vllm_env
+
+    ctx = _ctx("docker")
+    cache = vllm_env.paths(ctx).vllm_cache  # what the instances get as VLLM_CACHE_ROOT
+    ensure = container.ensure(ctx, ctx.plan.hosts[0]).display
+    assert f"-v {cache}:{cache} " in ensure, ensure
+    pre = json.loads(shlex.split(container.preflight(ctx, ctx.plan.hosts[1]).display)[-1])
+    assert cache not in [m[0] for m in pre["container"]["mounts"]]  # not demanded: made where it is missing
+    # the control: with env_path the whole environment root is the host's, its cache with it, mounted once
+    mounted = container.ensure(_ctx("docker", env_path="/data/yrpd"), ctx.plan.hosts[0]).display
+    assert "-v /data/yrpd:/data/yrpd " in mounted and "/cache/vllm" not in mounted
+
+
 def test_hccn_is_demanded_only_where_an_instance_spans_hosts():
     from yrpd.steps import container
 

@@ -17,6 +17,7 @@ from functools import lru_cache
 from yrpd.containers import ContainerRun, Mount, Profile, container_name, container_profile, container_run, \
     derived_image
 from yrpd.hostgroup import Command, on_host
+from yrpd.layout import HostPaths
 from yrpd.placement import HostPlan
 from yrpd.spec import DeviceKind, Runtime
 from yrpd.steps import NotNeeded, StepContext, host_python, passed_before_with_this_spec, recording_pass, shell_command
@@ -73,6 +74,11 @@ def deployment_mounts(ctx: StepContext) -> list[Mount]:
     if ctx.spec.env_path:
         mounts.append(Mount(source=ctx.spec.env_path.rstrip("/"),
                             purpose="prepared environments (the spec's env_path; models and caches are written there)"))
+    else:
+        # vLLM keeps what it learns of a model's code (model info, found in a subprocess that imports the model: 9.5
+        # CPU-s on CPU) and its compiled graphs under VLLM_CACHE_ROOT: on the host, each new container starts warm
+        cache = HostPaths(env_root=ctx.spec.env_root, session=None, bundle_dir="").vllm_cache
+        mounts.append(Mount(source=cache, create=True, purpose="vLLM's caches, kept across containers"))
     return mounts
 
 
