@@ -1,0 +1,52 @@
+"""The proxy's KV index on its own (yrpd/proxy/kvindex.py): what an instance holds after stored, removed and cleared
+events, a prefix that ends at the first block missing, and blindness when a batch is missing or the numbering
+restarts, until a resync. (Against vLLM's own hashing and encoder: tests/connector/test_kvindex_vllm.py.)"""
+
+from yrpd.proxy.kvindex import Cleared, InstanceBlocks, Removed, Sight, Stored, block_hashes, events_of
+
+
+def test_events_in_order_keep_an_exact_copy_of_what_the_instance_holds():
+    inst = InstanceBlocks()
+    assert inst.sight is Sight.never and inst.matched([1, 2]) == 0
+    inst.apply(0, [Stored((1, 2, 3))])
+    assert inst.sight is Sight.seeing and inst.matched([1, 2, 3, 4]) == 3
+    inst.apply(1, [Removed((2,))])
+    assert inst.matched([1, 2, 3]) == 1  # the chain breaks at the first block the instance no longer holds
+    inst.apply(2, [Cleared(), Stored((7,))])
+    assert inst.held == {7} and inst.sight is Sight.seeing and inst.gaps == 0
+
+
+def test_a_missing_batch_or_a_restart_makes_it_blind_until_resynced():
+    inst = InstanceBlocks()
+    inst.apply(0, [Stored((1,))])
+    inst.apply(2, [Stored((2,))], now=100.0)  # batch 1 never came
+    assert inst.sight is Sight.blind and inst.blind_since == 100.0 and "batch 2 after 0" in inst.why
+    assert inst.held == {1, 2}  # what it did hear still counts, as an estimate
+    inst.resync()
+    assert inst.sight is Sight.seeing and inst.blind_since is None
+    inst.apply(0, [Stored((9,))], now=200.0)  # numbering from 0 again: the instance restarted
+    assert inst.sight is Sight.blind and "restarted" in inst.why and inst.gaps == 2
+    inst.resync(held=[9])
+    assert inst.held == {9}
+    # the control: batches in order never blind it
+    fresh = InstanceBlocks()
+    for seq in range(5):
+        fresh.apply(seq, [Stored((seq,))])
+    assert fresh.sight is Sight.seeing and fresh.gaps == 0
+
+
+def test_block_hashes_cover_full_blocks_only_and_chain():
+    tokens = list(range(40))
+    hashes = block_hashes(tokens, 16)
+    assert len(hashes) == 2 and all(0 <= h < 2**64 for h in hashes)
+    assert block_hashes(tokens[:32], 16) == hashes  # a partial last block has no hash
+    # the second block's hash depends on the first: the same 16 tokens after another first block differ
+    assert block_hashes([99] + tokens[1:32], 16)[1] != hashes[1]
+
+
+def test_events_of_a_decoded_batch_keeps_the_kinds_the_index_uses():
+    batch = [1.5, [{"type": "BlockStored", "block_hashes": [5, 6], "parent_block_hash": None, "token_ids": [],
+                    "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None},
+                   {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"},
+                   {"type": "AllBlocksCleared"}, {"type": "SomethingNew"}], 0]
+    assert events_of(batch) == [Stored((5, 6)), Removed((5,)), Cleared()]

@@ -1,0 +1,153 @@
+"""Where a prompt's KV blocks are: each instance's own prefix cache, as the instance reports it in vLLM's KV-cache
+events (issue 46). Keyed the way vLLM keys them, so a prompt's token ids tell which of its blocks each instance holds.
+
+vLLM (0.32) names a full block of a prompt by a chain: the block's hash covers the hash before it, the block's token
+ids and its extra keys (LoRA, multimodal inputs, cache salt; none for plain text), SHA-256 over their pickle by
+default (`--prefix-caching-hash-algo sha256`). The first block's parent is the hash of a seed: PYTHONHASHSEED where
+the instance has one, else a fixed string, so every instance started alike, and this module, agree. Its events carry
+the low 64 bits of each hash as an integer (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, on by default).
+
+An instance's scheduler publishes a batch of events per engine step over ZMQ, numbered from 0 per publisher (a
+restarted instance starts again at 0): blocks stored, blocks removed, everything cleared. `InstanceBlocks` applies
+them in order and is *blind* from the moment one is missing (a gap in the numbers, a restart, a lost subscription)
+until it is resynchronised; while blind its holdings are an estimate and say so.
+
+The notes on vLLM's side of this (which process publishes, the replay socket, DP ranks' ports) are in
+docs/dev/kv-events.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+#: the first block's parent is the hash of this where the instance has no PYTHONHASHSEED (vLLM 0.32, sha256)
+DEFAULT_SEED = "vllm-none-hash"
+#: the part of a block hash vLLM's events carry
+EVENT_HASH_BITS = 64
+
+
+def _sha256(obj) -> bytes:
+    # the interpreter's highest pickle protocol, as vLLM's own sha256 uses: the proxy runs in the instances' venv
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, seed: str | None = None) -> list[int]:
+    """The event hash of each full block of `token_ids` (a partial last block has none), as an instance started with
+    PYTHONHASHSEED=`seed` (None: without it) names it."""
+    if block_size < 1:
+        raise ValueError(f"block_size {block_size} must be at least 1")
+    parent = _sha256(DEFAULT_SEED if seed is None else seed)
+    out = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = _sha256((parent, tuple(token_ids[start:start + block_size]), None))
+        out.append(int.from_bytes(parent, "big") & ((1 << EVENT_HASH_BITS) - 1))
+    return out
+
+
+class Sight(str, Enum):
+    """How well the index sees an instance's cache."""
+
+    never = "never"  # no event received yet: nothing known
+    seeing = "seeing"  # every batch since the last resync applied in order
+    blind = "blind"  # a batch is missing: what is held is a guess until resynced
+
+
+@dataclass(frozen=True)
+class Stored:
+    hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Removed:
+    hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Cleared:
+    pass
+
+
+Event = Stored | Removed | Cleared
+
+
+def decode_batch(payload: bytes) -> list:
+    """One published batch's payload (msgpack, as vLLM's msgspec encoder writes it) as plain values. msgspec is
+    vLLM's own dependency, so it is in the venv the proxy runs in."""
+    import msgspec
+
+    return msgspec.msgpack.decode(payload)
+
+
+def events_of(batch: Sequence) -> list[Event]:
+    """The events of one decoded batch (`[timestamp, [event, ...], dp_rank]`, each event a map with its "type"), as
+    vLLM's msgpack encoder writes them; kinds this index has no use for are left out."""
+    out: list[Event] = []
+    for event in batch[1] if len(batch) > 1 else ():
+        kind = event.get("type") if isinstance(event, dict) else None
+        if kind == "BlockStored":
+            out.append(Stored(tuple(event.get("block_hashes") or ())))
+        elif kind == "BlockRemoved":
+            out.append(Removed(tuple(event.get("block_hashes") or ())))
+        elif kind == "AllBlocksCleared":
+            out.append(Cleared())
+    return out
+
+
+@dataclass
+class InstanceBlocks:
+    """One instance's prefix cache as its events tell it."""
+
+    held: set[int] = field(default_factory=set)
+    sight: Sight = Sight.never
+    #: the sequence number of the last batch applied; None before the first
+    last_seq: int | None = None
+    #: when the index went blind (time.time()), and why; None while seeing
+    blind_since: float | None = None
+    why: str = ""
+    gaps: int = 0  # how many times a batch was missing
+
+    def apply(self, seq: int, events: Iterable[Event], now: float | None = None) -> None:
+        """Apply one batch numbered `seq`. A number that does not follow the last one means batches were lost (or
+        the instance restarted: its numbers begin at 0 again): blind until `resync`; the batch is applied anyway,
+        since what it says is true."""
+        if self.last_seq is not None and seq != self.last_seq + 1:
+            self.go_blind(f"batch {seq} after {self.last_seq}" if seq > self.last_seq
+                          else f"numbering restarted at {seq} (after {self.last_seq}): the instance restarted", now)
+        elif self.sight is Sight.never:
+            self.sight = Sight.seeing
+        self.last_seq = seq
+        for event in events:
+            if isinstance(event, Stored):
+                self.held.update(event.hashes)
+            elif isinstance(event, Removed):
+                self.held.difference_update(event.hashes)
+            else:
+                self.held.clear()
+
+    def go_blind(self, why: str, now: float | None = None) -> None:
+        if self.sight is not Sight.blind:
+            self.blind_since = time.time() if now is None else now
+            self.gaps += 1
+        self.sight, self.why = Sight.blind, why
+
+    def resync(self, held: Iterable[int] | None = None) -> None:
+        """Seeing again: from a replay that covered the gap (`held` None: what was applied stands), or from a full
+        listing of what the instance holds."""
+        if held is not None:
+            self.held = set(held)
+        self.sight, self.blind_since, self.why = Sight.seeing, None, ""
+
+    def matched(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of a prompt (its `block_hashes`) this instance holds: the first miss ends the
+        prefix, as vLLM's own lookup does."""
+        n = 0
+        for h in hashes:
+            if h not in self.held:
+                break
+            n += 1
+        return n
