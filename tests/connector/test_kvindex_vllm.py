@@ -86,3 +86,78 @@ def test_vllms_published_batches_tell_what_an_instance_holds(tokenize):
     assert shorter == hashes[:len(shorter)] and inst.matched(shorter) == len(hashes) - 2
     inst.apply(2, kvindex.events_of(kvindex.decode_batch(encode(KVEventBatch(ts=3.0, events=[AllBlocksCleared()])))))
     assert inst.held == set() and inst.sight is kvindex.Sight.seeing
+
+
+def test_a_feed_follows_vllms_publisher_and_fills_what_it_missed_from_the_replay_socket(tmp_path):
+    """vLLM's own ZMQ publisher (the one an instance's scheduler runs), on ipc sockets: a subscriber that joins
+    after the first batches gets them from the replay socket; a gap is filled the same way; a gap the publisher's
+    buffer no longer holds leaves the copy blind; a new publisher (a restarted instance) is followed from its first
+    batch, the old holdings dropped."""
+    import asyncio
+    import time
+
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+
+    from yrpd.proxy.kvfeed import Feed
+
+    def stored(*hashes):
+        return KVEventBatch(ts=time.time(), events=[BlockStored(
+            block_hashes=list(hashes), parent_block_hash=None, token_ids=[], block_size=BLOCK, lora_id=None,
+            medium="CPU", lora_name=None)])
+
+    def start(name: str, buffer_steps: int) -> tuple[ZmqEventPublisher, str, str]:
+        pub, replay = f"ipc://{tmp_path}/{name}-pub", f"ipc://{tmp_path}/{name}-replay"
+        return ZmqEventPublisher(0, endpoint=pub, replay_endpoint=replay, buffer_steps=buffer_steps), pub, replay
+
+    async def until(check, what: str, within: float = 10) -> None:
+        deadline = time.monotonic() + within
+        while not check():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.02)
+
+    async def scenario():
+        publisher, pub, replay = start("a", buffer_steps=100)
+        for h in (1, 2, 3):  # published before anyone subscribed: a PUB socket drops them
+            publisher.publish(stored(h))
+        blocks = kvindex.InstanceBlocks()
+        feed = Feed(blocks, pub, replay)
+        task = asyncio.create_task(feed.run())
+        await asyncio.sleep(0.5)  # the subscription is up
+        publisher.publish(stored(4))
+        await until(lambda: blocks.last_seq == 3, "batch 3 never arrived")
+        assert blocks.held == {1, 2, 3, 4} and blocks.sight is kvindex.Sight.seeing and feed.replays == 1
+        # a gap (batches 4 and 5 published but not delivered): asked again of the replay socket, applied in order
+        task.cancel()
+        publisher.publish(stored(5))
+        publisher.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[1], medium="CPU")]))
+        publisher.publish(stored(7))
+        await asyncio.sleep(0.5)
+        await feed.receive(6, msgspec.msgpack.Encoder().encode(stored(7)))
+        assert blocks.held == {2, 3, 4, 5, 7} and blocks.sight is kvindex.Sight.seeing and blocks.last_seq == 6
+        publisher.shutdown()
+
+        # a publisher that keeps 2 batches: a gap older than that cannot be filled, and the copy says so
+        small, pub, replay = start("b", buffer_steps=2)
+        for h in range(6):
+            small.publish(stored(10 + h))
+        await asyncio.sleep(0.5)
+        short = kvindex.InstanceBlocks()
+        short.apply(0, [kvindex.Stored((10,))])
+        await Feed(short, pub, replay).receive(5, msgspec.msgpack.Encoder().encode(stored(15)))
+        assert short.sight is kvindex.Sight.blind and short.held == {10, 15}
+        small.shutdown()
+
+        # the instance restarted: a new publisher numbers from 0 again and its cache began empty; its first
+        # batches, missed, come from its replay socket
+        again, pub, replay = start("c", buffer_steps=100)
+        for h in (20, 21, 22):
+            again.publish(stored(h))
+        await asyncio.sleep(0.5)
+        restarted = Feed(blocks, pub, replay)
+        await restarted.receive(2, msgspec.msgpack.Encoder().encode(stored(22)))
+        assert blocks.held == {20, 21, 22} and blocks.sight is kvindex.Sight.seeing and blocks.restarts == 1
+        again.shutdown()
+
+    import msgspec
+
+    asyncio.run(scenario())

@@ -16,23 +16,37 @@ def test_events_in_order_keep_an_exact_copy_of_what_the_instance_holds():
     assert inst.held == {7} and inst.sight is Sight.seeing and inst.gaps == 0
 
 
-def test_a_missing_batch_or_a_restart_makes_it_blind_until_resynced():
+def test_a_missing_batch_makes_it_blind_a_restart_empties_it():
     inst = InstanceBlocks()
     inst.apply(0, [Stored((1,))])
     inst.apply(2, [Stored((2,))], now=100.0)  # batch 1 never came
-    assert inst.sight is Sight.blind and inst.blind_since == 100.0 and "batch 2 after 0" in inst.why
+    assert inst.sight is Sight.blind and inst.blind_since == 100.0 and "batch 2 came after 0" in inst.why
     assert inst.held == {1, 2}  # what it did hear still counts, as an estimate
+    # a replay from the first batch rebuilds it exactly
+    inst.rebuild()
+    for seq, events in enumerate([[Stored((1,))], [Stored((3,))], [Stored((2,))]]):
+        inst.apply(seq, events)
     inst.resync()
-    assert inst.sight is Sight.seeing and inst.blind_since is None
-    inst.apply(0, [Stored((9,))], now=200.0)  # numbering from 0 again: the instance restarted
-    assert inst.sight is Sight.blind and "restarted" in inst.why and inst.gaps == 2
-    inst.resync(held=[9])
-    assert inst.held == {9}
+    assert inst.sight is Sight.seeing and inst.blind_since is None and inst.held == {1, 2, 3}
+    # numbering from 0 again: a restarted instance, whose cache began empty; exact, since nothing was missed
+    inst.apply(0, [Stored((9,))])
+    assert inst.held == {9} and inst.sight is Sight.seeing and inst.restarts == 1 and inst.gaps == 1
+    inst.apply(1, [Stored((8,))])
+    # ... and blind where the restarted run's first batches were missed (batch 1 again: a third run, its 0 unseen)
+    inst.apply(1, [Stored((7,))], now=200.0)
+    assert inst.sight is Sight.blind and "batches before 1" in inst.why and inst.held == {7} and inst.gaps == 2
+    # a gap is not a restart: what was held stays
+    inst.apply(5, [Stored((6,))])
+    assert inst.held == {6, 7} and inst.restarts == 2
+    # joined late: the first batch seen is not the first published
+    late = InstanceBlocks()
+    late.apply(5, [Stored((1,))])
+    assert late.sight is Sight.blind and "first batch seen was 5" in late.why
     # the control: batches in order never blind it
     fresh = InstanceBlocks()
     for seq in range(5):
         fresh.apply(seq, [Stored((seq,))])
-    assert fresh.sight is Sight.seeing and fresh.gaps == 0
+    assert fresh.sight is Sight.seeing and fresh.gaps == 0 and fresh.restarts == 0
 
 
 def test_block_hashes_cover_full_blocks_only_and_chain():

@@ -109,16 +109,24 @@ class InstanceBlocks:
     #: when the index went blind (time.time()), and why; None while seeing
     blind_since: float | None = None
     why: str = ""
-    gaps: int = 0  # how many times a batch was missing
+    gaps: int = 0  # how many times it went blind
+    restarts: int = 0  # how many times the numbering began again
 
     def apply(self, seq: int, events: Iterable[Event], now: float | None = None) -> None:
-        """Apply one batch numbered `seq`. A number that does not follow the last one means batches were lost (or
-        the instance restarted: its numbers begin at 0 again): blind until `resync`; the batch is applied anyway,
-        since what it says is true."""
-        if self.last_seq is not None and seq != self.last_seq + 1:
-            self.go_blind(f"batch {seq} after {self.last_seq}" if seq > self.last_seq
-                          else f"numbering restarted at {seq} (after {self.last_seq}): the instance restarted", now)
-        elif self.sight is Sight.never:
+        """Apply one batch numbered `seq`. Numbers go 0, 1, 2, ... per publisher: one that skips means batches were
+        lost (blind until `resync`); one that goes back means a new publisher, a restarted instance, whose cache
+        started empty (exact again if it is batch 0, blind if batches of the new run were missed). The batch is
+        applied either way, since what it says is true."""
+        expected = 0 if self.last_seq is None else self.last_seq + 1
+        if self.last_seq is not None and seq < expected:
+            self.held.clear()
+            self.restarts += 1
+            if seq > 0:
+                self.go_blind(f"the instance restarted; its batches before {seq} were missed", now)
+        elif seq > expected:
+            self.go_blind(f"batch {seq} came after {self.last_seq}" if self.last_seq is not None
+                          else f"the first batch seen was {seq}", now)
+        if self.sight is Sight.never:
             self.sight = Sight.seeing
         self.last_seq = seq
         for event in events:
@@ -135,11 +143,13 @@ class InstanceBlocks:
             self.gaps += 1
         self.sight, self.why = Sight.blind, why
 
-    def resync(self, held: Iterable[int] | None = None) -> None:
-        """Seeing again: from a replay that covered the gap (`held` None: what was applied stands), or from a full
-        listing of what the instance holds."""
-        if held is not None:
-            self.held = set(held)
+    def rebuild(self) -> None:
+        """Forget everything, to apply the instance's batches again from its first (a replay from 0)."""
+        self.held.clear()
+        self.last_seq = None
+
+    def resync(self) -> None:
+        """Seeing again: the batches applied since `rebuild` began at the publisher's first."""
         self.sight, self.blind_since, self.why = Sight.seeing, None, ""
 
     def matched(self, hashes: Sequence[int]) -> int:
