@@ -59,7 +59,9 @@ def read(path: Path) -> list[dict]:
 
 
 def _clock(seconds: float) -> str:
-    return f"{int(seconds // 60)}:{seconds % 60:04.1f}"
+    # rounded to tenths first: 719.96 s is 12:00.0, not 11:60.0
+    minutes, tenths = divmod(round(seconds * 10), 600)
+    return f"{minutes}:{tenths / 10:04.1f}"
 
 
 def text_report(lines: list[dict], n: int, wall: float | None) -> str:

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from tests.conftest import REPO
-from tests.durations import per_module, per_test, slowest, text_report
+from tests.durations import _clock, per_module, per_test, slowest, text_report
 
 LINES = [
     {"test": "tests/lab/test_a.py::test_one", "when": "setup", "outcome": "passed", "s": 100.0},
@@ -45,3 +45,8 @@ def test_the_hook_records_every_phase_of_a_real_run(tmp_path):
     lines = [json.loads(line) for line in times.read_text().splitlines()]
     assert [line["when"] for line in lines] == ["setup", "call", "teardown"]
     assert per_test(lines)[next(iter(per_test(lines)))] >= 0.2
+
+
+def test_times_round_into_the_next_minute():
+    assert _clock(719.96) == "12:00.0" and _clock(720.0) == "12:00.0"
+    assert _clock(61.04) == "1:01.0" and _clock(59.94) == "0:59.9"
