@@ -49,10 +49,11 @@ def test_saves_a_full_worker_takes_and_evicts_count_as_failed_for_want_of_memory
         print(f"measured: {blocks} blocks of 128 KiB into a {SHM_MB} MiB worker filled with {filled['filled_mb']} "
               f"MiB it may not evict: {full}")
         idle, stopped = full["idle"], full["stopped"]
-        # nothing of it is there for decode to load, and the writer does not call any of it saved: every job's
-        # blocks were gone by the next write, and the last job's are not counted while the worker evicts that way
+        # the writer calls none of the evicted blocks saved: every job's blocks were gone by the next write; the
+        # last job's are uncounted while the worker evicts that way or, where it kept them (the CI of e812953:
+        # 3 held at the end, 3 saved), counted saved
         assert full["held_at_end"] <= 3, full
-        assert idle["saved_blocks"] == 0 and idle["save_failed_blocks"] >= blocks - 3, full
+        assert idle["saved_blocks"] <= 3 and idle["save_failed_blocks"] >= blocks - 3, full
         assert idle["save_failed_memory_full_blocks"] == idle["save_failed_blocks"], full  # the reason: memory
         assert idle["ds_errors"] == 0, full  # the data system answered every call with success
         # at stop the last job is counted by what the worker holds then: every block counted once
