@@ -195,3 +195,33 @@ def test_a_pid_file_whose_number_went_to_another_process_of_the_session_does_not
                     os.killpg(int((run / f"{name}.pid").read_text()), signal.SIGKILL)
                 except (OSError, ValueError):
                     pass
+
+
+def test_what_the_shipped_proxy_and_connector_import_of_their_own_packages_is_shipped():
+    """A module left out of the bundle (vllm_env.NOT_SHIPPED) must be one nothing shipped imports: else the proxy or
+    the connector would fail on the hosts at import."""
+    import ast
+    import base64
+    import io
+    import tarfile
+
+    from yrpd.steps.vllm_env import NOT_SHIPPED, bundle
+
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(bundle()[1]))) as tar:
+        shipped = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    assert NOT_SHIPPED and not {f"yrpd/{n}" for n in NOT_SHIPPED} & set(shipped)
+    for name, text in shipped.items():
+        package = name.rsplit("/", 1)[0].replace("/", ".")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                base = (package.rsplit(".", node.level - 1)[0] if node.level > 1 else package) if node.level else ""
+                target = ".".join(x for x in (base, node.module or "") if x)
+                names = [target] + [f"{target}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for dotted in names:
+                if dotted.startswith("yrpd."):
+                    path = dotted.replace(".", "/")
+                    assert f"{path}.py" not in {f"yrpd/{n}" for n in NOT_SHIPPED}, (name, dotted)

@@ -1,12 +1,5 @@
-"""One instance's KV-cache events into the proxy's index (yrpd/proxy/kvindex.py): a ZMQ subscriber on the
-instance's publisher, and its replay socket asked for what the subscription missed.
-
-A subscription loses batches where ZMQ drops them (a subscriber that joins late, a full queue, a link that was
-down); the publisher keeps its last batches (`buffer_steps`) and sends them again from any number asked of its
-replay socket. So on a gap the feed asks for what is missing and applies it in order; where the publisher no
-longer has it, it asks for everything from the first batch and rebuilds; where that is gone too, the instance stays
-blind (an estimate) until it restarts or clears its cache. pyzmq is vLLM's own dependency, in the proxy's venv.
-"""
+"""One instance's KV-cache events into the proxy's index: a ZMQ subscriber on its publisher that asks the replay
+socket for what it missed (docs/dev/kv-events.md)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""Where a prompt's KV blocks are: each instance's own prefix cache, as the instance reports it in vLLM's KV-cache
-events (issue 46). Keyed the way vLLM keys them, so a prompt's token ids tell which of its blocks each instance holds.
-
-vLLM (0.32) names a full block of a prompt by a chain: the block's hash covers the hash before it, the block's token
-ids and its extra keys (LoRA, multimodal inputs, cache salt; none for plain text), SHA-256 over their pickle by
-default (`--prefix-caching-hash-algo sha256`). The first block's parent is the hash of a seed: PYTHONHASHSEED where
-the instance has one, else a fixed string, so every instance started alike, and this module, agree. Its events carry
-the low 64 bits of each hash as an integer (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, on by default).
-
-An instance's scheduler publishes a batch of events per engine step over ZMQ, numbered from 0 per publisher (a
-restarted instance starts again at 0): blocks stored, blocks removed, everything cleared. `InstanceBlocks` applies
-them in order and is *blind* from the moment one is missing (a gap in the numbers, a restart, a lost subscription)
-until it is resynchronised; while blind its holdings are an estimate and say so.
-
-The notes on vLLM's side of this (which process publishes, the replay socket, DP ranks' ports) are in
-docs/dev/kv-events.md.
-"""
+"""Where a prompt's KV blocks are: each instance's prefix cache as its vLLM KV-cache events tell it, keyed as vLLM
+keys blocks (a SHA-256 chain over token ids from a seed; events carry its low 64 bits). docs/dev/kv-events.md has
+vLLM's side and what this index does with it (issue 46)."""
 
 from __future__ import annotations
 
@@ -76,16 +62,14 @@ Event = Stored | Removed | Cleared
 
 
 def decode_batch(payload: bytes) -> list:
-    """One published batch's payload (msgpack, as vLLM's msgspec encoder writes it) as plain values. msgspec is
-    vLLM's own dependency, so it is in the venv the proxy runs in."""
+    """One published batch's payload (msgpack, from vLLM's msgspec encoder) as plain values."""
     import msgspec
 
     return msgspec.msgpack.decode(payload)
 
 
 def events_of(batch: Sequence) -> list[Event]:
-    """The events of one decoded batch (`[timestamp, [event, ...], dp_rank]`, each event a map with its "type"), as
-    vLLM's msgpack encoder writes them; kinds this index has no use for are left out."""
+    """The events of one decoded batch (`[ts, [event, ...], dp_rank]`, each a map with its "type"); others dropped."""
     out: list[Event] = []
     for event in batch[1] if len(batch) > 1 else ():
         kind = event.get("type") if isinstance(event, dict) else None
