@@ -52,8 +52,7 @@ class Feed:
     async def receive(self, seq: int, payload: bytes) -> None:
         """One batch from the subscription, after whatever was missed before it, where the publisher still has it."""
         self.last_batch_at = time.monotonic()
-        last = self.blocks.last_seq
-        expected = 0 if last is None else last + 1
+        last, expected = self.blocks.last_seq, self.blocks.next_seq
         if self.replay is not None and seq not in (expected, 0):
             restarted = last is not None and seq < expected  # a new run of the publisher, its first batches missed
             if not restarted:

@@ -96,12 +96,17 @@ class InstanceBlocks:
     gaps: int = 0  # how many times it went blind
     restarts: int = 0  # how many times the numbering began again
 
+    @property
+    def next_seq(self) -> int:
+        """The number the next batch of the same publisher run carries."""
+        return 0 if self.last_seq is None else self.last_seq + 1
+
     def apply(self, seq: int, events: Iterable[Event], now: float | None = None) -> None:
         """Apply one batch numbered `seq`. Numbers go 0, 1, 2, ... per publisher: one that skips means batches were
         lost (blind until `resync`); one that goes back means a new publisher, a restarted instance, whose cache
         started empty (exact again if it is batch 0, blind if batches of the new run were missed). The batch is
         applied either way, since what it says is true."""
-        expected = 0 if self.last_seq is None else self.last_seq + 1
+        expected = self.next_seq
         if self.last_seq is not None and seq < expected:
             self.held.clear()
             self.restarts += 1

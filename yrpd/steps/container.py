@@ -17,13 +17,12 @@ from functools import lru_cache
 from yrpd.containers import ContainerRun, Mount, Profile, container_name, container_profile, container_run, \
     derived_image
 from yrpd.hostgroup import Command, on_host
-from yrpd.layout import HostPaths
 from yrpd.placement import HostPlan
 from yrpd.spec import DeviceKind, Runtime
 from yrpd.steps import NotNeeded, StepContext, host_python, passed_before_with_this_spec, recording_pass, shell_command
 from yrpd import patches
 from yrpd.assets import patches_dir
-from yrpd.steps.vllm_env import bundle, bundle_archive, unpack_script
+from yrpd.steps.vllm_env import bundle, bundle_archive, paths, unpack_script
 from yrpd.versions import OPENYUANRONG, OPENYUANRONG_DATASYSTEM
 
 PULL_POLICIES = ("never", "missing", "always")
@@ -77,8 +76,7 @@ def deployment_mounts(ctx: StepContext) -> list[Mount]:
     else:
         # vLLM keeps what it learns of a model's code (model info, found in a subprocess that imports the model: 9.5
         # CPU-s on CPU) and its compiled graphs under VLLM_CACHE_ROOT: on the host, each new container starts warm
-        cache = HostPaths(env_root=ctx.spec.env_root, session=None, bundle_dir="").vllm_cache
-        mounts.append(Mount(source=cache, create=True, purpose="vLLM's caches, kept across containers"))
+        mounts.append(Mount(source=paths(ctx).vllm_cache, create=True, purpose="vLLM's caches, kept across containers"))
     return mounts
 
 
