@@ -195,32 +195,3 @@ def test_a_pid_file_whose_number_went_to_another_process_of_the_session_does_not
                     os.killpg(int((run / f"{name}.pid").read_text()), signal.SIGKILL)
                 except (OSError, ValueError):
                     pass
-
-
-def test_what_the_shipped_proxy_and_connector_import_of_their_own_packages_is_shipped():
-    """A module left out of the bundle (vllm_env.NOT_SHIPPED) must be one nothing shipped imports: else the proxy or
-    the connector would fail on the hosts at import."""
-    import ast
-    import base64
-    import io
-    import tarfile
-    from importlib.util import resolve_name
-
-    from yrpd.steps.vllm_env import NOT_SHIPPED, bundle
-
-    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(bundle()[1]))) as tar:
-        shipped = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
-    left_out = {f"yrpd/{n}" for n in NOT_SHIPPED}
-    assert left_out and not left_out & set(shipped)
-    for name, text in shipped.items():
-        package = name.rsplit("/", 1)[0].replace("/", ".")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ImportFrom):
-                target = resolve_name("." * node.level + (node.module or ""), package) if node.level else node.module
-                names = [target] + [f"{target}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            for dotted in names:
-                assert dotted.replace(".", "/") + ".py" not in left_out, (name, dotted)

@@ -2,6 +2,7 @@
 
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -10,7 +11,7 @@ from yrpd.layout import HostPaths, HostSessionLayout
 from yrpd.placement import HostInventory, make_plan
 from yrpd.serving import instance_launches, launches_on_host, proxy_launch, sample_request
 from yrpd.spec import DeviceKind, build_spec
-from yrpd.steps.vllm_env import MAX_BUNDLE_B64, bundle, unpack_script
+from yrpd.steps.vllm_env import bundle, bundle_file, unpack_script
 
 PATHS = HostPaths(env_root="/opt/yrpd/venvs", session=HostSessionLayout("/tmp/yrpd_sessions", "S"), bundle_dir="/opt/yrpd/venvs/lib/yrpd-x")
 
@@ -113,20 +114,31 @@ def test_proxy_lists_every_instance_and_never_shows_the_key(monkeypatch):
     assert flag(proxy_launch(load, make_plan(load, INVENTORY_OF(plan)), PATHS).argv, "--routing") == "load"
 
 
-def test_host_bundle_fits_one_shell_argument_and_carries_only_host_side_code():
+def test_host_bundle_carries_only_host_side_code_and_travels_as_an_upload_not_inside_the_command():
     import base64
     import io
     import tarfile
 
     digest, encoded = bundle()
-    assert len(encoded) <= MAX_BUNDLE_B64
     names = tarfile.open(fileobj=io.BytesIO(base64.b64decode(encoded))).getnames()
     assert "yrpd/connector/connector.py" in names and "yrpd/proxy/app.py" in names
-    assert "yrpd/demo/tiny_model.py" in names
+    assert "yrpd/demo/tiny_model.py" in names and "yrpd/proxy/kvindex.py" in names
     # nothing that needs yrpd's own dependencies (fabric, pydantic, click) on the hosts
     assert not any(n.startswith(("yrpd/cli", "yrpd/steps")) or n in ("yrpd/spec.py", "yrpd/hostgroup.py")
                    for n in names)
     assert bundle() == (digest, encoded)  # reproducible: same code, same hash
+    # the step uploads the file named by that hash into the session directory and unpacks it from there: its
+    # script stays small however large the code grows
+    from yrpd.steps import StepContext
+    from yrpd.steps.vllm_env import bundle_file, ship_code
+
+    spec, plan = deployment(DeviceKind.cpu, devices=2, hosts=("h1",))
+    ctx = StepContext(spec=spec, plan=plan, session_id="S")
+    command = ship_code(ctx, plan.hosts[0])
+    [(local, remote)] = command.uploads
+    assert local == str(bundle_file()) and Path(local).read_bytes() == base64.b64decode(encoded)
+    assert remote.startswith(ctx.host_session_dir) and remote.endswith(f"yrpd-{digest}.tgz")
+    assert len(command.script) < 2000 and remote in command.script
 
 
 def test_hosts_sharing_env_root_unpack_the_bundle_at_once_and_all_succeed(tmp_path):
@@ -134,7 +146,7 @@ def test_hosts_sharing_env_root_unpack_the_bundle_at_once_and_all_succeed(tmp_pa
     import subprocess
 
     target = tmp_path / "lib" / "yrpd-x"
-    script = unpack_script(str(target), bundle()[1])
+    script = unpack_script(str(target), archive=str(bundle_file()))
 
     def run_many(n: int) -> list[int]:
         procs = [subprocess.Popen(["bash", "-c", script], stderr=subprocess.PIPE) for _ in range(n)]
@@ -149,7 +161,9 @@ def test_hosts_sharing_env_root_unpack_the_bundle_at_once_and_all_succeed(tmp_pa
     assert run_many(1) == [0] and (target / "yrpd" / "proxy" / "app.py").is_file() and (target / ".complete").is_file()
     # a copy that fails half way (here: a corrupt bundle; on a host: a full disk) fails the step and marks nothing
     broken = tmp_path / "lib" / "yrpd-y"
-    failed = subprocess.run(["bash", "-c", unpack_script(str(broken), "!corrupt!") + "\necho went on"],
+    corrupt = tmp_path / "corrupt.tgz"
+    corrupt.write_bytes(b"!corrupt!")
+    failed = subprocess.run(["bash", "-c", unpack_script(str(broken), archive=str(corrupt)) + "\necho went on"],
                             capture_output=True, text=True)
     assert failed.returncode != 0 and "went on" not in failed.stdout and not broken.exists()
 

