@@ -72,6 +72,11 @@ class HostSessionLayout:
         """The proxy's membership file: which instances it routes to, which of them drain (yrpd.proxy)."""
         return f"{self.run_dir}/proxy-members.json"
 
+    def kv_events(self, instance: str, what: str = "events") -> str:
+        """The unix socket an instance publishes its KV-cache events on (`what`: "events", or "replay" for the
+        one that answers what a subscriber missed): on its host only, nothing on the network (yrpd.proxy.kvfeed)."""
+        return f"{self.run_dir}/kv-{what}-{instance}.sock"
+
     def kv_stats(self, instance: str) -> str:
         """The connector's stats file per side and rank; `{side}` and `{rank}` are filled in by the connector."""
         return f"{self.run_dir}/kv-{instance}-{{side}}-rank{{rank}}.json"

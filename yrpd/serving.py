@@ -15,6 +15,7 @@ from yrpd.peers import PEER_VENVS
 from yrpd.placement import HostPlan, InstancePlan, Plan
 from yrpd import ascend_store, credentials
 from yrpd.ports import INSTANCE_PORT_BLOCK, RAY_PORT_BLOCK
+from yrpd.proxy.routing import Routing
 from yrpd.spec import BUILTIN_MODEL, DeploySpec, DeviceKind, KvConnector, MultiNodeBackend
 
 #: role -> connector role; with prefix reuse, prefill also loads prefixes other requests stored
@@ -207,6 +208,8 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
         env["HCCL_IF_BASE_PORT"] = str(inst.hccl_port)
     if kind is DeviceKind.cpu and inst.tp * inst.pp * inst.dp == 1:
         env.update(CPU_ONE_RANK_ENV)
+    if events := kv_events_config(spec, plan, inst, paths):
+        common += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     if spec.kv_connector is KvConnector.lmcache:
         env["LMCACHE_TRACK_USAGE"] = "false"
     if spec.kv_connector is KvConnector.nixl:  # the side channel decode asks prefill's block layout on
@@ -354,6 +357,28 @@ PROXY_NAME = "proxy"
 EXPORTER_NAME = "exporter"  # every host's metrics exporter (yrpd.steps.exporter)
 
 
+#: the longest path a unix socket may have on Linux (sun_path is 108 bytes with its terminating NUL)
+MAX_UNIX_SOCKET_PATH = 107
+
+
+def kv_events_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: HostPaths) -> dict | None:
+    """vLLM's --kv-events-config for an instance whose KV-cache events the proxy follows (prefix routing), or None.
+    The events carry the prompts' token ids and vLLM's publisher has no authentication, so they go to unix sockets
+    on the instance's host (the proxy there subscribes; elsewhere it routes on its estimate). One-rank-group,
+    one-host instances of vLLM 0.32 on CPU so far: vLLM names a DP rank's socket by adding to a tcp port, which an
+    ipc path has not, and the proxy finds the sockets through /kv_event_sources, which the vllm-ascend images' older
+    vLLM lacks."""
+    if (not spec.disaggregated or spec.routing is not Routing.prefix or paths.session is None or inst.dp > 1
+            or inst.spans_hosts or inst.role not in ("prefill", "decode") or host_of(plan, inst.host).kind
+            is not DeviceKind.cpu):
+        return None
+    sockets = [paths.session.kv_events(inst.name, what) for what in ("events", "replay")]
+    if max(map(len, sockets)) > MAX_UNIX_SOCKET_PATH:  # vLLM would fail to bind it: the proxy says "no events"
+        return None
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{sockets[0]}",
+            "replay_endpoint": f"ipc://{sockets[1]}"}
+
+
 def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | None:
     if not spec.disaggregated:
         return None
@@ -368,6 +393,10 @@ def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | Non
     env = {"PYTHONPATH": paths.bundle_dir}
     if spec.api_key_env:
         argv += ["--api-key-env", credentials.PROXY_KEY_ENV]
+    seeds = {l.env.get("PYTHONHASHSEED") for inst in plan.instances if inst.role in ("prefill", "decode")
+             for l in instance_launches(spec, plan, inst, paths)[:1]}
+    if len(seeds) == 1 and (seed := seeds.pop()) is not None:  # the instances' block hashes start from it
+        argv += ["--kv-hash-seed", seed]
     return Launch(PROXY_NAME, plan.proxy_host, argv, env, f"{proxy_url(spec, plan)}/health",
                   paths.session.env_file(credentials.PROXY) if paths.session else None)
 

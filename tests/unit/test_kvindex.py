@@ -63,4 +63,23 @@ def test_events_of_a_decoded_batch_keeps_the_kinds_the_index_uses():
                     "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None},
                    {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"},
                    {"type": "AllBlocksCleared"}, {"type": "SomethingNew"}], 0]
-    assert events_of(batch) == [Stored((5, 6)), Removed((5,)), Cleared()]
+    assert events_of(batch) == [Stored((5, 6), 16), Removed((5,)), Cleared()]
+
+
+def test_blind_for_want_of_news_ends_with_the_next_batch_in_order_and_a_lost_one_keeps_it_blind():
+    inst = InstanceBlocks()
+    inst.apply(0, [Stored((1,), 16)])
+    assert inst.block_size == 16  # learnt from the instance's own events
+    inst.go_blind("no events after a prefill leg", now=5.0, lagging=True)
+    assert inst.sight is Sight.blind and inst.held == {1}
+    inst.apply(1, [Stored((2,))])  # late, nothing lost: exact again
+    assert inst.sight is Sight.seeing and inst.held == {1, 2} and inst.gaps == 1
+    # the control: lagging, then a batch skipped: a batch was lost, the next in-order one does not cure that
+    inst.go_blind("no events after a prefill leg", lagging=True)
+    inst.apply(3, [Stored((4,))])
+    inst.apply(4, [Stored((5,))])
+    assert inst.sight is Sight.blind and "batch 3 came after 1" in inst.why
+    # down, then back: the instance's new run from its batch 0 is the whole of its new cache
+    inst.go_blind("the instance is down", lagging=True)
+    inst.apply(0, [Stored((9,))])
+    assert inst.sight is Sight.seeing and inst.held == {9} and inst.restarts == 1

@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--routing-bound", type=int, default=2, metavar="N",
                    help="no leg goes to an instance with N more requests in flight than the least busy one "
                         "[%(default)s]")
+    p.add_argument("--kv-hash-seed", metavar="SEED",
+                   help="the PYTHONHASHSEED the instances run with, where they have one: prefix routing hashes prompt "
+                        "blocks as they do, to match what their KV-cache events say they hold")
+    p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                   help="do not follow the instances' KV-cache events: prefix routing estimates what each holds")
     args = p.parse_args(argv)
     if not args.instances_file and not (args.prefill and args.decode):
         p.error("give --prefill and --decode, or --instances-file")
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                          api_key=api_key, instance_token=os.environ.get(PROXY_TOKEN_ENV) or None,
                          request_timeout=args.request_timeout, probe_interval=args.probe_interval,
                          routing=Routing(args.routing), routing_bound=max(1, args.routing_bound),
-                         instances_file=args.instances_file)
+                         instances_file=args.instances_file, kv_events=args.kv_events, kv_hash_seed=args.kv_hash_seed)
     try:
         _run(_serve(config, args.host, args.port))
     except OSError as exc:  # typically the port is taken

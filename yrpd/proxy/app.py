@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ import aiohttp
 from aiohttp import web
 
 from . import resume
+from .kvfeed import Feeds
+from .kvindex import Sight
 from .metrics import LATENCY_KEPT_S, Metrics
 from .pool import ROLES, Instance, Lease, Pool
 from .resume import MAX_MIGRATIONS
@@ -46,6 +49,21 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: 
                 405: "invalid_request_error", 413: "invalid_request_error", 502: "bad_gateway",
                 503: "service_unavailable", 504: "timeout"}
 _UPSTREAM_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+#: what of a request its prompt's token ids depend on, as vLLM's /tokenize takes it (completions and chat alike)
+TOKENIZE_KEYS = ("model", "prompt", "messages", "add_generation_prompt", "continue_final_message",
+                 "add_special_tokens", "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
+
+
+def _is_local(host: str) -> bool:
+    """Whether `host` is an address of the machine (network namespace) the proxy runs in: an instance there shares
+    its filesystem, so its ipc sockets too."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((host, 0))
+        return True
+    except OSError:
+        return False
 # aiohttp >= 3.10 tells a connect timeout (instance unreachable) from a read timeout (instance slow).
 _CONNECT_TIMEOUT = getattr(aiohttp, "ConnectionTimeoutError", ())
 
@@ -104,6 +122,10 @@ class ProxyConfig:
     #: a stream whose head is out and that sent nothing for this long gets an SSE comment (`: keep-alive`): a client's
     #: read timeout does not fire while it waits (a migration, a slow instance), and a dead client link shows
     heartbeat_s: float = HEARTBEAT_S
+    #: follow the instances' KV-cache events (where they publish them) to route on what each cache holds
+    kv_events: bool = True
+    #: the PYTHONHASHSEED the instances run with (None: unset): the first block hash starts from it
+    kv_hash_seed: str | None = None
 
 
 def parse_members(data) -> list[tuple[str, str, bool, str]]:
@@ -219,6 +241,8 @@ class Proxy:
         self.members_version = 0  # versions of the file taken
         self.degraded_since: float | None = None  # time.time() since when one role answers alone (PD degraded)
         self.missing: list[str] = []  # the roles with no instance up, as of the last probe round
+        #: the instances' KV-cache events (prefix routing): a batch is due within one probe round of a leg storing
+        self.feeds = Feeds(lag_s=config.probe_interval)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._middleware])
@@ -249,6 +273,7 @@ class Proxy:
             self._prober.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._prober
+        await self.feeds.close()
         if self.session:
             await self.session.close()
 
@@ -291,6 +316,9 @@ class Proxy:
                                    if (url.rstrip("/"), role, group) not in known))
         answered = dict(zip(fresh, await asyncio.gather(*(self._health_of(url) for url in fresh))))
         joined, left = self.pool.sync(members)
+        for inst in left:
+            if inst.url not in {i.url for i in self.pool.instances if not i.leaving}:
+                self.feeds.forget(inst.url)
         self._members_seen = seen  # only now: a round that failed before this reads the same version again
         for inst in joined:
             self.pool.probed(inst, *answered.get(inst.url, (False, None)))
@@ -316,6 +344,9 @@ class Proxy:
     async def _probe_all(self, announce: bool = True) -> None:
         await asyncio.gather(*(self._probe(i, announce) for i in self.pool.instances))
         self._judge_degraded()
+        for url in self.feeds.check():
+            log.warning("KV index blind for %s: %s; routed on the estimate until its events are back", url,
+                        self.feeds.state(url).get("why"))
 
     async def _health_of(self, url: str) -> tuple[bool, str]:
         try:
@@ -326,14 +357,68 @@ class Proxy:
 
     async def _probe(self, inst: Instance, announce: bool) -> None:
         ok, why = await self._health_of(inst.url)
-        if self.pool.probed(inst, ok, why):
+        changed = self.pool.probed(inst, ok, why)
+        if self._follows_events() and ok and (changed or inst.url not in self.feeds.watches):
+            await self._watch_events(inst)
+        if changed:
             if not ok:
                 self._down.pop(inst.url, asyncio.Event()).set()
+                self.feeds.down(inst.url)
             if announce:
                 if ok:
                     log.info("%s instance %s is up", inst.role, inst.url)
                 else:
                     log.warning("%s instance %s is down (%s)", inst.role, inst.url, why)
+
+    # -- the instances' KV-cache events (yrpd.proxy.kvfeed)
+
+    def _follows_events(self) -> bool:
+        return self.config.kv_events and self.config.routing is Routing.prefix
+
+    async def _watch_events(self, inst: Instance) -> None:
+        """Ask an instance that came up where it publishes its KV-cache events (vLLM's /kv_event_sources) and
+        subscribe; why not, where it cannot, in /yrpd/status and the log."""
+        try:
+            async with self.session.get(inst.url + "/kv_event_sources", timeout=self._probe_timeout,
+                                        headers=self._instance_headers()) as resp:
+                sources = await resp.json(content_type=None) if resp.status == 200 else {}
+        except (*_UPSTREAM_ERRORS, ValueError):
+            sources = {}
+        host = urllib.parse.urlsplit(inst.url).hostname or ""
+        why = self.feeds.attach(inst.url, sources, host, _is_local(host))
+        inst.blocks = self.feeds.watch(inst.url).blocks
+        if why is None:
+            log.info("%s instance %s: following its KV-cache events", inst.role, inst.url)
+        else:
+            log.info("%s instance %s: routed on the estimate, %s", inst.role, inst.url, why)
+
+    def _kv_index(self) -> dict[str, dict] | None:
+        """Each instance's KV index state by URL; None where the proxy follows no events (load routing, off)."""
+        if not self._follows_events():
+            return None
+        return {i.url: self.feeds.state(i.url) for i in self.pool.instances}
+
+    def _instance_headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.config.instance_token}"} if self.config.instance_token else {}
+
+    async def _tokens(self, body: dict, headers: dict) -> list[int] | None:
+        """The prompt's token ids as the instances make them (a prefill instance's /tokenize, chat template
+        applied), where some instance's events are followed; None otherwise or where it does not answer."""
+        if not any(i.blocks is not None and i.blocks.sight is Sight.seeing for i in self.pool.instances):
+            return None
+        asker = next(iter(self.pool.up("prefill") or self.pool.up("decode")), None)
+        if asker is None:
+            return None
+        ask = {k: body[k] for k in TOKENIZE_KEYS if k in body}
+        if "messages" in ask:
+            ask.setdefault("add_generation_prompt", True)
+        try:
+            async with self.session.post(asker.url + "/tokenize", json=ask, headers=headers,
+                                         timeout=self._probe_timeout) as resp:
+                tokens = (await resp.json(content_type=None)).get("tokens") if resp.status == 200 else None
+        except (*_UPSTREAM_ERRORS, ValueError, AttributeError):
+            return None
+        return tokens if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens) else None
 
     # -- every request: auth, errors as JSON, metrics, one log line
 
@@ -397,7 +482,10 @@ class Proxy:
             raise ProxyError(400, "the request body must be a JSON object")
         body.pop("kv_transfer_params", None)  # the proxy owns this field on both legs
         if self.config.routing is Routing.prefix:
-            request[_CALL].prompt = Prompt.of(body)
+            prompt = Prompt.of(body)
+            if self._follows_events() and (tokens := await self._tokens(body, headers)) is not None:
+                prompt = prompt.with_tokens(tokens, self.config.kv_hash_seed)
+            request[_CALL].prompt = prompt
         request[_CALL].model = body.get("model")
         self._route(request)  # a 503 at once when no instance of either role is up
         if body.get("stream"):
@@ -497,8 +585,10 @@ class Proxy:
             message = f"prefill instance {inst.url} answered {resp.status} with a body that is not a JSON object"
             self._upstream_error(inst, message, down=False)
             raise ProxyError(502, message) from None
-        if request[_CALL].prefill_lease is not None:
-            self.pool.observe(request[_CALL].prefill_lease, _loaded_blocks(kv))
+        lease = request[_CALL].prefill_lease
+        if lease is not None:
+            self.pool.observe(lease, _loaded_blocks(kv))
+            self.feeds.leg_stored(inst.url, t0, lease.new_blocks)
         return kv
 
     def _goes_on(self, request: web.Request, exc: Exception, tries: int) -> bool:
@@ -890,7 +980,7 @@ class Proxy:
         self.missing = missing
 
     async def metrics_page(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(body=self.metrics.render(self.pool, self.degraded_since).encode(),
+        return web.Response(body=self.metrics.render(self.pool, self.degraded_since, self._kv_index()).encode(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def status(self, request: web.Request) -> web.StreamResponse:
@@ -898,6 +988,7 @@ class Proxy:
             window = min(LATENCY_KEPT_S, max(1.0, float(request.query.get("window", 30))))
         except ValueError:
             raise ProxyError(400, "window must be a number of seconds") from None
+        kv = self._kv_index()
         answered = [(e, s, n) for (e, s), n in self.metrics.requests.items() if e in GENERATE_PATHS]
         totals = {"requests": sum(n for _, _, n in answered), "failed": sum(n for _, s, n in answered if s >= 400),
                   "in_flight": self.in_flight, "upstream_errors": sum(i.errors for i in self.pool.instances),
@@ -907,7 +998,8 @@ class Proxy:
                                   "uptime_s": round(time.time() - self.started, 1),
                                   "probe_interval_s": self.config.probe_interval,
                                   "request_timeout_s": self.config.request_timeout,
-                                  "instances": [i.as_dict() for i in self.pool.instances], "totals": totals,
+                                  "instances": [{**i.as_dict(), **({"kv_index": kv[i.url]} if kv else {})}
+                                                for i in self.pool.instances], "totals": totals,
                                   "routing": self.pool.routing_state(),
                                   "membership": {"file": self.config.instances_file,
                                                  "version": self.members_version, "error": self.members_error},

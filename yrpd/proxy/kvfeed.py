@@ -4,9 +4,11 @@ socket for what it missed (docs/dev/kv-events.md)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from dataclasses import dataclass
 
-from .kvindex import InstanceBlocks, decode_batch, events_of
+from .kvindex import InstanceBlocks, Sight, decode_batch, events_of
 
 #: the replay socket's end marker: a batch number of -1
 END = -1
@@ -45,7 +47,12 @@ class Feed:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
                     continue
-                await self.receive(_seq(frames[1]), frames[2])
+                try:
+                    await self.receive(_seq(frames[1]), frames[2])
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a batch that cannot be read must not end the feed
+                    self.blocks.go_blind(f"batch {_seq(frames[1])} could not be read: {exc}")
         finally:
             sub.close()
 
@@ -95,3 +102,137 @@ class Feed:
         finally:
             dealer.close()
         return got if [s for s, _ in got] == list(range(start, upto)) else None
+
+
+def usable_endpoint(endpoint: str, instance_host: str, local: bool) -> tuple[str | None, str]:
+    """(the address to subscribe to, "") or (None, why not) for an endpoint an instance says it publishes on:
+    an ipc socket only where the proxy shares the instance's host (`local`), a wildcard tcp one at the instance's
+    own address."""
+    if endpoint.startswith("ipc://"):
+        return (endpoint, "") if local else (None, "its events go to a socket on its own host, not the proxy's")
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        if host in ("*", "0.0.0.0", "::", "[::]"):
+            host = f"[{instance_host}]" if ":" in instance_host else instance_host
+        return f"tcp://{host}:{port}", ""
+    return None, f"its events go to {endpoint}, which the proxy cannot subscribe to"
+
+
+@dataclass
+class Watch:
+    """The proxy's view of one instance's KV-cache events."""
+
+    blocks: InstanceBlocks
+    feed: Feed | None = None
+    task: asyncio.Task | None = None
+    #: why there is no feed (shown while `feed` is None)
+    unseen: str = "not asked yet"
+    #: a prefill leg that should have stored blocks ended: (when it started, by when a batch must have come)
+    expect: tuple[float, float] | None = None
+
+
+class Feeds:
+    """Every instance's KV-cache events, by instance URL: the feeds that keep each one's InstanceBlocks, and the
+    rules that say when the proxy cannot see a cache exactly (docs/dev/kv-events.md "No silent blindness")."""
+
+    def __init__(self, lag_s: float, context=None) -> None:
+        self.lag_s, self.ctx = lag_s, context
+        self.watches: dict[str, Watch] = {}
+
+    def watch(self, url: str) -> Watch:
+        if url not in self.watches:
+            self.watches[url] = Watch(InstanceBlocks())
+        return self.watches[url]
+
+    def attach(self, url: str, sources: object, instance_host: str, local: bool) -> str | None:
+        """Subscribe to what an instance's /kv_event_sources answered ({dp_rank: its KVEventsConfig}); None when
+        subscribed, else why not."""
+        w = self.watch(url)
+        if w.task is not None and not w.task.done():
+            return None
+        why = self._subscribe(w, sources, instance_host, local)
+        w.unseen = why or ""
+        return why
+
+    def _subscribe(self, w: Watch, sources: object, instance_host: str, local: bool) -> str | None:
+        configs = [c for c in sources.values() if isinstance(c, dict)] if isinstance(sources, dict) else []
+        configs = [c for c in configs if c.get("enable_kv_cache_events") and c.get("publisher") in (None, "zmq")]
+        if not configs:
+            return "it publishes no KV-cache events"
+        if len(configs) > 1:
+            return f"it has {len(configs)} data-parallel publishers; the index follows one-rank instances"
+        config = configs[0]
+        endpoint, why = usable_endpoint(str(config.get("endpoint") or ""), instance_host, local)
+        if endpoint is None:
+            return why
+        replay = None
+        if config.get("replay_endpoint"):
+            replay, _ = usable_endpoint(str(config["replay_endpoint"]), instance_host, local)
+        try:
+            w.feed = Feed(w.blocks, endpoint, replay, str(config.get("topic") or "").encode(), self.ctx)
+        except ImportError as exc:
+            return f"this Python cannot subscribe ({exc})"
+        w.task = asyncio.get_running_loop().create_task(w.feed.run())
+        return None
+
+    def down(self, url: str) -> None:
+        """The instance stopped answering: what it holds now is unknown until its events speak again (its new
+        run's, from batch 0, make the copy exact)."""
+        w = self.watches.get(url)
+        if w is not None and w.blocks.sight is not Sight.never:
+            w.blocks.go_blind("the instance is down", lagging=True)
+
+    def leg_stored(self, url: str, started: float, blocks: int) -> None:
+        """A prefill leg that began at `started` (time.monotonic()) ended, after which the instance holds `blocks`
+        more full blocks: a batch must come within lag_s."""
+        w = self.watches.get(url)
+        if w is not None and w.feed is not None and blocks > 0 and w.expect is None:
+            w.expect = (started, time.monotonic() + self.lag_s)
+
+    def check(self, now: float | None = None) -> list[str]:
+        """Each probe round: the instances whose events stayed away after a leg that stored blocks go blind.
+        Returns their URLs (newly blind)."""
+        now = time.monotonic() if now is None else now
+        newly = []
+        for url, w in self.watches.items():
+            if w.expect is None or w.feed is None:
+                continue
+            started, deadline = w.expect
+            if w.feed.last_batch_at is not None and w.feed.last_batch_at >= started:
+                w.expect = None
+            elif now >= deadline:
+                w.expect = None
+                if w.blocks.sight is not Sight.blind:
+                    newly.append(url)
+                w.blocks.go_blind(f"no KV-cache event within {self.lag_s:g} s of a prefill leg that stored blocks",
+                                  lagging=True)
+        return newly
+
+    def forget(self, url: str) -> None:
+        w = self.watches.pop(url, None)
+        if w is not None and w.task is not None:
+            w.task.cancel()
+
+    async def close(self) -> None:
+        for url in list(self.watches):
+            w = self.watches.pop(url)
+            if w.task is not None:
+                w.task.cancel()
+                with contextlib.suppress(BaseException):
+                    await w.task
+
+    def state(self, url: str) -> dict:
+        """What /yrpd/status and /metrics say of one instance's index."""
+        w = self.watches.get(url)
+        if w is None:
+            return {"sight": Sight.never.value, "why": "not asked yet"}
+        b = w.blocks
+        out = {"sight": b.sight.value, "blocks": len(b.held), "block_size": b.block_size, "gaps": b.gaps,
+               "restarts": b.restarts}
+        if w.feed is None:
+            out["why"] = w.unseen
+        elif b.sight is Sight.blind:
+            out.update(why=b.why, blind_since=b.blind_since)
+        if w.feed is not None:
+            out["replays"] = w.feed.replays
+        return out

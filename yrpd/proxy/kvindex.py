@@ -46,6 +46,7 @@ class Sight(str, Enum):
 @dataclass(frozen=True)
 class Stored:
     hashes: tuple[int, ...]
+    block_size: int = 0  # tokens per block, as the instance hashes them (0: not said)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ def events_of(batch: Sequence) -> list[Event]:
     for event in batch[1] if len(batch) > 1 else ():
         kind = event.get("type") if isinstance(event, dict) else None
         if kind == "BlockStored":
-            out.append(Stored(tuple(event.get("block_hashes") or ())))
+            size = event.get("block_size")
+            out.append(Stored(tuple(event.get("block_hashes") or ()), size if isinstance(size, int) else 0))
         elif kind == "BlockRemoved":
             out.append(Removed(tuple(event.get("block_hashes") or ())))
         elif kind == "AllBlocksCleared":
@@ -95,6 +97,11 @@ class InstanceBlocks:
     why: str = ""
     gaps: int = 0  # how many times it went blind
     restarts: int = 0  # how many times the numbering began again
+    #: tokens per block, from the instance's own events (0 until its first stored block)
+    block_size: int = 0
+    #: blind for want of news only (events late, the instance down): nothing known lost, so the next batch in order
+    #: makes it exact again
+    lagging: bool = False
 
     @property
     def next_seq(self) -> int:
@@ -112,24 +119,33 @@ class InstanceBlocks:
             self.restarts += 1
             if seq > 0:
                 self.go_blind(f"the instance restarted; its batches before {seq} were missed", now)
+            else:  # its whole new run is here: exact
+                self.resync()
         elif seq > expected:
             self.go_blind(f"batch {seq} came after {self.last_seq}" if self.last_seq is not None
                           else f"the first batch seen was {seq}", now)
+        elif self.sight is Sight.blind and self.lagging:
+            self.resync()  # late, not lost
         if self.sight is Sight.never:
             self.sight = Sight.seeing
         self.last_seq = seq
         for event in events:
             if isinstance(event, Stored):
                 self.held.update(event.hashes)
+                self.block_size = event.block_size or self.block_size
             elif isinstance(event, Removed):
                 self.held.difference_update(event.hashes)
             else:
                 self.held.clear()
 
-    def go_blind(self, why: str, now: float | None = None) -> None:
+    def go_blind(self, why: str, now: float | None = None, lagging: bool = False) -> None:
+        """Blind from now (`lagging`: for want of news, nothing known lost; a lost batch overrides that)."""
         if self.sight is not Sight.blind:
             self.blind_since = time.time() if now is None else now
             self.gaps += 1
+            self.lagging = lagging
+        else:
+            self.lagging = self.lagging and lagging
         self.sight, self.why = Sight.blind, why
 
     def rebuild(self) -> None:
@@ -139,7 +155,7 @@ class InstanceBlocks:
 
     def resync(self) -> None:
         """Seeing again: the batches applied since `rebuild` began at the publisher's first."""
-        self.sight, self.blind_since, self.why = Sight.seeing, None, ""
+        self.sight, self.blind_since, self.why, self.lagging = Sight.seeing, None, "", False
 
     def matched(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of a prompt (its `block_hashes`) this instance holds: the first miss ends the

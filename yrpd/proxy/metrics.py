@@ -83,7 +83,9 @@ class Metrics:
         return {"n": len(values), "p50": round(statistics.median(values) * 1000, 2), "p90": pick(0.9),
                 "p99": pick(0.99)}
 
-    def render(self, pool: Pool, degraded_since: float | None = None) -> str:
+    def render(self, pool: Pool, degraded_since: float | None = None, kv_index: dict[str, dict] | None = None) -> str:
+        """The exposition text; `kv_index`: each instance's KV index state by URL (yrpd.proxy.kvfeed), where the
+        proxy follows KV-cache events."""
         out: list[str] = []
 
         def family(name: str, kind: str, help_: str, samples) -> None:
@@ -103,6 +105,16 @@ class Metrics:
                [("", labels, i.errors) for labels, i in instances])
         family("yrpd_proxy_upstream_requests_total", "counter", "Requests sent to an instance.",
                [("", labels, i.requests) for labels, i in instances])
+        if kv_index is not None:
+            family("yrpd_proxy_kv_index_blind", "gauge",
+                   "1 while the proxy cannot see the instance's prefix cache exactly (no KV-cache events, a gap, "
+                   "silence after a leg that stored blocks, the instance down): it is routed on the estimate then.",
+                   [("", labels, int(kv_index.get(i.url, {}).get("sight") != "seeing")) for labels, i in instances])
+            family("yrpd_proxy_kv_index_blocks", "gauge", "KV blocks the instance's events say its prefix cache holds.",
+                   [("", labels, kv_index.get(i.url, {}).get("blocks", 0)) for labels, i in instances])
+            family("yrpd_proxy_kv_index_gaps_total", "counter",
+                   "Times the proxy went blind to the instance's prefix cache.",
+                   [("", labels, kv_index.get(i.url, {}).get("gaps", 0)) for labels, i in instances])
         family("yrpd_proxy_migrations_total", "counter",
                "Requests whose instance broke off, by what the proxy did: sent again (nothing had reached the client), "
                "carried over (a stream going on on another instance), ended by the proxy (its last token was out), "

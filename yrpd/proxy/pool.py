@@ -6,6 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from .kvindex import InstanceBlocks
 from .routing import (LEARN_CHUNKS, LEARN_RATE, LOAD_WEIGHT, LOADABLE_PRIOR, RECENT_LEGS, WORK_WEIGHT, PrefixMemory,
                       Prompt, Routing)
 
@@ -30,6 +31,8 @@ class Instance:
     #: prompt chunks given to its prefill legs lately, decaying with every prefill leg routed (prefix routing)
     recent: float = 0.0
     memory: PrefixMemory = field(default_factory=PrefixMemory, repr=False)
+    #: its prefix cache as its KV-cache events tell (yrpd.proxy.kvfeed); None where the proxy has no feed of them
+    blocks: InstanceBlocks | None = field(default=None, repr=False)
     #: taken out of routing: its legs in flight finish, no new one comes (scale-in, a rolling change, maintenance)
     draining: bool = False
     #: no longer a member: it goes once its last leg has ended
@@ -59,9 +62,10 @@ class Lease:
 
     instance: Instance
     work: float = 0.0
-    matched: int = 0  # leading prompt chunks the instance was sent before (prefix routing)
-    loadable: int = 0  # chunks beyond those that another prefill instance finished: in the data system, likely
+    matched: float = 0  # leading prompt chunks the instance holds: known from its events, else estimated
+    loadable: float = 0  # chunks beyond those that another prefill instance finished: in the data system, likely
     prompt: Prompt | None = None
+    new_blocks: int = 0  # full blocks of the prompt the instance's cache lacked, where its events tell (else 0)
     released: bool = False
 
 
@@ -205,14 +209,14 @@ class Pool:
         if least is None or self.routing is not Routing.prefix or prompt is None or not prompt.chain:
             return None if least is None else Lease(least)
         within = [i for i in candidates if i.in_flight - least.in_flight < self.bound]
-        matched = {i: i.memory.matched(prompt.chain) for i in within}  # Instance hashes by identity (eq=False)
+        matched = {i: self.seen(i, prompt) for i in within}  # Instance hashes by identity (eq=False)
         if role != "prefill":
             chosen = min(within, key=lambda i: (i.in_flight, -matched[i]))
             return Lease(chosen, 0.0, matched[chosen], prompt=prompt)
         stored = self.stored.matched(prompt.chain)
         w_load = self.load_weight()
 
-        def loadable(i: Instance) -> int:
+        def loadable(i: Instance) -> float:
             return max(0, stored - matched[i])
 
         def cost(i: Instance) -> float:
@@ -221,7 +225,14 @@ class Pool:
         chosen = min(within, key=lambda i: (cost(i), i.in_flight, i.recent))
         # charged to its queue: what it is expected to compute (the loadable part where the data system lost it)
         work = prompt.work(max(matched[chosen], stored)) + (1 - self.loadable_found) * loadable(chosen)
-        return Lease(chosen, work, matched[chosen], loadable(chosen), prompt)
+        return Lease(chosen, work, matched[chosen], loadable(chosen), prompt, new_blocks=prompt.new_blocks(chosen.blocks))
+
+    @staticmethod
+    def seen(inst: Instance, prompt: Prompt) -> float:
+        """Leading chunks of `prompt` `inst` holds: what its KV-cache events tell where they tell it exactly, else
+        what it was sent before."""
+        held = prompt.held(inst.blocks)
+        return held[0] if held is not None else inst.memory.matched(prompt.chain)
 
     def failed(self, inst: Instance, message: str, *, down: bool) -> None:
         """A request to `inst` failed; a dead-looking instance leaves the rotation until a probe brings it back."""

@@ -17,6 +17,11 @@ prefill legs), so that the prefixes each instance ends up holding are spread eve
 chosen with `bound` more requests in flight than the least busy one, so one popular prefix cannot pile
 everything onto one instance. Decode legs go by requests in flight, the prefix breaking ties.
 
+Where the instances publish their KV-cache events (yrpd.proxy.kvindex, kvfeed), what an instance holds is known
+rather than estimated: the prompt's token ids (the instances' own /tokenize) hashed as vLLM hashes blocks, matched
+against what that instance's events say it holds. An instance whose events the proxy does not see exactly (none
+published, a gap, silence, down) is routed on the estimate above.
+
 Standard library only (see yrpd.proxy).
 """
 
@@ -25,8 +30,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+
+from .kvindex import InstanceBlocks, Sight, block_hashes
 
 
 class Routing(str, Enum):
@@ -90,19 +97,45 @@ def chain(text: str, chunk: int = CHUNK_CHARS, limit: int = MAX_CHUNKS) -> list[
 
 @dataclass(frozen=True)
 class Prompt:
-    """What routing knows of a request's prompt: its chunk chain and its whole length in chunks."""
+    """What routing knows of a request's prompt: its chunk chain and its whole length in chunks; where the
+    instances publish their KV-cache events, also its token ids (as the instances tokenize it) and the seed their
+    block hashes start from."""
 
     chain: list[bytes]
     chunks: float
+    tokens: tuple[int, ...] | None = None
+    seed: str | None = None
+    _hashes: dict = field(default_factory=dict, compare=False, repr=False)  # block size -> block_hashes
 
     @classmethod
     def of(cls, body: dict) -> Prompt:
         text = prompt_text(body)
         return cls(chain(text), len(text) / CHUNK_CHARS)
 
-    def work(self, matched: int) -> float:
+    def with_tokens(self, tokens: list[int], seed: str | None) -> Prompt:
+        return Prompt(self.chain, self.chunks, tuple(tokens), seed)
+
+    def work(self, matched: float) -> float:
         """Chunks left to compute where the first `matched` chunks are cached (at least a part of one)."""
         return max(self.chunks - matched, 0.5)
+
+    def hashes(self, block_size: int) -> list[int]:
+        if block_size not in self._hashes:
+            self._hashes[block_size] = block_hashes(self.tokens or (), block_size, self.seed)
+        return self._hashes[block_size]
+
+    def held(self, blocks: InstanceBlocks | None) -> tuple[float, int] | None:
+        """(leading chunks, leading blocks) of the prompt an instance's prefix cache holds, as its KV-cache events
+        tell; None where they tell nothing exact (no events, blind, no token ids): routing estimates then."""
+        if self.tokens is None or blocks is None or blocks.sight is not Sight.seeing or not blocks.block_size:
+            return None
+        n = blocks.matched(self.hashes(blocks.block_size))
+        return n * blocks.block_size * self.chunks / max(len(self.tokens), 1), n
+
+    def new_blocks(self, blocks: InstanceBlocks | None) -> int:
+        """Full blocks of the prompt an instance would store that its cache does not hold (0 where not known)."""
+        held = self.held(blocks)
+        return 0 if held is None else len(self.hashes(blocks.block_size)) - held[1]
 
 
 class PrefixMemory:
