@@ -161,3 +161,80 @@ def test_a_feed_follows_vllms_publisher_and_fills_what_it_missed_from_the_replay
     import msgspec
 
     asyncio.run(scenario())
+
+
+def test_the_proxys_feeds_say_when_they_cannot_see_a_cache_and_see_again(tmp_path):
+    """What the proxy does with vLLM's publisher (yrpd.proxy.kvfeed.Feeds), on ipc sockets: subscribing syncs from
+    the replay socket (an instance with nothing published yet is seen, empty); a publisher that goes silent after a
+    leg that stored blocks makes the copy blind within the lag, and its next batch cures that; an instance down is
+    blind until it is back, when its new run's replay makes the copy exact again. Where the proxy cannot subscribe,
+    the reason is kept. The controls: a feed that hears its batch in time stays seeing."""
+    import asyncio
+    import time
+
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+    from yrpd.proxy.kvfeed import Feeds
+
+    def stored(*hashes):
+        return KVEventBatch(ts=time.time(), events=[BlockStored(
+            block_hashes=list(hashes), parent_block_hash=None, token_ids=[], block_size=BLOCK, lora_id=None,
+            medium="GPU", lora_name=None)])
+
+    pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    sources = {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay,
+                     "topic": ""}}
+    url = "http://127.0.0.1:8100"
+
+    async def until(check, what: str, within: float = 10) -> None:
+        deadline = time.monotonic() + within
+        while not check():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.02)
+
+    async def scenario():
+        feeds = Feeds(lag_s=0.5)
+        publisher = ZmqEventPublisher(0, endpoint=pub, replay_endpoint=replay)
+        assert await feeds.attach(url, sources, "127.0.0.1", local=True) is None
+        blocks = feeds.watch(url).blocks
+        assert blocks.sight is kvindex.Sight.seeing and blocks.held == set()  # alive, holding nothing yet
+        await asyncio.sleep(0.3)  # the subscription is up
+        publisher.publish(stored(1, 2))
+        await until(lambda: blocks.held == {1, 2}, "the first batch never arrived")
+        assert feeds.state(url)["block_size"] == BLOCK
+
+        # a leg stored blocks and its batch came in time: still seeing (the control)
+        t0 = time.monotonic()
+        publisher.publish(stored(3))
+        await until(lambda: 3 in blocks.held, "batch 1 never arrived")
+        feeds.leg_stored(url, t0, 1)
+        assert feeds.check(time.monotonic() + 1) == [] and blocks.sight is kvindex.Sight.seeing
+
+        # silent after a leg that stored blocks: blind once the lag has passed, then its next batch cures it
+        feeds.leg_stored(url, time.monotonic(), 2)
+        assert feeds.check() == [] and blocks.sight is kvindex.Sight.seeing  # not yet
+        assert feeds.check(time.monotonic() + 0.6) == [url] and blocks.sight is kvindex.Sight.blind
+        assert "no KV-cache event within 0.5 s" in feeds.state(url)["why"]
+        publisher.publish(stored(4))
+        await until(lambda: blocks.sight is kvindex.Sight.seeing, "the next batch did not cure the lag")
+        assert blocks.held == {1, 2, 3, 4}
+
+        # down, and back as a new run that published before the proxy saw it up: exact again from its replay
+        feeds.down(url)
+        assert feeds.state(url)["sight"] == "blind" and feeds.state(url)["why"] == "the instance is down"
+        publisher.shutdown()
+        publisher = ZmqEventPublisher(0, endpoint=pub, replay_endpoint=replay)
+        publisher.publish(stored(9))
+        await asyncio.sleep(0.3)
+        assert await feeds.attach(url, sources, "127.0.0.1", local=True) is None
+        assert blocks.sight is kvindex.Sight.seeing and blocks.held == {9}
+        publisher.shutdown()
+
+        # where the proxy cannot subscribe it says why, and the instance stays unseen
+        other = "http://10.0.0.2:8100"
+        assert "not the proxy's" in await feeds.attach(other, sources, "10.0.0.2", local=False)
+        assert await feeds.attach("http://x:1", {}, "x", local=True) == "it publishes no KV-cache events"
+        assert feeds.state(other)["sight"] == "never" and "not the proxy's" in feeds.state(other)["why"]
+        await feeds.close()
+
+    asyncio.run(scenario())

@@ -385,7 +385,7 @@ class Proxy:
         except (*_UPSTREAM_ERRORS, ValueError):
             sources = {}
         host = urllib.parse.urlsplit(inst.url).hostname or ""
-        why = self.feeds.attach(inst.url, sources, host, _is_local(host))
+        why = await self.feeds.attach(inst.url, sources, host, _is_local(host))
         inst.blocks = self.feeds.watch(inst.url).blocks
         if why is None:
             log.info("%s instance %s: following its KV-cache events", inst.role, inst.url)

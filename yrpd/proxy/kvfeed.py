@@ -33,6 +33,7 @@ class Feed:
         self.ctx = context or zmq.asyncio.Context.instance()
         self.replays = 0  # replays asked for
         self.last_batch_at: float | None = None  # time.monotonic() of the last batch received
+        self._applying = asyncio.Lock()  # a batch from the subscription and a sync never interleave
 
     async def run(self) -> None:
         """Receive until cancelled."""
@@ -56,8 +57,28 @@ class Feed:
         finally:
             sub.close()
 
+    async def sync(self) -> bool:
+        """Make the copy exact from everything the publisher still has, from its first batch (a new subscription, an
+        instance back up): its replay socket answering, even with nothing, shows it alive and what it holds. False
+        where it does not answer or no longer has its first batch (the copy stays as it was)."""
+        if self.replay is None:
+            return False
+        async with self._applying:
+            everything = await self._replayed(0, None)
+            if everything is None:
+                return False
+            self.blocks.rebuild()
+            for s, p in everything:
+                self.blocks.apply(s, events_of(decode_batch(p)))
+            self.blocks.resync()
+            return True
+
     async def receive(self, seq: int, payload: bytes) -> None:
         """One batch from the subscription, after whatever was missed before it, where the publisher still has it."""
+        async with self._applying:
+            await self._receive(seq, payload)
+
+    async def _receive(self, seq: int, payload: bytes) -> None:
         self.last_batch_at = time.monotonic()
         last, expected = self.blocks.last_seq, self.blocks.next_seq
         if self.replay is not None and seq not in (expected, 0):
@@ -77,8 +98,9 @@ class Feed:
                     self.blocks.resync()
         self.blocks.apply(seq, events_of(decode_batch(payload)))
 
-    async def _replayed(self, start: int, upto: int) -> list[tuple[int, bytes]] | None:
-        """The publisher's batches start .. upto-1 from its replay socket, or None if it no longer has them all."""
+    async def _replayed(self, start: int, upto: int | None) -> list[tuple[int, bytes]] | None:
+        """The publisher's batches start .. upto-1 (None: all it has from `start`) from its replay socket, or None if
+        it no longer has them all or does not answer."""
         import zmq
 
         self.replays += 1
@@ -95,13 +117,14 @@ class Feed:
                 seq = _seq(frames[2])
                 if seq == END:
                     break
-                if start <= seq < upto:
+                if seq >= start and (upto is None or seq < upto):
                     got.append((seq, frames[3]))
         except asyncio.TimeoutError:
             return None
         finally:
             dealer.close()
-        return got if [s for s, _ in got] == list(range(start, upto)) else None
+        last = upto if upto is not None else start + len(got)
+        return got if [s for s, _ in got] == list(range(start, last)) else None
 
 
 def usable_endpoint(endpoint: str, instance_host: str, local: bool) -> tuple[str | None, str]:
@@ -144,15 +167,20 @@ class Feeds:
             self.watches[url] = Watch(InstanceBlocks())
         return self.watches[url]
 
-    def attach(self, url: str, sources: object, instance_host: str, local: bool) -> str | None:
-        """Subscribe to what an instance's /kv_event_sources answered ({dp_rank: its KVEventsConfig}); None when
-        subscribed, else why not."""
+    async def attach(self, url: str, sources: object, instance_host: str, local: bool) -> str | None:
+        """Subscribe to what an instance's /kv_event_sources answered ({dp_rank: its KVEventsConfig}), or where
+        already subscribed (the instance back up), sync: the copy is exact from the publisher's replay. None when
+        following its events, else why not."""
         w = self.watch(url)
-        if w.task is not None and not w.task.done():
-            return None
-        why = self._subscribe(w, sources, instance_host, local)
-        w.unseen = why or ""
-        return why
+        if w.task is None or w.task.done():
+            w.feed = None
+            why = self._subscribe(w, sources, instance_host, local)
+            w.unseen = why or ""
+            if why is not None:
+                return why
+        if not await w.feed.sync():
+            w.blocks.go_blind("its replay socket does not answer from its first batch", lagging=True)
+        return None
 
     def _subscribe(self, w: Watch, sources: object, instance_host: str, local: bool) -> str | None:
         configs = [c for c in sources.values() if isinstance(c, dict)] if isinstance(sources, dict) else []
