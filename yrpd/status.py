@@ -286,7 +286,14 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
     seen_by_proxy = {i["url"]: i for i in (((proxy_probe or {}).get("status") or {}).get("instances") or [])}
     for row in instances:
         if row.url in seen_by_proxy:
-            row.routed = {k: seen_by_proxy[row.url].get(k) for k in ("requests", "in_flight", "errors", "prefix_routed")}
+            seen = seen_by_proxy[row.url]
+            row.routed = {k: seen.get(k) for k in ("requests", "in_flight", "errors", "prefix_routed")}
+            if "kv_index" in seen:  # where the proxy follows KV-cache events (yrpd.proxy.kvfeed)
+                row.routed["kv_index"] = seen["kv_index"]
+            index = row.routed.get("kv_index") or {}
+            if index.get("sight") == "blind":  # routed on the estimate meanwhile: not an illness, but said
+                warnings.append(f"{row.name}: the proxy cannot see its prefix cache exactly ({index.get('why')}); "
+                                f"routed on the estimate until its KV-cache events are back")
     cluster_report = None
     if with_cluster:
         master = next(h for h in deployment.plan.hosts if h.is_master)

@@ -150,6 +150,13 @@ def test_deploy_localhost_alone_serves_reuses_and_tears_down(netns, tmp_path):
         loaded = [int(line.split("decode loaded ", 1)[1].split()[0]) for line in kv]
         cached = int(kv[1].split("took ", 1)[1].split()[0])
         assert len(kv) == 2 and loaded[0] > 0 and loaded[1] > 0 and cached > 0, kv  # the shared prefix: reused
+        # the proxy follows both instances' KV-cache events (issue 46): it sees both caches, and prefill's holds the
+        # blocks of the demo's prompts; `yrpd status` shows what the proxy sees
+        routed = {i["role"]: (i.get("routed") or {}).get("kv_index") or {}
+                  for i in json.loads(in_ns(netns, *yrpd, "status", "--json", env=env, timeout=120).stdout)["instances"]}
+        assert {role: index.get("sight") for role, index in routed.items()} == {"prefill": "seeing",
+                                                                              "decode": "seeing"}, routed
+        assert routed["prefill"]["blocks"] > 0 and routed["prefill"]["block_size"] > 0, routed
 
         started = time.monotonic()
         second = in_ns(netns, *yrpd, "deploy", "--hosts", "localhost", env=env)

@@ -9,11 +9,15 @@ healed by `yrpd deploy` (which restarts only the dead parts, and nothing on a se
 on every start is given up after the cap and reported with its log; `yrpd down` right after a fault exits 0.
 Uses the tiny model (the subject is the processes, not the language); kill-to-answer times are printed."""
 
+from __future__ import annotations
+
+import contextlib
 import json
 import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -73,6 +77,38 @@ class Deployment:
         proc = in_ns(self.ns, sys.executable, "-c", code, env={}, timeout=timeout + 10)
         status, _, body = proc.stdout.partition("\n")
         return int(status or 0), body.strip()
+
+
+class KvSight:
+    """The proxy's sight of each instance's prefix cache (its /yrpd/status "kv_index", issue 46), read every half
+    second from the namespace in a thread of its own: (seconds after start, {role: sight}) each time it changed."""
+
+    def __init__(self, ns: str) -> None:
+        self.ns, self.seen, self._stop = ns, [], threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def now(self) -> dict[str, str]:
+        proc = in_ns(self.ns, "curl", "-sf", "--max-time", "5", "http://127.0.0.1:8000/yrpd/status", env={},
+                     timeout=15)
+        if proc.returncode != 0:
+            return {}
+        return {i["role"]: (i.get("kv_index") or {}).get("sight") for i in json.loads(proc.stdout)["instances"]}
+
+    def _watch(self) -> None:
+        started = time.monotonic()
+        while not self._stop.is_set():
+            sights = self.now()
+            if sights and (not self.seen or self.seen[-1][1] != sights):
+                self.seen.append((round(time.monotonic() - started, 1), sights))
+            self._stop.wait(0.5)
+
+    def __enter__(self) -> KvSight:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
 
 
 def configured(ns: str, tmp_path, config_text: str) -> Deployment:
@@ -187,6 +223,8 @@ def test_every_process_comes_back_by_itself_and_down_is_clean(netns, tmp_path): 
         baseline = text_of(body)
         report = wait_healthy(d)
         assert report["healthy"], report["problems"]
+        # the proxy follows both instances' KV-cache events (prefix routing, the default): it sees both caches
+        assert KvSight(netns).now() == {"prefill": "seeing", "decode": "seeing"}
         figures = {}
         for kills in ROUNDS:
             before, counted = pids(report), restarts(report)
@@ -194,16 +232,27 @@ def test_every_process_comes_back_by_itself_and_down_is_clean(netns, tmp_path): 
             shm_of_run = {k: set(state_file(report, c)["shm"]) if c not in (*CLUSTER, "proxy") else set()
                           for k, c in zip(kills, components)}
             groups = {}
-            for target in kills:
-                pid, groups[target] = target_pid(report, target)
-                os.kill(pid, signal.SIGSTOP if target.endswith("stop") else signal.SIGKILL)
-            started = time.monotonic()
-            hang = any(k.endswith("stop") for k in kills)
-            limit = RECOVERY_S if set(components) <= {*CLUSTER, "proxy"} else INSTANCE_RECOVERY_S
-            # a hung instance holds what reached it until its supervisor's bound (restart.hang_after_s):
-            # the client waits longer than that, and must then get an answer, not its own timeout
-            took, codes = wait_recovered(d, baseline, started, limit + (60 if hang else 0),
-                                         timeout=75 if hang else 30)
+            instances = set(components) - {*CLUSTER, "proxy"}
+            with KvSight(netns) if instances else contextlib.nullcontext() as sight:
+                for target in kills:
+                    pid, groups[target] = target_pid(report, target)
+                    os.kill(pid, signal.SIGSTOP if target.endswith("stop") else signal.SIGKILL)
+                started = time.monotonic()
+                hang = any(k.endswith("stop") for k in kills)
+                limit = RECOVERY_S if not instances else INSTANCE_RECOVERY_S
+                # a hung instance holds what reached it until its supervisor's bound (restart.hang_after_s):
+                # the client waits longer than that, and must then get an answer, not its own timeout
+                took, codes = wait_recovered(d, baseline, started, limit + (60 if hang else 0),
+                                             timeout=75 if hang else 30)
+                if instances:  # the proxy said it could not see their caches, and sees them again once they are back
+                    deadline = time.monotonic() + 30
+                    while not sight.seen or sight.seen[-1][1] != {"prefill": "seeing", "decode": "seeing"}:
+                        assert time.monotonic() < deadline, f"{kills}: the proxy's sight after: {sight.seen}"
+                        time.sleep(0.5)
+                    for role in ("prefill", "decode"):
+                        blind = [t for t, sights in sight.seen if sights.get(role) == "blind"]
+                        assert blind, f"{kills}: the proxy never said it was blind to {role}'s cache: {sight.seen}"
+                        print(f"measured: the proxy blind to {role}'s cache {blind[0]:.1f}s after the kill")
             if "proxy" not in components:  # with the proxy dead nobody answers: the client's connection is refused
                 assert 0 not in codes, f"{kills}: a request hung until the client gave up ({codes})"
             report = wait_healthy(d)

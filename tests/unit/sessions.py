@@ -76,13 +76,14 @@ def instance_probe(name: str, healthy: bool = True, loaded: int = 0, missed: int
 
 
 def answer(host: str, dead=(), restarts=0, unhealthy=(), proxy_ok=True, cluster=True, restarting=(), failed=(),
-           process_restarts=0, missed=0, disk_free=None, ds_unreached=(), degraded=None) -> str:
+           process_restarts=0, missed=0, disk_free=None, ds_unreached=(), degraded=None, kv_index=None) -> str:
     """What `recorded()`'s host answers to the status query (yrpd.status.query), with the faults asked for:
     `dead` processes, ds_worker `restarts`, instances whose /health does not answer, a proxy that sees decode down,
     processes their supervisor is `restarting` or has given up on (`failed`), earlier `process_restarts`, KV blocks
     prefill handed over that the host's instance `missed` in the data system, the bytes free (`disk_free`) on the
     filesystem of its worker's disk tier, instances whose connector reports the data system out of reach
-    (`ds_unreached`), the proxy's word that PD is `degraded` ({"since", "missing", "message"})."""
+    (`ds_unreached`), the proxy's word that PD is `degraded` ({"since", "missing", "message"}), its KV index's state of
+    prefill-0 (`kv_index`, yrpd.proxy.kvfeed.Feeds.state)."""
     names = {"h1": ["prefill-0", "proxy"], "h2": ["decode-0"]}[host]
     instance = {"h1": "prefill-0", "h2": "decode-0"}[host]
     serving = {"instances": [instance_probe(instance, healthy=instance not in unhealthy,
@@ -91,7 +92,8 @@ def answer(host: str, dead=(), restarts=0, unhealthy=(), proxy_ok=True, cluster=
                "proxy": None}
     if host == "h1":
         serving["proxy"] = {"healthy": proxy_ok, "status": {"instances": [
-            {"url": "http://10.0.0.1:8100", "up": True, "in_flight": 1, "requests": 7, "prefix_routed": 3},
+            {"url": "http://10.0.0.1:8100", "up": True, "in_flight": 1, "requests": 7, "prefix_routed": 3,
+             **({"kv_index": kv_index} if kv_index else {})},
             {"url": "http://10.0.0.2:8100", "up": proxy_ok, "in_flight": 0, "requests": 6, "prefix_routed": 0}],
             "degraded": degraded, "migrations": {"sent again": 1, "carried over": 2, "ended by the proxy": 0,
                                                  "not carried over": 0}}}

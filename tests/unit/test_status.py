@@ -242,3 +242,18 @@ def test_query_parts_run_in_one_interpreter_each_as_its_own_main_and_a_failed_pa
     assert "it broke" in failed.stderr and "RuntimeError: no such thing" in failed.stderr
     assert 'File "deploy_scripts/raises.py", line 1' in failed.stderr  # the part's own traceback
     assert failed.stderr.strip().endswith("status query: the serving, cluster part failed")
+
+
+def test_an_instance_whose_cache_the_proxy_cannot_see_is_named_with_why_and_the_deployment_stays_healthy(tmp_path):
+    deployment = recorded(tmp_path)
+    blind = {"sight": "blind", "blocks": 12, "why": "the instance is down", "gaps": 1}
+    with scripted(h1={"kv_index": blind}) as hosts:
+        report = api.status(deployment)
+    prefill = next(i for i in report.instances if i.role == "prefill")
+    assert prefill.routed["kv_index"] == blind and report.healthy
+    assert any(w.startswith("prefill-0: the proxy cannot see its prefix cache exactly (the instance is down)")
+               for w in report.warnings), report.warnings
+    # the control: seen, nothing said
+    with scripted(h1={"kv_index": {**blind, "sight": "seeing"}}) as hosts:
+        report = api.status(deployment)
+    assert not any("prefix cache" in w for w in report.warnings), report.warnings
