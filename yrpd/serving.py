@@ -368,7 +368,8 @@ def kv_events_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: Ho
     one-host instances of vLLM 0.32 on CPU so far: vLLM names a DP rank's socket by adding to a tcp port, which an
     ipc path has not, and the proxy finds the sockets through /kv_event_sources, which the vllm-ascend images' older
     vLLM lacks."""
-    if (not spec.disaggregated or spec.routing is not Routing.prefix or paths.session is None or inst.dp > 1
+    if (not spec.disaggregated or spec.routing is not Routing.prefix or not spec.routing_kv_events
+            or paths.session is None or inst.dp > 1
             or inst.spans_hosts or inst.role not in ("prefill", "decode") or host_of(plan, inst.host).kind
             is not DeviceKind.cpu):
         return None
@@ -393,6 +394,8 @@ def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | Non
     env = {"PYTHONPATH": paths.bundle_dir}
     if spec.api_key_env:
         argv += ["--api-key-env", credentials.PROXY_KEY_ENV]
+    if not spec.routing_kv_events:
+        argv.append("--no-kv-events")
     seeds = {l.env.get("PYTHONHASHSEED") for inst in plan.instances if inst.role in ("prefill", "decode")
              for l in instance_launches(spec, plan, inst, paths)[:1]}
     if len(seeds) == 1 and (seed := seeds.pop()) is not None:  # the instances' block hashes start from it

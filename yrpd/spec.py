@@ -689,6 +689,10 @@ class ServingSection(BaseModel):
     #: with half the prefill work where it holds fewer than are reused (docs/benchmarks.md, "Cache-aware")
     routing: Routing = Routing.prefix
     routing_bound: int = Field(2, ge=1, le=1000)
+    #: with prefix routing, follow what the instances' KV-cache events say their prefix caches hold (vLLM's
+    #: publisher on unix sockets beside each instance; docs/dev/kv-events.md); off: prefix routing estimates it from
+    #: what it sent where. `round-robin` routing sends each leg to the next instance in turn (a benchmark's baseline)
+    routing_kv_events: bool = True
     #: address the proxy listens on; default the master's cluster address (127.0.0.1 for localhost)
     proxy_host: str | None = None
     #: name of an environment variable (read where yrpd runs) holding the proxy's API key

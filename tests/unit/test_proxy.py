@@ -958,3 +958,47 @@ def test_status_reports_ttft_and_itl_of_the_streamed_requests_of_the_window_it_i
             async with s.client.get(s.url + "/yrpd/status?window=soon") as r:
                 assert r.status == 400
     run(go())
+
+
+def test_round_robin_takes_turns_whatever_each_instance_holds_or_has_in_flight():
+    pool = Pool(["http://a", "http://b"], [], Routing.round_robin)
+    for inst in pool.of("prefill"):
+        inst.up = True
+    shared = prompt("Background: " + "the quick brown fox. " * 40)
+    first = pool.acquire("prefill", prompt=shared)  # held: in flight on its instance
+    turns = [first.instance.url] + [pool.acquire("prefill", prompt=shared).instance.url for _ in range(3)]
+    assert turns[0::2] == [turns[0]] * 2 and turns[1::2] == [turns[1]] * 2 and turns[0] != turns[1]
+
+
+def test_prefix_routing_scores_an_instance_by_what_its_kv_events_say_it_holds_and_falls_back_when_blind():
+    from yrpd.proxy.kvindex import InstanceBlocks, Stored, block_hashes
+
+    pool = Pool(["http://a", "http://b"], [], Routing.prefix)
+    a, b = pool.of("prefill")
+    for inst in (a, b):
+        inst.up = True
+        inst.blocks = InstanceBlocks()
+        inst.blocks.apply(0, [])  # seen: holding nothing
+    text = "Background: " + "the quick brown fox jumps over the lazy dog. " * 40
+    tokens = list(range(1000, 1400))  # the instances' ids for it (what /tokenize answers)
+    p = prompt(text).with_tokens(tokens, None)
+    # b was sent the prompt before (the estimate would pick b), but only a's events say it holds its blocks
+    b.memory.remember(p.chain)
+    a.blocks.apply(1, [Stored(tuple(block_hashes(tokens, 16)[:20]), 16)])
+    lease = pool.acquire("prefill", prompt=p)
+    assert lease.instance is a and lease.matched == pytest.approx(20 * 16 * p.chunks / len(tokens))
+    assert lease.new_blocks == 5  # of its 25 full blocks, a lacked the last 5: their batch is due
+    pool.release(lease)
+    # another prompt, again held by a (its events say) and sent to b before: a while seen; once a's events are
+    # lost (blind) its cache is estimated, it was never sent this prompt, and b wins
+    other = "Other background: " + "a slow red cat sleeps under the warm sun. " * 40
+    tokens2 = list(range(5000, 5400))
+    p2 = prompt(other).with_tokens(tokens2, None)
+    b.memory.remember(p2.chain)
+    a.blocks.apply(2, [Stored(tuple(block_hashes(tokens2, 16)), 16)])
+    assert pool.select("prefill", prompt=p2) is a
+    a.blocks.go_blind("batch 4 came after 2")
+    assert pool.select("prefill", prompt=p2) is b
+    # the control: without token ids (no /tokenize answer) the estimate decides, seen or not
+    a.blocks.resync()
+    assert pool.select("prefill", prompt=prompt(other)) is b

@@ -399,3 +399,26 @@ def test_a_host_without_the_ray_cli_fails_its_start_in_one_line_naming_it(tmp_pa
     # the control: an instance on vLLM's launcher asks for no Ray
     spec, plan = spanning("mp")
     assert "command -v" not in start(StepContext(spec, plan), plan.hosts[1]).script.split("\n", 1)[0]
+
+
+def test_cpu_instances_behind_a_prefix_routing_proxy_publish_kv_events_on_unix_sockets_unless_routed_otherwise():
+    from yrpd.bench.run import variant
+
+    spec, plan = deployment(DeviceKind.cpu, devices=2, hosts=("h1",))
+    p, d = launches_on_host(spec, plan, "h1", PATHS)
+    config = json.loads(flag(p.argv, "--kv-events-config"))
+    assert config["endpoint"] == f"ipc://{PATHS.session.run_dir}/kv-events-prefill-0.sock"
+    assert config["replay_endpoint"] == f"ipc://{PATHS.session.run_dir}/kv-replay-prefill-0.sock"
+    assert "--kv-events-config" in d.argv and "--no-kv-events" not in proxy_launch(spec, plan, PATHS).argv
+    # the bench's routing baselines: the estimate alone (no events published, none followed), and round robin
+    for target, routing in (("pd-estimate", "prefix"), ("pd-rr", "round-robin"), ("pd-load", "load")):
+        other = variant(spec, target, DeviceKind.cpu)
+        other_plan = make_plan(other, INVENTORY_OF(plan))
+        assert not any("--kv-events-config" in l.argv for l in launches_on_host(other, other_plan, "h1", PATHS))
+        proxy = proxy_launch(other, other_plan, PATHS).argv
+        assert flag(proxy, "--routing") == routing and ("--no-kv-events" in proxy) == (target == "pd-estimate")
+    # the instances' hash seed reaches the proxy where they have one (ascend-store's PYTHONHASHSEED=0)
+    seeded = build_spec({}, {"hosts": "h1", "model": "/models/qwen", "device_kind": "cpu", "env": {"PYTHONHASHSEED": "7"}})
+    seeded_plan = make_plan(seeded, INVENTORY_OF(plan))
+    assert flag(proxy_launch(seeded, seeded_plan, PATHS).argv, "--kv-hash-seed") == "7"
+    assert "--kv-hash-seed" not in proxy_launch(spec, plan, PATHS).argv  # the control: none set, none passed

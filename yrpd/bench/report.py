@@ -41,6 +41,8 @@ RATIOS = (  # (target, baseline, metric, label); the last is the mixed workload'
     ("single-yr", "single", "mean_ttft_ms", "mean TTFT"), ("pd", "single", "p99_tpot_ms", "p99 TPOT"),
     ("pd", "peer-example-pd", "mean_ttft_ms", "mean TTFT"), ("single-yr", "peer-lmcache", "mean_ttft_ms", "mean TTFT"),
     ("pd", "peer-nixl-pd", "mean_ttft_ms", "mean TTFT"),
+    ("pd", "pd-rr", "mean_ttft_ms", "mean TTFT"), ("pd", "pd-estimate", "mean_ttft_ms", "mean TTFT"),
+    ("pd-estimate", "pd-rr", "mean_ttft_ms", "mean TTFT"),
 )
 
 

@@ -55,6 +55,8 @@ from yrpd.steps.vllm_env import paths
 TARGETS = {
     "pd": "PD + prefix reuse",
     "pd-load": "PD + prefix reuse, load-only routing",
+    "pd-rr": "PD + prefix reuse, round-robin routing",
+    "pd-estimate": "PD + prefix reuse, prefix routing on its estimate (no KV-cache events)",
     "pd-noreuse": "PD, prefix reuse off",
     "single": "single instance, same devices",
     "single-yr": "single instance, KV also in the data system",
@@ -63,6 +65,9 @@ TARGETS = {
     "peer-nixl-pd": "PD through vLLM's NixlConnector (UCX, no store)",
     "peer-ascend-store": "PD through vllm-ascend's AscendStoreConnector + Mooncake",
 }
+#: the routing of the PD targets that differ from `pd` (prefix routing on the instances' KV-cache events) in it alone
+ROUTING_TARGETS = {"pd-load": {"routing": "load"}, "pd-rr": {"routing": "round-robin"},
+                   "pd-estimate": {"routing_kv_events": False}}
 #: the KV connector each target runs with
 CONNECTORS = {"peer-example-pd": "example", "peer-lmcache": "lmcache", "peer-ascend-store": "ascend-store",
               "peer-nixl-pd": "nixl"}
@@ -88,10 +93,10 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
         engine_args.append("--no-enable-prefix-caching")
     data["engine_args"] = engine_args
     data["kv_connector"] = CONNECTORS.get(target, "yuanrong")
-    if target in ("pd", "pd-load", "peer-example-pd", "peer-ascend-store", "peer-nixl-pd"):
+    if target in ("pd", "pd-load", "pd-rr", "pd-estimate", "peer-example-pd", "peer-ascend-store", "peer-nixl-pd"):
         data.update(disaggregated=True, prefix_reuse=True)
-        if target == "pd-load":
-            data["routing"] = "load"
+        if target in ROUTING_TARGETS:
+            data.update(ROUTING_TARGETS[target])
     elif target == "pd-noreuse":
         data.update(disaggregated=True, prefix_reuse=False)
     elif target in ("single", "single-yr", "peer-lmcache"):

@@ -64,9 +64,10 @@ def spec_options(func: Callable) -> Callable:
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
                      help="dtype of compute and KV [auto: CPU hosts their fastest, else the model's]"),
         click.option("--proxy-port", type=int, metavar="N", help="proxy port on the master [8000]"),
-        click.option("--routing", type=click.Choice(["load", "prefix"]),
+        click.option("--routing", type=click.Choice(["load", "prefix", "round-robin"]),
                      help="how the proxy picks an instance: prefix (cache-aware: where the prompt's unseen part plus "
-                          "the work queued there is least) or load (fewest requests in flight) [prefix]"),
+                          "the work queued there is least), load (fewest requests in flight) or round-robin "
+                          "[prefix]"),
         click.option("--kv-connector", type=click.Choice(["yuanrong", "ascend-store", "example", "lmcache", "nixl"]),
                      help="what moves KV: yrpd's connector, vllm-ascend's AscendStoreConnector, or a bench peer "
                           "[yuanrong]"),

@@ -406,6 +406,9 @@ class Proxy:
         applied), where some instance's events are followed; None otherwise or where it does not answer."""
         if not any(i.blocks is not None and i.blocks.sight is Sight.seeing for i in self.pool.instances):
             return None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt  # sent as token ids: vLLM uses them as they are
         asker = next(iter(self.pool.up("prefill") or self.pool.up("decode")), None)
         if asker is None:
             return None

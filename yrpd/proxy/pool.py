@@ -205,6 +205,8 @@ class Pool:
         # min() keeps the first of equals, so rotating the start spreads ties over the members.
         rotated = members[start:] + members[:start]
         candidates = [i for i in rotated if i.routable and i not in exclude and (groups is None or i.group in groups)]
+        if self.routing is Routing.round_robin:
+            return Lease(candidates[0]) if candidates else None
         least = min(candidates, key=lambda i: i.in_flight, default=None)
         if least is None or self.routing is not Routing.prefix or prompt is None or not prompt.chain:
             return None if least is None else Lease(least)

@@ -37,6 +37,7 @@ from .kvindex import InstanceBlocks, Sight, block_hashes
 
 
 class Routing(str, Enum):
+    round_robin = "round-robin"  # each leg to the next instance in turn, whatever it holds or has in flight
     load = "load"  # fewest requests in flight, ties round robin
     prefix = "prefix"  # least work: prompt chunks not seen there plus the chunks queued there, bounded by load
 
@@ -127,15 +128,19 @@ class Prompt:
     def held(self, blocks: InstanceBlocks | None) -> tuple[float, int] | None:
         """(leading chunks, leading blocks) of the prompt an instance's prefix cache holds, as its KV-cache events
         tell; None where they tell nothing exact (no events, blind, no token ids): routing estimates then."""
-        if self.tokens is None or blocks is None or blocks.sight is not Sight.seeing or not blocks.block_size:
+        if self.tokens is None or blocks is None or blocks.sight is not Sight.seeing:
             return None
+        if not blocks.block_size:  # it never stored a block: it holds nothing
+            return 0.0, 0
         n = blocks.matched(self.hashes(blocks.block_size))
         return n * blocks.block_size * self.chunks / max(len(self.tokens), 1), n
 
     def new_blocks(self, blocks: InstanceBlocks | None) -> int:
         """Full blocks of the prompt an instance would store that its cache does not hold (0 where not known)."""
         held = self.held(blocks)
-        return 0 if held is None else len(self.hashes(blocks.block_size)) - held[1]
+        if held is None or not blocks.block_size:  # (block size unknown until its first stored block)
+            return 0
+        return len(self.hashes(blocks.block_size)) - held[1]
 
 
 class PrefixMemory:
