@@ -225,6 +225,9 @@ def bench_serve(load: "Load", url: str, model: str, out_dir: Path, name: str, ke
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     env.pop("OPENAI_API_KEY", None)
+    # vLLM's timed_trace makes each hash id's tokens from Python's hash() of a string: one seed, the same prompts
+    # for every target
+    env["PYTHONHASHSEED"] = str(load.seed)
     if key:  # vllm bench serve sends it as the bearer token: the environment keeps it out of the .cmd file and ps
         env["OPENAI_API_KEY"] = key
     (out_dir / f"{name}.cmd").write_text(shlex.join(argv) + "\n")
