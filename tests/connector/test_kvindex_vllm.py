@@ -5,6 +5,9 @@ instance holds."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from tests.lab.real_model import MODEL_DIR
@@ -43,6 +46,22 @@ def vllm_hashes(token_ids: list[int], block_size: int) -> list[int]:
         parent = u.hash_block_tokens(sha256, parent, token_ids[start:start + block_size], None)
         out.append(u.maybe_convert_block_hash(parent))
     return out
+
+
+def stored(*hashes):
+    """A batch of vLLM's events: the blocks `hashes` stored."""
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    return KVEventBatch(ts=time.time(), events=[BlockStored(
+        block_hashes=list(hashes), parent_block_hash=None, token_ids=[], block_size=BLOCK, lora_id=None,
+        medium="GPU", lora_name=None)])
+
+
+async def until(check, what: str, within: float = 10) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize("seed", [None, "0"])
@@ -93,27 +112,13 @@ def test_a_feed_follows_vllms_publisher_and_fills_what_it_missed_from_the_replay
     after the first batches gets them from the replay socket; a gap is filled the same way; a gap the publisher's
     buffer no longer holds leaves the copy blind; a new publisher (a restarted instance) is followed from its first
     batch, the old holdings dropped."""
-    import asyncio
-    import time
-
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+    from vllm.distributed.kv_events import BlockRemoved, KVEventBatch, ZmqEventPublisher
 
     from yrpd.proxy.kvfeed import Feed
-
-    def stored(*hashes):
-        return KVEventBatch(ts=time.time(), events=[BlockStored(
-            block_hashes=list(hashes), parent_block_hash=None, token_ids=[], block_size=BLOCK, lora_id=None,
-            medium="CPU", lora_name=None)])
 
     def start(name: str, buffer_steps: int) -> tuple[ZmqEventPublisher, str, str]:
         pub, replay = f"ipc://{tmp_path}/{name}-pub", f"ipc://{tmp_path}/{name}-replay"
         return ZmqEventPublisher(0, endpoint=pub, replay_endpoint=replay, buffer_steps=buffer_steps), pub, replay
-
-    async def until(check, what: str, within: float = 10) -> None:
-        deadline = time.monotonic() + within
-        while not check():
-            assert time.monotonic() < deadline, what
-            await asyncio.sleep(0.02)
 
     async def scenario():
         publisher, pub, replay = start("a", buffer_steps=100)
@@ -169,28 +174,14 @@ def test_the_proxys_feeds_say_when_they_cannot_see_a_cache_and_see_again(tmp_pat
     leg that stored blocks makes the copy blind within the lag, and its next batch cures that; an instance down is
     blind until it is back, when its new run's replay makes the copy exact again. Where the proxy cannot subscribe,
     the reason is kept. The controls: a feed that hears its batch in time stays seeing."""
-    import asyncio
-    import time
-
-    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+    from vllm.distributed.kv_events import ZmqEventPublisher
 
     from yrpd.proxy.kvfeed import Feeds
-
-    def stored(*hashes):
-        return KVEventBatch(ts=time.time(), events=[BlockStored(
-            block_hashes=list(hashes), parent_block_hash=None, token_ids=[], block_size=BLOCK, lora_id=None,
-            medium="GPU", lora_name=None)])
 
     pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
     sources = {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay,
                      "topic": ""}}
     url = "http://127.0.0.1:8100"
-
-    async def until(check, what: str, within: float = 10) -> None:
-        deadline = time.monotonic() + within
-        while not check():
-            assert time.monotonic() < deadline, what
-            await asyncio.sleep(0.02)
 
     async def scenario():
         feeds = Feeds(lag_s=0.5)
