@@ -1,8 +1,12 @@
 """Start-up of one one-rank CPU instance two ways, side by side (benchmark, not a test; issue 45's CI budget): vLLM's
-CPU default, where the model runs in a worker process of its own beside the EngineCore (the mp executor), and the
-way yrpd starts a one-rank CPU engine since (yrpd.serving.CPU_ONE_RANK_ENV: multiprocessing off, so the model runs
-inside the EngineCore, vLLM's uni executor, as on every other platform). The API server keeps its EngineCore
-process either way.
+CPU default, where the model runs in a worker process of its own beside the EngineCore (the mp executor), and with
+multiprocessing off (VLLM_ENABLE_V1_MULTIPROCESSING=0), where the model runs inside the EngineCore (vLLM's uni
+executor, as on every other platform). The API server keeps its EngineCore process either way.
+
+Measured, and NOT used by yrpd: under uni, vLLM's CPU build binds no core (its binding lives in the mp executor's
+process start: every thread of the instance may run on every core), and in the lab PD answers through the data
+system differed from one plain instance's (docs/dev/notes.md, session 27). Kept as the figure a future attempt
+starts from.
 
     .venv/bin/python benchmarks/cpu_executor_start.py [--runs 3] [--model DIR] [--out FILE.json]
 
@@ -32,12 +36,12 @@ sys.path.insert(0, str(REPO / "deploy_scripts"))
 from hostlib import unlink_unheld
 
 from yrpd.provenance import record
-from yrpd.serving import BASE_ENV, CPU_ONE_RANK_ENV, KIND_ENGINE_ARGS
+from yrpd.serving import BASE_ENV, KIND_ENGINE_ARGS
 from yrpd.spec import DeviceKind
 
 VENV = Path(os.environ.get("YRPD_VLLM_VENV", "/opt/yrpd/venvs/vllm"))
 PORT = 18191
-WAYS = {"mp (vLLM's CPU default)": {}, "uni (yrpd)": CPU_ONE_RANK_ENV}
+WAYS = {"mp (vLLM's CPU default)": {}, "uni (multiprocessing off)": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 TICK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -41,12 +41,6 @@ BASE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_S
 #: the guide's settings for Ascend (multiprocess workers must spawn: forked workers lose the NPU context)
 NPU_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "HCCL_OP_EXPANSION_MODE": "AIV"}
 
-#: a one-rank engine on CPU runs its model inside the EngineCore (vLLM's uni executor, the default of every other
-#: platform) instead of a worker process of its own: vLLM's CPU platform picks its mp executor for the OpenMP binding
-#: unless multiprocessing is off, and the API server keeps its EngineCore process either way (AsyncLLM). One process
-#: and one import of vLLM fewer per start (docs/bench/cpu-executor-start.json)
-CPU_ONE_RANK_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
 STATS_INTERVAL_S = 5
 
 
@@ -206,8 +200,6 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
            "TMPDIR": paths.session.tmp_dir, "VLLM_HOST_IP": head.reach_ip}
     if kind is DeviceKind.npu:
         env["HCCL_IF_BASE_PORT"] = str(inst.hccl_port)
-    if kind is DeviceKind.cpu and inst.tp * inst.pp * inst.dp == 1:
-        env.update(CPU_ONE_RANK_ENV)
     if events := kv_events_config(spec, plan, inst, paths):
         common += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     if spec.kv_connector is KvConnector.lmcache:

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lab.hosts import remove_left_behind, shm_segments
-from yrpd.serving import CPU_ONE_RANK_ENV
 
 DEFAULT_VENV = "/opt/yrpd/venvs/vllm"
 REPO = Path(__file__).resolve().parents[2]
@@ -281,7 +280,7 @@ class Stack:
             "VLLM_CACHE_ROOT": str(d / "cache"), "TMPDIR": str(d / "tmp"), "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), "OMP_NUM_THREADS": "1",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONPATH": str(REPO),
-            "VLLM_HOST_IP": "127.0.0.1", "TOKENIZERS_PARALLELISM": "false", **CPU_ONE_RANK_ENV,  # as yrpd starts it
+            "VLLM_HOST_IP": "127.0.0.1", "TOKENIZERS_PARALLELISM": "false",
         })
         if dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"

@@ -67,18 +67,6 @@ def test_cpu_instances_bind_cores_per_tp_rank_and_user_engine_args_come_last():
     assert p.env["PYTHONPATH"] == PATHS.bundle_dir and p.env["HF_HUB_OFFLINE"] == "1"
 
 
-def test_a_one_rank_cpu_engine_runs_its_model_in_the_engine_core_and_wider_ones_keep_their_workers():
-    one, one_plan = deployment(DeviceKind.cpu, devices=2, hosts=("h1",))
-    wide, wide_plan = deployment(DeviceKind.cpu, devices=4, hosts=("h1",), ptp=2, dtp=2)
-    npu, npu_plan = deployment()
-    [p1, d1] = launches_on_host(one, one_plan, "h1", PATHS)
-    assert p1.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and d1.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    # the controls: TP 2 needs a worker per rank; NPU is left as vllm-ascend sets it
-    assert all("VLLM_ENABLE_V1_MULTIPROCESSING" not in l.env for l in launches_on_host(wide, wide_plan, "h1", PATHS))
-    assert all("VLLM_ENABLE_V1_MULTIPROCESSING" not in l.env for h in ("h1", "h2")
-               for l in launches_on_host(npu, npu_plan, h, PATHS))
-
-
 def test_data_parallel_ranks_on_two_hosts_run_a_headless_engine_on_the_second():
     spec, plan = deployment(ptp=4, pdp=2, dtp=4, prefill=1, decode=1, devices=4, hosts=("h1", "h2", "h3"))
     prefill = plan.instances[0]
