@@ -251,7 +251,8 @@ def test_every_process_comes_back_by_itself_and_down_is_clean(netns, tmp_path): 
                         time.sleep(0.5)
                     for role in ("prefill", "decode"):
                         blind = [t for t, sights in sight.seen if sights.get(role) == "blind"]
-                        assert blind, f"{kills}: the proxy never said it was blind to {role}'s cache: {sight.seen}"
+                        assert blind, (f"{kills}: the proxy never said it was blind to {role}'s cache: {sight.seen}\n"
+                                       + d.yrpd("logs", "proxy", "-n", "80", check=False).stdout[-6000:])
                         print(f"measured: the proxy blind to {role}'s cache {blind[0]:.1f}s after the kill")
             if "proxy" not in components:  # with the proxy dead nobody answers: the client's connection is refused
                 assert 0 not in codes, f"{kills}: a request hung until the client gave up ({codes})"
