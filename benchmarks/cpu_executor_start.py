@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,8 +31,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "deploy_scripts"))
-from hostlib import unlink_unheld
+sys.path.insert(0, str(REPO / "benchmarks"))
+from multinode_start import end_run
 
 from yrpd.provenance import record
 from yrpd.serving import BASE_ENV, KIND_ENGINE_ARGS
@@ -102,13 +101,7 @@ def one_run(model: str, way: str, logs: Path) -> dict:
                 "cpu_s": round(sum(p[2] for p in procs), 2), "rss_mb": round(sum(p[3] for p in procs) / 2**20),
                 "processes": sorted(p[1] for p in procs), "answer": text}
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        time.sleep(3)  # the port and the core free again before the next run
-        unlink_unheld(sorted(f"/dev/shm/{n}" for n in set(os.listdir("/dev/shm")) - before))
+        end_run([proc], before)
 
 
 def main() -> int:

@@ -85,15 +85,20 @@ def one_run(model: str, way: str, logs: Path) -> dict:
                                             "temperature": 0}), f"{way}: no completion"
         return {"healthy_s": round(healthy, 2), "first_answer_s": round(time.monotonic() - started, 2)}
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-        time.sleep(3)  # the ports and the cores free again before the next run
-        # killed with -9, vLLM leaves its shared memory (its CPU all-reduce buffers too): what no one holds goes
-        unlink_unheld(sorted(f"/dev/shm/{n}" for n in set(os.listdir("/dev/shm")) - before))
+        end_run(procs, before)
+
+
+def end_run(procs: list[subprocess.Popen], shm_before: set[str]) -> None:
+    """Kill each process's group and wait; then the shared memory the run left that nobody holds goes (killed with
+    -9, vLLM leaves its segments, its CPU all-reduce buffers too)."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+    time.sleep(3)  # the ports and the cores free again before the next run
+    unlink_unheld(sorted(f"/dev/shm/{n}" for n in set(os.listdir("/dev/shm")) - shm_before))
 
 
 def main() -> int:
