@@ -177,6 +177,7 @@ def test_the_proxys_feeds_say_when_they_cannot_see_a_cache_and_see_again(tmp_pat
     from vllm.distributed.kv_events import ZmqEventPublisher
 
     from yrpd.proxy.kvfeed import Feeds
+    from yrpd.proxy.pool import Pool
 
     pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
     sources = {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay,
@@ -211,7 +212,10 @@ def test_the_proxys_feeds_say_when_they_cannot_see_a_cache_and_see_again(tmp_pat
         assert blocks.held == {1, 2, 3, 4}
 
         # down, and back as a new run that published before the proxy saw it up: exact again from its replay
-        feeds.down(url)
+        pool = Pool([url], [])  # as the proxy takes it out of rotation (a failed probe or request)
+        [inst] = pool.of("prefill")
+        inst.up, inst.blocks = True, blocks
+        pool.probed(inst, False, "connection refused")
         assert feeds.state(url)["sight"] == "blind" and feeds.state(url)["why"] == "the instance is down"
         publisher.shutdown()
         publisher = ZmqEventPublisher(0, endpoint=pub, replay_endpoint=replay)

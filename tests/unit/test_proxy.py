@@ -971,7 +971,7 @@ def test_round_robin_takes_turns_whatever_each_instance_holds_or_has_in_flight()
 
 
 def test_prefix_routing_scores_an_instance_by_what_its_kv_events_say_it_holds_and_falls_back_when_blind():
-    from yrpd.proxy.kvindex import InstanceBlocks, Stored, block_hashes
+    from yrpd.proxy.kvindex import InstanceBlocks, Sight, Stored, block_hashes
 
     pool = Pool(["http://a", "http://b"], [], Routing.prefix)
     a, b = pool.of("prefill")
@@ -1002,3 +1002,6 @@ def test_prefix_routing_scores_an_instance_by_what_its_kv_events_say_it_holds_an
     # the control: without token ids (no /tokenize answer) the estimate decides, seen or not
     a.blocks.resync()
     assert pool.select("prefill", prompt=prompt(other)) is b
+    # a request that finds it gone takes it out of rotation, and its cache out of sight, before any probe does
+    pool.failed(a, "prefill instance http://a unreachable", down=True)
+    assert a.blocks.sight is Sight.blind and a.blocks.why == "the instance is down"

@@ -358,8 +358,6 @@ class Proxy:
     async def _probe(self, inst: Instance, announce: bool) -> None:
         ok, why = await self._health_of(inst.url)
         changed = self.pool.probed(inst, ok, why)
-        if not ok:  # every round: a failed request may have taken it out of rotation before this probe did
-            self.feeds.down(inst.url)
         if self._follows_events() and ok and (changed or inst.url not in self.feeds.watches):
             await self._watch_events(inst)
         if changed:
@@ -941,8 +939,6 @@ class Proxy:
     def _upstream_error(self, inst: Instance, message: str, *, down: bool) -> None:
         was_up = inst.up
         self.pool.failed(inst, message, down=down)
-        if down:
-            self.feeds.down(inst.url)
         log.warning("%s%s", message, "; out of rotation until /health answers 200" if down and was_up else "")
 
     # -- monitoring

@@ -67,10 +67,7 @@ class Feed:
             everything = await self._replayed(0, None)
             if everything is None:
                 return False
-            self.blocks.rebuild()
-            for s, p in everything:
-                self.blocks.apply(s, events_of(decode_batch(p)))
-            self.blocks.resync()
+            self._rebuild(everything)
             return True
 
     async def receive(self, seq: int, payload: bytes) -> None:
@@ -84,19 +81,25 @@ class Feed:
         if self.replay is not None and seq not in (expected, 0):
             restarted = last is not None and seq < expected  # a new run of the publisher, its first batches missed
             if not restarted:
-                for s, p in await self._replayed(expected, seq) or ():
-                    self.blocks.apply(s, events_of(decode_batch(p)))
+                self._apply(await self._replayed(expected, seq) or ())
             if self.blocks.last_seq != seq - 1:
                 # the gap is gone from the publisher's buffer, or the new run's beginning is: all it still has,
                 # from its first batch, makes the copy exact again
                 everything = await self._replayed(0, seq)
                 if everything is not None:
                     self.blocks.restarts += restarted
-                    self.blocks.rebuild()
-                    for s, p in everything:
-                        self.blocks.apply(s, events_of(decode_batch(p)))
-                    self.blocks.resync()
-        self.blocks.apply(seq, events_of(decode_batch(payload)))
+                    self._rebuild(everything)
+        self._apply([(seq, payload)])
+
+    def _apply(self, batches) -> None:
+        for seq, payload in batches:
+            self.blocks.apply(seq, events_of(decode_batch(payload)))
+
+    def _rebuild(self, everything: list[tuple[int, bytes]]) -> None:
+        """The copy from the publisher's batches since its first: exact."""
+        self.blocks.rebuild()
+        self._apply(everything)
+        self.blocks.resync()
 
     async def _replayed(self, start: int, upto: int | None) -> list[tuple[int, bytes]] | None:
         """The publisher's batches start .. upto-1 (None: all it has from `start`) from its replay socket, or None if
@@ -202,13 +205,6 @@ class Feeds:
             return f"this Python cannot subscribe ({exc})"
         w.task = asyncio.get_running_loop().create_task(w.feed.run())
         return None
-
-    def down(self, url: str) -> None:
-        """The instance stopped answering: what it holds now is unknown until its events speak again (its new
-        run's, from batch 0, make the copy exact)."""
-        w = self.watches.get(url)
-        if w is not None and w.blocks.sight is not Sight.never:
-            w.blocks.go_blind("the instance is down", lagging=True)
 
     def leg_stored(self, url: str, started: float, blocks: int) -> None:
         """A prefill leg that began at `started` (time.monotonic()) ended, after which the instance holds `blocks`

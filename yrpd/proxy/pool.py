@@ -6,11 +6,13 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from .kvindex import InstanceBlocks
+from .kvindex import InstanceBlocks, Sight
 from .routing import (LEARN_CHUNKS, LEARN_RATE, LOAD_WEIGHT, LOADABLE_PRIOR, RECENT_LEGS, WORK_WEIGHT, PrefixMemory,
                       Prompt, Routing)
 
 ROLES = ("prefill", "decode")
+#: why the proxy cannot see the cache of an instance out of rotation (its probe failed, or a request to it)
+DOWN = "the instance is down"
 
 
 @dataclass(eq=False)
@@ -256,6 +258,9 @@ class Pool:
 
     @staticmethod
     def _down(inst: Instance) -> None:
-        # a restarted instance starts with an empty prefix cache: what it was sent before no longer tells
+        # a restarted instance starts with an empty prefix cache: what it was sent before no longer tells, and what
+        # its events said is unknown until they speak again (its new run's, from batch 0, make the copy exact)
         inst.up = False
         inst.memory.forget()
+        if inst.blocks is not None and inst.blocks.sight is not Sight.never:
+            inst.blocks.go_blind(DOWN, lagging=True)
