@@ -102,21 +102,32 @@ def run(args: argparse.Namespace, work: Path) -> int:
                 return 1
             code = yrpd("bench", "run", "--targets", "pd,pd-load", *COMMON, *workload,
                         "--datasystem-mb", str(args.datasystem_mb), "--no-restore", *args.extra)
-            reports = sorted((work / "home" / "sessions").glob("*/bench/*"))
-            args.out_dir.mkdir(parents=True, exist_ok=True)
-            for path in reports:
-                if path.is_dir():
-                    shutil.copytree(path, args.out_dir / path.name, dirs_exist_ok=True)
-                else:
-                    shutil.copy(path, args.out_dir)
-            print(f"reports copied to {args.out_dir}: {[p.name for p in reports]}")
+            copy_reports(work, args.out_dir)
             return code
         finally:
             yrpd("down", *ssh)
-            if args.keep_logs:
-                for host in hosts:  # a fake host's /tmp is its own directory in the lab (lab/fakehosts.py)
-                    for logs in (lab[host].dir / "tmp/yrpd_sessions").glob("*/logs"):
-                        shutil.copytree(logs, args.keep_logs / host / logs.parent.name, dirs_exist_ok=True)
+            keep_logs(lab, hosts, args.keep_logs)
+
+
+def copy_reports(work: Path, out_dir: Path) -> None:
+    """Every bench run's directory of the lab's sessions into out_dir."""
+    reports = sorted((work / "home" / "sessions").glob("*/bench/*"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in reports:
+        if path.is_dir():
+            shutil.copytree(path, out_dir / path.name, dirs_exist_ok=True)
+        else:
+            shutil.copy(path, out_dir)
+    print(f"reports copied to {out_dir}: {[p.name for p in reports]}")
+
+
+def keep_logs(lab, hosts: list[str], into: Path | None) -> None:
+    """Every host's session logs (proxy, instances, data system) into `into`/<host>/<session>."""
+    if into is None:
+        return
+    for host in hosts:  # a fake host's /tmp is its own directory in the lab (lab/fakehosts.py)
+        for logs in (lab[host].dir / "tmp/yrpd_sessions").glob("*/logs"):
+            shutil.copytree(logs, into / host / logs.parent.name, dirs_exist_ok=True)
 
 
 if __name__ == "__main__":

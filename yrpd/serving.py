@@ -388,6 +388,8 @@ def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | Non
         argv += ["--api-key-env", credentials.PROXY_KEY_ENV]
     if not spec.routing_kv_events:
         argv.append("--no-kv-events")
+    elif spec.routing_kv_exact:
+        argv.append("--kv-exact")
     seeds = {l.env.get("PYTHONHASHSEED") for inst in plan.instances if inst.role in ("prefill", "decode")
              for l in instance_launches(spec, plan, inst, paths)[:1]}
     if len(seeds) == 1 and (seed := seeds.pop()) is not None:  # the instances' block hashes start from it

@@ -693,6 +693,10 @@ class ServingSection(BaseModel):
     #: publisher on unix sockets beside each instance; docs/dev/kv-events.md); off: prefix routing estimates it from
     #: what it sent where. `round-robin` routing sends each leg to the next instance in turn (a benchmark's baseline)
     routing_kv_events: bool = True
+    #: with the events followed: before each leg is routed, the proxy also fetches what they have not delivered yet
+    #: from each instance's replay socket, so it routes on the caches exactly as they are, for a round trip to every
+    #: instance of the role per leg (the `pd-oracle` target of `yrpd bench`)
+    routing_kv_exact: bool = False
     #: address the proxy listens on; default the master's cluster address (127.0.0.1 for localhost)
     proxy_host: str | None = None
     #: name of an environment variable (read where yrpd runs) holding the proxy's API key

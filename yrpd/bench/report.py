@@ -42,8 +42,20 @@ RATIOS = (  # (target, baseline, metric, label); the last is the mixed workload'
     ("pd", "peer-example-pd", "mean_ttft_ms", "mean TTFT"), ("single-yr", "peer-lmcache", "mean_ttft_ms", "mean TTFT"),
     ("pd", "peer-nixl-pd", "mean_ttft_ms", "mean TTFT"),
     ("pd", "pd-rr", "mean_ttft_ms", "mean TTFT"), ("pd", "pd-estimate", "mean_ttft_ms", "mean TTFT"),
-    ("pd-estimate", "pd-rr", "mean_ttft_ms", "mean TTFT"),
+    ("pd-estimate", "pd-rr", "mean_ttft_ms", "mean TTFT"), ("pd-oracle", "pd-rr", "mean_ttft_ms", "mean TTFT"),
+    ("pd", "pd-oracle", "mean_ttft_ms", "mean TTFT"),
 )
+
+
+def prefix_hit_rate(counters: dict) -> float | None:
+    """The share (%) of the prefill instances' prompt tokens their own prefix caches held: what routing decides
+    (a token loaded from the data system or computed was not where the request went). None where vLLM does not
+    count tokens by source."""
+    parts = [counters.get(f"prefill_{key}") for key in ("prompt_tokens_computed", "prompt_tokens_local_cache",
+                                                         "prompt_tokens_loaded")]
+    if any(v is None for v in parts) or not sum(parts):
+        return None
+    return round(100 * parts[1] / sum(parts), 2)
 
 
 def ratios(results: dict) -> dict:
@@ -114,6 +126,10 @@ def markdown(results: dict, meta: dict, provenance: dict | None = None) -> str:
         values = [results[n]["counters"].get(key) for n in names]
         if any(values):
             lines.append(f"| {label} | " + " | ".join("-" if v is None else f"{v:,.0f}" for v in values) + " |")
+    rates = [prefix_hit_rate(results[n]["counters"]) for n in names]
+    if any(r is not None for r in rates):
+        lines.append("| prefill prefix-cache hit rate (% of its prompt tokens) | "
+                     + " | ".join(_fmt(r) for r in rates) + " |")
     if any(results[n].get("data_system") for n in names):
         for label, key in (("data system memory used at the end (MB)", "memory_mb"),
                            ("data system disk used at the end (MB)", "disk_mb")):
@@ -130,6 +146,11 @@ def markdown(results: dict, meta: dict, provenance: dict | None = None) -> str:
     lines.append("")
     for name, value in ratios(results).items():
         lines.append(f"- {name}: **{value}**")
+    oracle = prefix_hit_rate(results["pd-oracle"]["counters"]) if "pd-oracle" in names else None
+    for name in names:
+        rate = prefix_hit_rate(results[name]["counters"])
+        if oracle is not None and rate is not None and name != "pd-oracle":
+            lines.append(f"- {name} prefix-cache hit rate against pd-oracle's: **{rate - oracle:+.2f} points**")
     return "\n".join(lines) + "\n"
 
 

@@ -4,7 +4,9 @@ Targets, each a deployment of the same model on the same hosts and devices:
 - `pd`: the PD deployment with prefix reuse (prefill `kv_both`, vLLM's local prefix cache on);
 - `pd-load`: the `pd` deployment with the proxy routing by load alone (`routing: load`); `pd` routes as the
   spec says. With several prefill instances and `routing: prefix` in the spec, the two show what cache-aware
-  routing gains (benchmarks/routing.py);
+  routing gains (benchmarks/routing.py); `pd-rr` routes round-robin, `pd-estimate` by prefix on what the proxy
+  sent where (no KV-cache events), `pd-oracle` by prefix on the caches exactly as they are at each request (the
+  events, brought up to the moment from each instance's replay socket: benchmarks/trace_replay.py);
 - `pd-noreuse`: the same PD deployment with prefix reuse off (prefill `kv_producer`, no local prefix cache):
   every prompt is prefilled in full, decode still loads it through the data system;
 - `single`: one plain vLLM instance (no disaggregation, no connector, vLLM defaults) on all the devices the
@@ -57,6 +59,7 @@ TARGETS = {
     "pd-load": "PD + prefix reuse, load-only routing",
     "pd-rr": "PD + prefix reuse, round-robin routing",
     "pd-estimate": "PD + prefix reuse, prefix routing on its estimate (no KV-cache events)",
+    "pd-oracle": "PD + prefix reuse, prefix routing on the caches exactly as they are at each request",
     "pd-noreuse": "PD, prefix reuse off",
     "single": "single instance, same devices",
     "single-yr": "single instance, KV also in the data system",
@@ -67,7 +70,7 @@ TARGETS = {
 }
 #: the routing of the PD targets that differ from `pd` (prefix routing on the instances' KV-cache events) in it alone
 ROUTING_TARGETS = {"pd-load": {"routing": "load"}, "pd-rr": {"routing": "round-robin"},
-                   "pd-estimate": {"routing_kv_events": False}}
+                   "pd-estimate": {"routing_kv_events": False}, "pd-oracle": {"routing_kv_exact": True}}
 #: the KV connector each target runs with
 CONNECTORS = {"peer-example-pd": "example", "peer-lmcache": "lmcache", "peer-ascend-store": "ascend-store",
               "peer-nixl-pd": "nixl"}
@@ -93,7 +96,7 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
         engine_args.append("--no-enable-prefix-caching")
     data["engine_args"] = engine_args
     data["kv_connector"] = CONNECTORS.get(target, "yuanrong")
-    if target in ("pd", "pd-load", "pd-rr", "pd-estimate", "peer-example-pd", "peer-ascend-store", "peer-nixl-pd"):
+    if target in ("pd", *ROUTING_TARGETS, "peer-example-pd", "peer-ascend-store", "peer-nixl-pd"):
         data.update(disaggregated=True, prefix_reuse=True)
         if target in ROUTING_TARGETS:
             data.update(ROUTING_TARGETS[target])

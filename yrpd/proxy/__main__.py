@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "blocks as they do, to match what their KV-cache events say they hold")
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
                    help="do not follow the instances' KV-cache events: prefix routing estimates what each holds")
+    p.add_argument("--kv-exact", action="store_true",
+                   help="before routing each leg, fetch what the instances' KV-cache events have not delivered yet "
+                        "from their replay sockets (exact caches for a round trip each: a benchmark's oracle)")
     args = p.parse_args(argv)
     if not args.instances_file and not (args.prefill and args.decode):
         p.error("give --prefill and --decode, or --instances-file")
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                          api_key=api_key, instance_token=os.environ.get(PROXY_TOKEN_ENV) or None,
                          request_timeout=args.request_timeout, probe_interval=args.probe_interval,
                          routing=Routing(args.routing), routing_bound=max(1, args.routing_bound),
-                         instances_file=args.instances_file, kv_events=args.kv_events, kv_hash_seed=args.kv_hash_seed)
+                         instances_file=args.instances_file, kv_events=args.kv_events, kv_hash_seed=args.kv_hash_seed,
+                         kv_exact=args.kv_exact)
     try:
         _run(_serve(config, args.host, args.port))
     except OSError as exc:  # typically the port is taken

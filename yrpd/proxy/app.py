@@ -126,6 +126,9 @@ class ProxyConfig:
     kv_events: bool = True
     #: the PYTHONHASHSEED the instances run with (None: unset): the first block hash starts from it
     kv_hash_seed: str | None = None
+    #: before each leg is routed, fetch what the instances' events have not delivered yet from their replay sockets:
+    #: the caches exactly as they are, for a round trip per instance (the oracle of `yrpd bench`)
+    kv_exact: bool = False
 
 
 def parse_members(data) -> list[tuple[str, str, bool, str]]:
@@ -849,6 +852,8 @@ class Proxy:
         waits for the answer to start, once more to another one. Also returns the instance's down event."""
         tried: list[Instance] = []
         problem = None
+        if self.config.kv_exact and request[_CALL].prompt is not None and self._follows_events():
+            await self.feeds.catch_up(i.url for i in self.pool.up(role))
         while len(tried) < 2:
             call = request[_CALL]
             lease = self.pool.acquire(role, exclude=tried, prompt=call.prompt, groups=call.groups)

@@ -15,6 +15,8 @@ END = -1
 #: how long a replay may take to answer before the feed gives up on it (the publisher serves replays between
 #: batches, from the engine's own process)
 REPLAY_TIMEOUT_S = 2.0
+#: the replayed batches kept to recognise when the subscription delivers them too: its backlog at most
+AHEAD_KEPT = 1024
 
 
 def _seq(frame: bytes) -> int:
@@ -33,6 +35,9 @@ class Feed:
         self.ctx = context or zmq.asyncio.Context.instance()
         self.replays = 0  # replays asked for
         self.last_batch_at: float | None = None  # time.monotonic() of the last batch received
+        #: batches a replay applied before the subscription delivered them (seq -> payload): the same batch coming
+        #: again is skipped; the same number with another payload is a new run of the publisher
+        self._ahead: dict[int, bytes] = {}
         self._applying = asyncio.Lock()  # a batch from the subscription and a sync never interleave
 
     async def run(self) -> None:
@@ -70,6 +75,19 @@ class Feed:
             self._rebuild(everything)
             return True
 
+    async def catch_up(self) -> bool:
+        """Apply now what the publisher sent after the copy's last batch and the subscription has not delivered yet
+        (its replay socket): the copy is exact as of this moment, at the cost of a round trip. False where the
+        replay does not answer or no longer has those batches (the subscription still delivers them)."""
+        if self.replay is None or self.blocks.last_seq is None:
+            return False
+        async with self._applying:
+            missed = await self._replayed(self.blocks.next_seq, None)
+            if missed is None:
+                return False
+            self._apply(missed, replayed=True)
+            return True
+
     async def receive(self, seq: int, payload: bytes) -> None:
         """One batch from the subscription, after whatever was missed before it, where the publisher still has it."""
         async with self._applying:
@@ -78,6 +96,11 @@ class Feed:
     async def _receive(self, seq: int, payload: bytes) -> None:
         self.last_batch_at = time.monotonic()
         last, expected = self.blocks.last_seq, self.blocks.next_seq
+        early = self._ahead.pop(seq, None)
+        for older in [s for s in self._ahead if s < seq]:
+            del self._ahead[older]
+        if early == payload:
+            return  # a replay (a sync, a catch-up) applied it already
         if self.replay is not None and seq not in (expected, 0):
             restarted = last is not None and seq < expected  # a new run of the publisher, its first batches missed
             if not restarted:
@@ -91,14 +114,20 @@ class Feed:
                     self._rebuild(everything)
         self._apply([(seq, payload)])
 
-    def _apply(self, batches) -> None:
+    def _apply(self, batches, replayed: bool = False) -> None:
+        """Apply batches in order; `replayed`: they came by a replay, and the subscription may deliver them too."""
         for seq, payload in batches:
             self.blocks.apply(seq, events_of(decode_batch(payload)))
+        if replayed:
+            self._ahead.update(batches[-AHEAD_KEPT:])
+            if len(self._ahead) > AHEAD_KEPT:
+                self._ahead = dict(sorted(self._ahead.items())[-AHEAD_KEPT:])
 
     def _rebuild(self, everything: list[tuple[int, bytes]]) -> None:
         """The copy from the publisher's batches since its first: exact."""
         self.blocks.rebuild()
-        self._apply(everything)
+        self._ahead.clear()
+        self._apply(everything, replayed=True)
         self.blocks.resync()
 
     async def _replayed(self, start: int, upto: int | None) -> list[tuple[int, bytes]] | None:
@@ -205,6 +234,13 @@ class Feeds:
             return f"this Python cannot subscribe ({exc})"
         w.task = asyncio.get_running_loop().create_task(w.feed.run())
         return None
+
+    async def catch_up(self, urls) -> None:
+        """Bring the copies of these instances (URLs) that are seeing up to this moment from their replay sockets,
+        all at once (the exact mode: `--kv-exact`)."""
+        feeds = [w.feed for url in urls if (w := self.watches.get(url)) is not None and w.feed is not None
+                 and w.blocks.sight is Sight.seeing]
+        await asyncio.gather(*(feed.catch_up() for feed in feeds))
 
     def leg_stored(self, url: str, started: float, blocks: int) -> None:
         """A prefill leg that began at `started` (time.monotonic()) ended, after which the instance holds `blocks`

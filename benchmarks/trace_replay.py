@@ -1,0 +1,102 @@
+"""Routing judged on a recorded trace: Mooncake's conversation trace, scaled to this machine, replayed against every
+routing choice with 2 prefill instances, one run each (benchmark, not a test; issue 46).
+
+    .venv/bin/python benchmarks/trace_replay.py [--trace FILE] [--requests N] [--conversations SHARE]
+                                                [--time-scale F] [--datasystem-mb MB] [--targets LIST]
+                                                [--out-dir DIR] [--keep-logs DIR] [-- extra `yrpd bench run` options]
+
+Fake hosts (root needed): h1 holds both prefill instances (cores 0 and 1) and the proxy, so the proxy follows both
+instances' KV-cache events on unix sockets; h2 holds the decode instance (core 0: the lab's hosts share this
+machine's 2 cores). The real SmolLM2 (the dtype the plan picks), max-model-len 4096, `routing: prefix`. `yrpd bench
+trace` scales the trace (a share of whole conversations, time compressed; its factors are in the report's dataset
+and in <out-dir>/trace.jsonl.meta.json), then one `yrpd bench run` replays it with vLLM's own timed_trace dataset
+against each target in turn, each a fresh deployment: `pd-rr` (round-robin), `pd-load` (requests in flight),
+`pd-estimate` (prefix routing on what the proxy sent where), `pd` (prefix routing on the instances' KV-cache events)
+and `pd-oracle` (the same, brought up to the moment from each instance's replay socket before every leg). The data
+system gets --datasystem-mb per host: 64 (the default here) holds a few prompts, so a prefix an instance does not
+hold is mostly computed again; 1024 holds them all, so what routing costs is a load from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.routing import copy_reports, keep_logs  # noqa: E402
+from lab.fakehosts import FakeHostLab  # noqa: E402
+
+ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
+TRACE = REPO.parent / "shared/traces/conversation_trace.jsonl"
+TARGETS = "pd-rr,pd-load,pd-estimate,pd,pd-oracle"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trace", type=Path, default=TRACE, help="a Mooncake-format trace [%(default)s]")
+    parser.add_argument("--requests", type=int, default=1000, help="the trace's requests looked at [%(default)s]")
+    parser.add_argument("--conversations", type=float, default=0.02,
+                        help="share of whole conversations kept [%(default)s]")
+    parser.add_argument("--time-scale", type=float, default=0.05, help="arrival times x this [%(default)s]")
+    parser.add_argument("--datasystem-mb", type=int, default=64, help="data system memory per host [%(default)s]")
+    parser.add_argument("--targets", default=TARGETS, help="[%(default)s]")
+    parser.add_argument("--out-dir", type=Path, default=Path("bench-trace"))
+    parser.add_argument("--keep-logs", type=Path, metavar="DIR",
+                        help="copy every host's session logs (proxy, instances, data system) here at the end")
+    parser.add_argument("extra", nargs="*", help="more `yrpd bench run` options (after --)")
+    args = parser.parse_args()
+    if not args.trace.is_file():
+        parser.error(f"--trace: {args.trace} is not a file (the conversation trace is in ../shared/traces/)")
+    work = Path(tempfile.mkdtemp(prefix="yrpd-trace-"))
+    try:
+        return run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # after the lab is gone; the reports were copied out
+
+
+def run(args: argparse.Namespace, work: Path) -> int:
+    hosts = ["h1", "h2"]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "YRPD_HOME": str(work / "home")}
+
+    def yrpd(*argv: str) -> int:
+        return subprocess.run([sys.executable, "-m", "yrpd", *argv], env=env, cwd=REPO,
+                              stdin=subprocess.DEVNULL).returncode
+
+    trace = args.out_dir / "trace.jsonl"
+    if yrpd("bench", "trace", "--trace", str(args.trace), "--out", str(trace), "--requests", str(args.requests),
+            "--conversations", str(args.conversations), "--time-scale", str(args.time_scale)):
+        return 1
+    meta = json.loads(Path(f"{trace}.meta.json").read_text())
+    with FakeHostLab(len(hosts), work / "lab") as lab:
+        ssh = lab.cli_ssh_args
+        config = work / "yrpd.yaml"
+        config.write_text("hosts:\n  - {address: h1, devices: [0, 1]}\n  - {address: h2, devices: [0]}\n"
+                          f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {ENV_ROOT}\n"
+                          f"datasystem_memory_mb: {args.datasystem_mb}\ncluster_mode: ds_only\n"
+                          "engine_args: ['--max-model-len', '4096']\nrouting: prefix\n")
+        layout = ["--hosts", ",".join(hosts), "--config", str(config), "--prefill", "2", "--decode", "1"]
+        try:
+            if yrpd("deploy", *layout, *ssh):
+                return 1
+            return yrpd("bench", "run", "--targets", args.targets, "--vllm-dataset", "timed_trace",
+                        "--num-prompts", str(meta["written"]), "--max-concurrency", "64",
+                        "--vllm-dataset-args", " ".join(["--dataset-path", str(trace.resolve()),
+                                                         *meta["bench_args"]]),
+                        "--datasystem-mb", str(args.datasystem_mb), "--no-restore", *args.extra)
+        finally:
+            copy_reports(work, args.out_dir)
+            yrpd("down", *ssh)
+            keep_logs(lab, hosts, args.keep_logs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
