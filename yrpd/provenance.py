@@ -62,9 +62,14 @@ def vllm_version(venv: Path | None) -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def record(commands: list[str], inputs: dict[str, Path] | None = None, vllm_venv: Path | None = None) -> dict:
-    """The provenance of a result produced by `commands` (each as typed) from `inputs` (name -> file, checksummed)."""
+def record(commands: list[str], inputs: dict[str, Path] | None = None, vllm_venv: Path | None = None,
+           code: tuple[str | None, bool | None] | None = None) -> dict:
+    """The provenance of a result produced by `commands` (each as typed) from `inputs` (name -> file, checksummed).
+    `code`: the checkout's git_state() when the measuring began (a long run records at its end, and the tree may have
+    moved meanwhile: then `dirty` is true, since the code measured is not the commit named alone)."""
     commit, dirty = git_state()
+    if code is not None and code != (commit, dirty):
+        commit, dirty = code[0], True
     model, flags = cpu()
     return {"commit": commit, "dirty": dirty, "yrpd": yrpd.__version__, "vllm": vllm_version(vllm_venv),
             "python": platform.python_version(), "cpu": model, "cpu_flags": flags, "cores": os.cpu_count(),

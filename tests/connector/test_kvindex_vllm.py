@@ -168,6 +168,57 @@ def test_a_feed_follows_vllms_publisher_and_fills_what_it_missed_from_the_replay
     asyncio.run(scenario())
 
 
+def test_catching_up_sees_a_cache_before_its_events_arrive_and_their_late_arrival_is_no_restart(tmp_path):
+    """The exact mode (--kv-exact, the bench's oracle): a batch vLLM's publisher sent but the subscription has not
+    delivered is fetched from the replay socket before routing; when the subscription then delivers the same batch
+    it is not read as a new run of the publisher (the copy stays seeing, nothing rebuilt). The control: a batch of
+    that number with other contents is a restarted instance."""
+    import msgspec
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    from yrpd.proxy.kvfeed import Feed
+
+    encode = msgspec.msgpack.Encoder().encode
+    pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+
+    async def scenario():
+        publisher = ZmqEventPublisher(0, endpoint=pub, replay_endpoint=replay, buffer_steps=100)
+        blocks = kvindex.InstanceBlocks()
+        feed = Feed(blocks, pub, replay)  # not subscribed: what it learns comes from replays alone
+        assert await feed.sync() and blocks.held == set()
+        first, second = stored(1, 2), stored(3)
+        publisher.publish(first)
+        publisher.publish(second)
+        await asyncio.sleep(0.3)
+        assert blocks.held == set()  # the subscription would still be on its way
+        assert await feed.catch_up()
+        assert blocks.held == {1, 2, 3} and blocks.last_seq == 1 and feed.replays == 2
+        # the subscription delivers them late: the same batches, nothing happens
+        await feed.receive(0, encode(first))
+        await feed.receive(1, encode(second))
+        assert blocks.held == {1, 2, 3} and blocks.restarts == 0 and blocks.sight is kvindex.Sight.seeing
+        assert feed.replays == 2  # no replay asked for them
+        # nothing new: catching up changes nothing
+        assert await feed.catch_up() and blocks.held == {1, 2, 3}
+        publisher.publish(stored(4))
+        await asyncio.sleep(0.3)
+        await feed.receive(2, encode(stored(4)))  # delivered before any catch-up: applied once
+        assert blocks.held == {1, 2, 3, 4} and blocks.last_seq == 2
+        publisher.shutdown()
+
+        # the control: batch 0 again with other contents is a new publisher (a restarted instance, cache empty)
+        again = ZmqEventPublisher(0, endpoint=pub, replay_endpoint=replay, buffer_steps=100)
+        await asyncio.sleep(0.3)
+        fresh = stored(9)
+        again.publish(fresh)
+        await asyncio.sleep(0.3)
+        await feed.receive(0, encode(fresh))
+        assert blocks.held == {9} and blocks.restarts == 1 and blocks.sight is kvindex.Sight.seeing
+        again.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_the_proxys_feeds_say_when_they_cannot_see_a_cache_and_see_again(tmp_path):
     """What the proxy does with vLLM's publisher (yrpd.proxy.kvfeed.Feeds), on ipc sockets: subscribing syncs from
     the replay socket (an instance with nothing published yet is seen, empty); a publisher that goes silent after a

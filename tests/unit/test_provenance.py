@@ -47,3 +47,12 @@ def test_a_checkout_with_changes_is_recorded_dirty_and_one_outside_git_has_no_co
     outside = tmp_path / "plain"
     outside.mkdir()
     assert provenance.git_state(outside) == (None, None)
+
+
+def test_a_run_names_the_code_it_began_with_and_is_dirty_when_the_checkout_moved_meanwhile():
+    now = provenance.git_state()
+    same = provenance.record(["x"], code=now)
+    assert (same["commit"], same["dirty"]) == now  # the control: nothing moved
+    began = ("0123456789ab", False)  # another commit, clean, when the run began
+    moved = provenance.record(["x"], code=began)
+    assert moved["commit"] == "0123456789ab" and moved["dirty"] is True

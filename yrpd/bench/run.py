@@ -49,7 +49,7 @@ from yrpd.serving import STATS_INTERVAL_S, endpoint_url, model_path
 from yrpd.spec import DeploySpec, DeviceKind
 from yrpd import api
 from yrpd.bench.report import write_report
-from yrpd.provenance import record
+from yrpd.provenance import git_state, record
 from yrpd.session import SessionPhase
 from yrpd.steps import spec_fingerprint
 from yrpd.steps.vllm_env import paths
@@ -331,6 +331,7 @@ def bench(session_id: str | None, request: BenchRequest, log=print, progress=Non
     for name, path in (request.vllm_dataset.files() if request.vllm_dataset else {}).items():
         if not path.is_file():
             raise SpecError("--vllm-dataset-args", f"--dataset-path {path} is not a file", "pass the dataset's file")
+    code = git_state()  # what is measured is the code of now: the run lasts, the checkout may move meanwhile
     deployment = api.open_deployment(session_id)
     session = deployment.session
     if session.phase is not SessionPhase.deployed:
@@ -389,7 +390,7 @@ def bench(session_id: str | None, request: BenchRequest, log=print, progress=Non
     meta.update(max_concurrency=request.max_concurrency, repeat=request.repeat, goodput=list(request.goodput))
     commands = [request.command] + [(out_dir / f"{run}.cmd").read_text().strip()
                                     for target in results for run in results[target].get("runs_named", [])]
-    prov = record(commands, inputs, vllm_venv)
+    prov = record(commands, inputs, vllm_venv, code)
     failed = {t: r["error"] for t, r in results.items() if "error" in r}
     return BenchOutcome(out_dir, write_report(results, meta, out_dir, prov), failed)
 

@@ -79,7 +79,7 @@ class Feed:
         """Apply now what the publisher sent after the copy's last batch and the subscription has not delivered yet
         (its replay socket): the copy is exact as of this moment, at the cost of a round trip. False where the
         replay does not answer or no longer has those batches (the subscription still delivers them)."""
-        if self.replay is None or self.blocks.last_seq is None:
+        if self.replay is None:
             return False
         async with self._applying:
             missed = await self._replayed(self.blocks.next_seq, None)
