@@ -1,9 +1,11 @@
 """Routing judged on a recorded trace: Mooncake's conversation trace, scaled to this machine, replayed against every
-routing choice with 2 prefill instances, one run each (benchmark, not a test; issue 46).
+routing choice with 2 prefill instances, one run each (benchmark, not a test; issue 46). With --sweep, a controlled
+share of prompt tokens seen before instead (0, 50 and 90 %).
 
     .venv/bin/python benchmarks/trace_replay.py [--trace FILE] [--requests N] [--conversations SHARE]
                                                 [--time-scale F] [--datasystem-mb MB] [--targets LIST]
-                                                [--out-dir DIR] [--keep-logs DIR] [-- extra `yrpd bench run` options]
+                                                [--sweep] [--out-dir DIR] [--keep-logs DIR]
+                                                [-- extra `yrpd bench run` options]
 
 Fake hosts (root needed): h1 holds both prefill instances (cores 0 and 1) and the proxy, so the proxy follows both
 instances' KV-cache events on unix sockets; h2 holds the decode instance (core 0: the lab's hosts share this
@@ -15,6 +17,11 @@ against each target in turn, each a fresh deployment: `pd-rr` (round-robin), `pd
 and `pd-oracle` (the same, brought up to the moment from each instance's replay socket before every leg). The data
 system gets --datasystem-mb per host: 64 (the default here) holds a few prompts, so a prefix an instance does not
 hold is mostly computed again; 1024 holds them all, so what routing costs is a load from it.
+
+--sweep: three `yrpd bench run`s of vLLM's prefix_repetition dataset (SWEEP_PROMPTS prompts of 1,024 random tokens,
+concurrency 4, 16 output tokens; --targets defaults to pd,pd-load there): 0 % (every prompt its own prefix), 50 %
+and 90 % (2 prefixes shared by all prompts, prefix 535 or 962 tokens: prefix / 1,024 x (1 - 2 / SWEEP_PROMPTS) of
+prompt tokens seen before; vLLM's cache matches whole 128-token blocks, so 4 and 7 of each prompt's 8 blocks).
 """
 
 from __future__ import annotations
@@ -36,7 +43,11 @@ from lab.fakehosts import FakeHostLab  # noqa: E402
 
 ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
 TRACE = REPO.parent / "shared/traces/conversation_trace.jsonl"
-TARGETS = "pd-rr,pd-load,pd-estimate,pd,pd-oracle"
+TARGETS = "pd,pd-oracle,pd-estimate,pd-load,pd-rr"  # pd first: the deployment made for it
+SWEEP_TARGETS = "pd,pd-load"
+SWEEP_PROMPTS = 48
+#: share of prompt tokens seen before -> (prefix tokens, suffix tokens, prefixes) of vLLM's prefix_repetition
+SWEEP = {0: (512, 512, SWEEP_PROMPTS), 50: (535, 489, 2), 90: (962, 62, 2)}
 
 
 def main() -> int:
@@ -47,7 +58,8 @@ def main() -> int:
                         help="share of whole conversations kept [%(default)s]")
     parser.add_argument("--time-scale", type=float, default=0.05, help="arrival times x this [%(default)s]")
     parser.add_argument("--datasystem-mb", type=int, default=64, help="data system memory per host [%(default)s]")
-    parser.add_argument("--targets", default=TARGETS, help="[%(default)s]")
+    parser.add_argument("--targets", help=f"[{TARGETS}; with --sweep {SWEEP_TARGETS}]")
+    parser.add_argument("--sweep", action="store_true", help="the 0/50/90 %% sweep instead of the trace")
     parser.add_argument("--out-dir", type=Path, default=Path("bench-trace"))
     parser.add_argument("--keep-logs", type=Path, metavar="DIR",
                         help="copy every host's session logs (proxy, instances, data system) here at the end")
@@ -71,11 +83,31 @@ def run(args: argparse.Namespace, work: Path) -> int:
         return subprocess.run([sys.executable, "-m", "yrpd", *argv], env=env, cwd=REPO,
                               stdin=subprocess.DEVNULL).returncode
 
+    if args.sweep:
+        return sweep(args, work, hosts, yrpd)
     trace = args.out_dir / "trace.jsonl"
     if yrpd("bench", "trace", "--trace", str(args.trace), "--out", str(trace), "--requests", str(args.requests),
             "--conversations", str(args.conversations), "--time-scale", str(args.time_scale)):
         return 1
     meta = json.loads(Path(f"{trace}.meta.json").read_text())
+    replay = ["--targets", args.targets or TARGETS, "--vllm-dataset", "timed_trace",
+              "--num-prompts", str(meta["written"]), "--max-concurrency", "64",
+              "--vllm-dataset-args", " ".join(["--dataset-path", str(trace.resolve()), *meta["bench_args"]])]
+    return in_lab(args, work, hosts, yrpd, [replay])
+
+
+def sweep(args: argparse.Namespace, work: Path, hosts: list[str], yrpd) -> int:
+    runs = []
+    for prefix, suffix, prefixes in SWEEP.values():
+        runs.append(["--targets", args.targets or SWEEP_TARGETS, "--vllm-dataset", "prefix_repetition",
+                     "--num-prompts", str(SWEEP_PROMPTS), "--max-concurrency", "4",
+                     "--vllm-dataset-args", f"--prefix-repetition-prefix-len {prefix} --prefix-repetition-suffix-len "
+                     f"{suffix} --prefix-repetition-num-prefixes {prefixes} --prefix-repetition-output-len 16"])
+    return in_lab(args, work, hosts, yrpd, runs)
+
+
+def in_lab(args: argparse.Namespace, work: Path, hosts: list[str], yrpd, runs: list[list[str]]) -> int:
+    """Deploy on the lab's fake hosts, then one `yrpd bench run` per entry of `runs`; the reports into --out-dir."""
     with FakeHostLab(len(hosts), work / "lab") as lab:
         ssh = lab.cli_ssh_args
         config = work / "yrpd.yaml"
@@ -87,11 +119,9 @@ def run(args: argparse.Namespace, work: Path) -> int:
         try:
             if yrpd("deploy", *layout, *ssh):
                 return 1
-            return yrpd("bench", "run", "--targets", args.targets, "--vllm-dataset", "timed_trace",
-                        "--num-prompts", str(meta["written"]), "--max-concurrency", "64",
-                        "--vllm-dataset-args", " ".join(["--dataset-path", str(trace.resolve()),
-                                                         *meta["bench_args"]]),
-                        "--datasystem-mb", str(args.datasystem_mb), "--no-restore", *args.extra)
+            codes = [yrpd("bench", "run", *run, "--datasystem-mb", str(args.datasystem_mb), "--no-restore",
+                          *args.extra) for run in runs]
+            return max(codes)
         finally:
             copy_reports(work, args.out_dir)
             yrpd("down", *ssh)

@@ -133,3 +133,26 @@ def test_report_shows_where_each_roles_prompt_tokens_came_from_where_the_target_
     assert rows["prefill prompt tokens from its own prefix cache"] == ["17,000", "-"]
     assert rows["decode prompt tokens loaded through the connector"] == ["24,000", "-"]
     assert "prefill prompt tokens loaded through the connector" not in rows  # zero everywhere: nothing to tell
+
+
+def test_report_gives_each_targets_prefix_cache_hit_rate_and_its_distance_from_the_oracles():
+    from yrpd.bench.report import markdown
+
+    def target(ttft: float, computed: int, local: int, loaded: int) -> dict:
+        return {"description": "x", "metrics": {"mean_ttft_ms": ttft}, "data_system": {},
+                "counters": {"prefill_prompt_tokens_computed": computed, "prefill_prompt_tokens_local_cache": local,
+                             "prefill_prompt_tokens_loaded": loaded}}
+
+    results = {"pd": target(400.0, 6000, 3000, 1000), "pd-oracle": target(390.0, 5900, 3100, 1000),
+               "pd-rr": target(800.0, 9000, 500, 500), "single": {"description": "one", "metrics": {"mean_ttft_ms": 1.0},
+                                                                  "data_system": {}, "counters": {}}}
+    text = markdown(results, {"prompts": 1})
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
+            for line in text.splitlines() if line.startswith("| ")}
+    # the share of the prefill instances' prompt tokens their own caches held; a target without them has none
+    assert rows["prefill prefix-cache hit rate (% of its prompt tokens)"] == ["30.00", "31.00", "5.00", "-"]
+    assert "- pd prefix-cache hit rate against pd-oracle's: **-1.00 points**" in text
+    assert "- pd-rr prefix-cache hit rate against pd-oracle's: **-26.00 points**" in text
+    assert "- pd-oracle/pd-rr mean TTFT: **0.487**" in text and "- pd/pd-oracle mean TTFT: **1.026**" in text
+    # the control: without the oracle's run there is no distance to give
+    assert "against pd-oracle" not in markdown({k: v for k, v in results.items() if k != "pd-oracle"}, {"prompts": 1})

@@ -1005,3 +1005,29 @@ def test_prefix_routing_scores_an_instance_by_what_its_kv_events_say_it_holds_an
     # a request that finds it gone takes it out of rotation, and its cache out of sight, before any probe does
     pool.failed(a, "prefill instance http://a unreachable", down=True)
     assert a.blocks.sight is Sight.blind and a.blocks.why == "the instance is down"
+
+
+def test_in_exact_mode_each_leg_is_routed_after_catching_up_on_every_up_instances_events(monkeypatch):
+    """--kv-exact (the bench's oracle): before a leg is routed the proxy brings the copies of that role's instances up
+    to the moment (yrpd.proxy.kvfeed.Feeds.catch_up, tested against vLLM's publisher in tests/connector). The
+    controls: without it, or with the events not followed, it never does."""
+    from yrpd.proxy.kvfeed import Feeds
+
+    calls = []
+
+    async def catch_up(self, urls):
+        calls.append(sorted(urls))
+
+    monkeypatch.setattr(Feeds, "catch_up", catch_up)
+
+    async def legs(**options):
+        calls.clear()
+        async with running(prefill=2, routing=Routing.prefix, **options) as s:
+            status, _, _ = await post(s, "/v1/completions", {"prompt": "Background: hello", "max_tokens": 3})
+            assert status == 200
+            return list(calls), sorted(p.url for p in s.prefill), [d.url for d in s.decode]
+
+    caught, prefill, decode = run(legs(kv_exact=True))
+    assert caught == [prefill, decode]  # the prefill leg, then the decode leg
+    assert run(legs())[0] == []
+    assert run(legs(kv_exact=True, kv_events=False))[0] == []

@@ -405,6 +405,13 @@ def test_cpu_instances_behind_a_prefix_routing_proxy_publish_kv_events_on_unix_s
         assert not any("--kv-events-config" in l.argv for l in launches_on_host(other, other_plan, "h1", PATHS))
         proxy = proxy_launch(other, other_plan, PATHS).argv
         assert flag(proxy, "--routing") == routing and ("--no-kv-events" in proxy) == (target == "pd-estimate")
+        assert "--kv-exact" not in proxy
+    # the oracle: the same events, and the proxy catches up on them before every leg (the control: pd does not)
+    oracle = variant(spec, "pd-oracle", DeviceKind.cpu)
+    oracle_plan = make_plan(oracle, INVENTORY_OF(plan))
+    assert all("--kv-events-config" in l.argv for l in launches_on_host(oracle, oracle_plan, "h1", PATHS))
+    assert "--kv-exact" in proxy_launch(oracle, oracle_plan, PATHS).argv
+    assert "--kv-exact" not in proxy_launch(variant(spec, "pd", DeviceKind.cpu), plan, PATHS).argv
     # the instances' hash seed reaches the proxy where they have one (ascend-store's PYTHONHASHSEED=0)
     seeded = build_spec({}, {"hosts": "h1", "model": "/models/qwen", "device_kind": "cpu", "env": {"PYTHONHASHSEED": "7"}})
     seeded_plan = make_plan(seeded, INVENTORY_OF(plan))
