@@ -3,7 +3,8 @@
 `<session>/secrets/` (mode 0700) on the controller holds `instance.token` (the token every vLLM instance requires
 on its /v1 routes), the data system's CURVE keys (`curve/`: the workers' key pair, shared by every worker and the
 master, and the public keys of the clients they accept), and one environment file per kind of process
-(`instance.env`, `proxy.env`, `datasystem.env` for yrpd's own data-system checks; mode 0600). The deploy copies
+(`instance.env`, `proxy.env`, `datasystem.env` for yrpd's own data-system checks, `kv-relay.env` for the KV-event
+relays; mode 0600), and the relays' CURVE keys with the proxy's (`kv-relay/`). The deploy copies
 them, with etcd's TLS files (`etcd/`), over SFTP into the host's `<session>/secrets/` (0700, yrpd.layout); each
 process's supervisor reads its file when it starts the process, and openYuanrong reads `curve/` and `etcd/`
 itself. So a secret is never part of a command line (`ps`, `yrpd plan`, the session journal, the logs) and `yrpd
@@ -25,7 +26,11 @@ PROXY_KEY_ENV = "YRPD_API_KEY"
 #: the data system client's own variables (its KVClient falls back to them when given no keys)
 DS_CLIENT_ENV = ("DATASYSTEM_CLIENT_PUBLIC_KEY", "DATASYSTEM_CLIENT_PRIVATE_KEY", "DATASYSTEM_SERVER_PUBLIC_KEY")
 #: the environment files, by the kind of process that reads them
-INSTANCE, PROXY, DATASYSTEM = "instance", "proxy", "datasystem"
+INSTANCE, PROXY, DATASYSTEM, KV_RELAY = "instance", "proxy", "datasystem", "kv-relay"
+#: the KV-event relay's CURVE keys (yrpd.proxy.kvrelay): its pair, and the proxy's, the one client it lets in
+KV_RELAY_SECRET_ENV, KV_RELAY_PUBLIC_ENV = "YRPD_KV_RELAY_SECRET", "YRPD_KV_RELAY_PUBLIC"
+KV_PROXY_PUBLIC_ENV, KV_PROXY_SECRET_ENV = "YRPD_KV_PROXY_PUBLIC", "YRPD_KV_PROXY_SECRET"
+KV_RELAY_DIR = "kv-relay"
 TOKEN_FILE = "instance.token"
 #: the worker's key directory, as the data system reads it: its pair, and the public keys it accepts; the file
 #: names are the worker's own (a client key must be called client.key: the worker trusts services by file name)
@@ -79,6 +84,19 @@ def _ensure_curve(d: Path) -> dict[str, str]:
     read = lambda name: (curve / name).read_text().strip()  # noqa: E731
     return dict(zip(DS_CLIENT_ENV, (read("worker_authorized_clients/client.key"), read("client.key_secret"),
                                     read("worker.key"))))
+
+
+def _ensure_kv_relay(d: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """The session's KV-event relay keys (made once): (the relay's environment, the proxy's part)."""
+    keys = d / KV_RELAY_DIR
+    names = ("relay.key", "relay.key_secret", "proxy.key", "proxy.key_secret")
+    if not (keys / names[-1]).exists():
+        keys.mkdir(mode=0o700, exist_ok=True)
+        for name, text in zip(names, (*curve_keypair(), *curve_keypair())):
+            write_private(keys / name, text)
+    relay_public, relay_secret, proxy_public, proxy_secret = ((keys / n).read_text().strip() for n in names)
+    return ({KV_RELAY_SECRET_ENV: relay_secret, KV_RELAY_PUBLIC_ENV: relay_public, KV_PROXY_PUBLIC_ENV: proxy_public},
+            {KV_RELAY_PUBLIC_ENV: relay_public, KV_PROXY_PUBLIC_ENV: proxy_public, KV_PROXY_SECRET_ENV: proxy_secret})
 
 
 def secrets_dir(session_path: Path) -> Path:
@@ -163,7 +181,9 @@ def ensure(session_path: Path, proxy_key: str | None, etcd_ips: list[str] = ()) 
     _ensure_etcd_tls(d, list(etcd_ips))
     write_private(d / f"{INSTANCE}.env", env_text({VLLM_TOKEN_ENV: token, **ds_client}))
     write_private(d / f"{DATASYSTEM}.env", env_text(ds_client))
-    proxy = {PROXY_TOKEN_ENV: token, **({PROXY_KEY_ENV: proxy_key} if proxy_key else {})}
+    relay, proxy_relay = _ensure_kv_relay(d)
+    write_private(d / f"{KV_RELAY}.env", env_text(relay))
+    proxy = {PROXY_TOKEN_ENV: token, **({PROXY_KEY_ENV: proxy_key} if proxy_key else {}), **proxy_relay}
     write_private(d / f"{PROXY}.env", env_text(proxy))
     return d
 

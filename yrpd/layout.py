@@ -13,6 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+#: an instance's KV-cache event sockets in the session's run directory (the relay finds them by these names)
+KV_EVENTS_SOCKET = "kv-events-{name}.sock"
+KV_REPLAY_SOCKET = "kv-replay-{name}.sock"
+
+
 @dataclass(frozen=True)
 class HostSessionLayout:
     root: str  # the spec's remote_session_root
@@ -74,8 +79,9 @@ class HostSessionLayout:
 
     def kv_events(self, instance: str, what: str = "events") -> str:
         """The unix socket an instance publishes its KV-cache events on (`what`: "events", or "replay" for the
-        one that answers what a subscriber missed): on its host only, nothing on the network (yrpd.proxy.kvfeed)."""
-        return f"{self.run_dir}/kv-{what}-{instance}.sock"
+        one that answers what a subscriber missed): on its host only; the proxy subscribes there, or through the
+        host's relay (yrpd.proxy.kvfeed, yrpd.proxy.kvrelay)."""
+        return f"{self.run_dir}/" + (KV_EVENTS_SOCKET if what == "events" else KV_REPLAY_SOCKET).format(name=instance)
 
     def kv_stats(self, instance: str) -> str:
         """The connector's stats file per side and rank; `{side}` and `{rank}` are filled in by the connector."""

@@ -337,15 +337,31 @@ def lmcache_launch(spec: DeploySpec, plan: Plan, host: str, paths: HostPaths) ->
     return Launch(LMCACHE_NAME, host, argv, env, f"http://127.0.0.1:{ports['lmcache_http']}/healthcheck")
 
 
+def kv_relay_launch(spec: DeploySpec, plan: Plan, host: str, paths: HostPaths) -> Launch | None:
+    """The KV-event relay (yrpd.proxy.kvrelay) on a host other than the proxy's whose instances publish their
+    KV-cache events on unix sockets: it republishes them to the proxy over tcp, CURVE-encrypted, only the proxy's key
+    let in. It finds the instances' sockets itself, so scaling changes nothing of its command."""
+    h = host_of(plan, host)
+    if "kv_relay" not in h.ports or paths.session is None or not any(
+            inst.host == host and kv_events_config(spec, plan, inst, paths) for inst in plan.instances):
+        return None
+    argv = [paths.python, "-m", "yrpd.proxy.kvrelay", "--run-dir", paths.session.run_dir,
+            "--listen", h.reach_ip, "--port", str(h.ports["kv_relay"])]
+    return Launch(KV_RELAY_NAME, host, argv, {"PYTHONPATH": paths.bundle_dir}, None,
+                  paths.session.env_file(credentials.KV_RELAY))
+
+
 def launches_on_host(spec: DeploySpec, plan: Plan, host: str, paths: HostPaths) -> list[Launch]:
-    """What serves on the host: its instances, after the store they need (LMCache's server)."""
-    store = lmcache_launch(spec, plan, host, paths)
-    return [*([store] if store else []),
+    """What serves on the host: its instances, after the store they need (LMCache's server) and the relay of their
+    KV-cache events."""
+    beside = [lmcache_launch(spec, plan, host, paths), kv_relay_launch(spec, plan, host, paths)]
+    return [*(launch for launch in beside if launch),
             *(launch for inst in plan.instances for launch in instance_launches(spec, plan, inst, paths)
               if launch.host == host)]
 
 
 PROXY_NAME = "proxy"
+KV_RELAY_NAME = "kv-relay"
 EXPORTER_NAME = "exporter"  # every host's metrics exporter (yrpd.steps.exporter)
 
 
@@ -388,8 +404,12 @@ def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | Non
         argv += ["--api-key-env", credentials.PROXY_KEY_ENV]
     if not spec.routing_kv_events:
         argv.append("--no-kv-events")
-    elif spec.routing_kv_exact:
-        argv.append("--kv-exact")
+    else:
+        relays = {h.ports["kv_relay"] for h in plan.hosts if "kv_relay" in h.ports}
+        if relays:
+            argv += ["--kv-relay-port", str(relays.pop())]
+        if spec.routing_kv_exact:
+            argv.append("--kv-exact")
     seeds = {l.env.get("PYTHONHASHSEED") for inst in plan.instances if inst.role in ("prefill", "decode")
              for l in instance_launches(spec, plan, inst, paths)[:1]}
     if len(seeds) == 1 and (seed := seeds.pop()) is not None:  # the instances' block hashes start from it

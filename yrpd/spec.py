@@ -303,6 +303,9 @@ class Ports(BaseModel):
     lmcache: int = 32600
     #: every host's metrics exporter (the data system's and the connector's figures for Prometheus)
     exporter: int = 32700
+    #: the KV-event relay on each host but the proxy's whose instances publish KV-cache events (prefix routing);
+    #: kv_relay+1 answers replays
+    kv_relay: int = 32710
     #: the k-th instance on a host listens on instance_base+k
     instance_base: int = 8100
     #: the k-th instance's DP rpc port, used only by a DP group spanning hosts (on its head host); a TP x PP group

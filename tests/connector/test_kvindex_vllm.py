@@ -6,6 +6,7 @@ instance holds."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import pytest
@@ -284,3 +285,90 @@ def test_the_proxys_feeds_say_when_they_cannot_see_a_cache_and_see_again(tmp_pat
         await feeds.close()
 
     asyncio.run(scenario())
+
+
+def test_through_a_hosts_relay_the_proxy_follows_an_instance_on_another_host_and_only_with_its_key(tmp_path):
+    """The relay (yrpd.proxy.kvrelay) beside instances publishing on unix sockets, reached over tcp with CURVE: the
+    proxy's feeds sync from it, follow the instance's batches under its name, fill a gap through it, and an instance
+    that appears later is found (the run directory is looked at again). The keyed control: a client with another key
+    gets nothing, neither batches nor a replay."""
+    import threading
+
+    import msgspec
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    from yrpd.credentials import curve_keypair
+    from yrpd.layout import KV_EVENTS_SOCKET, KV_REPLAY_SOCKET
+    from yrpd.proxy.kvfeed import Curve, Feeds
+    from yrpd.proxy.kvrelay import Relay
+
+    def publisher(name: str) -> ZmqEventPublisher:
+        return ZmqEventPublisher(0, endpoint=f"ipc://{tmp_path}/{KV_EVENTS_SOCKET.format(name=name)}",
+                                 replay_endpoint=f"ipc://{tmp_path}/{KV_REPLAY_SOCKET.format(name=name)}")
+
+    def sources(name: str) -> dict:
+        return {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
+                      "endpoint": f"ipc://{tmp_path}/{KV_EVENTS_SOCKET.format(name=name)}",
+                      "replay_endpoint": f"ipc://{tmp_path}/{KV_REPLAY_SOCKET.format(name=name)}"}}
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server, proxy, stranger = curve_keypair(), curve_keypair(), curve_keypair()
+    first = publisher("prefill-1")
+    relay = Relay(tmp_path, "127.0.0.1", port, (server[1], server[0], proxy[0]))
+    stop = threading.Event()
+    thread = threading.Thread(target=relay.serve, args=(stop.is_set,), daemon=True)
+    thread.start()
+
+    async def scenario():
+        feeds = Feeds(lag_s=0.5, curve=Curve(server[0], *proxy), relay_port=port)
+        first.publish(stored(1, 2))  # before anyone listens: only a replay has it
+        await asyncio.sleep(1.5)  # the relay has found the sockets
+        assert await feeds.attach("http://h2:8101", sources("prefill-1"), "127.0.0.1", local=False) is None
+        blocks = feeds.watch("http://h2:8101").blocks
+        assert blocks.held == {1, 2} and blocks.sight is kvindex.Sight.seeing
+        await asyncio.sleep(0.5)  # subscribed through the relay
+        first.publish(stored(3))
+        await until(lambda: blocks.held == {1, 2, 3}, "a batch never came through the relay")
+        # an instance whose name extends another's (prefill-10): its batches are not prefill-1's
+        tenth = publisher("prefill-10")
+        await asyncio.sleep(1.5)
+        assert await feeds.attach("http://h2:8110", sources("prefill-10"), "127.0.0.1", local=False) is None
+        await asyncio.sleep(0.5)
+        tenth.publish(stored(100))
+        other = feeds.watch("http://h2:8110").blocks
+        await until(lambda: other.held == {100}, "the second instance's batch never came")
+        assert blocks.held == {1, 2, 3}
+        # a gap, filled through the relay's replay port
+        feed = feeds.watch("http://h2:8101").feed
+        first.publish(stored(4))
+        first.publish(stored(5))
+        await until(lambda: blocks.held == {1, 2, 3, 4, 5}, "the later batches never came")
+        await feed.receive(4, msgspec.msgpack.Encoder().encode(stored(5)))  # delivered again: nothing changes
+        assert blocks.sight is kvindex.Sight.seeing and blocks.restarts == 0
+
+        # the keyed control: another client key is refused by the relay's ZAP handler
+        intruder = Feeds(lag_s=0.5, curve=Curve(server[0], *stranger), relay_port=port)
+        assert await intruder.attach("http://h2:8101", sources("prefill-1"), "127.0.0.1", local=False) is None
+        theirs = intruder.watch("http://h2:8101").blocks
+        assert theirs.sight is kvindex.Sight.blind and "replay" in theirs.why and theirs.held == set()
+        first.publish(stored(6))
+        await until(lambda: 6 in blocks.held, "the proxy's own feed stopped")
+        await asyncio.sleep(0.5)
+        assert theirs.held == set()
+        # and without a relay known for it, an instance elsewhere is routed on the estimate, saying why
+        alone = Feeds(lag_s=0.5, curve=Curve(server[0], *proxy))
+        why = await alone.attach("http://h2:8101", sources("prefill-1"), "127.0.0.1", local=False)
+        assert why == "its events go to a socket on its own host, not the proxy's"
+        for f in (feeds, intruder, alone):
+            await f.close()
+        tenth.shutdown()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop.set()
+        thread.join(5)
+        relay.close()
+        first.shutdown()

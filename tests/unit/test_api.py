@@ -392,15 +392,21 @@ def test_the_secrets_travel_as_private_files_and_no_command_carries_them(tmp_pat
               "worker_authorized_clients/client.key")}
     etcd = lambda *names: {(f"{local}/etcd/{n}", f"{remote}/etcd/{n}") for n in names}  # noqa: E731
     # prefill and the proxy run on h1, decode on h2; the data system's keys go to every host, etcd's server pair
-    # only to the master
+    # only to the master; the KV-event relay's keys to h2, whose decode instance's events it relays to the proxy
     assert set(shipped["h1"].uploads) == curve | {(f"{local}/{n}.env", f"{remote}/{n}.env") for n in (
         "instance", "proxy", "datasystem")} | etcd("ca.crt", "server.crt", "server.key", "client.crt", "client.key")
-    assert set(shipped["h2"].uploads) == curve | {(f"{local}/{n}.env", f"{remote}/{n}.env")
-                                                  for n in ("instance", "datasystem")} | etcd("ca.crt", "client.crt", "client.key")
+    assert set(shipped["h2"].uploads) == curve | {(f"{local}/{n}.env", f"{remote}/{n}.env") for n in (
+        "instance", "datasystem", "kv-relay")} | etcd("ca.crt", "client.crt", "client.key")
+    relay, proxy = ((local / f"{n}.env").read_text() for n in ("kv-relay", "proxy"))
+    relay_secret = (local / "kv-relay" / "relay.key_secret").read_text().strip()
+    proxy_secret = (local / "kv-relay" / "proxy.key_secret").read_text().strip()
+    # each holds its own secret and the other's public key, never the other's secret
+    assert relay_secret in relay and proxy_secret not in relay and proxy_secret in proxy and relay_secret not in proxy
+    assert (local / "kv-relay" / "proxy.key").read_text().strip() in relay
     assert shipped["h1"].fresh_uploads and f"chmod -R go-rwx {remote} && chmod 700 {remote}" in shipped["h1"].script
     assert "client-key-123" in (local / "proxy.env").read_text()
     secret_values = [token, "client-key-123", (local / "curve" / "worker.key_secret").read_text(),
-                     (local / "curve" / "client.key_secret").read_text(),
+                     (local / "curve" / "client.key_secret").read_text(), relay_secret, proxy_secret,
                      (local / "etcd" / "server.key").read_text().splitlines()[1]]
     for _, command in hosts.calls:
         for value in secret_values:

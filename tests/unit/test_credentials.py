@@ -17,7 +17,15 @@ def test_secrets_are_private_made_once_and_removed(tmp_path):
     assert mode(d) == 0o700 and len(token) >= 40
     assert {p.name: mode(p) for p in d.iterdir()} == {"instance.token": 0o600, "instance.env": 0o600,
                                                      "proxy.env": 0o600, "datasystem.env": 0o600, "curve": 0o700,
-                                                     "etcd": 0o700}
+                                                     "etcd": 0o700, "kv-relay": 0o700, "kv-relay.env": 0o600}
+    relay = d / "kv-relay"
+    keys = {p.name: p.read_text() for p in relay.iterdir()}
+    assert {p.name: mode(p) for p in relay.iterdir()} == dict.fromkeys(keys, 0o600)
+    assert (d / "kv-relay.env").read_text() == (f"YRPD_KV_RELAY_SECRET={keys['relay.key_secret']}\n"
+                                                f"YRPD_KV_RELAY_PUBLIC={keys['relay.key']}\n"
+                                                f"YRPD_KV_PROXY_PUBLIC={keys['proxy.key']}\n")
+    relay_part = (f"YRPD_KV_RELAY_PUBLIC={keys['relay.key']}\nYRPD_KV_PROXY_PUBLIC={keys['proxy.key']}\n"
+                  f"YRPD_KV_PROXY_SECRET={keys['proxy.key_secret']}\n")
     curve = d / "curve"
     assert {str(p.relative_to(curve)): mode(p) for p in curve.rglob("*")} == {
         "worker.key": 0o600, "worker.key_secret": 0o600, "client.key_secret": 0o600,
@@ -29,11 +37,11 @@ def test_secrets_are_private_made_once_and_removed(tmp_path):
          f"{(curve / 'client.key_secret').read_text()}\nDATASYSTEM_SERVER_PUBLIC_KEY={worker}\n"
     assert (d / "datasystem.env").read_text() == ds
     assert (d / "instance.env").read_text() == f"VLLM_API_KEY={token}\n" + ds
-    assert (d / "proxy.env").read_text() == f"YRPD_INSTANCE_TOKEN={token}\nYRPD_API_KEY=client-key\n"
+    assert (d / "proxy.env").read_text() == f"YRPD_INSTANCE_TOKEN={token}\nYRPD_API_KEY=client-key\n" + relay_part
     # a re-deploy (resume) keeps the token the running instances hold, and takes a changed proxy key
     credentials.ensure(tmp_path, proxy_key=None)
     assert credentials.instance_token(tmp_path) == token and (curve / "worker.key").read_text() == worker
-    assert (d / "proxy.env").read_text() == f"YRPD_INSTANCE_TOKEN={token}\n"
+    assert (d / "proxy.env").read_text() == f"YRPD_INSTANCE_TOKEN={token}\n" + relay_part  # the relay keys kept
     (tmp_path / "other").mkdir()
     assert credentials.ensure(tmp_path / "other", None) and credentials.instance_token(tmp_path / "other") != token
     credentials.remove(tmp_path)

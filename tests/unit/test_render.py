@@ -262,7 +262,8 @@ def test_plan_table_shows_placement_hosts_and_how_the_dtype_was_chosen(tmp_path)
     assert row(text, "h1", "prefill-0")[2:] == ["prefill", "0", "8100", "-", "61000-61015"]  # no DP rpc on one host
     assert row(text, "h2", "decode-0")[2] == "decode"
     assert row(text, "h1", "h1")[2:6] == ["master", "cpu", "0-3", "0"]  # CPU cores the host has, and those in use
-    assert row(text, "h2", "h2")[2:] == ["worker", "cpu", "0-3", "0", "datasystem 31501, exporter 32700"]
+    assert row(text, "h2", "h2")[2:] == ["worker", "cpu", "0-3", "0",
+                                       "datasystem 31501, exporter 32700, kv_relay 32710, kv_relay_replay 32711"]
     assert "proxy 8000, etcd 32379" in row(text, "h1", "h1")[-1]
 
 

@@ -417,3 +417,30 @@ def test_cpu_instances_behind_a_prefix_routing_proxy_publish_kv_events_on_unix_s
     seeded_plan = make_plan(seeded, INVENTORY_OF(plan))
     assert flag(proxy_launch(seeded, seeded_plan, PATHS).argv, "--kv-hash-seed") == "7"
     assert "--kv-hash-seed" not in proxy_launch(spec, plan, PATHS).argv  # the control: none set, none passed
+
+
+def test_a_host_other_than_the_proxys_runs_a_relay_of_its_instances_kv_events_and_the_proxy_knows_its_port():
+    from yrpd.bench.run import variant
+    from yrpd.serving import KV_RELAY_NAME
+
+    spec, plan = deployment(DeviceKind.cpu, devices=2)  # prefill-0 and the proxy on h1, decode-0 on h2
+    on_h2 = launches_on_host(spec, plan, "h2", PATHS)
+    relay = on_h2[0]
+    assert [l.name for l in on_h2] == [KV_RELAY_NAME, "decode-0"]  # before the instance it relays
+    assert relay.argv[relay.argv.index("-m") + 1] == "yrpd.proxy.kvrelay"
+    assert flag(relay.argv, "--run-dir") == PATHS.session.run_dir and flag(relay.argv, "--listen") == "10.0.0.2"
+    assert flag(relay.argv, "--port") == str(spec.ports.kv_relay) and relay.health_url is None
+    assert relay.env_file == PATHS.session.env_file("kv-relay") and "PYTHONPATH" in relay.env
+    assert plan.hosts[1].ports["kv_relay"] == spec.ports.kv_relay  # checked free at preflight, closed at down
+    assert flag(proxy_launch(spec, plan, PATHS).argv, "--kv-relay-port") == str(spec.ports.kv_relay)
+    # the proxy's own host needs none: it subscribes to the unix sockets there
+    assert KV_RELAY_NAME not in [l.name for l in launches_on_host(spec, plan, "h1", PATHS)]
+    assert "kv_relay" not in plan.hosts[0].ports
+    # the controls: nothing published (the estimate alone, load routing, NPU hosts), no relay and no port
+    cases = [(v, make_plan(v, INVENTORY_OF(plan))) for v in (variant(spec, t, DeviceKind.cpu)
+                                                            for t in ("pd-estimate", "pd-load"))]
+    cases.append(deployment(DeviceKind.npu, ptp=4, dtp=4))
+    for other, other_plan in cases:
+        assert KV_RELAY_NAME not in [l.name for l in launches_on_host(other, other_plan, "h2", PATHS)]
+        assert "--kv-relay-port" not in proxy_launch(other, other_plan, PATHS).argv
+        assert all("kv_relay" not in h.ports for h in other_plan.hosts)

@@ -10,7 +10,7 @@ import signal
 import sys
 from urllib.parse import urlsplit
 
-from yrpd.credentials import PROXY_TOKEN_ENV
+from yrpd.credentials import KV_PROXY_PUBLIC_ENV, KV_PROXY_SECRET_ENV, KV_RELAY_PUBLIC_ENV, PROXY_TOKEN_ENV
 
 from .routing import Routing
 
@@ -64,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "blocks as they do, to match what their KV-cache events say they hold")
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
                    help="do not follow the instances' KV-cache events: prefix routing estimates what each holds")
+    p.add_argument("--kv-relay-port", type=int, metavar="PORT",
+                   help="where the KV-event relay of each other host listens (yrpd.proxy.kvrelay; its CURVE keys from "
+                        "YRPD_KV_RELAY_PUBLIC, YRPD_KV_PROXY_PUBLIC, YRPD_KV_PROXY_SECRET): the events of instances "
+                        "on other hosts come through it")
     p.add_argument("--kv-exact", action="store_true",
                    help="before routing each leg, fetch what the instances' KV-cache events have not delivered yet "
                         "from their replay sockets (exact caches for a round trip each: a benchmark's oracle)")
@@ -116,12 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         if api_key is None:
             log.warning("%s is not set or empty: /v1/* is open to anyone who can reach the proxy", args.api_key_env)
 
+    keys = tuple(os.environ.get(k) or "" for k in (KV_RELAY_PUBLIC_ENV, KV_PROXY_PUBLIC_ENV, KV_PROXY_SECRET_ENV))
+    relay_keys = keys if all(keys) else None
     config = ProxyConfig(prefill=args.prefill, decode=args.decode, served_model_name=args.served_model_name,
                          api_key=api_key, instance_token=os.environ.get(PROXY_TOKEN_ENV) or None,
                          request_timeout=args.request_timeout, probe_interval=args.probe_interval,
                          routing=Routing(args.routing), routing_bound=max(1, args.routing_bound),
                          instances_file=args.instances_file, kv_events=args.kv_events, kv_hash_seed=args.kv_hash_seed,
-                         kv_exact=args.kv_exact)
+                         kv_exact=args.kv_exact, kv_relay_port=args.kv_relay_port, kv_relay_keys=relay_keys)
     try:
         _run(_serve(config, args.host, args.port))
     except OSError as exc:  # typically the port is taken

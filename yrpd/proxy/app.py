@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from . import resume
-from .kvfeed import Feeds
+from .kvfeed import Curve, Feeds
 from .kvindex import Sight
 from .metrics import LATENCY_KEPT_S, Metrics
 from .pool import ROLES, Instance, Lease, Pool
@@ -129,6 +129,9 @@ class ProxyConfig:
     #: before each leg is routed, fetch what the instances' events have not delivered yet from their replay sockets:
     #: the caches exactly as they are, for a round trip per instance (the oracle of `yrpd bench`)
     kv_exact: bool = False
+    #: the port of each other host's KV-event relay, and the CURVE keys to reach it (its public key, the proxy's pair)
+    kv_relay_port: int | None = None
+    kv_relay_keys: tuple[str, str, str] | None = None
 
 
 def parse_members(data) -> list[tuple[str, str, bool, str]]:
@@ -245,7 +248,8 @@ class Proxy:
         self.degraded_since: float | None = None  # time.time() since when one role answers alone (PD degraded)
         self.missing: list[str] = []  # the roles with no instance up, as of the last probe round
         #: the instances' KV-cache events (prefix routing): a batch is due within one probe round of a leg storing
-        self.feeds = Feeds(lag_s=config.probe_interval)
+        self.feeds = Feeds(lag_s=config.probe_interval, relay_port=config.kv_relay_port,
+                           curve=Curve(*config.kv_relay_keys) if config.kv_relay_keys else None)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._middleware])

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass
 
 from .kvindex import InstanceBlocks, Sight, decode_batch, events_of
+from .kvrelay import topic as relay_topic
+from ..layout import KV_EVENTS_SOCKET
 
 #: the replay socket's end marker: a batch number of -1
 END = -1
@@ -23,15 +25,31 @@ def _seq(frame: bytes) -> int:
     return int.from_bytes(frame, "big", signed=True)
 
 
+@dataclass(frozen=True)
+class Curve:
+    """The keys (Z85) of a CURVE client: the server's public key, and the client's own pair."""
+
+    server_public: str
+    public: str
+    secret: str
+
+    def apply(self, sock) -> None:
+        sock.curve_serverkey = self.server_public.encode()
+        sock.curve_publickey = self.public.encode()
+        sock.curve_secretkey = self.secret.encode()
+
+
 class Feed:
     """Subscribes to one publisher (`endpoint`, e.g. tcp://10.0.0.1:5557) and applies its batches to `blocks`;
-    `replay` is its replay socket's address (None: gaps are not filled)."""
+    `replay` is its replay socket's address (None: gaps are not filled). Through a host's relay (yrpd.proxy.kvrelay):
+    `relayed` names the instance (its topic there, and what a replay request asks for), `curve` the keys."""
 
     def __init__(self, blocks: InstanceBlocks, endpoint: str, replay: str | None = None, topic: bytes = b"",
-                 context=None) -> None:
+                 context=None, curve: Curve | None = None, relayed: str | None = None) -> None:
         import zmq.asyncio
 
         self.blocks, self.endpoint, self.replay, self.topic = blocks, endpoint, replay, topic
+        self.curve, self.relayed = curve, relayed
         self.ctx = context or zmq.asyncio.Context.instance()
         self.replays = 0  # replays asked for
         self.last_batch_at: float | None = None  # time.monotonic() of the last batch received
@@ -46,6 +64,8 @@ class Feed:
 
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply(sub)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
         try:
@@ -138,10 +158,13 @@ class Feed:
         self.replays += 1
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply(dealer)
         dealer.connect(self.replay)
         got: list[tuple[int, bytes]] = []
+        ask = [b"", *([self.relayed.encode()] if self.relayed else []), start.to_bytes(8, "big")]
         try:
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            await dealer.send_multipart(ask)
             while True:
                 frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT_S)
                 if len(frames) != 4:
@@ -173,6 +196,20 @@ def usable_endpoint(endpoint: str, instance_host: str, local: bool) -> tuple[str
     return None, f"its events go to {endpoint}, which the proxy cannot subscribe to"
 
 
+def endpoint_of(config: dict) -> str:
+    return str(config.get("endpoint") or "")
+
+
+def relayed_name(endpoint: str) -> str | None:
+    """The instance an events socket in a session's run directory is named for (what its host's relay calls it),
+    None for any other endpoint."""
+    head, tail = KV_EVENTS_SOCKET.split("{name}")
+    base = endpoint.rsplit("/", 1)[-1]
+    if not endpoint.startswith("ipc://") or not (base.startswith(head) and base.endswith(tail)):
+        return None
+    return base[len(head):len(base) - len(tail)] or None
+
+
 @dataclass
 class Watch:
     """The proxy's view of one instance's KV-cache events."""
@@ -190,8 +227,10 @@ class Feeds:
     """Every instance's KV-cache events, by instance URL: the feeds that keep each one's InstanceBlocks, and the
     rules that say when the proxy cannot see a cache exactly (docs/dev/kv-events.md "No silent blindness")."""
 
-    def __init__(self, lag_s: float, context=None) -> None:
-        self.lag_s, self.ctx = lag_s, context
+    def __init__(self, lag_s: float, context=None, curve: Curve | None = None, relay_port: int | None = None) -> None:
+        """`relay_port`: where a host's relay (yrpd.proxy.kvrelay) listens, at the address its instances have, with
+        `curve` the keys to reach it; None: instances on other hosts are routed on the estimate."""
+        self.lag_s, self.ctx, self.curve, self.relay_port = lag_s, context, curve, relay_port
         self.watches: dict[str, Watch] = {}
 
     def watch(self, url: str) -> Watch:
@@ -206,7 +245,7 @@ class Feeds:
         w = self.watch(url)
         if w.task is None or w.task.done():
             w.feed = None
-            why = self._subscribe(w, sources, instance_host, local)
+            why = self._subscribe(url, w, sources, instance_host, local)
             w.unseen = why or ""
             if why is not None:
                 return why
@@ -214,7 +253,7 @@ class Feeds:
             w.blocks.go_blind("its replay socket does not answer from its first batch", lagging=True)
         return None
 
-    def _subscribe(self, w: Watch, sources: object, instance_host: str, local: bool) -> str | None:
+    def _subscribe(self, url: str, w: Watch, sources: object, instance_host: str, local: bool) -> str | None:
         configs = [c for c in sources.values() if isinstance(c, dict)] if isinstance(sources, dict) else []
         configs = [c for c in configs if c.get("enable_kv_cache_events") and c.get("publisher") in (None, "zmq")]
         if not configs:
@@ -222,14 +261,22 @@ class Feeds:
         if len(configs) > 1:
             return f"it has {len(configs)} data-parallel publishers; the index follows one-rank instances"
         config = configs[0]
-        endpoint, why = usable_endpoint(str(config.get("endpoint") or ""), instance_host, local)
-        if endpoint is None:
-            return why
-        replay = None
-        if config.get("replay_endpoint"):
-            replay, _ = usable_endpoint(str(config["replay_endpoint"]), instance_host, local)
+        endpoint, why = usable_endpoint(endpoint_of(config), instance_host, local)
+        name = relayed_name(endpoint_of(config)) if endpoint is None and self.relay_port else None
         try:
-            w.feed = Feed(w.blocks, endpoint, replay, str(config.get("topic") or "").encode(), self.ctx)
+            if name is not None:  # its host's relay republishes its unix sockets (yrpd.proxy.kvrelay)
+                if self.curve is None:
+                    return "its host's relay needs keys the proxy was not given (its proxy.env)"
+                host = f"[{instance_host}]" if ":" in instance_host else instance_host
+                w.feed = Feed(w.blocks, f"tcp://{host}:{self.relay_port}", f"tcp://{host}:{self.relay_port + 1}",
+                              relay_topic(name), self.ctx, self.curve, name)
+            elif endpoint is None:
+                return why
+            else:
+                replay = None
+                if config.get("replay_endpoint"):
+                    replay, _ = usable_endpoint(str(config["replay_endpoint"]), instance_host, local)
+                w.feed = Feed(w.blocks, endpoint, replay, str(config.get("topic") or "").encode(), self.ctx)
         except ImportError as exc:
             return f"this Python cannot subscribe ({exc})"
         w.task = asyncio.get_running_loop().create_task(w.feed.run())
