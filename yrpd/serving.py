@@ -404,10 +404,9 @@ def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | Non
         argv += ["--api-key-env", credentials.PROXY_KEY_ENV]
     if not spec.routing_kv_events:
         argv.append("--no-kv-events")
-    else:
-        relays = {h.ports["kv_relay"] for h in plan.hosts if "kv_relay" in h.ports}
-        if relays:
-            argv += ["--kv-relay-port", str(relays.pop())]
+    elif spec.routing is Routing.prefix:
+        # where a host's relay would listen: a scale that places instances on a new host then changes nothing here
+        argv += ["--kv-relay-port", str(spec.ports.kv_relay)]
         if spec.routing_kv_exact:
             argv.append("--kv-exact")
     seeds = {l.env.get("PYTHONHASHSEED") for inst in plan.instances if inst.role in ("prefill", "decode")

@@ -367,6 +367,62 @@ def test_with_restart_off_deploy_heals_only_what_is_dead(netns, tmp_path):  # no
         d.yrpd("down", check=False)
 
 
+def test_on_two_hosts_the_proxy_sees_decodes_cache_through_h2s_relay_which_comes_back_when_killed(two_hosts):
+    """The shared 2-host deployment: decode-0 on h2 publishes its KV-cache events on unix sockets there; h2's relay
+    (yrpd.proxy.kvrelay) carries them to the proxy on h1 over tcp with CURVE. The proxy sees decode's cache, with the
+    blocks a long prompt left there; killed, the relay is restarted by its supervisor and the proxy follows again,
+    the blocks stored meanwhile included. The control beside it: prefill-0, on the proxy's own host, seen without
+    a relay."""
+    from tests.lab import real_model as rm
+
+    d = two_hosts
+    session = d.status()[0]["session"]
+
+    def index() -> dict[str, dict]:
+        code, body = rm.http("GET", f"{d.proxy}/yrpd/status", timeout=30)
+        assert code == 200, body[:300]
+        return {i["role"]: i.get("kv_index") or {} for i in json.loads(body)["instances"]}
+
+    def ask(n: int) -> None:  # a prompt of several full blocks, new each time (its blocks are stored anew)
+        prompt = {**PROMPT, "prompt": f"Report {n}: " + "the river runs past the old mill and on to the sea. " * 40}
+        code, body = rm.http("POST", f"{d.proxy}/v1/completions", prompt)
+        assert code == 200 and body, body[:300]
+
+    def relay_pid() -> int | None:
+        out = d.lab["h2"].exec(f"cat /tmp/yrpd_sessions/{session}/run/kv-relay.state.json 2>/dev/null || true").stdout
+        return json.loads(out).get("pid") if out.strip() else None
+
+    def until(check, what: str, within: float = 90, asking: bool = False) -> dict:
+        deadline, n = time.monotonic() + within, 0
+        while True:
+            now = index()
+            if check(now):
+                return now
+            assert time.monotonic() < deadline, f"{what}; the proxy's index: {now}"
+            if asking:
+                n += 1
+                ask(1000 + n)
+            time.sleep(1)
+
+    ask(1)
+    seen = until(lambda i: all(i.get(r, {}).get("sight") == "seeing" for r in ("prefill", "decode"))
+                 and i["decode"].get("blocks", 0) > 0, "decode-0's cache is not seen through h2's relay")
+    print(f"measured: 2 hosts, decode-0's cache seen through h2's relay: {seen['decode']['blocks']} blocks")
+    before, pid = seen["decode"]["blocks"], relay_pid()
+    assert pid, "h2 runs no relay"
+    assert d.lab["h1"].exec(f"test -e /tmp/yrpd_sessions/{session}/run/kv-relay.state.json || echo none"
+                            ).stdout.strip() == "none"  # the proxy's host has none
+    d.lab["h2"].exec(f"kill -9 {pid}")
+    ask(2)  # its blocks are published while the relay may still be down: they come by a replay through the new one
+    deadline = time.monotonic() + 60
+    while relay_pid() in (None, pid):
+        assert time.monotonic() < deadline, "the relay was not restarted"
+        time.sleep(0.5)
+    after = until(lambda i: i["decode"].get("sight") == "seeing" and i["decode"].get("blocks", 0) > before,
+                  "the proxy did not follow decode-0's cache again after the relay came back", asking=True)
+    print(f"measured: 2 hosts, after h2's relay was killed: decode-0 seen again, {after['decode']['blocks']} blocks")
+
+
 def test_on_two_hosts_kills_heal_and_a_host_that_comes_back_is_rebuilt_alone(two_hosts):
     """The shared 2-host deployment (tests/lab/fixtures.py): prefill, the proxy and the cluster master on h1, decode on
     h2. Kills on both hosts heal by themselves; then h2 loses every process (torn down and brought back, its disk
