@@ -15,8 +15,10 @@ and in <out-dir>/trace.jsonl.meta.json), then one `yrpd bench run` replays it wi
 against each target in turn, each a fresh deployment: `pd-rr` (round-robin), `pd-load` (requests in flight),
 `pd-estimate` (prefix routing on what the proxy sent where), `pd` (prefix routing on the instances' KV-cache events)
 and `pd-oracle` (the same, brought up to the moment from each instance's replay socket before every leg). The data
-system gets --datasystem-mb per host: 64 (the default here) holds a few prompts, so a prefix an instance does not
-hold is mostly computed again; 1024 holds them all, so what routing costs is a load from it.
+system gets --datasystem-mb per host (1024, yrpd's default): it carries the hand-over of every prompt from prefill to
+decode as well as the prefixes, so one smaller than the prompts in flight (64 holds about 1,400 float32 tokens of
+SmolLM2, concurrency 64 sends dozens of 400-token prompts at once) evicts hand-overs before decode loads them, and
+decode computes those prompts again (docs/bench/cpu-smollm2-trace-replay-ds64-report.md: 2 of every 3 blocks).
 
 --sweep: three `yrpd bench run`s of vLLM's prefix_repetition dataset (SWEEP_PROMPTS prompts of 1,024 random tokens,
 concurrency 4, 16 output tokens; --targets defaults to pd,pd-load there): 0 % (every prompt its own prefix), 50 %
@@ -57,7 +59,7 @@ def main() -> int:
     parser.add_argument("--conversations", type=float, default=0.02,
                         help="share of whole conversations kept [%(default)s]")
     parser.add_argument("--time-scale", type=float, default=0.05, help="arrival times x this [%(default)s]")
-    parser.add_argument("--datasystem-mb", type=int, default=64, help="data system memory per host [%(default)s]")
+    parser.add_argument("--datasystem-mb", type=int, default=1024, help="data system memory per host [%(default)s]")
     parser.add_argument("--targets", help=f"[{TARGETS}; with --sweep {SWEEP_TARGETS}]")
     parser.add_argument("--sweep", action="store_true", help="the 0/50/90 %% sweep instead of the trace")
     parser.add_argument("--out-dir", type=Path, default=Path("bench-trace"))
