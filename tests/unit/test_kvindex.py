@@ -2,6 +2,8 @@
 events, a prefix that ends at the first block missing, and blindness when a batch is missing or the numbering
 restarts, until a resync. (Against vLLM's own hashing and encoder: tests/connector/test_kvindex_vllm.py.)"""
 
+from pathlib import Path
+
 from yrpd.proxy.kvindex import Cleared, InstanceBlocks, Removed, Sight, Stored, block_hashes, events_of
 
 
@@ -83,3 +85,28 @@ def test_blind_for_want_of_news_ends_with_the_next_batch_in_order_and_a_lost_one
     inst.go_blind("the instance is down", lagging=True)
     inst.apply(0, [Stored((9,))])
     assert inst.sight is Sight.seeing and inst.held == {9} and inst.restarts == 1
+
+
+def test_the_relay_finds_each_instances_sockets_by_name_and_the_proxy_names_them_alike(tmp_path):
+    """yrpd.proxy.kvrelay looks in the run directory for the sockets instances publish on; the proxy derives the
+    same name from the endpoint an instance reports (/kv_event_sources), and only from such an endpoint."""
+    from yrpd.layout import HostSessionLayout
+    from yrpd.proxy.kvfeed import relayed_name
+    from yrpd.proxy.kvrelay import instances_in, topic
+
+    layout = HostSessionLayout(str(tmp_path), "s1")
+    run = Path(layout.run_dir)
+    run.mkdir(parents=True)
+    for name in ("prefill-1", "prefill-10", "decode-0"):
+        for what in ("events", "replay"):
+            Path(layout.kv_events(name, what)).touch()
+    (run / "kv-prefill-1-scheduler-rank0.json").touch()  # the connector's stats beside them: not an instance
+    found = instances_in(run)
+    assert set(found) == {"prefill-1", "prefill-10", "decode-0"}
+    assert found["prefill-10"] == tuple(f"ipc://{layout.kv_events('prefill-10', what)}" for what in ("events", "replay"))
+    assert all(relayed_name(events) == name for name, (events, _) in found.items())
+    # no topic is a prefix of another's: a subscription to prefill-1 gets none of prefill-10's batches
+    assert not topic("prefill-10").startswith(topic("prefill-1"))
+    # the controls: a tcp endpoint, another socket, a replay socket are no instance's events
+    for other in ("tcp://*:5557", f"ipc://{run}/other.sock", f"ipc://{layout.kv_events('decode-0', 'replay')}"):
+        assert relayed_name(other) is None
