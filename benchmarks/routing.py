@@ -64,12 +64,16 @@ def main() -> int:
     parser.add_argument("--keep-logs", type=Path, metavar="DIR",
                         help="copy every host's session logs (proxy, instances, data system) here at the end")
     parser.add_argument("extra", nargs="*", help="more `yrpd bench run` options (after --)")
-    args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="yrpd-route-"))
+    return in_workdir("yrpd-route-", run, parser.parse_args())
+
+
+def in_workdir(prefix: str, run, args: argparse.Namespace) -> int:
+    """`run(args, work)` in a directory of its own, removed after (the lab is gone by then, the reports copied out)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
     try:
         return run(args, work)
     finally:
-        shutil.rmtree(work, ignore_errors=True)  # after the lab is gone; the reports were copied out
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def run(args: argparse.Namespace, work: Path) -> int:

@@ -31,16 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.routing import copy_reports, keep_logs  # noqa: E402
+from benchmarks.routing import copy_reports, in_workdir, keep_logs  # noqa: E402
 from lab.fakehosts import FakeHostLab  # noqa: E402
 
 ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
@@ -69,11 +67,7 @@ def main() -> int:
     args = parser.parse_args()
     if not args.trace.is_file():
         parser.error(f"--trace: {args.trace} is not a file (the conversation trace is in ../shared/traces/)")
-    work = Path(tempfile.mkdtemp(prefix="yrpd-trace-"))
-    try:
-        return run(args, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)  # after the lab is gone; the reports were copied out
+    return in_workdir("yrpd-trace-", run, args)
 
 
 def run(args: argparse.Namespace, work: Path) -> int:
