@@ -20,6 +20,9 @@ decode as well as the prefixes, so one smaller than the prompts in flight (64 ho
 SmolLM2, concurrency 64 sends dozens of 400-token prompts at once) evicts hand-overs before decode loads them, and
 decode computes those prompts again (docs/bench/cpu-smollm2-trace-replay-ds64-report.md: 2 of every 3 blocks).
 
+Beside each report, breakdown.md: each target's mean TTFT over the requests whose blocks were new, partly or mostly
+seen before (vLLM's per-request results against the trace).
+
 --sweep: three `yrpd bench run`s of vLLM's prefix_repetition dataset (SWEEP_PROMPTS prompts of 1,024 random tokens,
 concurrency 4, 16 output tokens; --targets defaults to pd,pd-load there): 0 % (every prompt its own prefix), 50 %
 and 90 % (2 prefixes shared by all prompts, prefix 535 or 962 tokens: prefix / 1,024 x (1 - 2 / SWEEP_PROMPTS) of
@@ -89,7 +92,53 @@ def run(args: argparse.Namespace, work: Path) -> int:
     replay = ["--targets", args.targets or TARGETS, "--vllm-dataset", "timed_trace",
               "--num-prompts", str(meta["written"]), "--max-concurrency", "64",
               "--vllm-dataset-args", " ".join(["--dataset-path", str(trace.resolve()), *meta["bench_args"]])]
-    return in_lab(args, work, hosts, yrpd, [replay])
+    code = in_lab(args, work, hosts, yrpd, [replay])
+    for run_dir in args.out_dir.iterdir():
+        if (run_dir / "results.json").is_file():
+            (run_dir / "breakdown.md").write_text(breakdown(trace, run_dir))
+            print((run_dir / "breakdown.md").read_text())
+    return code
+
+
+#: the per-request breakdown's classes, [low, high): the share of a request's blocks whose leading run earlier
+#: requests had (every conversation of the trace opens with the same block: few requests have none seen)
+BUCKETS = (("under a quarter seen before", 0.0, 0.25), ("a quarter to three quarters", 0.25, 0.75),
+           ("three quarters or more", 0.75, 1.01))
+
+
+def seen_shares(trace: Path) -> list[float]:
+    """Per request of a Mooncake-format trace, in order: the share of its hash ids that lead it and came in earlier
+    requests (what a cache that kept everything would hold of it)."""
+    seen: set[int] = set()
+    shares = []
+    for line in trace.read_text().splitlines():
+        ids = json.loads(line)["hash_ids"]
+        lead = next((n for n, i in enumerate(ids) if i not in seen), len(ids))
+        shares.append(lead / len(ids) if ids else 0.0)
+        seen.update(ids)
+    return shares
+
+
+def breakdown(trace: Path, run_dir: Path) -> str:
+    """Each target's mean TTFT over the requests of each class of BUCKETS, from vLLM's per-request results (in the
+    order sent: the trace's), as Markdown."""
+    shares = seen_shares(trace)
+    targets = json.loads((run_dir / "results.json").read_text())["targets"]
+    rows = []
+    for label, low, high in BUCKETS:
+        picked = [n for n, s in enumerate(shares) if low <= s < high]
+        cells = []
+        for name in targets:
+            raw = run_dir / f"{name}.json"
+            if not raw.is_file():
+                cells.append("-")
+                continue
+            ttfts = json.loads(raw.read_text())["ttfts"]
+            got = [ttfts[n] for n in picked if n < len(ttfts) and ttfts[n]]
+            cells.append(f"{1000 * sum(got) / len(got):,.0f}" if got else "-")
+        rows.append(f"| {label} | {len(picked)} | " + " | ".join(cells) + " |")
+    head = "| requests | count | " + " | ".join(f"{n} mean TTFT (ms)" for n in targets) + " |"
+    return "\n".join([head, "|---|---|" + "---|" * len(targets), *rows]) + "\n"
 
 
 def sweep(args: argparse.Namespace, work: Path, hosts: list[str], yrpd) -> int:
