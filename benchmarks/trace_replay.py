@@ -123,7 +123,12 @@ def breakdown(trace: Path, run_dir: Path) -> str:
     """Each target's mean TTFT over the requests of each class of BUCKETS, from vLLM's per-request results (in the
     order sent: the trace's), as Markdown."""
     shares = seen_shares(trace)
-    targets = json.loads((run_dir / "results.json").read_text())["targets"]
+    doc = json.loads((run_dir / "results.json").read_text())
+    targets, prov = doc["targets"], doc["provenance"]
+    dirty = " (with uncommitted changes)" if prov.get("dirty") else ""
+    title = [f"# Per request: mean TTFT by the share of each request's blocks seen before ({trace.name})", "",
+             f"From the run beside it (results.json): commit {prov.get('commit')}{dirty}, CPU {prov.get('cpu')} "
+             f"({prov.get('cores')} cores). Command: `{(prov.get('commands') or ['?'])[0]}`", ""]
     rows = []
     for label, low, high in BUCKETS:
         picked = [n for n, s in enumerate(shares) if low <= s < high]
@@ -138,7 +143,7 @@ def breakdown(trace: Path, run_dir: Path) -> str:
             cells.append(f"{1000 * sum(got) / len(got):,.0f}" if got else "-")
         rows.append(f"| {label} | {len(picked)} | " + " | ".join(cells) + " |")
     head = "| requests | count | " + " | ".join(f"{n} mean TTFT (ms)" for n in targets) + " |"
-    return "\n".join([head, "|---|---|" + "---|" * len(targets), *rows]) + "\n"
+    return "\n".join([*title, head, "|---|---|" + "---|" * len(targets), *rows]) + "\n"
 
 
 def sweep(args: argparse.Namespace, work: Path, hosts: list[str], yrpd) -> int:
