@@ -1031,3 +1031,29 @@ def test_in_exact_mode_each_leg_is_routed_after_catching_up_on_every_up_instance
     assert caught == [prefill, decode]  # the prefill leg, then the decode leg
     assert run(legs())[0] == []
     assert run(legs(kv_exact=True, kv_events=False))[0] == []
+
+
+def test_with_events_a_prompt_follows_the_leg_in_flight_that_is_computing_its_prefix():
+    """An instance's events announce blocks only once its leg has computed them; a second request with the same
+    prefix arriving meanwhile goes to that instance (it will hold the prefix by its turn), not to the idle one that
+    would compute the prefix again. The controls: once that leg ended without its events telling of the blocks (they
+    were not kept), the prefix counts for nothing there; a prompt with another prefix goes to the idle instance."""
+    from yrpd.proxy.kvindex import InstanceBlocks
+
+    pool = Pool(["http://a", "http://b"], [], Routing.prefix)
+    for inst in pool.of("prefill"):
+        inst.up = True
+        inst.blocks = InstanceBlocks()
+        inst.blocks.apply(0, [])  # seen: holding nothing
+    shared = "Background: " + "the quick brown fox jumps over the lazy dog. " * 40
+    first = prompt(shared + "Q1?").with_tokens(list(range(1000, 1410)), None)
+    second = prompt(shared + "Q2?").with_tokens(list(range(1000, 1400)) + [7] * 12, None)
+    lease = pool.acquire("prefill", prompt=first)
+    busy = lease.instance
+    assert pool.select("prefill", prompt=second) is busy
+    other = prompt("Unrelated: " + "a slow red cat sleeps under the warm sun. " * 40).with_tokens(
+        list(range(5000, 5400)), None)
+    assert pool.select("prefill", prompt=other) is not busy
+    pool.release(lease)
+    assert busy.pending == []
+    assert pool.seen(busy, second) == 0  # ended, and its events told of nothing kept: nothing held

@@ -35,6 +35,8 @@ class Instance:
     memory: PrefixMemory = field(default_factory=PrefixMemory, repr=False)
     #: its prefix cache as its KV-cache events tell (yrpd.proxy.kvfeed); None where the proxy has no feed of them
     blocks: InstanceBlocks | None = field(default=None, repr=False)
+    #: the chains of the legs in flight here: blocks its cache is computing, which no event has announced yet
+    pending: list[list[bytes]] = field(default_factory=list, repr=False)
     #: taken out of routing: its legs in flight finish, no new one comes (scale-in, a rolling change, maintenance)
     draining: bool = False
     #: no longer a member: it goes once its last leg has ended
@@ -68,6 +70,7 @@ class Lease:
     loadable: float = 0  # chunks beyond those that another prefill instance finished: in the data system, likely
     prompt: Prompt | None = None
     new_blocks: int = 0  # full blocks of the prompt the instance's cache lacked, where its events tell (else 0)
+    pending: list[bytes] | None = None  # the chain it added to the instance's pending ones (prefix routing)
     released: bool = False
 
 
@@ -170,6 +173,8 @@ class Pool:
             if lease.matched:
                 inst.prefix_routed += 1
             inst.memory.remember(prompt.chain)
+            inst.pending.append(prompt.chain)
+            lease.pending = prompt.chain
             if inst.role == "prefill":
                 for other in self.of("prefill"):
                     other.recent *= 1 - 1 / RECENT_LEGS
@@ -183,6 +188,8 @@ class Pool:
         lease.released = True
         inst = lease.instance
         inst.in_flight -= 1
+        if lease.pending is not None:
+            inst.pending = [c for c in inst.pending if c is not lease.pending]
         inst.queued = max(0.0, inst.queued - lease.work)
         if inst.leaving and inst.in_flight == 0:
             self.reap()
@@ -233,10 +240,14 @@ class Pool:
 
     @staticmethod
     def seen(inst: Instance, prompt: Prompt) -> float:
-        """Leading chunks of `prompt` `inst` holds: what its KV-cache events tell where they tell it exactly, else
-        what it was sent before."""
+        """Leading chunks of `prompt` `inst` holds: what its KV-cache events tell where they tell it exactly, and
+        what the legs in flight there are computing (no event tells that before they end); else what it was sent
+        before."""
         held = prompt.held(inst.blocks)
-        return held[0] if held is not None else inst.memory.matched(prompt.chain)
+        if held is None:
+            return inst.memory.matched(prompt.chain)
+        coming = max((_common(prompt.chain, c) for c in inst.pending), default=0)
+        return max(held[0], coming)
 
     def failed(self, inst: Instance, message: str, *, down: bool) -> None:
         """A request to `inst` failed; a dead-looking instance leaves the rotation until a probe brings it back."""
@@ -264,3 +275,13 @@ class Pool:
         inst.memory.forget()
         if inst.blocks is not None and inst.blocks.sight is not Sight.never:
             inst.blocks.go_blind(DOWN, lagging=True)
+
+
+def _common(a: list[bytes], b: list[bytes]) -> int:
+    """The leading chunks two chains share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
