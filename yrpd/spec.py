@@ -323,11 +323,14 @@ class Ports(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "Ports":
-        for name in ("proxy", "datasystem", "ds_master", "etcd", "lmcache", "exporter", "instance_base", "kv_base",
-                     "hccl_base", "mooncake_base", "ray_base"):
+        for name in ("proxy", "datasystem", "ds_master", "etcd", "lmcache", "exporter", "kv_relay", "instance_base",
+                     "kv_base", "hccl_base", "mooncake_base", "ray_base"):
             value = getattr(self, name)
             if not 1 <= value <= 65535:
                 raise ValueError(f"{name}: {value} is not in 1-65535")
+        for name in ("etcd", "lmcache", "kv_relay"):  # the next port is theirs too
+            if getattr(self, name) + 1 > 65535:
+                raise ValueError(f"{name}: {getattr(self, name)} leaves no port after it (it takes two)")
         if not 1 <= self.span <= 1000:
             raise ValueError(f"span: {self.span} is not in 1-1000")
         widths = {"instance_base": self.span, "kv_base": self.span, "hccl_base": 16 * self.span,
@@ -343,6 +346,7 @@ class Ports(BaseModel):
             "etcd": (self.etcd, self.etcd + 1),  # client and peer port
             "lmcache": (self.lmcache, self.lmcache + 1),  # its ZMQ and HTTP ports
             "exporter": (self.exporter, self.exporter),
+            "kv_relay": (self.kv_relay, self.kv_relay + 1),  # events and replays
             "instance_base": (self.instance_base, self.instance_base + self.span - 1),
             "kv_base": (self.kv_base, self.kv_base + self.span - 1),
             "hccl_base": (self.hccl_base, self.hccl_base + 16 * self.span - 1),

@@ -348,6 +348,12 @@ def test_through_a_hosts_relay_the_proxy_follows_an_instance_on_another_host_and
         await feed.receive(4, msgspec.msgpack.Encoder().encode(stored(5)))  # delivered again: nothing changes
         assert blocks.sight is kvindex.Sight.seeing and blocks.restarts == 0
 
+        # an instance the relay has not found (no sockets by that name): no answer, so the proxy does not take it
+        # for one seen empty
+        assert await feeds.attach("http://h2:8199", sources("prefill-9"), "127.0.0.1", local=False) is None
+        unknown = feeds.watch("http://h2:8199").blocks
+        assert unknown.sight is kvindex.Sight.blind and "replay" in unknown.why
+
         # the keyed control: another client key is refused by the relay's ZAP handler
         intruder = Feeds(lag_s=0.5, curve=Curve(server[0], *stranger), relay_port=port)
         assert await intruder.attach("http://h2:8101", sources("prefill-1"), "127.0.0.1", local=False) is None

@@ -72,6 +72,8 @@ CASES = [
     ("proxy-inside-instance-range", GOOD + ["--proxy-port", "8150"], None, "collides with instance_base (8100-8199)"),
     ("instance-range-past-65535", GOOD, "ports:\n  instance_base: 65500\n", "ports.instance_base: range 65500-65599 runs past 65535"),
     ("kv-overlaps-instances", GOOD, "ports:\n  kv_base: 8150\n", "collides with kv_base"),
+    ("kv-relay-on-exporter", GOOD, "ports:\n  kv_relay: 32699\n", "exporter (32700) collides with kv_relay (32699-32700)"),
+    ("kv-relay-at-the-top", GOOD, "ports:\n  kv_relay: 65535\n", "kv_relay: 65535 leaves no port after it"),
     ("missing-model", without(GOOD, "--model"), None, "model: no model path given"),
     ("relative-model", without(GOOD, "--model") + ["--model", "models/m"], None, "model: 'models/m' is not an absolute path"),
     ("missing-config-file", GOOD + ["--config", "/nonexistent/yrpd.yaml"], None, "--config: /nonexistent/yrpd.yaml does not exist"),

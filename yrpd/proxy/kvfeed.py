@@ -105,7 +105,11 @@ class Feed:
             missed = await self._replayed(self.blocks.next_seq, None)
             if missed is None:
                 return False
-            self._apply(missed, replayed=True)
+            try:
+                self._apply(missed, replayed=True)
+            except Exception as exc:  # noqa: BLE001 - as a batch the subscription cannot read: blind, the leg routed
+                self.blocks.go_blind(f"a replayed batch could not be read: {exc}", lagging=True)
+                return False
             return True
 
     async def receive(self, seq: int, payload: bytes) -> None:
@@ -136,8 +140,13 @@ class Feed:
 
     def _apply(self, batches, replayed: bool = False) -> None:
         """Apply batches in order; `replayed`: they came by a replay, and the subscription may deliver them too."""
-        for seq, payload in batches:
-            self.blocks.apply(seq, events_of(decode_batch(payload)))
+        for n, (seq, payload) in enumerate(batches):
+            try:
+                self.blocks.apply(seq, events_of(decode_batch(payload)))
+            except Exception:
+                if replayed:  # those applied before it are known, so their late delivery is no restart
+                    self._ahead.update(batches[max(0, n - AHEAD_KEPT):n])
+                raise
         if replayed:
             self._ahead.update(batches[-AHEAD_KEPT:])
             if len(self._ahead) > AHEAD_KEPT:

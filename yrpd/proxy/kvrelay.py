@@ -111,7 +111,12 @@ class Relay:
                 sock = self.ctx.socket(zmq.SUB)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
-                sock.connect(events)
+                try:
+                    sock.connect(events)
+                except zmq.ZMQError as exc:  # a path ZMQ refuses (too long): that one is not relayed, the rest are
+                    sock.close()
+                    log.warning("instance %s: cannot subscribe to %s (%s)", name, events, exc)
+                    continue
                 self.subs[name] = sock
                 self.poller.register(sock, zmq.POLLIN)
                 log.info("instance %s: relaying its KV-cache events", name)
@@ -145,23 +150,26 @@ class Relay:
         name = name.decode(errors="replace")
         answer = [client, b""]
         address = self.replays.get(name)
-        if address is not None:
-            dealer = self.ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(address)
-            try:
-                dealer.send_multipart([b"", start])
-                while dealer.poll(int(REPLAY_TIMEOUT_S * 1000)):
-                    got = dealer.recv_multipart()
-                    if len(got) != 4:
-                        continue
-                    if got[2] == END:
-                        break
-                    self.replay.send_multipart([*answer, topic(name), got[2], got[3]])
-                else:  # no end marker: the instance did not answer; the proxy sees an incomplete replay
-                    return
-            finally:
-                dealer.close()
+        if address is None:
+            # no answer: an end marker alone would say "nothing published yet", and the proxy would take an instance
+            # it cannot see (not found here yet, or gone) for one seen empty; silence leaves it blind until it is
+            return
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(address)
+        try:
+            dealer.send_multipart([b"", start])
+            while dealer.poll(int(REPLAY_TIMEOUT_S * 1000)):
+                got = dealer.recv_multipart()
+                if len(got) != 4:
+                    continue
+                if got[2] == END:
+                    break
+                self.replay.send_multipart([*answer, topic(name), got[2], got[3]])
+            else:  # no end marker: the instance did not answer; the proxy sees an incomplete replay
+                return
+        finally:
+            dealer.close()
         self.replay.send_multipart([*answer, b"", END, b""])
 
     def close(self) -> None:
