@@ -125,6 +125,9 @@ def test_a_feed_follows_vllms_publisher_and_fills_what_it_missed_from_the_replay
         publisher, pub, replay = start("a", buffer_steps=100)
         for h in (1, 2, 3):  # published before anyone subscribed: a PUB socket drops them
             publisher.publish(stored(h))
+        # publish() only queues a batch for the publisher's thread: sent after the subscription joined, they would
+        # arrive without a replay. The queue is pinned vLLM's; task_done() comes once a batch is on the socket.
+        await asyncio.to_thread(publisher._event_queue.join)
         blocks = kvindex.InstanceBlocks()
         feed = Feed(blocks, pub, replay)
         task = asyncio.create_task(feed.run())
