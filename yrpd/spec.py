@@ -689,8 +689,9 @@ class ServingSection(BaseModel):
     #: overrides for the connector's kv_connector_extra_config (docs/dev/connector.md lists the keys)
     connector: dict[str, Any] = {}
     #: how the proxy picks an instance: `prefix` (cache-aware) sends a prefill leg where it costs least: the
-    #: prompt's chunks that instance was never sent (counted twice) plus the chunks queued there, so a request goes
-    #: back to the instance that likely holds its prefix unless that one is busy with more than the prefix saves;
+    #: prompt's chunks that instance was never sent (counted twice) plus the chunks queued there, in the time each
+    #: instance was measured to take per chunk, so a request goes back to the instance that likely holds its prefix
+    #: unless that one is busy with more than the prefix saves;
     #: `load` goes by requests in flight alone. Neither sends a leg to an instance `routing_bound` busier than the
     #: least busy one. Default prefix: measured even with load routing where the data system holds every prefix, and
     #: with half the prefill work where it holds fewer than are reused (docs/benchmarks.md, "Cache-aware")

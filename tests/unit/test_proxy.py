@@ -199,6 +199,77 @@ def test_a_prefix_another_instance_finished_is_loaded_rather_than_waited_for_whi
     assert len(plain.stored) == 0 and plain.routing_state() == {"policy": "load", "bound": 2}
 
 
+def test_prefix_routing_weighs_work_by_the_time_each_instance_was_measured_to_take_per_chunk():
+    pool = Pool(["http://a", "http://b"], [], Routing.prefix, bound=3)
+    a, b = pool.of("prefill")
+    a.up = b.up = True
+    cold = "Unrelated question number {}: " + "lorem ipsum dolor sit amet, consectetur. " * 30
+    # nothing measured yet: costs are in chunks, a cold prompt goes where fewer are queued
+    b.queued = 10.0
+    assert pool.select("prefill", prompt=prompt(cold.format(0))) is a
+    # a leg's time per chunk is its time over the chunks queued ahead of it and those it computed
+    leg = pool.acquire("prefill", prompt=prompt(cold.format(1)))
+    assert leg.instance is a and leg.ahead == 0
+    pool.release(leg)
+    pool.observe(leg, 0, now=leg.started + 2.0)
+    assert a.chunk_s == pytest.approx(2.0 / leg.work)
+    b.queued = 0.0
+    other = pool.acquire("prefill", prompt=prompt(cold.format(2)))
+    assert other.instance is b
+    b.queued += 10.0  # a leg of another client still queued there: it counts ahead of this one
+    pool.release(other)
+    pool.observe(other, 0, now=other.started + 0.5)
+    assert b.chunk_s == pytest.approx(0.5 / other.work)
+    first_b = b.chunk_s
+    later = pool.acquire("prefill", prompt=prompt(cold.format(3)))
+    assert later.instance is b and later.ahead == pytest.approx(10.0)
+    pool.release(later)
+    pool.observe(later, 0, now=later.started + 1.0)  # a moving average over the instance's legs
+    assert b.chunk_s == pytest.approx(first_b + 0.2 * (1.0 / (10.0 + later.work) - first_b))
+    # b takes about a quarter of a's time per chunk: a cold prompt goes there though 10 chunks wait there
+    assert b.chunk_s < a.chunk_s / 3
+    assert pool.select("prefill", prompt=prompt(cold.format(4))) is b
+    a.chunk_s = b.chunk_s  # the control: at equal speeds the queue decides
+    assert pool.select("prefill", prompt=prompt(cold.format(4))) is a
+    # an instance not measured yet is taken for the mean of those measured
+    c = Pool(["http://a", "http://b"], [], Routing.prefix)
+    c.of("prefill")[0].chunk_s = 0.3
+    assert c.chunk_s(c.of("prefill")[1]) == pytest.approx(0.3) and c.chunk_s(c.of("prefill")[0]) == 0.3
+    state = {i["url"]: i for i in (i.as_dict() for i in pool.instances)}
+    assert state["http://a"]["ms_per_chunk"] == pytest.approx(b.chunk_s * 1000, abs=0.01)
+    assert "ms_per_chunk" not in c.of("prefill")[1].as_dict()
+
+
+def test_a_load_from_the_data_system_is_weighed_by_its_measured_time():
+    pool = Pool(["http://a", "http://b"], [], Routing.prefix, bound=3)
+    a, b = pool.of("prefill")
+    a.up = b.up = True
+    a.chunk_s = b.chunk_s = 0.05
+    shared = "Context: " + "the quick brown fox jumps over the lazy dog. " * 30  # 21 chunks
+    first = pool.acquire("prefill", prompt=prompt(shared + "Q1"))
+    home, other = first.instance, (b if first.instance is a else a)
+    pool.release(first)
+    pool.observe(first, 0, now=first.started + 0.05 * first.work)
+    home.queued, home.in_flight = 15.0, 1
+    # a leg that loaded the prefix: what it took beyond computing the rest, per chunk loaded, is the load's time
+    moved = pool.acquire("prefill", prompt=prompt(shared + "Q2"))
+    assert moved.instance is other and moved.loadable == 21
+    pool.release(moved)
+    pool.observe(moved, 3, now=moved.started + 0.05 * moved.work + 21 * 0.2)
+    assert pool.load_chunk_s == pytest.approx(0.2) and pool.routing_state()["load_ms_per_chunk"] == 200
+    other.memory.forget()  # (as if its own cache had lost the prefix since)
+    # loads measured slower than computing (a data system on disk): waiting at home is sooner than loading
+    assert pool.select("prefill", prompt=prompt(shared + "Q3")) is home
+    pool.load_chunk_s = 0.005  # the control: measured fast, the idle instance loads it
+    assert pool.select("prefill", prompt=prompt(shared + "Q3")) is other
+    # a load nobody expected, of blocks whose size nobody told, teaches neither time
+    before = (home.chunk_s, pool.load_chunk_s)
+    cold = pool.acquire("prefill", prompt=prompt("Never seen before. " * 40))
+    pool.release(cold)
+    pool.observe(cold, 4, now=cold.started + 9.0)
+    assert (home.chunk_s, pool.load_chunk_s) == before
+
+
 def test_the_proxy_learns_from_prefill_answers_how_often_the_data_system_had_a_prefix():
     async def go():
         async with running(prefill=2, routing=Routing.prefix) as s:

@@ -32,6 +32,9 @@ class Instance:
     queued: float = 0.0
     #: prompt chunks given to its prefill legs lately, decaying with every prefill leg routed (prefix routing)
     recent: float = 0.0
+    #: seconds its prefill legs took per prompt chunk computed, their own and those queued ahead of them: measured
+    #: (a moving average over its legs), None until a leg taught it (prefix routing)
+    chunk_s: float | None = None
     memory: PrefixMemory = field(default_factory=PrefixMemory, repr=False)
     #: its prefix cache as its KV-cache events tell (yrpd.proxy.kvfeed); None where the proxy has no feed of them
     blocks: InstanceBlocks | None = field(default=None, repr=False)
@@ -57,6 +60,7 @@ class Instance:
                 "requests": self.requests, "errors": self.errors, "last_error": self.last_error,
                 "last_error_at": self.last_error_at, "prefix_routed": self.prefix_routed,
                 "queued_chunks": round(self.queued, 1), "draining": self.draining or self.leaving,
+                **({"ms_per_chunk": round(self.chunk_s * 1000, 2)} if self.chunk_s is not None else {}),
                 **({"group": self.group} if self.group else {})}
 
 
@@ -71,6 +75,8 @@ class Lease:
     prompt: Prompt | None = None
     new_blocks: int = 0  # full blocks of the prompt the instance's cache lacked, where its events tell (else 0)
     pending: list[bytes] | None = None  # the chain it added to the instance's pending ones (prefix routing)
+    ahead: float = 0.0  # chunks queued on the instance when this leg was routed there
+    started: float = field(default_factory=time.monotonic)
     released: bool = False
 
 
@@ -86,6 +92,9 @@ class Pool:
         self.stored = PrefixMemory()
         #: how often a prefill leg that could load such chunks found them in the data system lately (0..1)
         self.loadable_found = LOADABLE_PRIOR
+        #: seconds a prefill leg took per chunk it loaded from the data system, beyond its computing: measured (a
+        #: moving average), None until a leg that loaded taught it
+        self.load_chunk_s: float | None = None
 
     def load_weight(self) -> float:
         """What a chunk another prefill instance finished costs here: a load where the data system still holds it
@@ -97,12 +106,22 @@ class Pool:
         if self.routing is Routing.prefix:
             state.update(prompts_stored=len(self.stored), data_system_found=round(self.loadable_found, 3),
                          load_weight=round(self.load_weight(), 3))
+            if self.load_chunk_s is not None:
+                state["load_ms_per_chunk"] = round(self.load_chunk_s * 1000, 2)
         return state
 
-    def observe(self, lease: Lease, loaded_blocks: int | None) -> None:
+    def chunk_s(self, inst: Instance) -> float | None:
+        """Seconds a chunk computed on `inst` takes: its own measure, else the mean of the others' (a new
+        instance), None while no leg has been measured (costs are then in chunks, the same order)."""
+        if inst.chunk_s is not None:
+            return inst.chunk_s
+        known = [i.chunk_s for i in self.of(inst.role) if i.chunk_s is not None]
+        return sum(known) / len(known) if known else None
+
+    def observe(self, lease: Lease, loaded_blocks: int | None, now: float | None = None) -> None:
         """A prefill leg finished (`loaded_blocks`: what its connector loaded from the data system; None when it
-        did not say): its prompt's KV is in the data system now, and a leg that expected to load there tells how
-        often that works."""
+        did not say): its prompt's KV is in the data system now, a leg that expected to load there tells how
+        often that works, and its time (routed to answered) what a chunk costs there."""
         if self.routing is not Routing.prefix or lease.prompt is None or lease.instance.role != "prefill":
             return
         if loaded_blocks is None:
@@ -113,6 +132,21 @@ class Pool:
         if lease.loadable >= LEARN_CHUNKS:
             found = 1.0 if loaded_blocks > 0 else 0.0
             self.loadable_found += LEARN_RATE * (found - self.loadable_found)
+        self._time(lease, loaded_blocks, (time.monotonic() if now is None else now) - lease.started)
+
+    def _time(self, lease: Lease, loaded_blocks: int, elapsed: float) -> None:
+        # One leg's time is (chunks queued ahead + chunks it computed) x the instance's time per chunk + chunks it
+        # loaded x the load's: a leg that loaded nothing measures the first, one that loaded the second (with the
+        # first known). Queued legs were partly done already, so this leans fast alike on every instance.
+        inst, prompt = lease.instance, lease.prompt
+        loaded = prompt.loaded_chunks(loaded_blocks, inst.blocks, lease.loadable)
+        if loaded is None:
+            return
+        computed = lease.ahead + prompt.work(lease.matched + loaded)
+        if loaded == 0:
+            inst.chunk_s = _average(inst.chunk_s, elapsed / computed)
+        elif inst.chunk_s is not None:
+            self.load_chunk_s = _average(self.load_chunk_s, max(0.0, elapsed - inst.chunk_s * computed) / loaded)
 
     def of(self, role: str) -> list[Instance]:
         return [i for i in self.instances if i.role == role]
@@ -168,6 +202,7 @@ class Pool:
         inst = lease.instance
         inst.in_flight += 1
         inst.requests += 1
+        lease.ahead = inst.queued
         inst.queued += lease.work
         if self.routing is Routing.prefix and prompt is not None and prompt.chain:
             if lease.matched:
@@ -199,10 +234,10 @@ class Pool:
         """The instance the next leg would go to; nothing is counted or remembered.
 
         By load: the up instance with the fewest requests in flight (ties round robin). With prefix routing, a
-        prefill leg goes where its prompt costs least (chunks not seen there, weighted, plus chunks queued there;
-        among equals, the instance given the least work lately), a decode leg to the least busy instance (among
-        equals, the one that saw most of the prompt); neither to an instance `bound` busier than the least busy
-        one."""
+        prefill leg goes where its prompt costs least (the expected time of the chunks queued there, those it would
+        compute there, weighted, and those it would load; among equals, the instance given the least work lately),
+        a decode leg to the least busy instance (among equals, the one that saw most of the prompt); neither to an
+        instance `bound` busier than the least busy one."""
         lease = self._choose(role, exclude, prompt)
         return lease.instance if lease else None
 
@@ -225,13 +260,18 @@ class Pool:
             chosen = min(within, key=lambda i: (i.in_flight, -matched[i]))
             return Lease(chosen, 0.0, matched[chosen], prompt=prompt)
         stored = self.stored.matched(prompt.chain)
-        w_load = self.load_weight()
+        found = self.loadable_found
 
         def loadable(i: Instance) -> float:
             return max(0, stored - matched[i])
 
         def cost(i: Instance) -> float:
-            return i.queued + WORK_WEIGHT * prompt.work(max(matched[i], stored)) + w_load * loadable(i)
+            # Expected seconds: this leg's wait and work, its work counted WORK_WEIGHT times (it also delays every
+            # later leg there). Until a leg is measured, chunks: what a load costs then comes from LOAD_WEIGHT.
+            chunk = self.chunk_s(i) or 1.0
+            load = self.load_chunk_s if self.load_chunk_s is not None else chunk * LOAD_WEIGHT / WORK_WEIGHT
+            fetch = loadable(i) * (found * load + (1 - found) * chunk)
+            return chunk * (i.queued + WORK_WEIGHT * prompt.work(max(matched[i], stored))) + WORK_WEIGHT * fetch
 
         chosen = min(within, key=lambda i: (cost(i), i.in_flight, i.recent))
         # charged to its queue: what it is expected to compute (the loadable part where the data system lost it)
@@ -275,6 +315,10 @@ class Pool:
         inst.memory.forget()
         if inst.blocks is not None and inst.blocks.sight is not Sight.never:
             inst.blocks.go_blind(DOWN, lagging=True)
+
+
+def _average(old: float | None, sample: float) -> float:
+    return sample if old is None else old + LEARN_RATE * (sample - old)
 
 
 def _common(a: list[bytes], b: list[bytes]) -> int:

@@ -15,7 +15,9 @@ busy with more work than the prefix saves; a prompt matching nothing goes to the
 queued and, among idle ones, to the one given the least work lately (a decaying sum over the last RECENT_LEGS
 prefill legs), so that the prefixes each instance ends up holding are spread evenly. No instance is
 chosen with `bound` more requests in flight than the least busy one, so one popular prefix cannot pile
-everything onto one instance. Decode legs go by requests in flight, the prefix breaking ties.
+everything onto one instance. Decode legs go by requests in flight, the prefix breaking ties. Once prefill legs
+have been timed (yrpd.proxy.pool), the chunks are weighed by the seconds each instance takes per chunk and a load
+by the seconds loads took, so the cost is an expected time.
 
 Where the instances publish their KV-cache events (yrpd.proxy.kvindex, kvfeed), what an instance holds is known
 rather than estimated: the prompt's token ids (the instances' own /tokenize) hashed as vLLM hashes blocks, matched
@@ -134,6 +136,16 @@ class Prompt:
             return 0.0, 0
         n = blocks.matched(self.hashes(blocks.block_size))
         return n * blocks.block_size * self.chunks / max(len(self.tokens), 1), n
+
+    def loaded_chunks(self, loaded_blocks: int, blocks: InstanceBlocks | None, expected: float) -> float | None:
+        """The chunks of the prompt `loaded_blocks` blocks loaded from the data system cover: by the block size
+        the instance's events tell, else the chunks the leg was `expected` to load (any load: all of them); None
+        where neither tells (a load nobody expected, blocks of unknown size)."""
+        if loaded_blocks <= 0:
+            return 0.0
+        if self.tokens and blocks is not None and blocks.block_size:
+            return min(loaded_blocks * blocks.block_size, len(self.tokens)) * self.chunks / len(self.tokens)
+        return expected or None
 
     def new_blocks(self, blocks: InstanceBlocks | None) -> int:
         """Full blocks of the prompt an instance would store that its cache does not hold (0 where not known)."""
