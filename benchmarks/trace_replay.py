@@ -4,7 +4,8 @@ share of prompt tokens seen before instead (0, 50 and 90 %).
 
     .venv/bin/python benchmarks/trace_replay.py [--trace FILE] [--requests N] [--conversations SHARE]
                                                 [--time-scale F] [--datasystem-mb MB] [--targets LIST]
-                                                [--sweep] [--out-dir DIR] [--keep-logs DIR]
+                                                [--sweep [--shares 0,50,90]] [--out-dir DIR]
+                                                [--keep-logs DIR]
                                                 [-- extra `yrpd bench run` options]
 
 Fake hosts (root needed): h1 holds both prefill instances (cores 0 and 1) and the proxy, so the proxy follows both
@@ -63,11 +64,18 @@ def main() -> int:
     parser.add_argument("--datasystem-mb", type=int, default=1024, help="data system memory per host [%(default)s]")
     parser.add_argument("--targets", help=f"[{TARGETS}; with --sweep {SWEEP_TARGETS}]")
     parser.add_argument("--sweep", action="store_true", help="the 0/50/90 %% sweep instead of the trace")
+    parser.add_argument("--shares", default=",".join(map(str, SWEEP)),
+                        help="with --sweep, the shares of prompt tokens seen before to run [%(default)s]")
     parser.add_argument("--out-dir", type=Path, default=Path("bench-trace"))
     parser.add_argument("--keep-logs", type=Path, metavar="DIR",
                         help="copy every host's session logs (proxy, instances, data system) here at the end")
     parser.add_argument("extra", nargs="*", help="more `yrpd bench run` options (after --)")
     args = parser.parse_args()
+    shares = [s.strip() for s in args.shares.split(",") if s.strip()]
+    unknown = [s for s in shares if not s.isdigit() or int(s) not in SWEEP]
+    if unknown or not shares:
+        parser.error(f"--shares: {','.join(unknown) or 'none given'}: choose among {','.join(map(str, SWEEP))}")
+    args.shares = [int(s) for s in shares]
     if not args.trace.is_file():
         parser.error(f"--trace: {args.trace} is not a file (the conversation trace is in ../shared/traces/)")
     return in_workdir("yrpd-trace-", run, args)
@@ -148,7 +156,7 @@ def breakdown(trace: Path, run_dir: Path) -> str:
 
 def sweep(args: argparse.Namespace, work: Path, hosts: list[str], yrpd) -> int:
     runs = []
-    for prefix, suffix, prefixes in SWEEP.values():
+    for prefix, suffix, prefixes in (SWEEP[share] for share in args.shares):
         runs.append(["--targets", args.targets or SWEEP_TARGETS, "--vllm-dataset", "prefix_repetition",
                      "--num-prompts", str(SWEEP_PROMPTS), "--max-concurrency", "4",
                      "--vllm-dataset-args", f"--prefix-repetition-prefix-len {prefix} --prefix-repetition-suffix-len "
