@@ -224,8 +224,18 @@ def test_prefix_routing_weighs_work_by_the_time_each_instance_was_measured_to_ta
     later = pool.acquire("prefill", prompt=prompt(cold.format(3)))
     assert later.instance is b and later.ahead == pytest.approx(10.0)
     pool.release(later)
-    pool.observe(later, 0, now=later.started + 1.0)  # a moving average over the instance's legs
-    assert b.chunk_s == pytest.approx(first_b + 0.2 * (1.0 / (10.0 + later.work) - first_b))
+    pool.observe(later, 0, now=later.started + 1.0)  # moving averages of seconds and chunks: a leg weighs by size
+    assert b.chunk_s == pytest.approx((0.5 + 0.2 * 0.5) / (other.work + 0.2 * (10.0 + later.work - other.work)))
+    assert min(first_b, 1.0 / (10.0 + later.work)) < b.chunk_s < max(first_b, 1.0 / (10.0 + later.work))
+    # a leg of a few chunks (a prompt its cache held) is mostly the cost every leg has: it teaches nothing
+    b.queued = 0.0  # (the other client's leg ended)
+    hit = pool.acquire("prefill", prompt=prompt(cold.format(3)))
+    assert hit.instance is b and hit.work < 8 and hit.ahead == 0
+    pool.release(hit)
+    before = b.chunk_s
+    pool.observe(hit, 0, now=hit.started + 0.3)
+    assert b.chunk_s == before
+    b.queued = 10.0
     # b takes about a quarter of a's time per chunk: a cold prompt goes there though 10 chunks wait there
     assert b.chunk_s < a.chunk_s / 3
     assert pool.select("prefill", prompt=prompt(cold.format(4))) is b
@@ -235,6 +245,21 @@ def test_prefix_routing_weighs_work_by_the_time_each_instance_was_measured_to_ta
     c = Pool(["http://a", "http://b"], [], Routing.prefix)
     c.of("prefill")[0].chunk_s = 0.3
     assert c.chunk_s(c.of("prefill")[1]) == pytest.approx(0.3) and c.chunk_s(c.of("prefill")[0]) == 0.3
+    # one measured slow gets no cold leg while its time is fresh; after RECENT_LEGS legs elsewhere it is taken for
+    # the others' mean again and gets the next one, which measures it anew
+    d = Pool(["http://a", "http://b"], [], Routing.prefix)
+    slow, fast = d.of("prefill")
+    slow.up = fast.up = True
+    slow.chunk_s, fast.chunk_s = 1.0, 0.1
+    for n in range(32):
+        leg = d.acquire("prefill", prompt=prompt(f"Cold prompt {n}: " + "words to compute here. " * 30))
+        assert leg.instance is fast, n
+        d.release(leg)
+    leg = d.acquire("prefill", prompt=prompt("Cold prompt 32: " + "words to compute here. " * 30))
+    assert leg.instance is slow and d.chunk_s(slow) == pytest.approx(0.1)
+    d.release(leg)
+    d.observe(leg, 0, now=leg.started + 0.05 * leg.work)
+    assert slow.chunk_s == pytest.approx(0.05) and slow.untimed_legs == 0
     state = {i["url"]: i for i in (i.as_dict() for i in pool.instances)}
     assert state["http://a"]["ms_per_chunk"] == pytest.approx(b.chunk_s * 1000, abs=0.01)
     assert "ms_per_chunk" not in c.of("prefill")[1].as_dict()

@@ -33,8 +33,12 @@ class Instance:
     #: prompt chunks given to its prefill legs lately, decaying with every prefill leg routed (prefix routing)
     recent: float = 0.0
     #: seconds its prefill legs took per prompt chunk computed, their own and those queued ahead of them: measured
-    #: (a moving average over its legs), None until a leg taught it (prefix routing)
+    #: (moving averages of legs' seconds and of their chunks, the one over the other, so a leg weighs by its
+    #: size), None until a leg taught it (prefix routing)
     chunk_s: float | None = None
+    timed: tuple[float, float] | None = field(default=None, repr=False)  # (seconds, chunks), the averages above
+    #: prefill legs routed to other instances since its last was timed: past RECENT_LEGS its own time is stale
+    untimed_legs: int = 0
     memory: PrefixMemory = field(default_factory=PrefixMemory, repr=False)
     #: its prefix cache as its KV-cache events tell (yrpd.proxy.kvfeed); None where the proxy has no feed of them
     blocks: InstanceBlocks | None = field(default=None, repr=False)
@@ -112,11 +116,13 @@ class Pool:
 
     def chunk_s(self, inst: Instance) -> float | None:
         """Seconds a chunk computed on `inst` takes: its own measure, else the mean of the others' (a new
-        instance), None while no leg has been measured (costs are then in chunks, the same order)."""
-        if inst.chunk_s is not None:
+        instance), None while no leg has been measured (costs are then in chunks, the same order). An instance
+        that got no leg for RECENT_LEGS prefill legs is taken for the others' mean again: one measured slow once
+        (a pause, a cold start) would otherwise never get the leg that measures it anew."""
+        if inst.chunk_s is not None and inst.untimed_legs < RECENT_LEGS:
             return inst.chunk_s
-        known = [i.chunk_s for i in self.of(inst.role) if i.chunk_s is not None]
-        return sum(known) / len(known) if known else None
+        known = [i.chunk_s for i in self.of(inst.role) if i.chunk_s is not None and i.untimed_legs < RECENT_LEGS]
+        return sum(known) / len(known) if known else inst.chunk_s
 
     def observe(self, lease: Lease, loaded_blocks: int | None, now: float | None = None) -> None:
         """A prefill leg finished (`loaded_blocks`: what its connector loaded from the data system; None when it
@@ -137,15 +143,21 @@ class Pool:
     def _time(self, lease: Lease, loaded_blocks: int, elapsed: float) -> None:
         # One leg's time is (chunks queued ahead + chunks it computed) x the instance's time per chunk + chunks it
         # loaded x the load's: a leg that loaded nothing measures the first, one that loaded the second (with the
-        # first known). Queued legs were partly done already, so this leans fast alike on every instance.
+        # first known). Queued legs were partly done already and legs sent after it may share its batches, so
+        # this is a rough measure: it leans fast on a busy instance, slow on one whose legs overlap.
         inst, prompt = lease.instance, lease.prompt
         loaded = prompt.loaded_chunks(loaded_blocks, inst.blocks, lease.loadable)
         if loaded is None:
             return
         computed = lease.ahead + prompt.work(lease.matched + loaded)
         if loaded == 0:
-            inst.chunk_s = _average(inst.chunk_s, elapsed / computed)
-        elif inst.chunk_s is not None:
+            # a leg of a few chunks is mostly what every leg costs (the HTTP round trip, one token): it would make
+            # the instance holding the hot prefixes, which gets the short legs, look slow
+            if computed >= LEARN_CHUNKS:
+                seconds, chunks = inst.timed or (elapsed, computed)
+                inst.timed = (_average(seconds, elapsed), _average(chunks, computed))
+                inst.chunk_s, inst.untimed_legs = inst.timed[0] / inst.timed[1], 0
+        elif inst.chunk_s is not None and loaded >= LEARN_CHUNKS:
             self.load_chunk_s = _average(self.load_chunk_s, max(0.0, elapsed - inst.chunk_s * computed) / loaded)
 
     def of(self, role: str) -> list[Instance]:
@@ -213,6 +225,8 @@ class Pool:
             if inst.role == "prefill":
                 for other in self.of("prefill"):
                     other.recent *= 1 - 1 / RECENT_LEGS
+                    if other is not inst:
+                        other.untimed_legs += 1
                 inst.recent += lease.work
         return lease
 
@@ -268,7 +282,8 @@ class Pool:
         def cost(i: Instance) -> float:
             # Expected seconds: this leg's wait and work, its work counted WORK_WEIGHT times (it also delays every
             # later leg there). Until a leg is measured, chunks: what a load costs then comes from LOAD_WEIGHT.
-            chunk = self.chunk_s(i) or 1.0
+            chunk = self.chunk_s(i)
+            chunk = 1.0 if chunk is None else chunk
             load = self.load_chunk_s if self.load_chunk_s is not None else chunk * LOAD_WEIGHT / WORK_WEIGHT
             fetch = loadable(i) * (found * load + (1 - found) * chunk)
             return chunk * (i.queued + WORK_WEIGHT * prompt.work(max(matched[i], stored))) + WORK_WEIGHT * fetch
