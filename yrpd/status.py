@@ -288,6 +288,8 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
         if row.url in seen_by_proxy:
             seen = seen_by_proxy[row.url]
             row.routed = {k: seen.get(k) for k in ("requests", "in_flight", "errors", "prefix_routed")}
+            if "ms_per_chunk" in seen:  # prefix routing's measure of the instance (yrpd.proxy.pool)
+                row.routed["ms_per_chunk"] = seen["ms_per_chunk"]
             if "kv_index" in seen:  # where the proxy follows KV-cache events (yrpd.proxy.kvfeed)
                 row.routed["kv_index"] = seen["kv_index"]
             index = row.routed.get("kv_index") or {}

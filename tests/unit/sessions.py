@@ -93,6 +93,7 @@ def answer(host: str, dead=(), restarts=0, unhealthy=(), proxy_ok=True, cluster=
     if host == "h1":
         serving["proxy"] = {"healthy": proxy_ok, "status": {"instances": [
             {"url": "http://10.0.0.1:8100", "up": True, "in_flight": 1, "requests": 7, "prefix_routed": 3,
+             "ms_per_chunk": 28.4,
              **({"kv_index": kv_index} if kv_index else {})},
             {"url": "http://10.0.0.2:8100", "up": proxy_ok, "in_flight": 0, "requests": 6, "prefix_routed": 0}],
             "degraded": degraded, "migrations": {"sent again": 1, "carried over": 2, "ended by the proxy": 0,

@@ -99,19 +99,23 @@ def test_counters_split_each_roles_prompt_tokens_by_where_their_kv_came_from(mon
     from yrpd.session import SessionPhase
     from yrpd.status import InstanceStatus, StatusReport
 
-    def inst(name, role, computed, cached, loaded):
+    def inst(name, role, computed, cached, loaded, routed=None):
         return InstanceStatus(name=name, role=role, host="h1", devices=[0], tp=1, dp=1, port=8100, url="u", pid=1,
-                              state="running", healthy=True,
+                              state="running", healthy=True, routed=routed,
                               probe={"prompt_tokens_computed": computed, "prompt_tokens_local_cache": cached,
                                      "prompt_tokens_loaded": loaded, "prompt_tokens": computed + cached + loaded})
 
     report = StatusReport(session="s", phase=SessionPhase.deployed, healthy=True, problems=[], hosts=[],
                           processes=[], proxy=None, cluster=None,
-                          instances=[inst("prefill-0", "prefill", 800, 2300, 0), inst("prefill-1", "prefill", 900, 0, 768),
+                          instances=[inst("prefill-0", "prefill", 800, 2300, 0, {"requests": 5, "ms_per_chunk": 31.5}),
+                                     inst("prefill-1", "prefill", 900, 0, 768, {"requests": 9}),
                                      inst("decode-0", "decode", 64, 128, 1536)])
     monkeypatch.setattr(api, "open_deployment", lambda sid: sid)
     monkeypatch.setattr(api, "status", lambda deployment: report)
-    total, _ = run.counters("s")
+    total, _, rates = run.counters("s")
+    # the legs the proxy sent each instance (a delta over the run, like every counter) and its measured time
+    assert total["legs_prefill-0"] == 5 and total["legs_prefill-1"] == 9 and "legs_decode-0" not in total
+    assert rates == {"prefill-0": 31.5}
     assert total["prefill_prompt_tokens_computed"] == 1700
     assert total["prefill_prompt_tokens_local_cache"] == 2300
     assert total["prefill_prompt_tokens_loaded"] == 768

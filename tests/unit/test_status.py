@@ -27,6 +27,8 @@ def test_a_healthy_deployment_reports_every_part(tmp_path):
     assert (decode.host, decode.state, decode.healthy, decode.probe["prompt_tokens_loaded"]) == ("h2", "running", True, 256)
     assert report.proxy.healthy and report.proxy.in_flight == 1 and report.proxy.instances_up["http://10.0.0.2:8100"]
     assert decode.routed == {"requests": 6, "in_flight": 0, "errors": None, "prefix_routed": 0}
+    prefill = next(i for i in report.instances if i.role == "prefill")
+    assert prefill.routed["ms_per_chunk"] == 28.4  # prefix routing's measured time, where the proxy has one
     assert report.cluster.healthy and report.cluster.mode == "ds_only" and report.cluster.master == "h1 (10.0.0.1)"
     assert {c.component for c in report.cluster.components} == {"etcd", "ds_master", "ds_worker"}
     # one round trip per host, and the cluster asked because the journal says it was started

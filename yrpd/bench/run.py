@@ -178,9 +178,10 @@ DS_HITS = ("hits_memory", "hits_disk", "misses")  # the data system workers' own
 TOKEN_SOURCES = ("prompt_tokens_computed", "prompt_tokens_local_cache", "prompt_tokens_loaded")
 
 
-def counters(session_id: str) -> tuple[dict, dict]:
-    """Counters summed over the instances and the data system workers (what `yrpd status` reports), and the
-    workers' use of memory and disk now (MB)."""
+def counters(session_id: str) -> tuple[dict, dict, dict]:
+    """Counters summed over the instances and the data system workers (what `yrpd status` reports; with the legs
+    the proxy sent each instance, `legs_<instance>`), the workers' use of memory and disk now (MB), and the time
+    per prompt chunk prefix routing measured for each instance now ({instance: ms}; empty without it)."""
     report = api.status(api.open_deployment(session_id))
     blocks = ("loaded_blocks", "saved_blocks", "handoff_missed_blocks")
     total = {"external_cache_hit_tokens": 0.0, "prompt_tokens": 0.0, **{key: 0 for key in blocks},
@@ -193,6 +194,9 @@ def counters(session_id: str) -> tuple[dict, dict]:
             total[f"{inst.role}_{key}"] = total.get(f"{inst.role}_{key}", 0.0) + (inst.probe.get(key) or 0)
         for key in blocks:
             total[key] += (inst.connector or {}).get(key) or 0
+        if inst.routed is not None:
+            total[f"legs_{inst.name}"] = inst.routed.get("requests") or 0
+    rates = {i.name: i.routed["ms_per_chunk"] for i in report.instances if (i.routed or {}).get("ms_per_chunk")}
     use = {"memory_mb": 0.0, "memory_limit_mb": 0.0, "disk_mb": 0.0, "disk_limit_mb": 0.0, "objects": 0}
     workers = [c.cache for c in (report.cluster.components if report.cluster else [])
                if c.cache and "error" not in c.cache]
@@ -203,7 +207,7 @@ def counters(session_id: str) -> tuple[dict, dict]:
             use[f"{key}_mb"] += round(cache[f"{key}_used"] / 2**20, 1)
             use[f"{key}_limit_mb"] += round(cache[f"{key}_limit"] / 2**20, 1)
         use["objects"] += cache["objects"]
-    return total, use if workers else {}
+    return total, use if workers else {}, rates
 
 
 def serve_argv(load: "Load", url: str, model: str, out_dir: Path, name: str) -> list[str]:
@@ -481,7 +485,7 @@ def measure(current: str, target: str, request: BenchRequest, load: Load, out_di
     """`request.repeat` runs of the load against the deployed target: medians, spread, counters over all runs."""
     deployed = api.open_deployment(current)
     url = endpoint_url(deployed.spec, deployed.plan)
-    before, _ = counters(current)
+    before, _, _ = counters(current)
     runs, ttfts, names, input_lens = [], [], [], set()
     started = time.monotonic()
     for n in range(request.repeat):
@@ -493,12 +497,13 @@ def measure(current: str, target: str, request: BenchRequest, load: Load, out_di
         ttfts += [round(t * 1000, 2) for t in raw.get("ttfts", []) if t]
         input_lens.add(hashlib.sha256(json.dumps(raw.get("input_lens")).encode()).hexdigest())
     time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the last land
-    after, use = counters(current)
+    after, use, rates = counters(current)
     metrics, spread = summarize(runs)
     return {"description": TARGETS[target], "session": current, "url": url,
             "wall_s": round(time.monotonic() - started, 1), "metrics": metrics, "spread": spread,
             "runs": runs if request.repeat > 1 else [], "runs_named": names,
             # the prompts' lengths as vLLM counted them, hashed: the same for every target of one run
             "input_lens_sha256": sorted(input_lens), "ttfts_ms": ttfts,
-            "counters": {k: after[k] - before[k] for k in after},
+            "counters": {k: after[k] - before.get(k, 0) for k in after},
+            "ms_per_chunk": rates,  # prefix routing's measure of each instance at the end
             "data_system": use}  # at the end of the run; empty where no worker reported
