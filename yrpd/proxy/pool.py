@@ -137,7 +137,7 @@ class Pool:
         self.stored.remember(lease.prompt.chain)
         if lease.loadable >= LEARN_CHUNKS:
             found = 1.0 if loaded_blocks > 0 else 0.0
-            self.loadable_found += LEARN_RATE * (found - self.loadable_found)
+            self.loadable_found = _average(self.loadable_found, found)
         self._time(lease, loaded_blocks, (time.monotonic() if now is None else now) - lease.started)
 
     def _time(self, lease: Lease, loaded_blocks: int, elapsed: float) -> None:
