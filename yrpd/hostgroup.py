@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -244,6 +245,12 @@ def local_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _CONTROLLER_ONLY}
 
 
+def part_name(name: str) -> str:
+    """The name an upload is written under before its rename: its own for each upload, because hosts may share
+    the directory (an NFS session root) and their uploads run at once."""
+    return f".{name}.{uuid.uuid4().hex[:12]}.part"
+
+
 class LocalRunner:
     def __init__(self, host: Host):
         self.host = host
@@ -255,7 +262,7 @@ class LocalRunner:
             if not fresh and target.is_file() and target.stat().st_size == source.stat().st_size:
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
-            part = target.with_name(target.name + ".part")
+            part = target.with_name(part_name(target.name))
             shutil.copyfile(source, part)
             part.rename(target)
 
@@ -372,8 +379,9 @@ class SshRunner:
             if parent not in made:
                 conn.run(f"mkdir -p {shlex.quote(parent)}", hide=True, in_stream=False)
                 made.add(parent)
-            sftp.put(str(source), dest + ".part")
-            sftp.posix_rename(dest + ".part", dest)
+            part = f"{parent}/{part_name(Path(dest).name)}"
+            sftp.put(str(source), part)
+            sftp.posix_rename(part, dest)
 
     def run(self, command: Command, on_line: Callable[[str, str], None] | None = None) -> HostResult:
         started = time.monotonic()

@@ -129,6 +129,28 @@ def test_host_bundle_carries_only_host_side_code_and_travels_as_an_upload_not_in
     assert len(command.script) < 2000 and remote in command.script
 
 
+def test_every_hosts_copy_step_gets_the_bundle_when_they_run_at_once_in_one_deploy(yrpd_home, monkeypatch):
+    """A deploy's hosts run the copy step in parallel threads of one process: the first deploy on a machine (no
+    bundle there yet) must give every host the bundle, not an internal error for all but one."""
+    import base64
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    digest, encoded = bundle()
+    for attempt in range(20):  # each attempt starts without the file, as a first deploy does
+        monkeypatch.setenv("YRPD_HOME", str(yrpd_home / f"home{attempt}"))
+        start = threading.Barrier(8)
+
+        def copy() -> Path:
+            start.wait()
+            return bundle_file()
+
+        with ThreadPoolExecutor(8) as pool:
+            paths = [f.result() for f in [pool.submit(copy) for _ in range(8)]]
+        assert len(set(paths)) == 1 and paths[0].read_bytes() == base64.b64decode(encoded)
+        assert [p.name for p in paths[0].parent.iterdir()] == [f"yrpd-{digest}.tgz"]  # no part file left behind
+
+
 def test_hosts_sharing_env_root_unpack_the_bundle_at_once_and_all_succeed(tmp_path):
     """Fake hosts (and NFS-mounted /opt) share env_root: parallel copies of one bundle must not collide."""
     import subprocess

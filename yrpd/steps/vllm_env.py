@@ -15,6 +15,7 @@ import io
 import os
 import shlex
 import tarfile
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -55,9 +56,13 @@ def bundle_file() -> Path:
     path = yrpd_home() / "bundles" / f"yrpd-{digest}.tgz"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_name(f"{path.name}.{os.getpid()}.part")
-        part.write_bytes(base64.b64decode(encoded))
-        part.rename(path)
+        # the hosts' steps call this from parallel threads of one process: each writes a file of its own (a pid
+        # alone is shared), and the last rename wins with the same bytes
+        fd, part = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".part")
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as out:
+            out.write(base64.b64decode(encoded))
+        os.replace(part, path)
     return path
 
 
