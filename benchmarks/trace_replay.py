@@ -15,7 +15,8 @@ trace` scales the trace (a share of whole conversations, time compressed; its fa
 and in <out-dir>/trace.jsonl.meta.json), then one `yrpd bench run` replays it with vLLM's own timed_trace dataset
 against each target in turn, each a fresh deployment: `pd-rr` (round-robin), `pd-load` (requests in flight),
 `pd-estimate` (prefix routing on what the proxy sent where), `pd` (prefix routing on the instances' KV-cache events)
-and `pd-oracle` (the same, brought up to the moment from each instance's replay socket before every leg). The data
+and `pd-oracle` (the same, brought up to the moment before every leg from the replay socket of each instance
+whose events lag an ended leg). The data
 system gets --datasystem-mb per host (1024, yrpd's default): it carries the hand-over of every prompt from prefill to
 decode as well as the prefixes, so one smaller than the prompts in flight (64 holds about 1,400 float32 tokens of
 SmolLM2, concurrency 64 sends dozens of 400-token prompts at once) evicts hand-overs before decode loads them, and

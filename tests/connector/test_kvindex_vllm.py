@@ -290,6 +290,48 @@ def test_the_proxys_feeds_say_when_they_cannot_see_a_cache_and_see_again(tmp_pat
     asyncio.run(scenario())
 
 
+def test_the_exact_mode_asks_a_replay_only_of_a_copy_that_may_lack_an_ended_legs_blocks(tmp_path):
+    """The oracle's catch-up (Feeds.catch_up) against vLLM's publisher: a copy that heard a batch after the ended leg
+    began is taken as up to date, with no round trip (vLLM serves a replay after up to 0.1 s); one that heard none
+    since asks the replay socket and gets the blocks the subscription has not delivered, once."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    from yrpd.proxy.kvfeed import Feeds
+
+    pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    sources = {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay,
+                     "topic": ""}}
+    url = "http://127.0.0.1:8100"
+
+    async def scenario():
+        feeds = Feeds(lag_s=5)
+        publisher = ZmqEventPublisher(0, endpoint=pub, replay_endpoint=replay)
+        assert await feeds.attach(url, sources, "127.0.0.1", local=True) is None
+        w = feeds.watch(url)
+        await asyncio.sleep(0.3)  # the subscription is up
+        t0 = time.monotonic()
+        publisher.publish(stored(1, 2))
+        await until(lambda: w.blocks.held == {1, 2}, "the first batch never arrived")
+        replays = w.feed.replays
+        feeds.leg_stored(url, t0, 2)  # its batch came by the subscription
+        assert await feeds.catch_up([url]) == 0 and w.feed.replays == replays
+
+        # the subscription stops delivering: a leg's blocks are published, and the exact mode fetches them
+        w.task.cancel()
+        await asyncio.sleep(0.1)
+        t1 = time.monotonic()
+        publisher.publish(stored(3))
+        await asyncio.sleep(0.3)
+        assert 3 not in w.blocks.held
+        feeds.leg_stored(url, t1, 1)
+        assert await feeds.catch_up([url]) == 1 and w.blocks.held == {1, 2, 3} and w.feed.replays == replays + 1
+        assert await feeds.catch_up([url]) == 0 and w.feed.replays == replays + 1  # once caught up, no more
+        publisher.shutdown()
+        await feeds.close()
+
+    asyncio.run(scenario())
+
+
 def test_through_a_hosts_relay_the_proxy_follows_an_instance_on_another_host_and_only_with_its_key(tmp_path):
     """The relay (yrpd.proxy.kvrelay) beside instances publishing on unix sockets, reached over tcp with CURVE: the
     proxy's feeds sync from it, follow the instance's batches under its name, fill a gap through it, and an instance

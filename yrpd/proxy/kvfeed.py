@@ -230,6 +230,9 @@ class Watch:
     unseen: str = "not asked yet"
     #: a prefill leg that should have stored blocks ended: (when it started, by when a batch must have come)
     expect: tuple[float, float] | None = None
+    #: the latest start of a prefill leg that stored blocks and ended before any batch came after that start: the
+    #: copy may lack its blocks until one does (the exact mode asks the replay socket then, and only then)
+    behind: float | None = None
 
 
 class Feeds:
@@ -291,19 +294,36 @@ class Feeds:
         w.task = asyncio.get_running_loop().create_task(w.feed.run())
         return None
 
-    async def catch_up(self, urls) -> None:
-        """Bring the copies of these instances (URLs) that are seeing up to this moment from their replay sockets,
-        all at once (the exact mode: `--kv-exact`)."""
-        feeds = [w.feed for url in urls if (w := self.watches.get(url)) is not None and w.feed is not None
-                 and w.blocks.sight is Sight.seeing]
-        await asyncio.gather(*(feed.catch_up() for feed in feeds))
+    async def catch_up(self, urls) -> int:
+        """Bring the copies of these instances (URLs) that are seeing up to this moment, all at once (the exact
+        mode: `--kv-exact`). Only a copy that may lack an ended leg's blocks (no batch since that leg began) asks
+        its replay socket: the others already have every batch published before this moment but the few in the
+        pipe, and a round trip costs up to vLLM's 0.1 s wait (docs/dev/kv-events.md). Returns the round trips."""
+        behind = []
+        for url in urls:
+            w = self.watches.get(url)
+            if w is None or w.feed is None or w.behind is None or w.blocks.sight is not Sight.seeing:
+                continue
+            if w.feed.last_batch_at is not None and w.feed.last_batch_at >= w.behind:
+                w.behind = None  # the subscription has delivered since
+            else:
+                behind.append(w)
+        done = await asyncio.gather(*(w.feed.catch_up() for w in behind))
+        for w, caught in zip(behind, done):
+            if caught:
+                w.behind = None
+        return len(behind)
 
     def leg_stored(self, url: str, started: float, blocks: int) -> None:
         """A prefill leg that began at `started` (time.monotonic()) ended, after which the instance holds `blocks`
         more full blocks: a batch must come within lag_s."""
         w = self.watches.get(url)
-        if w is not None and w.feed is not None and blocks > 0 and w.expect is None:
+        if w is None or w.feed is None or blocks <= 0:
+            return
+        if w.expect is None:
             w.expect = (started, time.monotonic() + self.lag_s)
+        if w.feed.last_batch_at is None or w.feed.last_batch_at < started:
+            w.behind = started if w.behind is None else max(w.behind, started)
 
     def check(self, now: float | None = None) -> list[str]:
         """Each probe round: the instances whose events stayed away after a leg that stored blocks go blind.
