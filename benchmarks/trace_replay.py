@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -130,7 +131,8 @@ def seen_shares(trace: Path) -> list[float]:
 
 def breakdown(trace: Path, run_dir: Path) -> str:
     """Each target's mean TTFT over the requests of each class of BUCKETS, from vLLM's per-request results (in the
-    order sent: the trace's), as Markdown."""
+    order sent: the trace's), as Markdown. A repeated run (`-- --repeat N`): the median of its runs' means, with
+    their range, as the report gives its metrics."""
     shares = seen_shares(trace)
     doc = json.loads((run_dir / "results.json").read_text())
     targets, prov = doc["targets"], doc["provenance"]
@@ -143,13 +145,20 @@ def breakdown(trace: Path, run_dir: Path) -> str:
         picked = [n for n, s in enumerate(shares) if low <= s < high]
         cells = []
         for name in targets:
-            raw = run_dir / f"{name}.json"
-            if not raw.is_file():
+            raws = [run_dir / f"{name}.json"] if (run_dir / f"{name}.json").is_file() else \
+                sorted(run_dir.glob(f"{name}-run*.json"), key=lambda f: int(f.stem.rpartition("-run")[2]))
+            means = []
+            for raw in raws:
+                ttfts = json.loads(raw.read_text())["ttfts"]
+                got = [ttfts[n] for n in picked if n < len(ttfts) and ttfts[n]]
+                if got:
+                    means.append(1000 * sum(got) / len(got))
+            if not means:
                 cells.append("-")
-                continue
-            ttfts = json.loads(raw.read_text())["ttfts"]
-            got = [ttfts[n] for n in picked if n < len(ttfts) and ttfts[n]]
-            cells.append(f"{1000 * sum(got) / len(got):,.0f}" if got else "-")
+            elif len(means) == 1:
+                cells.append(f"{means[0]:,.0f}")
+            else:
+                cells.append(f"{statistics.median(means):,.0f} ({min(means):,.0f}-{max(means):,.0f})")
         rows.append(f"| {label} | {len(picked)} | " + " | ".join(cells) + " |")
     head = "| requests | count | " + " | ".join(f"{n} mean TTFT (ms)" for n in targets) + " |"
     return "\n".join([*title, head, "|---|---|" + "---|" * len(targets), *rows]) + "\n"
