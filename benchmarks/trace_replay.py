@@ -16,7 +16,7 @@ and in <out-dir>/trace.jsonl.meta.json), then one `yrpd bench run` replays it wi
 against each target in turn, each a fresh deployment: `pd-rr` (round-robin), `pd-load` (requests in flight),
 `pd-estimate` (prefix routing on what the proxy sent where), `pd` (prefix routing on the instances' KV-cache events)
 and `pd-oracle` (the same, brought up to the moment before every leg from the replay socket of each instance
-whose events lag an ended leg). The data
+whose events lack an ended leg's last block). The data
 system gets --datasystem-mb per host (1024, yrpd's default): it carries the hand-over of every prompt from prefill to
 decode as well as the prefixes, so one smaller than the prompts in flight (64 holds about 1,400 float32 tokens of
 SmolLM2, concurrency 64 sends dozens of 400-token prompts at once) evicts hand-overs before decode loads them, and
@@ -145,8 +145,11 @@ def breakdown(trace: Path, run_dir: Path) -> str:
         picked = [n for n, s in enumerate(shares) if low <= s < high]
         cells = []
         for name in targets:
-            raws = [run_dir / f"{name}.json"] if (run_dir / f"{name}.json").is_file() else \
-                sorted(run_dir.glob(f"{name}-run*.json"), key=lambda f: int(f.stem.rpartition("-run")[2]))
+            if targets[name].get("error"):
+                cells.append("-")
+                continue
+            raws = [run_dir / f"{n}.json" for n in (targets[name].get("runs_named") or [name])]
+            raws = [raw for raw in raws if raw.is_file()]
             means = []
             for raw in raws:
                 ttfts = json.loads(raw.read_text())["ttfts"]
@@ -160,7 +163,9 @@ def breakdown(trace: Path, run_dir: Path) -> str:
             else:
                 cells.append(f"{statistics.median(means):,.0f} ({min(means):,.0f}-{max(means):,.0f})")
         rows.append(f"| {label} | {len(picked)} | " + " | ".join(cells) + " |")
-    head = "| requests | count | " + " | ".join(f"{n} mean TTFT (ms)" for n in targets) + " |"
+    several = any(len(t.get("runs_named") or []) > 1 for t in targets.values())
+    what = "median of the runs' mean TTFT (ms) (range)" if several else "mean TTFT (ms)"
+    head = "| requests | count | " + " | ".join(f"{n} {what}" for n in targets) + " |"
     return "\n".join([*title, head, "|---|---|" + "---|" * len(targets), *rows]) + "\n"
 
 

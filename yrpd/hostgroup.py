@@ -19,6 +19,7 @@ creating and removing the container) still runs on the host itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -263,8 +264,12 @@ class LocalRunner:
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             part = target.with_name(part_name(target.name))
-            shutil.copyfile(source, part)
-            part.rename(target)
+            try:
+                shutil.copyfile(source, part)
+                part.rename(target)
+            except BaseException:
+                part.unlink(missing_ok=True)
+                raise
 
     def run(self, command: Command, on_line: Callable[[str, str], None] | None = None) -> HostResult:
         started = time.monotonic()
@@ -380,8 +385,13 @@ class SshRunner:
                 conn.run(f"mkdir -p {shlex.quote(parent)}", hide=True, in_stream=False)
                 made.add(parent)
             part = f"{parent}/{part_name(Path(dest).name)}"
-            sftp.put(str(source), part)
-            sftp.posix_rename(part, dest)
+            try:
+                sftp.put(str(source), part)
+                sftp.posix_rename(part, dest)
+            except BaseException:
+                with contextlib.suppress(Exception):  # a lost link leaves it to the session's removal
+                    sftp.remove(part)
+                raise
 
     def run(self, command: Command, on_line: Callable[[str, str], None] | None = None) -> HostResult:
         started = time.monotonic()

@@ -702,8 +702,8 @@ class ServingSection(BaseModel):
     #: what it sent where. `round-robin` routing sends each leg to the next instance in turn (a benchmark's baseline)
     routing_kv_events: bool = True
     #: with the events followed: before each leg is routed, the proxy also fetches what they have not delivered yet
-    #: from the replay socket of each instance whose copy may lack an ended leg's blocks (no batch since that leg
-    #: began), so it routes on the caches exactly as they are (the `pd-oracle` target of `yrpd bench`)
+    #: from the replay socket of each instance whose copy lacks the last block of a leg that ended there, so it
+    #: routes on the caches exactly as they are (the `pd-oracle` target of `yrpd bench`)
     routing_kv_exact: bool = False
     #: address the proxy listens on; default the master's cluster address (127.0.0.1 for localhost)
     proxy_host: str | None = None

@@ -290,10 +290,11 @@ def test_the_proxys_feeds_say_when_they_cannot_see_a_cache_and_see_again(tmp_pat
     asyncio.run(scenario())
 
 
-def test_the_exact_mode_asks_a_replay_only_of_a_copy_that_may_lack_an_ended_legs_blocks(tmp_path):
-    """The oracle's catch-up (Feeds.catch_up) against vLLM's publisher: a copy that heard a batch after the ended leg
-    began is taken as up to date, with no round trip (vLLM serves a replay after up to 0.1 s); one that heard none
-    since asks the replay socket and gets the blocks the subscription has not delivered, once."""
+def test_the_exact_mode_asks_a_replay_only_of_a_copy_that_lacks_an_ended_legs_last_block(tmp_path):
+    """The oracle's catch-up (Feeds.catch_up) against vLLM's publisher: a copy that holds the last block of every leg
+    that ended there makes no round trip (vLLM serves a replay after up to 0.1 s); one that lacks it, though other
+    batches came meanwhile, asks the replay socket, gets the blocks the subscription has not delivered, and asks
+    once; a leg that ends while that replay is on its way is asked for again."""
     from vllm.distributed.kv_events import ZmqEventPublisher
 
     from yrpd.proxy.kvfeed import Feeds
@@ -309,23 +310,34 @@ def test_the_exact_mode_asks_a_replay_only_of_a_copy_that_may_lack_an_ended_legs
         assert await feeds.attach(url, sources, "127.0.0.1", local=True) is None
         w = feeds.watch(url)
         await asyncio.sleep(0.3)  # the subscription is up
-        t0 = time.monotonic()
         publisher.publish(stored(1, 2))
         await until(lambda: w.blocks.held == {1, 2}, "the first batch never arrived")
         replays = w.feed.replays
-        feeds.leg_stored(url, t0, 2)  # its batch came by the subscription
+        feeds.leg_stored(url, time.monotonic(), 2, last=2)  # its last block came by the subscription
         assert await feeds.catch_up([url]) == 0 and w.feed.replays == replays
 
-        # the subscription stops delivering: a leg's blocks are published, and the exact mode fetches them
+        # the subscription stops delivering; a batch of another leg came, but not this leg's last block
         w.task.cancel()
         await asyncio.sleep(0.1)
-        t1 = time.monotonic()
-        publisher.publish(stored(3))
+        publisher.publish(stored(3, 4))
         await asyncio.sleep(0.3)
-        assert 3 not in w.blocks.held
-        feeds.leg_stored(url, t1, 1)
-        assert await feeds.catch_up([url]) == 1 and w.blocks.held == {1, 2, 3} and w.feed.replays == replays + 1
-        assert await feeds.catch_up([url]) == 0 and w.feed.replays == replays + 1  # once caught up, no more
+        assert 4 not in w.blocks.held
+        feeds.leg_stored(url, time.monotonic(), 2, last=4)
+        assert await feeds.catch_up([url]) == 1 and w.blocks.held == {1, 2, 3, 4} and w.feed.replays == replays + 1
+        assert await feeds.catch_up([url]) == 0 and w.feed.replays == replays + 1  # once it holds it, no more
+
+        # a leg ends while a replay is on its way: that replay cannot answer for it, so it stays awaited
+        publisher.publish(stored(5))
+        await asyncio.sleep(0.3)
+        feeds.leg_stored(url, time.monotonic(), 1, last=5)
+        first = asyncio.ensure_future(feeds.catch_up([url]))
+        await asyncio.sleep(0)  # the replay is asked
+        feeds.leg_stored(url, time.monotonic(), 1, last=6)  # its batch is published after that replay's answer
+        assert await first == 1 and 5 in w.blocks.held and w.awaited == {6}
+        publisher.publish(stored(6))
+        await asyncio.sleep(0.3)
+        assert await feeds.catch_up([url]) == 1 and 6 in w.blocks.held
+        assert not w.awaited and await feeds.catch_up([url]) == 0
         publisher.shutdown()
         await feeds.close()
 

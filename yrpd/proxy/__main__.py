@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "on other hosts come through it")
     p.add_argument("--kv-exact", action="store_true",
                    help="before routing each leg, fetch what the instances' KV-cache events have not delivered yet "
-                        "from their replay sockets (exact caches for a round trip each: a benchmark's oracle)")
+                        "from the replay socket of each instance whose copy lacks the last block of a leg that ended "
+                        "there (exact caches: a benchmark's oracle)")
     args = p.parse_args(argv)
     if not args.instances_file and not (args.prefill and args.decode):
         p.error("give --prefill and --decode, or --instances-file")

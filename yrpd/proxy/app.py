@@ -126,8 +126,9 @@ class ProxyConfig:
     kv_events: bool = True
     #: the PYTHONHASHSEED the instances run with (None: unset): the first block hash starts from it
     kv_hash_seed: str | None = None
-    #: before each leg is routed, fetch what the instances' events have not delivered yet from their replay sockets:
-    #: the caches exactly as they are, for a round trip per instance (the oracle of `yrpd bench`)
+    #: before each leg is routed, fetch what the instances' events have not delivered yet from the replay socket of
+    #: each instance whose copy lacks the last block of a leg that ended there: the caches exactly as they are (the
+    #: oracle of `yrpd bench`)
     kv_exact: bool = False
     #: the port of each other host's KV-event relay, and the CURVE keys to reach it (its public key, the proxy's pair)
     kv_relay_port: int | None = None
@@ -597,7 +598,8 @@ class Proxy:
         lease = request[_CALL].prefill_lease
         if lease is not None:
             self.pool.observe(lease, _loaded_blocks(kv))
-            self.feeds.leg_stored(inst.url, t0, lease.new_blocks)
+            last = lease.prompt.last_block(inst.blocks) if lease.prompt is not None else None
+            self.feeds.leg_stored(inst.url, t0, lease.new_blocks, last)
         return kv
 
     def _goes_on(self, request: web.Request, exc: Exception, tries: int) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .kvindex import InstanceBlocks, Sight, decode_batch, events_of
 from .kvrelay import topic as relay_topic
@@ -230,9 +230,11 @@ class Watch:
     unseen: str = "not asked yet"
     #: a prefill leg that should have stored blocks ended: (when it started, by when a batch must have come)
     expect: tuple[float, float] | None = None
-    #: the latest start of a prefill leg that stored blocks and ended before any batch came after that start: the
-    #: copy may lack its blocks until one does (the exact mode asks the replay socket then, and only then)
-    behind: float | None = None
+    #: the last block of each prefill leg that ended there while the copy lacked it (the exact mode asks the replay
+    #: socket while any is missing, and only then)
+    awaited: set[int] = field(default_factory=set)
+    #: the exact mode's catch-up in flight: concurrent legs wait on the one round trip
+    catching: asyncio.Future | None = None
 
 
 class Feeds:
@@ -296,34 +298,40 @@ class Feeds:
 
     async def catch_up(self, urls) -> int:
         """Bring the copies of these instances (URLs) that are seeing up to this moment, all at once (the exact
-        mode: `--kv-exact`). Only a copy that may lack an ended leg's blocks (no batch since that leg began) asks
-        its replay socket: the others already have every batch published before this moment but the few in the
-        pipe, and a round trip costs up to vLLM's 0.1 s wait (docs/dev/kv-events.md). Returns the round trips."""
-        behind = []
+        mode: `--kv-exact`). Only a copy that lacks the last block of a leg that ended there asks its replay socket
+        (a round trip costs up to vLLM's 0.1 s wait, docs/dev/kv-events.md); a catch-up in flight is shared.
+        Returns the round trips this call waited on."""
+        waits = []
         for url in urls:
             w = self.watches.get(url)
-            if w is None or w.feed is None or w.behind is None or w.blocks.sight is not Sight.seeing:
+            if w is None or w.feed is None or w.feed.replay is None or w.blocks.sight is not Sight.seeing:
                 continue
-            if w.feed.last_batch_at is not None and w.feed.last_batch_at >= w.behind:
-                w.behind = None  # the subscription has delivered since
-            else:
-                behind.append(w)
-        done = await asyncio.gather(*(w.feed.catch_up() for w in behind))
-        for w, caught in zip(behind, done):
-            if caught:
-                w.behind = None
-        return len(behind)
+            w.awaited = {h for h in w.awaited if h not in w.blocks.held}  # the subscription delivered the others
+            if not w.awaited:
+                continue
+            if w.catching is None or w.catching.done():
+                w.catching = asyncio.ensure_future(self._catch_up(w, set(w.awaited)))
+            waits.append(w.catching)
+        await asyncio.gather(*waits)
+        return len(waits)
 
-    def leg_stored(self, url: str, started: float, blocks: int) -> None:
+    @staticmethod
+    async def _catch_up(w: Watch, asked: set[int]) -> None:
+        if await w.feed.catch_up():
+            # what the replay did not bring is gone (evicted) or never was: not asked again. A leg ended while this
+            # was on its way stays awaited.
+            w.awaited -= asked
+
+    def leg_stored(self, url: str, started: float, blocks: int, last: int | None = None) -> None:
         """A prefill leg that began at `started` (time.monotonic()) ended, after which the instance holds `blocks`
-        more full blocks: a batch must come within lag_s."""
+        more full blocks, the prompt's last one `last` (its hash, where known): a batch must come within lag_s."""
         w = self.watches.get(url)
         if w is None or w.feed is None or blocks <= 0:
             return
         if w.expect is None:
             w.expect = (started, time.monotonic() + self.lag_s)
-        if w.feed.last_batch_at is None or w.feed.last_batch_at < started:
-            w.behind = started if w.behind is None else max(w.behind, started)
+        if last is not None and last not in w.blocks.held:
+            w.awaited.add(last)
 
     def check(self, now: float | None = None) -> list[str]:
         """Each probe round: the instances whose events stayed away after a leg that stored blocks go blind.

@@ -154,6 +154,14 @@ class Prompt:
             return 0
         return len(self.hashes(blocks.block_size)) - held[1]
 
+    def last_block(self, blocks: InstanceBlocks | None) -> int | None:
+        """The hash of the prompt's last full block by an instance's block size (None where not known): a leg there
+        has stored it by the time it answers."""
+        if self.tokens is None or blocks is None or not blocks.block_size:
+            return None
+        hashes = self.hashes(blocks.block_size)
+        return hashes[-1] if hashes else None
+
 
 class PrefixMemory:
     """The chains one instance was sent, most recent last."""

@@ -59,10 +59,14 @@ def bundle_file() -> Path:
         # the hosts' steps call this from parallel threads of one process: each writes a file of its own (a pid
         # alone is shared), and the last rename wins with the same bytes
         fd, part = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".part")
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as out:
-            out.write(base64.b64decode(encoded))
-        os.replace(part, path)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                os.fchmod(out.fileno(), 0o644)
+                out.write(base64.b64decode(encoded))
+            os.replace(part, path)
+        except BaseException:
+            Path(part).unlink(missing_ok=True)
+            raise
     return path
 
 
