@@ -223,6 +223,27 @@ def test_catching_up_sees_a_cache_before_its_events_arrive_and_their_late_arriva
     asyncio.run(scenario())
 
 
+def publisher_sockets(tmp_path) -> tuple[str, str, dict]:
+    """One instance's publisher on unix sockets: (its endpoint, its replay endpoint, what its /kv_event_sources
+    answers)."""
+    pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    return pub, replay, {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub,
+                               "replay_endpoint": replay, "topic": ""}}
+
+
+async def following(tmp_path, url: str, lag_s: float):
+    """The proxy's feeds attached to a vLLM publisher of their own: (the feeds, the publisher)."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    from yrpd.proxy.kvfeed import Feeds
+
+    pub, replay, sources = publisher_sockets(tmp_path)
+    feeds = Feeds(lag_s=lag_s)
+    publisher = ZmqEventPublisher(0, endpoint=pub, replay_endpoint=replay)
+    assert await feeds.attach(url, sources, "127.0.0.1", local=True) is None
+    return feeds, publisher
+
+
 def test_the_proxys_feeds_say_when_they_cannot_see_a_cache_and_see_again(tmp_path):
     """What the proxy does with vLLM's publisher (yrpd.proxy.kvfeed.Feeds), on ipc sockets: subscribing syncs from
     the replay socket (an instance with nothing published yet is seen, empty); a publisher that goes silent after a
@@ -231,18 +252,13 @@ def test_the_proxys_feeds_say_when_they_cannot_see_a_cache_and_see_again(tmp_pat
     the reason is kept. The controls: a feed that hears its batch in time stays seeing."""
     from vllm.distributed.kv_events import ZmqEventPublisher
 
-    from yrpd.proxy.kvfeed import Feeds
     from yrpd.proxy.pool import Pool
 
-    pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
-    sources = {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay,
-                     "topic": ""}}
+    pub, replay, sources = publisher_sockets(tmp_path)
     url = "http://127.0.0.1:8100"
 
     async def scenario():
-        feeds = Feeds(lag_s=0.5)
-        publisher = ZmqEventPublisher(0, endpoint=pub, replay_endpoint=replay)
-        assert await feeds.attach(url, sources, "127.0.0.1", local=True) is None
+        feeds, publisher = await following(tmp_path, url, lag_s=0.5)
         blocks = feeds.watch(url).blocks
         assert blocks.sight is kvindex.Sight.seeing and blocks.held == set()  # alive, holding nothing yet
         await asyncio.sleep(0.3)  # the subscription is up
@@ -295,19 +311,10 @@ def test_the_exact_mode_asks_a_replay_only_of_a_copy_that_lacks_an_ended_legs_la
     that ended there makes no round trip (vLLM serves a replay after up to 0.1 s); one that lacks it, though other
     batches came meanwhile, asks the replay socket, gets the blocks the subscription has not delivered, and asks
     once; a leg that ends while that replay is on its way is asked for again."""
-    from vllm.distributed.kv_events import ZmqEventPublisher
-
-    from yrpd.proxy.kvfeed import Feeds
-
-    pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
-    sources = {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay,
-                     "topic": ""}}
     url = "http://127.0.0.1:8100"
 
     async def scenario():
-        feeds = Feeds(lag_s=5)
-        publisher = ZmqEventPublisher(0, endpoint=pub, replay_endpoint=replay)
-        assert await feeds.attach(url, sources, "127.0.0.1", local=True) is None
+        feeds, publisher = await following(tmp_path, url, lag_s=5)
         w = feeds.watch(url)
         await asyncio.sleep(0.3)  # the subscription is up
         publisher.publish(stored(1, 2))
