@@ -6,7 +6,7 @@ Targets, each a deployment of the same model on the same hosts and devices:
   spec says. With several prefill instances and `routing: prefix` in the spec, the two show what cache-aware
   routing gains (benchmarks/routing.py); `pd-rr` routes round-robin, `pd-estimate` by prefix on what the proxy
   sent where (no KV-cache events), `pd-oracle` by prefix on the caches exactly as they are at each request (the
-  events, brought up to the moment from each instance's replay socket: benchmarks/trace_replay.py);
+  events, brought up to the moment from the replay socket of an instance whose copy lags: benchmarks/trace_replay.py);
 - `pd-noreuse`: the same PD deployment with prefix reuse off (prefill `kv_producer`, no local prefix cache):
   every prompt is prefilled in full, decode still loads it through the data system;
 - `single`: one plain vLLM instance (no disaggregation, no connector, vLLM defaults) on all the devices the
