@@ -252,6 +252,18 @@ def part_name(name: str) -> str:
     return f".{name}.{uuid.uuid4().hex[:12]}.part"
 
 
+def write_into_place(target: Path, write: Callable[[Path], None]) -> None:
+    """`write` a file under a part name of its own beside `target`, then rename it into place: writers at once (the
+    hosts' threads, hosts sharing a directory) never meet, and a failed write leaves no part file."""
+    part = target.with_name(part_name(target.name))
+    try:
+        write(part)
+        part.rename(target)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+
+
 class LocalRunner:
     def __init__(self, host: Host):
         self.host = host
@@ -263,13 +275,7 @@ class LocalRunner:
             if not fresh and target.is_file() and target.stat().st_size == source.stat().st_size:
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
-            part = target.with_name(part_name(target.name))
-            try:
-                shutil.copyfile(source, part)
-                part.rename(target)
-            except BaseException:
-                part.unlink(missing_ok=True)
-                raise
+            write_into_place(target, lambda part, source=source: shutil.copyfile(source, part))
 
     def run(self, command: Command, on_line: Callable[[str, str], None] | None = None) -> HostResult:
         started = time.monotonic()

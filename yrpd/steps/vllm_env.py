@@ -12,15 +12,13 @@ import base64
 import gzip
 import hashlib
 import io
-import os
 import shlex
 import tarfile
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 from yrpd.assets import deploy_script
-from yrpd.hostgroup import Command
+from yrpd.hostgroup import Command, write_into_place
 from yrpd.placement import HostPlan
 from yrpd.layout import HostPaths
 from yrpd.spec import DeviceKind, Runtime
@@ -56,17 +54,9 @@ def bundle_file() -> Path:
     path = yrpd_home() / "bundles" / f"yrpd-{digest}.tgz"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        # the hosts' steps call this from parallel threads of one process: each writes a file of its own (a pid
-        # alone is shared), and the last rename wins with the same bytes
-        fd, part = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".part")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                os.fchmod(out.fileno(), 0o644)
-                out.write(base64.b64decode(encoded))
-            os.replace(part, path)
-        except BaseException:
-            Path(part).unlink(missing_ok=True)
-            raise
+        # the hosts' steps call this from parallel threads of one process (a pid-named part file was shared): the
+        # last rename wins, with the same bytes
+        write_into_place(path, lambda part: part.write_bytes(base64.b64decode(encoded)))
     return path
 
 
