@@ -188,6 +188,15 @@ def shm_mapped(pids):
     return found
 
 
+def shm_present():
+    """The psm_* and vllm_dist_* segments and sem.mp-* semaphores in /dev/shm now."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return set()
+    return {SHM_DIR + n for n in names if (SHM_DIR + n).startswith(SHM_PREFIX)}
+
+
 def unlink_unheld(segments):
     """Unlink those of the psm_* segments and sem.mp-* semaphores that no live process maps or has open (in use,
     whoever made them); the ones that are gone (removed or never there) are returned too."""

@@ -28,7 +28,9 @@ hang_after_s seconds, the whole group is killed and restarted like a crash, with
 Shared memory: the POSIX segments the group maps under /dev/shm (Python's multiprocessing names them psm_*; vLLM's
 message queues between its API server, engine and workers are such segments; its named semaphores sem.mp-*) are
 noted while it runs, in the state file too; once the group is gone, those no live process maps or holds open are
-removed. A process killed with -9
+removed, and so is every such segment that appeared in /dev/shm during the run and that nobody holds any more: a scan
+sees only what lives until the next one, and vLLM's engine and workers die within milliseconds of their API server's
+kill -9 (what they made since the last scan would be nobody's to remove). A process killed with -9
 cannot unlink its own segments, and on a host that restarts instances for weeks they would pile up.
 
 Gang: the processes of one instance that spans hosts (vLLM's head on one host, its headless nodes or Ray's nodes on
@@ -59,7 +61,7 @@ import urllib.error
 import urllib.request
 
 from hostlib import BACKOFF, EXITED, FAILED, RUNNING, SHM_DIR, STARTING, STOPPED, proc_table, shm_mapped, \
-    unlink_unheld
+    shm_present, unlink_unheld
 
 args = json.loads(sys.argv[1])
 name, state_path = args["name"], args["state"]
@@ -79,6 +81,8 @@ GANG_POLL_S, GANG_LOST_S = 2.0, float(gang.get("lost_s", 30.0))
 heard = {"wanted": None, "at": None, "joined": None}
 heard_lock = threading.Lock()
 stopping = False
+#: what /dev/shm held when the current run started
+shm_at_start = set()
 state = {"state": STARTING, "pid": None, "restarts": 0, "last_exit": None, "reason": None, "since": time.time(),
          "supervisor": os.getpid(), "shm": []}
 
@@ -126,15 +130,29 @@ def note_shm(pgid):
         write(shm=sorted(set(state["shm"]) | seen))
 
 
-def remove_shm(segments):
-    """Unlink the segments no live process maps or holds; those still in use stay listed."""
-    if not segments:
+def start(env):
+    """Start a run of the command, leading a process group of its own."""
+    global shm_at_start
+    shm_at_start = shm_present()
+    return subprocess.Popen(["bash", "-c", args["command"]], **OWN_GROUP, stdin=subprocess.DEVNULL, env=env)
+
+
+def remove_shm(segments, made=()):
+    """Unlink the segments no live process maps or holds; those still in use stay listed. `made`: segments that
+    appeared during the run, removed the same way but never listed as the run's (another instance's may be among
+    them, in use)."""
+    if not segments and not made:
         return
-    removed = unlink_unheld(segments)
-    gone = [p for p in removed if p in state["shm"]]
+    removed = unlink_unheld(sorted(set(segments) | set(made)))
+    gone = [p for p in removed if p in state["shm"] or p in made]
     if gone:
         say(f"removed {len(gone)} shared-memory segments its processes left in {SHM_DIR}")
     write(shm=sorted(set(segments) - set(removed)))
+
+
+def remove_run_shm():
+    """Once the run's group is gone: what it was seen to map, and what appeared since it started and nobody holds."""
+    remove_shm(state["shm"], made=shm_present() - shm_at_start)
 
 
 def probe(url):
@@ -284,15 +302,14 @@ def follow():
             write(state=FAILED, pid=None, reason=f"cannot read its environment file: {exc}")
             return 0
         say(f"starting for {leader}'s run {target}")
-        child = subprocess.Popen(["bash", "-c", args["command"]], **OWN_GROUP, stdin=subprocess.DEVNULL,
-                                 env=env)
+        child = start(env)
         with heard_lock:  # one change for the leader's JOIN to see: joined its run and running, never one alone
             heard["joined"] = target
             write(state=RUNNING, pid=child.pid, shm=[], run=run_id())
         code, why = wait_for(child)
         note_shm(child.pid)
         stop_group(child.pid, grace=min(grace_s, 3.0) if (why or code is not None) else None)
-        remove_shm(state["shm"])
+        remove_run_shm()
         if code is None and not why:
             write(state=STOPPED, pid=None, reason="stopped by yrpd")
             return 0
@@ -344,14 +361,13 @@ def main():
             say(reason)
             write(state=FAILED, pid=None, reason=reason)
             return 0
-        child = subprocess.Popen(["bash", "-c", args["command"]], **OWN_GROUP, stdin=subprocess.DEVNULL,
-                                 env=env)
+        child = start(env)
         write(state=RUNNING, pid=child.pid, shm=[], run=run_id())
         code, hung = wait_for(child, GangWatch(state["run"]) if gang.get("role") == "leader" else None)
         note_shm(child.pid)  # what the survivors map, before they go
         if code is None and not hung:
             stop_group(child.pid)
-            remove_shm(state["shm"])
+            remove_run_shm()
             write(state=STOPPED, pid=None, reason="stopped by yrpd")
             return 0
         if hung:
@@ -365,7 +381,7 @@ def main():
             say(f"{exit_reason(code)}; stopping what is left of it ({len(left)} processes)")
         # what outlives a dead command is of no use: a short grace, so the restart comes sooner
         stop_group(child.pid, grace=min(grace_s, 3.0))
-        remove_shm(state["shm"])
+        remove_run_shm()
         reason = hung or exit_reason(code)
         now = time.monotonic()
         recent = [t for t in recent if now - t < window_s]

@@ -337,6 +337,87 @@ def test_shared_memory_left_by_a_killed_group_is_removed_unless_someone_still_ma
                 os.unlink(path)
 
 
+# a group whose engine makes a segment between two of the supervisor's scans (its first at 1 s, then every 10 s) and
+# dies with it at once, as vLLM's engine and workers die with their API server: no scan ever saw it
+MAKE_LATE = """import mmap, os, subprocess, sys, time
+if sys.argv[1] == "engine":
+    time.sleep(2.0)
+    fd = os.open("/dev/shm/" + sys.argv[2], os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    m = mmap.mmap(fd, 4096)
+    open(sys.argv[3], "w").close()
+    time.sleep(300)
+engine = subprocess.Popen([sys.executable, __file__, "engine", *sys.argv[2:]])
+engine.wait()
+"""
+
+# a program that makes a segment as it shuts down (TERM): after the supervisor's last look at its group
+MAKE_ON_TERM = """import mmap, os, signal, sys, time
+def on_term(*_):
+    fd = os.open("/dev/shm/" + sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    m = mmap.mmap(fd, 4096)
+    time.sleep(0.3)
+    os._exit(0)
+signal.signal(signal.SIGTERM, on_term)
+open(sys.argv[2], "w").close()
+time.sleep(300)
+"""
+
+
+def _segment(path: str) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+
+
+def test_a_segment_no_scan_saw_is_removed_once_its_group_is_gone_and_one_in_use_stays(supervised, tmp_path):
+    import mmap
+    import uuid
+
+    (tmp_path / "late.py").write_text(MAKE_LATE)
+    tag = uuid.uuid4().hex[:8]
+    late, used = f"/dev/shm/psm_yrpdtest_{tag}_late", f"/dev/shm/psm_yrpdtest_{tag}_used"
+    made = tmp_path / "made"
+    s = supervised(f"exec {sys.executable} {tmp_path}/late.py api {Path(late).name} {made}", max_restarts=0)
+    mapping = None
+    try:
+        first = s.wait_for(lambda st: st["state"] == "running" and made.exists())
+        _segment(used)  # control: made by another program during the run, and in use
+        with open(used, "r+b") as fh:
+            mapping = mmap.mmap(fh.fileno(), 4096)
+        assert late not in first["shm"]  # no scan saw it: the 10 s scan is to come
+        os.killpg(first["pid"], signal.SIGKILL)  # the API server and its engine at once
+        after = s.wait_for(lambda st: st["state"] == "exited")
+        assert not os.path.exists(late), "the segment its engine made between two scans is left in /dev/shm"
+        assert os.path.exists(used) and used not in after["shm"]
+        assert "removed 1 shared-memory segments" in s.log.read_text()
+    finally:
+        if mapping is not None:
+            mapping.close()
+        for path in (late, used):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_a_segment_made_while_the_group_shuts_down_is_removed_when_the_supervisor_stops(supervised, tmp_path):
+    import uuid
+
+    (tmp_path / "on_term.py").write_text(MAKE_ON_TERM)
+    segment = f"/dev/shm/psm_yrpdtest_{uuid.uuid4().hex[:8]}_on_term"
+    ready = tmp_path / "ready"
+    s = supervised(f"exec {sys.executable} {tmp_path}/on_term.py {Path(segment).name} {ready}")
+    try:
+        s.wait_for(lambda st: st["state"] == "running" and ready.exists())
+        s.proc.send_signal(signal.SIGTERM)  # as `yrpd down` stops a supervisor
+        assert s.proc.wait(15) == 0
+        assert s.state()["state"] == "stopped"
+        assert not os.path.exists(segment), "the segment its program made while stopping is left in /dev/shm"
+    finally:
+        if os.path.exists(segment):
+            os.unlink(segment)
+
+
 def test_exits_while_what_it_needs_does_not_answer_wait_for_it_and_spend_no_restarts(supervised, tmp_path):
     """The data-system worker exits when etcd stays unreachable; restarted during a network cut it fails again, and
     a cut longer than a few such starts would use up restart.max and leave it down after the network is back."""
