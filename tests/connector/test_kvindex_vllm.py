@@ -319,9 +319,9 @@ def test_the_exact_mode_asks_a_replay_only_of_a_copy_that_lacks_an_ended_legs_la
         await asyncio.sleep(0.3)  # the subscription is up
         publisher.publish(stored(1, 2))
         await until(lambda: w.blocks.held == {1, 2}, "the first batch never arrived")
-        replays = w.feed.replays
+        replays, spent = w.feed.replays, w.feed.replay_s
         feeds.leg_stored(url, time.monotonic(), 2, last=2)  # its last block came by the subscription
-        assert await feeds.catch_up([url]) == 0 and w.feed.replays == replays
+        assert await feeds.catch_up([url]) == 0 and w.feed.replays == replays and w.feed.replay_s == spent
 
         # the subscription stops delivering; a batch of another leg came, but not this leg's last block
         w.task.cancel()
@@ -331,6 +331,7 @@ def test_the_exact_mode_asks_a_replay_only_of_a_copy_that_lacks_an_ended_legs_la
         assert 4 not in w.blocks.held
         feeds.leg_stored(url, time.monotonic(), 2, last=4)
         assert await feeds.catch_up([url]) == 1 and w.blocks.held == {1, 2, 3, 4} and w.feed.replays == replays + 1
+        assert w.feed.replay_s > spent and feeds.state(url)["replay_s"] == round(w.feed.replay_s, 3)  # its price
         assert await feeds.catch_up([url]) == 0 and w.feed.replays == replays + 1  # once it holds it, no more
 
         # a leg ends while a replay is on its way: that replay cannot answer for it, so it stays awaited

@@ -109,7 +109,7 @@ def test_counters_split_each_roles_prompt_tokens_by_where_their_kv_came_from(mon
                           processes=[], proxy=None, cluster=None,
                           instances=[inst("prefill-0", "prefill", 800, 2300, 0, {"requests": 5, "ms_per_chunk": 31.5}),
                                      inst("prefill-1", "prefill", 900, 0, 768,
-                                          {"requests": 9, "kv_index": {"sight": "seeing", "replays": 4}}),
+                                          {"requests": 9, "kv_index": {"sight": "seeing", "replays": 4, "replay_s": 0.5}}),
                                      inst("decode-0", "decode", 64, 128, 1536)])
     monkeypatch.setattr(api, "open_deployment", lambda sid: sid)
     monkeypatch.setattr(api, "status", lambda deployment: report)
@@ -119,6 +119,7 @@ def test_counters_split_each_roles_prompt_tokens_by_where_their_kv_came_from(mon
     assert rates == {"prefill-0": 31.5}
     # the round trips to its replay socket where the proxy follows its events (the oracle's price), else nothing
     assert total["replays_prefill-1"] == 4 and "replays_prefill-0" not in total
+    assert total["replay_s_prefill-1"] == 0.5 and "replay_s_prefill-0" not in total
     assert total["prefill_prompt_tokens_computed"] == 1700
     assert total["prefill_prompt_tokens_local_cache"] == 2300
     assert total["prefill_prompt_tokens_loaded"] == 768

@@ -180,7 +180,8 @@ TOKEN_SOURCES = ("prompt_tokens_computed", "prompt_tokens_local_cache", "prompt_
 
 def counters(session_id: str) -> tuple[dict, dict, dict]:
     """Counters summed over the instances and the data system workers (what `yrpd status` reports; with the legs
-    the proxy sent each instance, `legs_<instance>`, and the replays it asked of each, `replays_<instance>`), the
+    the proxy sent each instance, `legs_<instance>`, and the replays it asked of each, `replays_<instance>`, with the
+    seconds they took, `replay_s_<instance>`), the
     workers' use of memory and disk now (MB), and the time per prompt chunk prefix routing measured for each
     instance now ({instance: ms}; empty without it)."""
     report = api.status(api.open_deployment(session_id))
@@ -197,10 +198,12 @@ def counters(session_id: str) -> tuple[dict, dict, dict]:
             total[key] += (inst.connector or {}).get(key) or 0
         if inst.routed is not None:
             total[f"legs_{inst.name}"] = inst.routed.get("requests") or 0
-            # the exact mode's round trips to the instance's replay socket (the oracle's price)
-            replays = (inst.routed.get("kv_index") or {}).get("replays")
-            if replays is not None:
-                total[f"replays_{inst.name}"] = replays
+            # the exact mode's round trips to the instance's replay socket and the seconds they took (the oracle's
+            # price)
+            index = inst.routed.get("kv_index") or {}
+            for key in ("replays", "replay_s"):
+                if index.get(key) is not None:
+                    total[f"{key}_{inst.name}"] = index[key]
     rates = {i.name: i.routed["ms_per_chunk"] for i in report.instances if (i.routed or {}).get("ms_per_chunk")}
     use = {"memory_mb": 0.0, "memory_limit_mb": 0.0, "disk_mb": 0.0, "disk_limit_mb": 0.0, "objects": 0}
     workers = [c.cache for c in (report.cluster.components if report.cluster else [])

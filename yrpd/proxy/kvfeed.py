@@ -52,6 +52,7 @@ class Feed:
         self.curve, self.relayed = curve, relayed
         self.ctx = context or zmq.asyncio.Context.instance()
         self.replays = 0  # replays asked for
+        self.replay_s = 0.0  # and the seconds they took, answered or not
         self.last_batch_at: float | None = None  # time.monotonic() of the last batch received
         #: batches a replay applied before the subscription delivered them (seq -> payload): the same batch coming
         #: again is skipped; the same number with another payload is a new run of the publisher
@@ -165,6 +166,7 @@ class Feed:
         import zmq
 
         self.replays += 1
+        asked_at = time.monotonic()
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         if self.curve is not None:
@@ -187,6 +189,7 @@ class Feed:
             return None
         finally:
             dealer.close()
+            self.replay_s += time.monotonic() - asked_at
         last = upto if upto is not None else start + len(got)
         return got if [s for s, _ in got] == list(range(start, last)) else None
 
@@ -378,5 +381,5 @@ class Feeds:
         elif b.sight is Sight.blind:
             out.update(why=b.why, blind_since=b.blind_since)
         if w.feed is not None:
-            out["replays"] = w.feed.replays
+            out.update(replays=w.feed.replays, replay_s=round(w.feed.replay_s, 3))
         return out
