@@ -8,6 +8,7 @@ target kind (the two peers and the data system as a single instance's store) in 
 
 import hashlib
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -93,7 +94,8 @@ def test_tiny_bench_runs_all_three_targets_and_reports_what_it_measured(netns, t
         assert after["session"] == deployed and after["healthy"]
 
         # vLLM's own prefix_repetition dataset, twice on the deployed PD target, with a goodput SLO: medians and
-        # spread, no errors, the same prompts in both runs, every request within a generous TTFT
+        # spread, no errors, new prompts in the second run (from the next seed: the first run's are in the caches),
+        # every request within a generous TTFT
         vllm_set = ["--vllm-dataset", "prefix_repetition", "--vllm-dataset-args",
                     "--prefix-repetition-prefix-len 256 --prefix-repetition-suffix-len 64 "
                     "--prefix-repetition-num-prefixes 2 --prefix-repetition-output-len 4"]
@@ -106,9 +108,12 @@ def test_tiny_bench_runs_all_three_targets_and_reports_what_it_measured(netns, t
         pd = vdoc["targets"]["pd"]
         assert [r["completed"] for r in pd["runs"]] == [4, 4] and pd["metrics"]["error_rate"] == 0
         assert pd["metrics"]["request_goodput"] == pytest.approx(pd["metrics"]["request_throughput"], rel=0.01)
-        assert len(pd["input_lens_sha256"]) == 1 and "mean_ttft_ms" in pd["spread"]
-        run2 = (vdir / "pd-run2.cmd").read_text()
-        assert "--dataset-name prefix_repetition --prefix-repetition-prefix-len 256" in run2
+        assert "mean_ttft_ms" in pd["spread"]
+        run1, run2 = (shlex.split((vdir / f"pd-run{n}.cmd").read_text()) for n in (1, 2))
+        assert "--dataset-name prefix_repetition --prefix-repetition-prefix-len 256" in shlex.join(run2)
+        seeds = [int(argv[argv.index("--seed") + 1]) for argv in (run1, run2)]
+        assert seeds[1] == seeds[0] + 1, seeds
+        assert "Each run's prompts: new prompts of the same workload" in (vdir / "report.md").read_text()
         assert missing(vdoc) == [] and "vLLM's prefix_repetition dataset, 4 prompts" in run.stdout
 
         # the multi-turn chat workload on the same target: later turns find their history's KV in the prefill's

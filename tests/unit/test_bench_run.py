@@ -4,6 +4,7 @@ past a target that fails."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,34 @@ def test_a_results_json_without_every_provenance_field_fails_this_check(tmp_path
     assert doc["provenance"]["inputs"]["dataset"]["sha256"]
     del doc["provenance"]["cpu"]
     assert missing(doc) == ["cpu"]  # control: the check does fail on an incomplete one
+
+
+def test_each_run_of_a_repeat_sends_new_prompts_the_same_for_every_target():
+    """A run of a repeat that found the one before in the caches would measure a warm cache, not the workload: vLLM's
+    datasets (timed_trace's tokens come from PYTHONHASHSEED) and generated files change with the run, the same for
+    every target; a user's file stays as it is."""
+    vllm = run.VllmDataset("timed_trace", ("--dataset-path", "/t.jsonl"))
+    first, second = (run.serve_argv(load(dataset=None, vllm_dataset=vllm).for_run(n), "http://p", "m", Path("/o"),
+                                    "pd") for n in (0, 1))
+    assert "--seed 3" in " ".join(first) and "--seed 4" in " ".join(second)
+    assert load(dataset=None, vllm_dataset=vllm).for_run(2).seed == 5
+    # the same run of two targets: the same load
+    assert load(dataset=None, vllm_dataset=vllm).for_run(1) == load(dataset=None, vllm_dataset=vllm).for_run(1)
+    made = load(run_datasets=(Path("/o/dataset-run2.jsonl"), Path("/o/dataset-run3.jsonl")))
+    assert [made.for_run(n).dataset for n in range(3)] == [Path("/d/set.jsonl"), Path("/o/dataset-run2.jsonl"),
+                                                           Path("/o/dataset-run3.jsonl")]
+    assert load().for_run(1).dataset == Path("/d/set.jsonl")  # control: the user's file, every run
+
+
+def test_bench_serve_gives_vllm_the_runs_hash_seed(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run(argv, env, **kw):
+        seen["env"] = env
+        (tmp_path / "pd-run2.json").write_text("{}")
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(run.subprocess, "run", fake_run)
+    vllm = run.VllmDataset("timed_trace", ("--dataset-path", "/t.jsonl"))
+    run.bench_serve(load(dataset=None, vllm_dataset=vllm).for_run(1), "http://p", "m", tmp_path, "pd-run2")
+    assert seen["env"]["PYTHONHASHSEED"] == "4"

@@ -100,6 +100,8 @@ def markdown(results: dict, meta: dict, provenance: dict | None = None) -> str:
     if meta.get("goodput"):
         shape += f", goodput SLOs {' '.join(meta['goodput'])}"
     lines = [f"# yrpd bench: {shape}", ""]
+    if meta.get("runs_prompts"):
+        lines += [f"Each run's prompts: {meta['runs_prompts']}.", ""]
     if provenance:
         dirty = " (with uncommitted changes)" if provenance.get("dirty") else ""
         lines += [f"Commit {provenance.get('commit') or 'unknown (not a git checkout)'}{dirty}, yrpd "

@@ -40,7 +40,7 @@ import shlex
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from yrpd.bench.dataset import DatasetOptions, make
@@ -241,7 +241,7 @@ def bench_serve(load: "Load", url: str, model: str, out_dir: Path, name: str, ke
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     env.pop("OPENAI_API_KEY", None)
     # vLLM's timed_trace makes each hash id's tokens from Python's hash() of a string: one seed, the same prompts
-    # for every target
+    # for every target (and new ones in each run of a repeat: Load.for_run)
     env["PYTHONHASHSEED"] = str(load.seed)
     if key:  # vllm bench serve sends it as the bearer token: the environment keeps it out of the .cmd file and ps
         env["OPENAI_API_KEY"] = key
@@ -390,10 +390,22 @@ def bench(session_id: str | None, request: BenchRequest, log=print, progress=Non
         meta = make(request.dataset, tokenizer, dataset_file, request.output_len)
     if dataset_file:
         inputs["dataset"] = dataset_file
+    run_datasets = []
+    if dataset_file is not None and not request.dataset_file:  # generated here: each further run gets its own
+        for n in range(1, request.repeat):
+            run_datasets.append(out_dir / f"dataset-run{n + 1}.jsonl")
+            make(replace(request.dataset, seed=request.dataset.seed + n), tokenizer, run_datasets[-1],
+                 request.output_len)
+            inputs[f"dataset-run{n + 1}"] = run_datasets[-1]
     own_lengths = meta.get("workload") in ("mixed", "multi-turn")  # each prompt carries its output_tokens
     load = Load(dataset_file, tokenizer, vllm_venv, request.num_prompts or meta["prompts"],
                 -1 if own_lengths else request.output_len, request.max_concurrency, request.dataset.seed,
-                request.vllm_dataset, request.goodput)
+                request.vllm_dataset, request.goodput, tuple(run_datasets))
+    if request.repeat > 1:
+        meta["runs_prompts"] = ("the user's dataset file in every run: runs after the first find its prompts cached"
+                                if request.dataset_file else
+                                "new prompts of the same workload in each run (seed + run - 1), the same for every "
+                                "target: no run finds the one before it in the caches")
     results = run_targets(session, deployment.spec, kind, request, load, out_dir, log=log, progress=progress)
     meta["kv_cache_mb_per_instance"] = request.kv_cache_mb
     meta["datasystem_mb"] = request.datasystem_mb or deployment.spec.datasystem_memory_mb
@@ -419,6 +431,18 @@ class Load:
     seed: int
     vllm_dataset: VllmDataset | None = None
     goodput: tuple[str, ...] = ()
+    #: the datasets of a repeat's second, third.. runs, generated with the seed + 1, + 2.. (empty: `dataset` each time)
+    run_datasets: tuple[Path, ...] = ()
+
+    def for_run(self, n: int) -> Load:
+        """The load of a repeat's run `n` (0: the first). A repeat is of the same experiment, so from cold caches:
+        each run sends new prompts of the same shape (vLLM's datasets and timed_trace from the seed + n, a
+        generated dataset's own file), or the same prompts where the dataset is the user's file. Each target's run
+        `n` sends the same prompts."""
+        if n == 0:
+            return self
+        dataset = self.run_datasets[n - 1] if self.run_datasets else self.dataset
+        return replace(self, seed=self.seed + n, dataset=dataset)
 
 
 #: the metrics a repeated run reports the spread of (min, max over its runs) beside the median
@@ -499,7 +523,7 @@ def measure(current: str, target: str, request: BenchRequest, load: Load, out_di
     for n in range(request.repeat):
         name = target if request.repeat == 1 else f"{target}-run{n + 1}"
         log(f"bench: {name}: vllm bench serve against {url} ({load.num_prompts} prompts)")
-        raw = bench_serve(load, url, deployed.spec.model_name, out_dir, name, deployed.endpoint_key())
+        raw = bench_serve(load.for_run(n), url, deployed.spec.model_name, out_dir, name, deployed.endpoint_key())
         names.append(name)
         runs.append({k: v for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         ttfts += [round(t * 1000, 2) for t in raw.get("ttfts", []) if t]

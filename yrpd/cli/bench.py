@@ -148,7 +148,9 @@ def dataset(**params) -> int:
               help="SLOs a request must meet to count as good: \"ttft:MS tpot:MS\" (also e2el:MS); the report gives "
                    "the good requests per second beside the throughput")
 @click.option("--repeat", type=click.IntRange(1, 100), default=1, show_default=True,
-              help="runs of the load against each target; the report gives medians and the [min, max] spread")
+              help="runs of the load against each target, each with new prompts of the same workload (a dataset "
+                   "file of yours: the same prompts), so no run finds the one before in the caches; the report "
+                   "gives medians and the [min, max] spread")
 @click.option("--kv-cache-mb", type=click.IntRange(1), default=None,
               help="size every instance's own KV pool (vLLM --kv-cache-memory-bytes): a working set larger than it "
                    "shows what a store beyond it keeps (default: vLLM's own sizing)")
