@@ -27,10 +27,11 @@ hang_after_s seconds, the whole group is killed and restarted like a crash, with
 
 Shared memory: the POSIX segments the group maps under /dev/shm (Python's multiprocessing names them psm_*; vLLM's
 message queues between its API server, engine and workers are such segments; its named semaphores sem.mp-*) are
-noted while it runs, in the state file too; once the group is gone, those no live process maps or holds open are
-removed, and so is every such segment that appeared in /dev/shm during the run and that nobody holds any more: a scan
-sees only what lives until the next one, and vLLM's engine and workers die within milliseconds of their API server's
-kill -9 (what they made since the last scan would be nobody's to remove). A process killed with -9
+noted while it runs, in the state file too (the group's maps and open files are read every SHM_SCAN_S, and at once
+whenever a new name appears in /dev/shm: vLLM's engine and workers die within milliseconds of their API server's
+kill -9, so what they made since the last scan would be nobody's to remove); once the group is gone, those no live
+process maps or holds open are removed. Only what the group was seen to hold: a segment nobody holds at some moment is
+not garbage (vLLM hands some to a process it is starting by name). A process killed with -9
 cannot unlink its own segments, and on a host that restarts instances for weeks they would pile up.
 
 Gang: the processes of one instance that spans hosts (vLLM's head on one host, its headless nodes or Ray's nodes on
@@ -60,8 +61,8 @@ import time
 import urllib.error
 import urllib.request
 
-from hostlib import BACKOFF, EXITED, FAILED, RUNNING, SHM_DIR, STARTING, STOPPED, proc_table, shm_mapped, \
-    shm_present, unlink_unheld
+from hostlib import BACKOFF, EXITED, FAILED, RUNNING, SHM_DIR, SHM_PREFIX, STARTING, STOPPED, proc_table, \
+    proc_fd_targets, shm_mapped, shm_present, unlink_unheld
 
 args = json.loads(sys.argv[1])
 name, state_path = args["name"], args["state"]
@@ -81,8 +82,8 @@ GANG_POLL_S, GANG_LOST_S = 2.0, float(gang.get("lost_s", 30.0))
 heard = {"wanted": None, "at": None, "joined": None}
 heard_lock = threading.Lock()
 stopping = False
-#: what /dev/shm held when the current run started
-shm_at_start = set()
+#: the segments /dev/shm held at the supervisor's last look: a new one makes it read the group's at once
+shm_listed = set()
 state = {"state": STARTING, "pid": None, "restarts": 0, "last_exit": None, "reason": None, "since": time.time(),
          "supervisor": os.getpid(), "shm": []}
 
@@ -124,35 +125,41 @@ def command_env():
 
 
 def note_shm(pgid):
-    """Add the segments the group maps now to those of this run (in the state file: `yrpd down` reads them too)."""
-    seen = shm_mapped(group_members(pgid)) - set(state["shm"])
+    """Add the segments the group maps or holds open now to those of this run (in the state file: `yrpd down` reads
+    them too). Open too: a segment is created before it is mapped."""
+    members = group_members(pgid)
+    held = shm_mapped(members) | {t for pid in members for t in proc_fd_targets(pid) if t.startswith(SHM_PREFIX)}
+    seen = held - set(state["shm"])
     if seen:
         write(shm=sorted(set(state["shm"]) | seen))
 
 
+def note_new_shm(pgid):
+    """note_shm, where /dev/shm has a name it did not have at the last look (a listing costs little; reading the
+    group's maps is done only then)."""
+    global shm_listed
+    present = shm_present()
+    if present - shm_listed:
+        note_shm(pgid)
+    shm_listed = present
+
+
 def start(env):
     """Start a run of the command, leading a process group of its own."""
-    global shm_at_start
-    shm_at_start = shm_present()
+    global shm_listed
+    shm_listed = shm_present()
     return subprocess.Popen(["bash", "-c", args["command"]], **OWN_GROUP, stdin=subprocess.DEVNULL, env=env)
 
 
-def remove_shm(segments, made=()):
-    """Unlink the segments no live process maps or holds; those still in use stay listed. `made`: segments that
-    appeared during the run, removed the same way but never listed as the run's (another instance's may be among
-    them, in use)."""
-    if not segments and not made:
+def remove_shm(segments):
+    """Unlink the segments no live process maps or holds; those still in use stay listed."""
+    if not segments:
         return
-    removed = unlink_unheld(sorted(set(segments) | set(made)))
-    gone = [p for p in removed if p in state["shm"] or p in made]
+    removed = unlink_unheld(segments)
+    gone = [p for p in removed if p in state["shm"]]
     if gone:
         say(f"removed {len(gone)} shared-memory segments its processes left in {SHM_DIR}")
     write(shm=sorted(set(segments) - set(removed)))
-
-
-def remove_run_shm():
-    """Once the run's group is gone: what it was seen to map, and what appeared since it started and nobody holds."""
-    remove_shm(state["shm"], made=shm_present() - shm_at_start)
 
 
 def probe(url):
@@ -194,6 +201,7 @@ def stop_group(pgid, grace=None):
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             reap()
+            note_new_shm(pgid)  # what it makes as it shuts down
             if not group_members(pgid):
                 return
             time.sleep(0.1)
@@ -309,7 +317,7 @@ def follow():
         code, why = wait_for(child)
         note_shm(child.pid)
         stop_group(child.pid, grace=min(grace_s, 3.0) if (why or code is not None) else None)
-        remove_run_shm()
+        remove_shm(state["shm"])
         if code is None and not why:
             write(state=STOPPED, pid=None, reason="stopped by yrpd")
             return 0
@@ -367,7 +375,7 @@ def main():
         note_shm(child.pid)  # what the survivors map, before they go
         if code is None and not hung:
             stop_group(child.pid)
-            remove_run_shm()
+            remove_shm(state["shm"])
             write(state=STOPPED, pid=None, reason="stopped by yrpd")
             return 0
         if hung:
@@ -381,7 +389,7 @@ def main():
             say(f"{exit_reason(code)}; stopping what is left of it ({len(left)} processes)")
         # what outlives a dead command is of no use: a short grace, so the restart comes sooner
         stop_group(child.pid, grace=min(grace_s, 3.0))
-        remove_run_shm()
+        remove_shm(state["shm"])
         reason = hung or exit_reason(code)
         now = time.monotonic()
         recent = [t for t in recent if now - t < window_s]
@@ -445,7 +453,7 @@ def wait_for(child, watch=None):
     """(exit code, None) when the command exits (negative: killed by that signal); (None, None) once TERM/INT asks
     us to stop; (None, why) when it is alive but has not answered its health probe for hang_after_s, or its gang
     broke (`watch`, a leader's GangWatch; a follower's leader moved on or went silent). Orphans re-parented to us
-    are reaped on the way; the group's shared memory is noted every SHM_SCAN_S."""
+    are reaped on the way; the group's shared memory is noted every SHM_SCAN_S, and as soon as a new segment appears."""
     now = time.monotonic()
     next_probe, next_scan = now + probe_every, now + 1.0
     last_ok = None  # judged only once it has answered: a starting server may take minutes
@@ -475,6 +483,8 @@ def wait_for(child, watch=None):
         if now >= next_scan:
             note_shm(child.pid)
             next_scan = now + SHM_SCAN_S
+        else:
+            note_new_shm(child.pid)
         if probe_every and now >= next_probe:
             if stopped_members(child.pid):
                 stopped_since = stopped_since or now
