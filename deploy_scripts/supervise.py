@@ -128,7 +128,8 @@ def note_shm(pgid):
     """Add the segments the group maps or holds open now to those of this run (in the state file: `yrpd down` reads
     them too). Open too: a segment is created before it is mapped."""
     members = group_members(pgid)
-    held = shm_mapped(members) | {t for pid in members for t in proc_fd_targets(pid) if t.startswith(SHM_PREFIX)}
+    held = shm_mapped(members) | {t for pid in members for t in proc_fd_targets(pid)
+                                  if t.startswith(SHM_PREFIX) and not t.endswith(" (deleted)")}
     seen = held - set(state["shm"])
     if seen:
         write(shm=sorted(set(state["shm"]) | seen))
