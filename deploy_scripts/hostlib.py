@@ -197,15 +197,21 @@ def shm_present():
     return {SHM_DIR + n for n in names if (SHM_DIR + n).startswith(SHM_PREFIX)}
 
 
+def shm_held(pids):
+    """The segments and semaphores (as shm_present names them) the processes map or have open: a segment is open
+    before it is mapped."""
+    held = shm_mapped(pids)
+    for pid in pids:
+        held.update(t for t in proc_fd_targets(pid) if t.startswith(SHM_PREFIX) and not t.endswith(" (deleted)"))
+    return held
+
+
 def unlink_unheld(segments):
     """Unlink those of the psm_* segments and sem.mp-* semaphores that no live process maps or has open (in use,
     whoever made them); the ones that are gone (removed or never there) are returned too."""
     if not segments:
         return []
-    pids = [pid for pid, *_ in proc_table()]
-    held = shm_mapped(pids)
-    for pid in pids:
-        held.update(target for target in proc_fd_targets(pid) if target.startswith(SHM_DIR))
+    held = shm_held([pid for pid, *_ in proc_table()])
     removed = []
     for path in segments:
         if path in held or not path.startswith(SHM_PREFIX):

@@ -61,8 +61,8 @@ import time
 import urllib.error
 import urllib.request
 
-from hostlib import BACKOFF, EXITED, FAILED, RUNNING, SHM_DIR, SHM_PREFIX, STARTING, STOPPED, proc_table, \
-    proc_fd_targets, shm_mapped, shm_present, unlink_unheld
+from hostlib import BACKOFF, EXITED, FAILED, RUNNING, SHM_DIR, STARTING, STOPPED, proc_table, shm_held, \
+    shm_present, unlink_unheld
 
 args = json.loads(sys.argv[1])
 name, state_path = args["name"], args["state"]
@@ -126,21 +126,18 @@ def command_env():
 
 def note_shm(pgid):
     """Add the segments the group maps or holds open now to those of this run (in the state file: `yrpd down` reads
-    them too). Open too: a segment is created before it is mapped."""
-    members = group_members(pgid)
-    held = shm_mapped(members) | {t for pid in members for t in proc_fd_targets(pid)
-                                  if t.startswith(SHM_PREFIX) and not t.endswith(" (deleted)")}
-    seen = held - set(state["shm"])
+    them too)."""
+    seen = shm_held(group_members(pgid)) - set(state["shm"])
     if seen:
         write(shm=sorted(set(state["shm"]) | seen))
 
 
-def note_new_shm(pgid):
-    """note_shm, where /dev/shm has a name it did not have at the last look (a listing costs little; reading the
-    group's maps is done only then)."""
+def note_new_shm(pgid, anyway=False):
+    """note_shm, where /dev/shm has a name it did not have at the last look, or `anyway` (a listing costs little;
+    reading the group's maps is done only then)."""
     global shm_listed
     present = shm_present()
-    if present - shm_listed:
+    if anyway or present - shm_listed:
         note_shm(pgid)
     shm_listed = present
 
@@ -481,11 +478,9 @@ def wait_for(child, watch=None):
                 return None, f"{gang['leader']} started again (run {wanted})"
             if now - at >= GANG_LOST_S:
                 return None, f"no word from {gang['leader']} for {now - at:.0f} s"
+        note_new_shm(child.pid, anyway=now >= next_scan)
         if now >= next_scan:
-            note_shm(child.pid)
             next_scan = now + SHM_SCAN_S
-        else:
-            note_new_shm(child.pid)
         if probe_every and now >= next_probe:
             if stopped_members(child.pid):
                 stopped_since = stopped_since or now

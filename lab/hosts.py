@@ -41,9 +41,7 @@ def left_behind(before: set[str]) -> set[str]:
     open: what a run left behind (/dev/shm is the machine's: the tests of the other lane have theirs, in use,
     meanwhile)."""
     hostlib = _hostlib()
-    held = set()
-    for pid, *_ in hostlib.proc_table():
-        held |= hostlib.shm_mapped([pid]) | set(hostlib.proc_fd_targets(pid))
+    held = hostlib.shm_held([pid for pid, *_ in hostlib.proc_table()])
     return {s for s in shm_segments() - before if s not in held}
 
 
