@@ -55,6 +55,10 @@ def test_tiny_bench_runs_all_three_targets_and_reports_what_it_measured(netns, t
         pd, single = doc["targets"]["pd"], doc["targets"]["single"]
         assert pd["counters"]["saved_blocks"] > 0 and pd["counters"]["external_cache_hit_tokens"] > 0
         assert single["counters"]["loaded_blocks"] == 0  # plain vLLM: no connector
+        # PD's first token split into the prefill leg (the proxy's timing of this run's legs) and the rest; no proxy,
+        # no split
+        assert 0 < pd["metrics"]["mean_prefill_leg_ms"] < pd["metrics"]["mean_ttft_ms"]
+        assert "mean_prefill_leg_ms" not in single["metrics"]
         ratio = doc["ratios"]["pd/pd-noreuse mean TTFT"]
         assert ratio == pytest.approx(pd["metrics"]["mean_ttft_ms"] / doc["targets"]["pd-noreuse"]["metrics"]["mean_ttft_ms"], rel=0.01)
         report = (results_dir / "report.md").read_text()

@@ -164,3 +164,26 @@ def test_report_gives_each_targets_prefix_cache_hit_rate_and_its_distance_from_t
     assert "- pd-oracle/pd-rr mean TTFT: **0.487**" in text and "- pd/pd-oracle mean TTFT: **1.026**" in text
     # the control: without the oracle's run there is no distance to give
     assert "against pd-oracle" not in markdown({k: v for k, v in results.items() if k != "pd-oracle"}, {"prompts": 1})
+
+
+def test_report_splits_a_pd_targets_first_token_wait_into_the_prefill_leg_and_the_rest():
+    """What prefill routing chooses (the prefill leg) apart from decode's wait, per target, with the ratios between
+    routings on the leg alone; a target the proxy did not time (a single instance) shows a dash."""
+    from yrpd.bench.report import markdown
+
+    def target(ttft: float, leg: float | None) -> dict:
+        metrics = {"mean_ttft_ms": ttft}
+        if leg is not None:
+            metrics.update(mean_prefill_leg_ms=leg, mean_ttft_after_prefill_ms=ttft - leg)
+        return {"description": "x", "metrics": metrics, "data_system": {}, "counters": {}}
+
+    results = {"pd": target(5000.0, 3000.0), "pd-estimate": target(4000.0, 3500.0), "single": target(900.0, None)}
+    text = markdown(results, {"prompts": 1})
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
+            for line in text.splitlines() if line.startswith("| ")}
+    assert rows["of which the prefill leg (mean, the proxy's timing) (ms)"] == ["3,000.00", "3,500.00", "-"]
+    assert rows["of which after the prefill leg (decode, hand-over) (ms)"] == ["2,000.00", "500.00", "-"]
+    assert "- pd/pd-estimate mean prefill leg: **0.857**" in text and "- pd/pd-estimate mean TTFT: **1.25**" in text
+    # the control: runs the proxy did not time have no such rows at all
+    plain = markdown({"single": target(900.0, None)}, {"prompts": 1})
+    assert "of which the prefill leg" not in plain

@@ -655,6 +655,32 @@ def test_metrics_and_status_report_what_happened():
     run(go())
 
 
+def test_the_prefill_legs_time_is_what_the_bench_splits_a_first_tokens_wait_by():
+    """A first token's wait is the prefill leg (what prefill routing chooses) and the rest (decode's): the proxy times
+    each successful leg, and `yrpd bench run` reads the sum and count before and after a run."""
+    from yrpd.bench import run as bench_run
+
+    async def go():
+        async with running() as s:
+            s.prefill[0].delay = 0.3
+            before = await asyncio.to_thread(bench_run.prefill_legs, s.url)
+            assert before == (0.0, 0)
+            for _ in range(2):
+                assert (await post(s, "/v1/completions", {"prompt": "x"}))[0] == 200
+            s.prefill[0].error = (400, {"error": "too long"})
+            assert (await post(s, "/v1/completions", {"prompt": "x"}))[0] == 400  # a failed leg is not timed
+            after = await asyncio.to_thread(bench_run.prefill_legs, s.url)
+            assert after[1] == 2 and 0.6 <= after[0] < 1.5, after
+            split = bench_run.stages({"mean_ttft_ms": 900.0}, before, after)
+            assert 300 <= split["mean_prefill_leg_ms"] < 750
+            assert split["mean_ttft_after_prefill_ms"] == pytest.approx(900.0 - split["mean_prefill_leg_ms"])
+            # control: an instance's own URL (a single target, no proxy) times nothing: no split, not a zero
+            assert await asyncio.to_thread(bench_run.prefill_legs, s.decode[0].url) is None
+            assert bench_run.stages({"mean_ttft_ms": 900.0}, None, after) == {}
+            assert bench_run.stages({"mean_ttft_ms": 900.0}, after, after) == {}  # no leg in the run
+    run(go())
+
+
 def test_the_proxy_counts_as_its_own_time_only_what_it_did_not_spend_waiting_for_instances():
     """What `benchmarks/serving.py proxy-overhead` reads: own time to first token, the instances' waits left out."""
     async def go():

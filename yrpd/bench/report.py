@@ -7,8 +7,10 @@ from pathlib import Path
 
 from yrpd.provenance import missing
 
-ROWS = [  # (label, metric key in vllm bench serve's result, unit)
+ROWS = [  # (label, metric key in vllm bench serve's result, or yrpd.bench.run.stages's, unit)
     ("mean TTFT", "mean_ttft_ms", "ms"),
+    ("of which the prefill leg (mean, the proxy's timing)", "mean_prefill_leg_ms", "ms"),
+    ("of which after the prefill leg (decode, hand-over)", "mean_ttft_after_prefill_ms", "ms"),
     ("median TTFT", "median_ttft_ms", "ms"),
     ("p90 TTFT", "p90_ttft_ms", "ms"),
     ("p99 TTFT", "p99_ttft_ms", "ms"),
@@ -44,6 +46,10 @@ RATIOS = (  # (target, baseline, metric, label); the last is the mixed workload'
     ("pd", "pd-rr", "mean_ttft_ms", "mean TTFT"), ("pd", "pd-estimate", "mean_ttft_ms", "mean TTFT"),
     ("pd-estimate", "pd-rr", "mean_ttft_ms", "mean TTFT"), ("pd-oracle", "pd-rr", "mean_ttft_ms", "mean TTFT"),
     ("pd", "pd-oracle", "mean_ttft_ms", "mean TTFT"),
+    # the stage prefill routing chooses, apart from decode's (yrpd.bench.run.stages)
+    ("pd", "pd-rr", "mean_prefill_leg_ms", "mean prefill leg"),
+    ("pd", "pd-estimate", "mean_prefill_leg_ms", "mean prefill leg"),
+    ("pd", "pd-oracle", "mean_prefill_leg_ms", "mean prefill leg"),
 )
 
 

@@ -40,6 +40,7 @@ import shlex
 import statistics
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -216,6 +217,32 @@ def counters(session_id: str) -> tuple[dict, dict, dict]:
             use[f"{key}_limit_mb"] += round(cache[f"{key}_limit"] / 2**20, 1)
         use["objects"] += cache["objects"]
     return total, use if workers else {}, rates
+
+
+def prefill_legs(url: str) -> tuple[float, int] | None:
+    """(seconds, count) of the successful prefill legs the proxy at `url` has timed since it started (its
+    yrpd_proxy_prefill_seconds histogram); None where nothing answers them there (no proxy: a single instance)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("yrpd_proxy_prefill_seconds_sum", "yrpd_proxy_prefill_seconds_count"):
+            found[name.rsplit("_", 1)[1]] = float(value)
+    return (found["sum"], int(found["count"])) if len(found) == 2 else None
+
+
+def stages(run: dict, before: tuple[float, int] | None, after: tuple[float, int] | None) -> dict:
+    """A PD run's mean TTFT split in two: the mean prefill leg (the proxy's timing of the legs this run sent: the
+    stage prefill routing chooses) and the rest (decode's queue, the hand-over's load, the prompt's last block, the
+    proxy). Empty where the proxy timed no leg in the run."""
+    if before is None or after is None or after[1] <= before[1] or run.get("mean_ttft_ms") is None:
+        return {}
+    leg_ms = 1000 * (after[0] - before[0]) / (after[1] - before[1])
+    return {"mean_prefill_leg_ms": round(leg_ms, 2), "mean_ttft_after_prefill_ms": round(run["mean_ttft_ms"] - leg_ms, 2)}
 
 
 def serve_argv(load: "Load", url: str, model: str, out_dir: Path, name: str) -> list[str]:
@@ -446,7 +473,7 @@ class Load:
 
 
 #: the metrics a repeated run reports the spread of (min, max over its runs) beside the median
-SPREAD = ("mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "request_throughput", "total_token_throughput",
+SPREAD = ("mean_ttft_ms", "mean_prefill_leg_ms", "mean_ttft_after_prefill_ms", "p90_ttft_ms", "mean_tpot_ms", "request_throughput", "total_token_throughput",
           "request_goodput")
 
 
@@ -523,9 +550,11 @@ def measure(current: str, target: str, request: BenchRequest, load: Load, out_di
     for n in range(request.repeat):
         name = target if request.repeat == 1 else f"{target}-run{n + 1}"
         log(f"bench: {name}: vllm bench serve against {url} ({load.num_prompts} prompts)")
+        legs_before = prefill_legs(url)
         raw = bench_serve(load.for_run(n), url, deployed.spec.model_name, out_dir, name, deployed.endpoint_key())
         names.append(name)
         runs.append({k: v for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        runs[-1].update(stages(runs[-1], legs_before, prefill_legs(url)))
         ttfts += [round(t * 1000, 2) for t in raw.get("ttfts", []) if t]
         input_lens.add(hashlib.sha256(json.dumps(raw.get("input_lens")).encode()).hexdigest())
     time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the last land

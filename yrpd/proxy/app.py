@@ -584,9 +584,11 @@ class Proxy:
             with request[_CALL].waiting():
                 data = await self._read(inst, resp, down)
         # the log line's split of a slow first token: the prefill leg against the rest (decode's queue and tail)
-        request[_CALL].note["prefill_ms"] = round((time.monotonic() - t0) * 1000)
+        took = time.monotonic() - t0
+        request[_CALL].note["prefill_ms"] = round(took * 1000)
         if resp.status >= 400:
             raise UpstreamAnswer(resp, data)
+        self.metrics.prefill.observe(took)
         if request[_CALL].groups is not None:  # decode answers for the model whose KV this prefill computed
             request[_CALL].groups = {inst.group}
         try:

@@ -47,6 +47,9 @@ class Metrics:
         self.degraded_answers: Counter[str] = Counter()
         self.degraded_s = 0.0  # seconds PD was degraded, the spells that ended
         self.ttft = Histogram()
+        #: successful prefill legs, sent to answered: the part of a first token's wait that prefill routing chooses
+        #: (the rest is decode's: its queue, the load of the hand-over, the prompt's last partial block)
+        self.prefill = Histogram()
         self.own = Histogram(OWN_BUCKETS)
         self._recent_own: deque[float] = deque(maxlen=RECENT)
         #: (monotonic time, seconds) of streamed requests: time to first token, mean time between later tokens
@@ -131,6 +134,9 @@ class Metrics:
         family("yrpd_proxy_ttft_seconds", "histogram",
                "Streamed requests: seconds from the request's arrival to the first byte from decode.",
                self.ttft.samples())
+        family("yrpd_proxy_prefill_seconds", "histogram",
+               "Successful prefill legs: seconds from sending the leg to its answer (the prefill instance's queue and "
+               "compute, the part of the first token's wait that prefill routing chooses).", self.prefill.samples())
         family("yrpd_proxy_own_seconds", "histogram",
                "Successful generations: seconds the proxy itself spent before the first token (streamed) or the "
                "answer, not counting the waits for prefill and decode.", self.own.samples())
