@@ -681,6 +681,30 @@ def test_the_prefill_legs_time_is_what_the_bench_splits_a_first_tokens_wait_by()
     run(go())
 
 
+def test_benchmarks_proxy_stages_reads_the_proxys_own_log_lines(caplog, tmp_path):
+    """benchmarks/proxy_stages.py splits older runs from their kept proxy logs: the proxy's log line for a streamed
+    request carries the prefill instance, the leg's time and the TTFT, by vllm bench serve's request id."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.proxy_stages import runs_of
+
+    async def go():
+        async with running() as s:
+            s.prefill[0].delay = 0.2
+            for n in range(2):
+                status, _, _ = await post(s, "/v1/completions", {"prompt": "x", "stream": True},
+                                          headers={"X-Request-Id": f"bench-run1-{n}"})
+                assert status == 200
+            assert (await post(s, "/v1/completions", {"prompt": "x", "stream": True}))[0] == 200  # not a bench's
+    caplog.set_level("INFO", logger="yrpd.proxy")
+    run(go())
+    log = tmp_path / "proxy.log"
+    log.write_text("\n".join(r.getMessage() for r in caplog.records) + "\n")
+    [one] = runs_of(log)
+    assert one["requests"] == 2 and sum(one["legs"].values()) == 2
+    assert 200 <= one["leg_ms"] < 1000 and one["ttft_ms"] >= one["leg_ms"]
+    assert one["after_ms"] == pytest.approx(one["ttft_ms"] - one["leg_ms"])
+
+
 def test_the_proxy_counts_as_its_own_time_only_what_it_did_not_spend_waiting_for_instances():
     """What `benchmarks/serving.py proxy-overhead` reads: own time to first token, the instances' waits left out."""
     async def go():

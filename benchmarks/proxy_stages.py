@@ -1,0 +1,81 @@
+"""Each target's first-token wait split into the prefill leg and the rest, per run, from the proxy logs a routing
+benchmark kept (benchmarks/trace_replay.py --keep-logs DIR): for runs made before `yrpd bench run` measured the split
+itself (yrpd.bench.run.stages). The proxy logs one line per answered request with the prefill instance it chose, the
+leg's time (prefill_ms) and its own time to first token (ttft_ms, arrival to the first byte from decode).
+
+    .venv/bin/python benchmarks/proxy_stages.py RESULTS_JSON KEPT_LOGS_DIR [--proxy-host h1]
+
+Prints Markdown: per target and run, the legs each prefill instance got, the mean prefill leg, the mean proxy TTFT and
+what came after the leg; then each target's medians over its runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from collections import Counter
+from pathlib import Path
+
+LINE = re.compile(r"id=bench-(?P<run>\w+)-\d+ prefill=(?P<prefill>\S+) prefill_ms=(?P<leg>\d+) decode=\S+ "
+                  r"ttft_ms=(?P<ttft>\d+)")
+
+
+def runs_of(log: Path) -> list[dict]:
+    """The runs in one proxy log, in the order they started: each a list of (prefill URL, leg ms, TTFT ms)."""
+    runs: dict[str, list[tuple[str, int, int]]] = {}
+    for line in log.read_text().splitlines():
+        m = LINE.search(line)
+        if m:
+            runs.setdefault(m["run"], []).append((m["prefill"], int(m["leg"]), int(m["ttft"])))
+    out = []
+    for rows in runs.values():
+        legs = Counter(url for url, _, _ in rows)
+        leg = statistics.mean(r[1] for r in rows)
+        ttft = statistics.mean(r[2] for r in rows)
+        out.append({"requests": len(rows), "legs": dict(sorted(legs.items())), "leg_ms": leg, "ttft_ms": ttft,
+                    "after_ms": ttft - leg})
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results", type=Path)
+    parser.add_argument("logs", type=Path)
+    parser.add_argument("--proxy-host", default="h1")
+    args = parser.parse_args()
+    doc = json.loads(args.results.read_text())
+    prov = doc["provenance"]
+    print(f"# Per run: the first token's wait split at the prefill leg ({args.results.parent.name})\n")
+    print(f"From the proxy logs of the run beside it (results.json): commit {prov.get('commit')}, CPU {prov.get('cpu')} "
+          f"({prov.get('cores')} cores). Command of the run: `{(prov.get('commands') or ['?'])[0]}`. Split by "
+          f"`.venv/bin/python benchmarks/proxy_stages.py results.json KEPT_LOGS`: the proxy's own times (arrival to "
+          f"the first byte from decode), so its TTFT is a little below vLLM's client-side one.\n")
+    print("| target | run | prefill legs per instance | mean prefill leg (ms) | mean TTFT at the proxy (ms) | "
+          "of it after the leg (ms) |")
+    print("|---|---|---|---|---|---|")
+    medians = {}
+    for name, target in doc["targets"].items():
+        if target.get("error"):
+            continue
+        log = args.logs / args.proxy_host / target["session"] / "proxy.log"
+        runs = runs_of(log)
+        for n, r in enumerate(runs, 1):
+            legs = ", ".join(f"{url.rsplit(':', 1)[-1]}: {k}" for url, k in r["legs"].items())
+            print(f"| {name} | {n} | {legs} | {r['leg_ms']:,.0f} | {r['ttft_ms']:,.0f} | {r['after_ms']:,.0f} |")
+        medians[name] = {k: statistics.median(r[k] for r in runs) for k in ("leg_ms", "ttft_ms", "after_ms")}
+    print("\n| target | median prefill leg (ms) | median TTFT at the proxy (ms) | median after the leg (ms) |")
+    print("|---|---|---|---|")
+    for name, m in medians.items():
+        print(f"| {name} | {m['leg_ms']:,.0f} | {m['ttft_ms']:,.0f} | {m['after_ms']:,.0f} |")
+    if "pd" in medians:
+        print()
+        for other in [n for n in medians if n != "pd"]:
+            print(f"- pd/{other} median prefill leg: **{medians['pd']['leg_ms'] / medians[other]['leg_ms']:.3f}**, "
+                  f"median TTFT at the proxy: {medians['pd']['ttft_ms'] / medians[other]['ttft_ms']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
