@@ -3,7 +3,8 @@ routing choice with 2 prefill instances, one run each (benchmark, not a test; is
 share of prompt tokens seen before instead (0, 50 and 90 %).
 
     .venv/bin/python benchmarks/trace_replay.py [--trace FILE] [--requests N] [--conversations SHARE]
-                                                [--time-scale F] [--datasystem-mb MB] [--targets LIST]
+                                                [--time-scale F] [--datasystem-mb MB] [--decode-kv-mb MB]
+                                                [--targets LIST]
                                                 [--sweep [--shares 0,50,90]] [--out-dir DIR]
                                                 [--keep-logs DIR]
                                                 [-- extra `yrpd bench run` options]
@@ -51,6 +52,13 @@ ENV_ROOT = os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs")
 TRACE = REPO.parent / "shared/traces/conversation_trace.jsonl"
 TARGETS = "pd,pd-oracle,pd-estimate,pd-load,pd-rr"  # pd first: the deployment made for it
 SWEEP_TARGETS = "pd,pd-load"
+#: the decode instance holds the KV of every request it is generating (up to --max-concurrency 64 of them, prompts up
+#: to 3,811 tokens): with yrpd's CPU default of 512 MB (about 11,000 float32 tokens of SmolLM2) it filled up to 93 %
+#: in the cf69cf3 run and queued up to 36 requests, and that queue (0.9-15.4 s after the prefill leg, per run) set the
+#: TTFT ranking the prefill routings are judged by (docs/bench/cpu-smollm2-trace-replay-cf69cf3-fresh3-stages.md).
+#: Sized as a PD recipe sizes decode apart; the prefill instances keep the default, where eviction is what the KV
+#: events are for.
+DECODE_KV_MB = 2048
 SWEEP_PROMPTS = 48
 #: share of prompt tokens seen before -> (prefix tokens, suffix tokens, prefixes) of vLLM's prefix_repetition
 SWEEP = {0: (512, 512, SWEEP_PROMPTS), 50: (535, 489, 2), 90: (962, 62, 2)}
@@ -64,6 +72,8 @@ def main() -> int:
                         help="share of whole conversations kept [%(default)s]")
     parser.add_argument("--time-scale", type=float, default=0.05, help="arrival times x this [%(default)s]")
     parser.add_argument("--datasystem-mb", type=int, default=1024, help="data system memory per host [%(default)s]")
+    parser.add_argument("--decode-kv-mb", type=int, default=DECODE_KV_MB,
+                        help="the decode instance's own KV pool, MB (prefill's stay yrpd's CPU default) [%(default)s]")
     parser.add_argument("--targets", help=f"[{TARGETS}; with --sweep {SWEEP_TARGETS}]")
     parser.add_argument("--sweep", action="store_true", help="the 0/50/90 %% sweep instead of the trace")
     parser.add_argument("--shares", default=",".join(map(str, SWEEP)),
@@ -187,7 +197,8 @@ def in_lab(args: argparse.Namespace, work: Path, hosts: list[str], yrpd, runs: l
         config.write_text("hosts:\n  - {address: h1, devices: [0, 1]}\n  - {address: h2, devices: [0]}\n"
                           f"device_kind: cpu\nmodel: builtin:smollm2\nenv_path: {ENV_ROOT}\n"
                           f"datasystem_memory_mb: {args.datasystem_mb}\ncluster_mode: ds_only\n"
-                          "engine_args: ['--max-model-len', '4096']\nrouting: prefix\n")
+                          "engine_args: ['--max-model-len', '4096']\nrouting: prefix\n"
+                          f"decode_engine_args: ['--kv-cache-memory-bytes', '{args.decode_kv_mb << 20}']\n")
         layout = ["--hosts", ",".join(hosts), "--config", str(config), "--prefill", "2", "--decode", "1"]
         try:
             if yrpd("deploy", *layout, *ssh):

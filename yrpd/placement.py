@@ -355,7 +355,7 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
                 kv_port=ports.kv_base + slot,
                 hccl_port=ports.hccl_base + INSTANCE_PORT_BLOCK * slot,
                 # kept: what it runs with still (one stored before these were recorded runs with its stored spec's)
-                config=(old.config if old is not None and old.config else spec.instance_config),
+                config=(old.config if old is not None and old.config else spec.instance_config(p.role)),
                 group=(old.group if old is not None and old.group else spec.model_group),
             )
         )

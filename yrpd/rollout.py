@@ -91,7 +91,7 @@ def joined_hosts(old: DeploySpec, new: DeploySpec) -> list[str]:
 
 def stale(plan: Plan, spec: DeploySpec) -> list[InstancePlan]:
     """The instances of `plan` started with other settings than `spec` gives them, prefill first."""
-    return sorted((i for i in plan.instances if i.config != spec.instance_config),
+    return sorted((i for i in plan.instances if i.config != spec.instance_config(i.role)),
                   key=lambda i: (i.role != "prefill", i.index))
 
 

@@ -252,10 +252,10 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
         if inst.split:
             launches += split_launches(spec, plan, inst, paths, h, [*common, *dp_args[h]], host_env, secrets, ds_link)
         elif h == inst.host:
-            argv = [*common, "--host", head.reach_ip, "--port", str(inst.port), *dp_args[h], *spec.engine_args]
+            argv = [*common, "--host", head.reach_ip, "--port", str(inst.port), *dp_args[h], *spec.engine_args_of(inst.role)]
             launches.append(Launch(inst.name, h, argv, host_env, f"{instance_url(plan, inst)}/health", secrets, ds_link))
         else:
-            argv = [*common, *dp_args[h], *spec.engine_args]
+            argv = [*common, *dp_args[h], *spec.engine_args_of(inst.role)]
             launches.append(Launch(f"{inst.name}-{h}", h, argv, host_env, env_file=secrets))
     return launches
 
@@ -289,11 +289,11 @@ def split_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: Host
                  "--master-port", str(inst.kv_port)]
         if h != inst.host:
             follower = {"role": "follower", "listen": listen, "leader": f"{inst.name} on {inst.host}"}
-            return [Launch(f"{inst.name}-{h}", h, [*argv, *nodes, "--headless", *spec.engine_args], env,
+            return [Launch(f"{inst.name}-{h}", h, [*argv, *nodes, "--headless", *spec.engine_args_of(inst.role)], env,
                            env_file=secrets, gang=follower)]
         members = [[f"{inst.name}-{o}", f"{host_of(plan, o).reach_ip}:{spec.ports.kv_base + slots[o]}"]
                    for o in inst.hosts if o != inst.host]
-        return [Launch(inst.name, h, [*argv, "--host", ip, "--port", str(inst.port), *nodes, *spec.engine_args],
+        return [Launch(inst.name, h, [*argv, "--host", ip, "--port", str(inst.port), *nodes, *spec.engine_args_of(inst.role)],
                        env, health, secrets, ds_link, gang={"role": "leader", "members": members})]
     # Ray: its workers are the raylet's children and get the node's environment, ours included (PYTHONPATH, NICs)
     gcs = f"{head.reach_ip}:{ray_ports(spec, slots[inst.host])['port']}"
@@ -313,7 +313,7 @@ def split_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: Host
                                               "--include-dashboard=false"], env, env_file=secrets,
                       gang={"role": "leader", "members": members}, leaves=(temp,))
     serve = Launch(inst.name, h, [*argv, "--host", ip, "--port", str(inst.port), "--distributed-executor-backend",
-                                  "ray", *spec.engine_args], {**env, "RAY_ADDRESS": gcs}, health, secrets, ds_link,
+                                  "ray", *spec.engine_args_of(inst.role)], {**env, "RAY_ADDRESS": gcs}, health, secrets, ds_link,
                    gang={"role": "follower", "listen": listen, "leader": leader})
     return [ray_head, serve]
 

@@ -656,7 +656,10 @@ class DataSystemSection(BaseModel):
 #: the fields an instance runs with: a change of them replaces instances one by one (yrpd.rollout); the others
 #: take effect without a restart (ROLLOUT_FREE_FIELDS), change counts (prefill, decode: `yrpd scale`), or cannot
 #: roll (the cluster, the hosts, ports, the runtime: `--recreate`)
-INSTANCE_FIELDS = ("model", "served_model_name", "dtype", "prefix_reuse", "engine_args", "connector")
+INSTANCE_FIELDS = ("model", "served_model_name", "dtype", "prefix_reuse", "engine_args", "connector",
+                   "prefill_engine_args", "decode_engine_args")
+#: the instance fields that reach the instances of one role alone: a change of one rolls that role's instances
+ROLE_ENGINE_ARGS = {"prefill": "prefill_engine_args", "decode": "decode_engine_args"}
 
 
 def _digest(value: Any) -> str:
@@ -679,6 +682,11 @@ class ServingSection(BaseModel):
     prefix_reuse: bool = True
     #: extra `vllm serve` arguments, after yrpd's own (the last occurrence of a flag wins)
     engine_args: list[str] = []
+    #: more `vllm serve` arguments for the prefill instances alone, after engine_args (PD recipes size the two roles
+    #: apart: a decode instance holds every running request's KV, a prefill instance only those it computes)
+    prefill_engine_args: list[str] = []
+    #: the same for the decode instances alone
+    decode_engine_args: list[str] = []
     #: the KV connector: yrpd's own through the data system; vLLM's reference `ExampleConnector` (safetensors
     #: files under the session directory, one host only; the `peer-example-pd` target of `yrpd bench`); or
     #: `lmcache`, LMCache's multi-process server as the store of plain instances (`disaggregated: false`; CPU
@@ -717,11 +725,20 @@ class ServingSection(BaseModel):
         model = self.model or BUILTIN_MODEL
         return model.rstrip("/").rsplit("/", 1)[-1].removeprefix("builtin:")
 
-    @property
-    def instance_config(self) -> str:
-        """Digest of what an instance runs with (INSTANCE_FIELDS): an instance started with another one is replaced
-        by a rolling change (yrpd.rollout)."""
-        return _digest({k: getattr(self, k) for k in INSTANCE_FIELDS})
+    def engine_args_of(self, role: str) -> list[str]:
+        """The extra `vllm serve` arguments of an instance of `role`: engine_args, then its role's own."""
+        field = ROLE_ENGINE_ARGS.get(role)
+        return [*self.engine_args, *(getattr(self, field) if field else [])]
+
+    def instance_config(self, role: str) -> str:
+        """Digest of what an instance of `role` runs with (INSTANCE_FIELDS, of the role fields its own alone): an
+        instance started with another one is replaced by a rolling change (yrpd.rollout). Without role arguments it
+        is the digest sessions recorded before those existed, so they do not roll for nothing."""
+        fields = {k: getattr(self, k) for k in INSTANCE_FIELDS if k not in ROLE_ENGINE_ARGS.values()}
+        own = ROLE_ENGINE_ARGS.get(role)
+        if own and getattr(self, own):
+            fields[own] = getattr(self, own)
+        return _digest(fields)
 
     @property
     def model_group(self) -> str:
@@ -800,12 +817,13 @@ class ServingSection(BaseModel):
         owned = ("--port", "--host", "--served-model-name", "--kv-transfer-config", "--tensor-parallel-size",
                  "--data-parallel-size", "--headless", "--dtype", "--pipeline-parallel-size", "--nnodes",
                  "--node-rank", "--master-addr", "--master-port", "--distributed-executor-backend")
-        for arg in self.engine_args:
-            flag = arg.split("=", 1)[0]
-            if flag in owned:
-                raise SpecError("engine_args", f"{flag} is set by yrpd from the plan",
-                                "use the spec field instead (ports, served_model_name, ptp/dtp, pdp/ddp, connector, "
-                                "dtype)")
+        for field in ("engine_args", *ROLE_ENGINE_ARGS.values()):
+            for arg in getattr(self, field):
+                flag = arg.split("=", 1)[0]
+                if flag in owned:
+                    raise SpecError(field, f"{flag} is set by yrpd from the plan",
+                                    "use the spec field instead (ports, served_model_name, ptp/dtp, pdp/ddp, "
+                                    "connector, dtype)")
         if self.proxy_host is not None:
             try:
                 ipaddress.ip_address(self.proxy_host)

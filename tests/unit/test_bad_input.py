@@ -104,6 +104,8 @@ CASES = [
     ("session-root-too-long", GOOD, "remote_session_root: /var/lib/a-very-long-directory-name/for-sessions\n",
      "remote_session_root: is too long"),
     ("engine-args-owns-port", GOOD, "engine_args: ['--port', '9000']\n", "engine_args: --port is set by yrpd"),
+    ("decode-engine-args-owns-port", GOOD, "decode_engine_args: ['--port=9000']\n",
+     "decode_engine_args: --port is set by yrpd"),
     ("proxy-host-not-ip", GOOD, "proxy_host: everywhere\n", "proxy_host: 'everywhere' is not an IP address"),
     ("api-key-env-unset", GOOD, "api_key_env: YRPD_TEST_SURELY_UNSET_KEY\n", "api_key_env: $YRPD_TEST_SURELY_UNSET_KEY is not set"),
     ("startup-timeout-too-small", GOOD, "startup_timeout_s: 1\n", "startup_timeout_s"),

@@ -53,6 +53,19 @@ def test_the_last_max_model_len_given_wins_as_in_vllm_and_the_kind_default_count
     assert run.pool_refusal(shorter, DeviceKind.cpu, model_dir(tmp_path), "float32") is None
 
 
+def test_a_roles_own_kv_pool_is_checked_too_and_the_runs_size_wins_over_it(tmp_path):
+    def pd(**role_args):
+        return build_spec({}, {"hosts": "localhost", "device_kind": "cpu", "model": "/m", **role_args})
+
+    small = ["--kv-cache-memory-bytes", str(100 << 20)]  # under the 180 MB a 4,096-token float32 sequence needs
+    assert run.pool_refusal(pd(decode_engine_args=small), DeviceKind.cpu, model_dir(tmp_path), "float32")[1] == 180
+    big = ["--kv-cache-memory-bytes", str(2048 << 20)]
+    assert run.pool_refusal(pd(decode_engine_args=big), DeviceKind.cpu, model_dir(tmp_path), "float32") is None
+    # `--kv-cache-mb` sizes every instance of the run, a role's own size included
+    sized = run.variant(pd(decode_engine_args=big), "pd", DeviceKind.cpu, kv_cache_mb=300)
+    assert sized.engine_args_of("decode")[-2:] == ["--kv-cache-memory-bytes", str(300 << 20)]
+
+
 def test_goodput_slos_are_checked_before_the_run():
     assert run.goodput_slos("ttft:2000 tpot:100") == ("ttft:2000", "tpot:100")
     assert run.goodput_slos("ttft:2000,e2el:9000") == ("ttft:2000", "e2el:9000")

@@ -65,13 +65,22 @@ def test_an_instance_is_stale_once_its_settings_differ_and_a_model_change_change
     assert other.model_group != spec().model_group and other.model_group.startswith("other#")
 
 
+def test_a_roles_own_engine_args_roll_that_roles_instances_alone():
+    plan = make_plan(spec(), inventory())
+    assert [i.name for i in rollout.stale(plan, spec(decode_engine_args=["--max-num-seqs", "64"]))] == ["decode-0"]
+    assert [i.name for i in rollout.stale(plan, spec(prefill_engine_args=["--max-num-seqs", "4"]))] == ["prefill-0"]
+    # a session recorded before the role fields existed does not roll for them while they stay empty
+    assert spec().instance_config("decode") == spec().instance_config("prefill")
+    assert [c.kind.value for c in rollout.diff(spec(), spec(decode_engine_args=["--max-num-seqs", "64"]))] == ["roll"]
+
+
 def test_a_new_instance_takes_the_lowest_free_index_and_kept_ones_keep_their_settings():
     running = make_plan(spec(decode=2), inventory())
     flag = spec(decode=2, engine_args=["--max-num-seqs", "8"])
     # decode-0 replaced: a third decode instance started beside the two, then decode-0 retired
     grown = make_plan(rollout.with_counts(flag, running, decode=1), inventory(), keep=running.instances)
     assert [i.name for i in grown.instances] == ["prefill-0", "decode-0", "decode-1", "decode-2"]
-    assert [i.config == flag.instance_config for i in grown.instances] == [False, False, False, True]
+    assert [i.config == flag.instance_config(i.role) for i in grown.instances] == [False, False, False, True]
     rest = [i for i in grown.instances if i.name != "decode-0"]
     after = make_plan(flag, inventory(), keep=rest)
     assert [i.name for i in after.instances] == ["prefill-0", "decode-1", "decode-2"]

@@ -67,6 +67,14 @@ def test_cpu_instances_bind_cores_per_tp_rank_and_user_engine_args_come_last():
     assert p.env["PYTHONPATH"] == PATHS.bundle_dir and p.env["HF_HUB_OFFLINE"] == "1"
 
 
+def test_a_roles_own_engine_args_reach_that_roles_instances_after_the_common_ones():
+    spec, plan = deployment(DeviceKind.cpu, devices=4, hosts=("h1",), ptp=2, dtp=2,
+                            engine_args=["--max-num-seqs", "8"], decode_engine_args=["--max-num-seqs", "64"])
+    p, d = launches_on_host(spec, plan, "h1", PATHS)
+    assert [p.argv[i + 1] for i, a in enumerate(p.argv) if a == "--max-num-seqs"] == ["8"]
+    assert [d.argv[i + 1] for i, a in enumerate(d.argv) if a == "--max-num-seqs"] == ["8", "64"]  # the last wins
+
+
 def test_data_parallel_ranks_on_two_hosts_run_a_headless_engine_on_the_second():
     spec, plan = deployment(ptp=4, pdp=2, dtp=4, prefill=1, decode=1, devices=4, hosts=("h1", "h2", "h3"))
     prefill = plan.instances[0]

@@ -47,7 +47,7 @@ from pathlib import Path
 from yrpd.bench.dataset import DatasetOptions, make
 from yrpd.errors import SpecError
 from yrpd.serving import STATS_INTERVAL_S, endpoint_url, model_path
-from yrpd.spec import DeploySpec, DeviceKind
+from yrpd.spec import ROLE_ENGINE_ARGS, DeploySpec, DeviceKind
 from yrpd import api
 from yrpd.bench.report import write_report
 from yrpd.provenance import git_state, record
@@ -93,6 +93,9 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
     if kv_cache_mb:
         pools = spec.prefill + spec.decode if target in ("single", "single-yr", "peer-lmcache") else 1
         engine_args += ["--kv-cache-memory-bytes", str((kv_cache_mb * pools) << 20)]
+        for role_args in ROLE_ENGINE_ARGS.values():  # the run's size wins over a role's own (they come later)
+            if data[role_args]:
+                data[role_args] = [*data[role_args], "--kv-cache-memory-bytes", str(kv_cache_mb << 20)]
     if target == "pd-noreuse":
         engine_args.append("--no-enable-prefix-caching")
     data["engine_args"] = engine_args
@@ -138,7 +141,14 @@ def pool_refusal(spec: DeploySpec, kind: DeviceKind, model_dir: Path, dtype: str
     the least a pool can need, so nothing vLLM would take is refused here."""
     from yrpd.serving import KIND_ENGINE_ARGS
 
-    args = [*KIND_ENGINE_ARGS[kind], *spec.engine_args]
+    for role in ("prefill", "decode") if spec.disaggregated else ("single",):
+        refused = _pool_refusal(spec, [*KIND_ENGINE_ARGS[kind], *spec.engine_args_of(role)], model_dir, dtype)
+        if refused:
+            return refused
+    return None
+
+
+def _pool_refusal(spec: DeploySpec, args: list[str], model_dir: Path, dtype: str | None) -> tuple[str, int] | None:
     pool = _last_value(args, "--kv-cache-memory-bytes")
     if pool is None:  # vLLM sizes it from the memory it finds
         return None
