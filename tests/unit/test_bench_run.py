@@ -106,6 +106,47 @@ def test_repeated_runs_report_medians_the_spread_and_each_runs_error_rate():
     assert run.summarize(runs[:1])[1] == {}  # one run: no spread to give
 
 
+def test_a_repeat_gives_each_runs_own_hit_rate_and_prefill_leg_with_their_medians(tmp_path, monkeypatch):
+    """Measured around each run (the counters are cumulative: each run's is a delta), so a repeated run's hit rate
+    has a median and a spread like its times; the runs stood in, the arithmetic real."""
+    tokens = {"computed": 0, "local_cache": 0, "loaded": 0}
+    legs = [0.0, 0]
+    per_run = [(80, 20, 2.0), (50, 50, 1.0), (70, 30, 3.0)]  # (computed, from the instance's own cache, leg seconds)
+
+    def counters(_):
+        return {f"prefill_prompt_tokens_{k}": float(v) for k, v in tokens.items()}, {}, {}
+
+    def serve(load, url, model, out_dir, name, key=None):
+        computed, local, leg = per_run[len(names)]
+        names.append(name)
+        tokens["computed"] += computed
+        tokens["local_cache"] += local
+        legs[0] += leg * 4
+        legs[1] += 4
+        return {"mean_ttft_ms": 5000.0, "completed": 4, "failed": 0, "ttfts": [1.0] * 4, "input_lens": [1]}
+
+    names: list[str] = []
+    deployed = type("D", (), {"spec": type("S", (), {"model_name": "m"})(), "plan": None,
+                              "endpoint_key": lambda self: None})()
+    monkeypatch.setattr(run, "counters", counters)
+    monkeypatch.setattr(run, "bench_serve", serve)
+    monkeypatch.setattr(run, "prefill_legs", lambda url: (legs[0], legs[1]))
+    monkeypatch.setattr(run.api, "open_deployment", lambda sid: deployed)
+    monkeypatch.setattr(run, "endpoint_url", lambda spec, plan: "http://p")
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    request = run.BenchRequest(targets=("pd",), repeat=3)
+    got = run.measure("s1", "pd", request, load(), tmp_path, log=lambda *a: None)
+    assert [r["prefix_hit_rate"] for r in got["runs"]] == [20.0, 50.0, 30.0]
+    assert got["metrics"]["prefix_hit_rate"] == 30.0 and got["spread"]["prefix_hit_rate"] == [20.0, 50.0]
+    assert [r["mean_prefill_leg_ms"] for r in got["runs"]] == [2000.0, 1000.0, 3000.0]
+    assert got["metrics"]["mean_ttft_after_prefill_ms"] == 3000.0
+    # one run: its hit rate is the counters' over the whole run, in the report's own row (no per-run figure)
+    names.clear()
+    tokens.update(computed=0, local_cache=0)
+    once = run.measure("s1", "pd", run.BenchRequest(targets=("pd",)), load(), tmp_path, log=lambda *a: None)
+    assert "prefix_hit_rate" not in once["metrics"] and once["metrics"]["mean_prefill_leg_ms"] == 2000.0
+
+
 def test_a_target_that_fails_is_named_the_others_are_measured_and_the_original_comes_back(tmp_path, monkeypatch):
     """The issue's case with the deployments stood in: `single` fails to deploy after `pd` was measured. The run goes
     on with `single-yr`, tears down what the failure left, deploys the original spec again, and the report has the

@@ -11,6 +11,7 @@ ROWS = [  # (label, metric key in vllm bench serve's result, or yrpd.bench.run.s
     ("mean TTFT", "mean_ttft_ms", "ms"),
     ("of which the prefill leg (mean, the proxy's timing)", "mean_prefill_leg_ms", "ms"),
     ("of which after the prefill leg (decode, hand-over)", "mean_ttft_after_prefill_ms", "ms"),
+    ("prefill prefix-cache hit rate, each run's own", "prefix_hit_rate", "% of its prompt tokens"),
     ("median TTFT", "median_ttft_ms", "ms"),
     ("p90 TTFT", "p90_ttft_ms", "ms"),
     ("p99 TTFT", "p99_ttft_ms", "ms"),

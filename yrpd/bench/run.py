@@ -49,7 +49,7 @@ from yrpd.errors import SpecError
 from yrpd.serving import STATS_INTERVAL_S, endpoint_url, model_path
 from yrpd.spec import ROLE_ENGINE_ARGS, DeploySpec, DeviceKind
 from yrpd import api
-from yrpd.bench.report import write_report
+from yrpd.bench.report import prefix_hit_rate, write_report
 from yrpd.provenance import git_state, record
 from yrpd.session import SessionPhase
 from yrpd.steps import spec_fingerprint
@@ -252,7 +252,8 @@ def stages(run: dict, before: tuple[float, int] | None, after: tuple[float, int]
     if before is None or after is None or after[1] <= before[1] or run.get("mean_ttft_ms") is None:
         return {}
     leg_ms = 1000 * (after[0] - before[0]) / (after[1] - before[1])
-    return {"mean_prefill_leg_ms": round(leg_ms, 2), "mean_ttft_after_prefill_ms": round(run["mean_ttft_ms"] - leg_ms, 2)}
+    return {"mean_prefill_leg_ms": round(leg_ms, 2),
+            "mean_ttft_after_prefill_ms": round(run["mean_ttft_ms"] - leg_ms, 2)}
 
 
 def serve_argv(load: "Load", url: str, model: str, out_dir: Path, name: str) -> list[str]:
@@ -483,8 +484,8 @@ class Load:
 
 
 #: the metrics a repeated run reports the spread of (min, max over its runs) beside the median
-SPREAD = ("mean_ttft_ms", "mean_prefill_leg_ms", "mean_ttft_after_prefill_ms", "p90_ttft_ms", "mean_tpot_ms", "request_throughput", "total_token_throughput",
-          "request_goodput")
+SPREAD = ("mean_ttft_ms", "mean_prefill_leg_ms", "mean_ttft_after_prefill_ms", "prefix_hit_rate", "p90_ttft_ms",
+          "mean_tpot_ms", "request_throughput", "total_token_throughput", "request_goodput")
 
 
 def summarize(runs: list[dict]) -> tuple[dict, dict]:
@@ -555,6 +556,7 @@ def measure(current: str, target: str, request: BenchRequest, load: Load, out_di
     deployed = api.open_deployment(current)
     url = endpoint_url(deployed.spec, deployed.plan)
     before, _, _ = counters(current)
+    mark = before
     runs, ttfts, names, input_lens = [], [], [], set()
     started = time.monotonic()
     for n in range(request.repeat):
@@ -565,6 +567,13 @@ def measure(current: str, target: str, request: BenchRequest, load: Load, out_di
         names.append(name)
         runs.append({k: v for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         runs[-1].update(stages(runs[-1], legs_before, prefill_legs(url)))
+        if request.repeat > 1:  # each run's own hit rate, so a repeat gives its median and spread like the times
+            time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the run's land
+            now, _, _ = counters(current)
+            rate = prefix_hit_rate({k: now[k] - mark.get(k, 0) for k in now})
+            if rate is not None:
+                runs[-1]["prefix_hit_rate"] = rate
+            mark = now
         ttfts += [round(t * 1000, 2) for t in raw.get("ttfts", []) if t]
         input_lens.add(hashlib.sha256(json.dumps(raw.get("input_lens")).encode()).hexdigest())
     time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the last land
