@@ -60,7 +60,10 @@ def main() -> int:
         if target.get("error"):
             continue
         log = args.logs / args.proxy_host / target["session"] / "proxy.log"
-        runs = runs_of(log)
+        runs = runs_of(log) if log.is_file() else []
+        if not runs:
+            print(f"| {name} | - | no proxy log lines of a bench run in {log} | - | - | - |")
+            continue
         for n, r in enumerate(runs, 1):
             legs = ", ".join(f"{url.rsplit(':', 1)[-1]}: {k}" for url, k in r["legs"].items())
             print(f"| {name} | {n} | {legs} | {r['leg_ms']:,.0f} | {r['ttft_ms']:,.0f} | {r['after_ms']:,.0f} |")

@@ -817,6 +817,10 @@ class ServingSection(BaseModel):
         owned = ("--port", "--host", "--served-model-name", "--kv-transfer-config", "--tensor-parallel-size",
                  "--data-parallel-size", "--headless", "--dtype", "--pipeline-parallel-size", "--nnodes",
                  "--node-rank", "--master-addr", "--master-port", "--distributed-executor-backend")
+        given = [f for f in ROLE_ENGINE_ARGS.values() if getattr(self, f)]
+        if given and not self.disaggregated:
+            raise SpecError(given[0], "set for one PD role's instances, but disaggregated: false runs one plain "
+                            "instance", "put the flags in engine_args, or deploy PD (disaggregated: true)")
         for field in ("engine_args", *ROLE_ENGINE_ARGS.values()):
             for arg in getattr(self, field):
                 flag = arg.split("=", 1)[0]

@@ -106,6 +106,9 @@ CASES = [
     ("engine-args-owns-port", GOOD, "engine_args: ['--port', '9000']\n", "engine_args: --port is set by yrpd"),
     ("decode-engine-args-owns-port", GOOD, "decode_engine_args: ['--port=9000']\n",
      "decode_engine_args: --port is set by yrpd"),
+    # (the control: the same field in a PD spec plans, tests/unit/test_serving.py)
+    ("role-engine-args-without-pd", GOOD, "disaggregated: false\nprefill_engine_args: ['--max-num-seqs', '4']\n",
+     "prefill_engine_args: set for one PD role's instances, but disaggregated: false runs one plain instance"),
     ("proxy-host-not-ip", GOOD, "proxy_host: everywhere\n", "proxy_host: 'everywhere' is not an IP address"),
     ("api-key-env-unset", GOOD, "api_key_env: YRPD_TEST_SURELY_UNSET_KEY\n", "api_key_env: $YRPD_TEST_SURELY_UNSET_KEY is not set"),
     ("startup-timeout-too-small", GOOD, "startup_timeout_s: 1\n", "startup_timeout_s"),

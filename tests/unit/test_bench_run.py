@@ -64,6 +64,11 @@ def test_a_roles_own_kv_pool_is_checked_too_and_the_runs_size_wins_over_it(tmp_p
     # `--kv-cache-mb` sizes every instance of the run, a role's own size included
     sized = run.variant(pd(decode_engine_args=big), "pd", DeviceKind.cpu, kv_cache_mb=300)
     assert sized.engine_args_of("decode")[-2:] == ["--kv-cache-memory-bytes", str(300 << 20)]
+    # the no-reuse target turns caching off after a role's own flags too; a single instance takes engine_args alone
+    noreuse = run.variant(pd(prefill_engine_args=["--enable-prefix-caching"]), "pd-noreuse", DeviceKind.cpu)
+    assert noreuse.engine_args_of("prefill")[-1] == "--no-enable-prefix-caching"
+    single = run.variant(pd(decode_engine_args=big), "single", DeviceKind.cpu)
+    assert single.engine_args_of("single") == single.engine_args and single.decode_engine_args == []
 
 
 def test_goodput_slos_are_checked_before_the_run():

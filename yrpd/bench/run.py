@@ -98,6 +98,9 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
                 data[role_args] = [*data[role_args], "--kv-cache-memory-bytes", str(kv_cache_mb << 20)]
     if target == "pd-noreuse":
         engine_args.append("--no-enable-prefix-caching")
+        for role_args in ROLE_ENGINE_ARGS.values():  # after a role's own --enable-prefix-caching too
+            if data[role_args]:
+                data[role_args] = [*data[role_args], "--no-enable-prefix-caching"]
     data["engine_args"] = engine_args
     data["kv_connector"] = CONNECTORS.get(target, "yuanrong")
     if target in ("pd", *ROUTING_TARGETS, "peer-example-pd", "peer-ascend-store", "peer-nixl-pd"):
@@ -107,7 +110,8 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
     elif target == "pd-noreuse":
         data.update(disaggregated=True, prefix_reuse=False)
     elif target in ("single", "single-yr", "peer-lmcache"):
-        data.update(single_kv_store=target == "single-yr")
+        # one plain instance takes engine_args alone (the spec refuses role arguments without PD)
+        data.update(single_kv_store=target == "single-yr", **{f: [] for f in ROLE_ENGINE_ARGS.values()})
         devices = sum(n * tp * dp for n, (tp, dp) in ((spec.prefill, spec.parallelism("prefill")),
                                                       (spec.decode, spec.parallelism("decode"))))
         data.update(disaggregated=False, prefill=1, prefill_data_parallel_size=1, decode=1, decode_data_parallel_size=1)
@@ -248,7 +252,8 @@ def prefill_legs(url: str) -> tuple[float, int] | None:
 def stages(run: dict, before: tuple[float, int] | None, after: tuple[float, int] | None) -> dict:
     """A PD run's mean TTFT split in two: the mean prefill leg (the proxy's timing of the legs this run sent: the
     stage prefill routing chooses) and the rest (decode's queue, the hand-over's load, the prompt's last block, the
-    proxy). Empty where the proxy timed no leg in the run."""
+    proxy). Empty where the proxy timed no leg in the run. Every leg between the two reads counts, vllm bench serve's
+    one test prompt before the run included: on a run of N prompts the mean leg is off by about 1/N of a leg."""
     if before is None or after is None or after[1] <= before[1] or run.get("mean_ttft_ms") is None:
         return {}
     leg_ms = 1000 * (after[0] - before[0]) / (after[1] - before[1])
@@ -576,7 +581,8 @@ def measure(current: str, target: str, request: BenchRequest, load: Load, out_di
             mark = now
         ttfts += [round(t * 1000, 2) for t in raw.get("ttfts", []) if t]
         input_lens.add(hashlib.sha256(json.dumps(raw.get("input_lens")).encode()).hexdigest())
-    time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the last land
+    if request.repeat == 1:  # (a repeat waited after each run)
+        time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the last land
     after, use, rates = counters(current)
     metrics, spread = summarize(runs)
     return {"description": TARGETS[target], "session": current, "url": url,

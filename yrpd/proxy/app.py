@@ -588,7 +588,6 @@ class Proxy:
         request[_CALL].note["prefill_ms"] = round(took * 1000)
         if resp.status >= 400:
             raise UpstreamAnswer(resp, data)
-        self.metrics.prefill.observe(took)
         if request[_CALL].groups is not None:  # decode answers for the model whose KV this prefill computed
             request[_CALL].groups = {inst.group}
         try:
@@ -597,6 +596,7 @@ class Proxy:
             message = f"prefill instance {inst.url} answered {resp.status} with a body that is not a JSON object"
             self._upstream_error(inst, message, down=False)
             raise ProxyError(502, message) from None
+        self.metrics.prefill.observe(took)
         lease = request[_CALL].prefill_lease
         if lease is not None:
             self.pool.observe(lease, _loaded_blocks(kv))
