@@ -202,6 +202,10 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
         env["HCCL_IF_BASE_PORT"] = str(inst.hccl_port)
     if events := kv_events_config(spec, plan, inst, paths):
         common += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
+    if with_kv and spec.kv_connector in (KvConnector.yuanrong, KvConnector.ascend_store):
+        # the data-system client's own logs, per instance under the session (without it: $HOME/.datasystem/logs,
+        # every session's instances in one file, left behind by `down`); the client makes the directory
+        env["DATASYSTEM_CLIENT_LOG_DIR"] = f"{paths.session.client_logs}/{inst.name}"
     if spec.kv_connector is KvConnector.lmcache:
         env["LMCACHE_TRACK_USAGE"] = "false"
     if spec.kv_connector is KvConnector.nixl:  # the side channel decode asks prefill's block layout on

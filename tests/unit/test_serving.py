@@ -75,6 +75,17 @@ def test_a_roles_own_engine_args_reach_that_roles_instances_after_the_common_one
     assert [d.argv[i + 1] for i, a in enumerate(d.argv) if a == "--max-num-seqs"] == ["8", "64"]  # the last wins
 
 
+def test_an_instances_data_system_client_logs_under_the_session_not_in_home():
+    spec, plan = deployment(DeviceKind.cpu, devices=4, hosts=("h1",), ptp=2, dtp=2)
+    p, d = launches_on_host(spec, plan, "h1", PATHS)
+    assert p.env["DATASYSTEM_CLIENT_LOG_DIR"] == "/tmp/yrpd_sessions/S/logs/ds-client/prefill-0"
+    assert d.env["DATASYSTEM_CLIENT_LOG_DIR"] == "/tmp/yrpd_sessions/S/logs/ds-client/decode-0"
+    # control: a plain instance (the bench's `single` baseline) has no data-system client
+    plain, plan = deployment(DeviceKind.cpu, devices=4, hosts=("h1",), disaggregated=False)
+    [single] = launches_on_host(plain, plan, "h1", PATHS)
+    assert "DATASYSTEM_CLIENT_LOG_DIR" not in single.env
+
+
 def test_data_parallel_ranks_on_two_hosts_run_a_headless_engine_on_the_second():
     spec, plan = deployment(ptp=4, pdp=2, dtp=4, prefill=1, decode=1, devices=4, hosts=("h1", "h2", "h3"))
     prefill = plan.instances[0]

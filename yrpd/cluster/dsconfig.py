@@ -64,9 +64,37 @@ def etcd_endpoint(node: YrNode) -> str:
     return f"{node.master_ip}:{m.etcd_client}"
 
 
+#: `dscli start -w` passes the worker every non-empty value of its worker_config.json; where one differs from the
+#: binary's own default (`datasystem_worker --help`) yrpd passes it too, so the worker runs as dscli would start it.
+#: In openyuanrong-datasystem 0.8.1 those are the paths (set under the session instead: PATHS_UNDER_SESSION), the
+#: stream cache's socket counts (DIFFERS_FROM_DSCLI) and these (tests/lab/test_dscli_flags.py compares both files of
+#: the installed package with yrpd's flags)
+DSCLI_DEFAULTS: dict[str, object] = {"client_reconnect_wait_s": 5}
+#: flags dscli makes relative paths under its home directory (`./datasystem/...`): yrpd puts each under the session,
+#: absolute, so two sessions or two hosts' workers on one machine never share a file
+PATHS_UNDER_SESSION = ("log_dir", "ready_check_path", "health_check_path", "rocksdb_store_dir",
+                       "unix_domain_socket_dir", "monitor_config_file")
+#: where yrpd's worker deliberately runs otherwise than dscli's, and why (flag -> reason)
+DIFFERS_FROM_DSCLI = {
+    "sc_regular_socket_num": "0 in ds_only mode: nothing uses the stream cache, whose socket threads poll all the time",
+    "sc_stream_socket_num": "0 in ds_only mode, as sc_regular_socket_num",
+    "enable_worker_worker_batch_get": "true, as openYuanrong's vLLM deployment passes it to dscli",
+    "memory_reclamation_time_second": "datasystem_memory_reclamation_s (5 s): freed memory is reused soon",
+    "log_monitor": "on, 5 s: its resource.log is how `yrpd status` reads the worker's use and hits",
+    "log_monitor_interval_ms": "5000, as log_monitor",
+    "enable_curve_zmq": "on with the deployment's CURVE keys (curve_key_dir)",
+    "curve_key_dir": "the session's CURVE keys",
+    "enable_etcd_auth": "on where etcd serves TLS (etcd_ca, etcd_cert, etcd_key)",
+    "etcd_ca": "the session's CA", "etcd_cert": "the session's client certificate",
+    "etcd_key": "the session's client key",
+    "spill_directory": "the disk tier (datasystem_spill_mb)", "spill_size_limit": "datasystem_spill_mb",
+}
+
+
 def worker_args(node: YrNode) -> dict[str, object]:
-    """The worker's flags: those openYuanrong's vLLM deployment gives `dscli start -w`, the paths under this session,
-    then what both launchers tune alike (yrconfig.worker_tuning), the CURVE keys and etcd's TLS files."""
+    """The worker's flags: those openYuanrong's vLLM deployment gives `dscli start -w`, dscli's own defaults where
+    they are not the binary's (DSCLI_DEFAULTS), the paths under this session, then what both launchers tune alike
+    (yrconfig.worker_tuning), the CURVE keys and etcd's TLS files."""
     validate(node)
     d = worker_dir(node)
     args: dict[str, object] = {
@@ -74,11 +102,14 @@ def worker_args(node: YrNode) -> dict[str, object]:
         "etcd_address": etcd_endpoint(node),
         "shared_memory_size_mb": node.shared_memory_mb,
         "enable_worker_worker_batch_get": True,
+        **DSCLI_DEFAULTS,
         "log_dir": f"{node.deploy_path}/logs/data_system/worker",
         "ready_check_path": ready_file(node),
         "health_check_path": f"{d}/health",
         "rocksdb_store_dir": f"{d}/rocksdb",
         "unix_domain_socket_dir": f"{d}/socket",
+        # the binary's default is under $HOME, shared by every worker of the machine; dscli's under its home
+        "monitor_config_file": f"{d}/config/datasystem.config",
         **worker_tuning(node),
     }
     if node.curve_key_dir:
