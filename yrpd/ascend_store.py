@@ -28,6 +28,7 @@ from yrpd.errors import SpecError
 from yrpd.ports import INSTANCE_PORT_BLOCK
 
 if TYPE_CHECKING:
+    from yrpd.dswheels import BroughtDataSystem
     from yrpd.placement import InstancePlan
     from yrpd.spec import Ports
 
@@ -63,9 +64,11 @@ def handover_port(ports: "Ports", inst: "InstancePlan") -> int:
     return ports.mooncake_base + (inst.hccl_port - ports.hccl_base)
 
 
-def check(release: str | None, profile: str) -> None:
-    """SpecError unless the image's vllm-ascend has a yuanrong backend the installed data system can serve."""
-    fix = "use kv_connector: yuanrong (yrpd's connector), or an image of vllm-ascend 0.19.1rc1 .. 0.26.0rc1"
+def check(release: str | None, profile: str, brought: "BroughtDataSystem | None" = None) -> None:
+    """SpecError unless the image's vllm-ascend has a yuanrong backend the data system yrpd installs can serve: the
+    package index's, or the one the user brings (`datasystem_wheels`, read from its wheels: yrpd.dswheels)."""
+    fix = ("use kv_connector: yuanrong (yrpd's connector), an image of vllm-ascend 0.19.1rc1 .. 0.26.0rc1, or bring "
+           f"openyuanrong-datasystem >= {NEEDS_DATASYSTEM} (datasystem_wheels: DIR)")
     if release is None:
         raise SpecError("kv_connector", f"ascend-store: container profile {profile} does not say which vllm-ascend "
                         "release its image ships", "set vllm_ascend: in a copy of the profile")
@@ -73,11 +76,37 @@ def check(release: str | None, profile: str) -> None:
     if version < FIRST:
         raise SpecError("kv_connector", f"ascend-store: vllm-ascend {release} (profile {profile}) has no "
                         f"AscendStoreConnector with a yuanrong backend (it came in {FIRST})", fix)
-    if version >= JSON_CONFIG:
+    if version >= JSON_CONFIG and brought is None:
         raise SpecError("kv_connector", f"ascend-store: vllm-ascend {release}'s yuanrong backend calls HeteroClient."
                         f"{', '.join(MISSING_IN_DATASYSTEM)}, which openyuanrong-datasystem 0.8.1 (what yrpd installs, "
                         f"the newest on the package index) lacks: it needs openyuanrong-datasystem >= "
                         f"{NEEDS_DATASYSTEM}", fix)
+    if version >= JSON_CONFIG and (lacking := brought.lacks(MISSING_IN_DATASYSTEM)):
+        raise SpecError("kv_connector", f"ascend-store: vllm-ascend {release}'s yuanrong backend calls HeteroClient."
+                        f"{', '.join(lacking)}, which the openyuanrong-datasystem {brought.version} brought in "
+                        f"{brought.directory} lacks: it needs openyuanrong-datasystem >= {NEEDS_DATASYSTEM}", fix)
+
+
+#: from JSON_CONFIG on: the variable naming the backend's JSON file, and the keys yrpd writes there (the backend reads
+#: more, each with a default: tests/lab/test_ascend_store_sources.py checks these against every release's source)
+CONFIG_PATH_ENV = "YR_CONFIG_PATH"
+WORKER_KEY = "worker_addr"
+REMOTE_H2D_KEY = "enable_remote_h2d"
+
+
+def reads_json(release: str | None) -> bool:
+    """The release's backend reads YR_CONFIG_PATH's JSON (and needs a data system brought for its calls)."""
+    return release is not None and Version(release) >= JSON_CONFIG
+
+
+def json_config(worker: str) -> dict:
+    """The backend's JSON (releases from JSON_CONFIG on): the host's worker, remote H2D off as in worker_env."""
+    return {WORKER_KEY: worker, REMOTE_H2D_KEY: False}
+
+
+def config_env(path: str) -> dict[str, str]:
+    """The environment of an instance whose backend reads its JSON at `path`."""
+    return {CONFIG_PATH_ENV: path, **HASH_SEED_ENV}
 
 
 def worker_env(worker: str) -> dict[str, str]:

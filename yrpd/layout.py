@@ -83,6 +83,11 @@ class HostSessionLayout:
         host's relay (yrpd.proxy.kvfeed, yrpd.proxy.kvrelay)."""
         return f"{self.run_dir}/" + (KV_EVENTS_SOCKET if what == "events" else KV_REPLAY_SOCKET).format(name=instance)
 
+    def backend_config(self, launch: str) -> str:
+        """vllm-ascend's yuanrong backend's JSON of one instance process (`kv_connector: ascend-store`, releases that
+        read YR_CONFIG_PATH), written by the instances' start step."""
+        return f"{self.run_dir}/{launch}.yr-config.json"
+
     def kv_stats(self, instance: str) -> str:
         """The connector's stats file per side and rank; `{side}` and `{rank}` are filled in by the connector."""
         return f"{self.run_dir}/kv-{instance}-{{side}}-rank{{rank}}.json"

@@ -14,6 +14,7 @@ from yrpd.layout import HostPaths
 from yrpd.peers import PEER_VENVS
 from yrpd.placement import HostPlan, InstancePlan, Plan
 from yrpd import ascend_store, credentials
+from yrpd.containers import container_profile
 from yrpd.ports import INSTANCE_PORT_BLOCK, RAY_PORT_BLOCK
 from yrpd.proxy.routing import Routing
 from yrpd.spec import BUILTIN_MODEL, DeploySpec, DeviceKind, KvConnector, MultiNodeBackend
@@ -62,6 +63,8 @@ class Launch:
     gang: dict | None = None
     #: what it writes outside the session directory, removed when it is stopped (Ray's temp root)
     leaves: tuple[str, ...] = ()
+    #: files written before it starts, (path, text) each (vllm-ascend's backend JSON under ascend-store)
+    files: tuple[tuple[str, str], ...] = ()
 
     @property
     def command(self) -> str:
@@ -239,8 +242,15 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
         if inst.spans_hosts and kind is DeviceKind.npu:  # its block on this host: slots differ from host to host
             slot = inst.slot_on(h, spec.ports.instance_base)
             host_env["HCCL_IF_BASE_PORT"] = str(spec.ports.hccl_base + INSTANCE_PORT_BLOCK * slot)
+        files: tuple[tuple[str, str], ...] = ()
         if with_kv and spec.kv_connector is KvConnector.ascend_store:
-            host_env.update(ascend_store.worker_env(f"{host_of(plan, h).reach_ip}:{spec.ports.datasystem}"))
+            worker = f"{host_of(plan, h).reach_ip}:{spec.ports.datasystem}"
+            if ascend_store.reads_json(container_profile(spec).vllm_ascend):
+                config = paths.session.backend_config(inst.name if h == inst.host else f"{inst.name}-{h}")
+                host_env.update(ascend_store.config_env(config))
+                files = ((config, json.dumps(ascend_store.json_config(worker), sort_keys=True)),)
+            else:
+                host_env.update(ascend_store.worker_env(worker))
         host_env.update(spec.env)
         ray = inst.split and spec.multi_node(kind) is MultiNodeBackend.ray
         if with_kv and ray and spec.kv_connector is KvConnector.yuanrong:
@@ -257,10 +267,11 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
             launches += split_launches(spec, plan, inst, paths, h, [*common, *dp_args[h]], host_env, secrets, ds_link)
         elif h == inst.host:
             argv = [*common, "--host", head.reach_ip, "--port", str(inst.port), *dp_args[h], *spec.engine_args_of(inst.role)]
-            launches.append(Launch(inst.name, h, argv, host_env, f"{instance_url(plan, inst)}/health", secrets, ds_link))
+            launches.append(Launch(inst.name, h, argv, host_env, f"{instance_url(plan, inst)}/health", secrets, ds_link,
+                                   files=files))
         else:
             argv = [*common, *dp_args[h], *spec.engine_args_of(inst.role)]
-            launches.append(Launch(f"{inst.name}-{h}", h, argv, host_env, env_file=secrets))
+            launches.append(Launch(f"{inst.name}-{h}", h, argv, host_env, env_file=secrets, files=files))
     return launches
 
 

@@ -24,9 +24,9 @@ from yrpd.ports import RAY_PORT_BLOCK
 from yrpd.errors import SpecError
 from yrpd.hostgroup import SshOptions
 from yrpd.proxy.routing import Routing
-from yrpd import ascend_store
+from yrpd import ascend_store, dswheels
 from yrpd.containers import check_image, container_profile, default_npu_image
-from yrpd.versions import DATASYSTEM_PYTHONS, DEFAULT_ENV_ROOT, YR_PYTHONS
+from yrpd.versions import DATASYSTEM_PYTHONS, DEFAULT_ENV_ROOT, OPENYUANRONG_DATASYSTEM, YR_PYTHONS
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 BUILTIN_MODEL = f"builtin:{DEFAULT_BUILTIN}"
@@ -601,7 +601,7 @@ class RuntimeSection(BaseModel):
             raise SpecError("image", str(exc), "write it as docker does, e.g. quay.io/ascend/vllm-ascend:v0.10.0rc1-openeuler") from None
         profile = container_profile(self)  # loads and validates it (SpecError naming the profile field)
         if self.kv_connector is KvConnector.ascend_store:
-            ascend_store.check(profile.vllm_ascend, profile.name)
+            ascend_store.check(profile.vllm_ascend, profile.name, self.brought_data_system())
             for role, tp, dp in (("prefill", self.prefill_tensor_parallel_size, self.prefill_data_parallel_size), ("decode", self.decode_tensor_parallel_size, self.decode_data_parallel_size)):
                 if tp * dp > ascend_store.PORT_BLOCK:
                     raise SpecError("kv_connector", f"ascend-store: a {role} instance of tp {tp} x dp {dp} needs "
@@ -638,6 +638,11 @@ class DataSystemSection(BaseModel):
     #: with `disaggregated: false`: the instances keep their KV in the data system too (connector kv_both), a
     #: prefix store beyond their own memory (the `single-yr` target of `yrpd bench`)
     single_kv_store: bool = False
+    #: a directory here (where yrpd runs) holding openyuanrong-datasystem wheels of the user's, one per Python and
+    #: architecture of the hosts: installed instead of the package index's (0.8.1). Their version and client API are
+    #: read from the wheels at plan time (yrpd.dswheels): with HeteroClient's multi-buffer calls they serve
+    #: `kv_connector: ascend-store` for vllm-ascend 0.27.1rc1 and later
+    datasystem_wheels: str | None = None
 
     @property
     def launcher(self) -> ClusterLauncher:
@@ -646,7 +651,27 @@ class DataSystemSection(BaseModel):
             return self.cluster_launcher
         return ClusterLauncher.yr if self.cluster_mode is ClusterMode.full else ClusterLauncher.dscli
 
+    def brought_data_system(self) -> "dswheels.BroughtDataSystem | None":
+        """The data system of `datasystem_wheels`, read from its wheels; None: the package index's."""
+        return dswheels.bring(self.datasystem_wheels) if self.datasystem_wheels else None
+
+    @property
+    def datasystem_version(self) -> str:
+        """The openyuanrong-datasystem every host gets: the one brought, else yrpd's pin (the package index's)."""
+        brought = self.brought_data_system()
+        return brought.version if brought else OPENYUANRONG_DATASYSTEM
+
     def _check_data_system(self) -> None:
+        if not self.datasystem_wheels:
+            return
+        self.brought_data_system()  # SpecError naming datasystem_wheels where its wheels cannot serve
+        if self.runtime is Runtime.host:
+            raise SpecError("datasystem_wheels", "brought wheels are installed inside the containers (runtime docker)",
+                            "on hosts without containers install them into a prepared environment and give env_path")
+        if self.wheels or self.env_path:
+            other = "wheels" if self.wheels else "env_path"
+            raise SpecError("datasystem_wheels", f"is brought to hosts that have nothing, and {other} says they have "
+                            "their own", f"put the data system's wheels into the hosts' {other} instead, or drop it")
         if self.cluster_launcher is ClusterLauncher.dscli and self.cluster_mode is ClusterMode.full:
             raise SpecError("cluster_launcher", "dscli starts the data system alone; full mode needs openYuanrong's "
                             "function system, which only the yr CLI starts", "set cluster_launcher: yr (or auto), or "

@@ -35,22 +35,38 @@ class WheelSet:
     arch: str  # x86_64 | aarch64
     requirements: tuple[str, ...]
     deps: bool = True  # False: the target environment already has every dependency
+    #: directories here pip also looks in (the data system the user brings: datasystem_wheels)
+    find_links: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
-        data = json.dumps([self.python_version, self.arch, sorted(self.requirements), self.deps])
+        data = json.dumps([self.python_version, self.arch, sorted(self.requirements), self.deps,
+                           *([list(self.find_links)] if self.find_links else [])])
         return f"cp{self.python_version.replace('.', '')}-{self.arch}-{hashlib.sha256(data.encode()).hexdigest()[:12]}"
 
 
-def cluster_set(python_version: str, arch: str) -> WheelSet:
+@dataclass(frozen=True)
+class DataSystemSource:
+    """Which openyuanrong-datasystem the sets hold: yrpd's pin from the package index, or the user's own wheels."""
+    version: str = versions.OPENYUANRONG_DATASYSTEM
+    find_links: tuple[str, ...] = ()  # the directory of the brought wheels
+
+    @property
+    def requirement(self) -> str:
+        return f"openyuanrong-datasystem=={self.version}"
+
+
+INDEX = DataSystemSource()
+
+
+def cluster_set(python_version: str, arch: str, ds: DataSystemSource = INDEX) -> WheelSet:
     return WheelSet("the openYuanrong venvs (yr CLI, data system)", python_version, arch,
-                    (f"openyuanrong=={versions.OPENYUANRONG}",
-                     f"openyuanrong-datasystem=={versions.OPENYUANRONG_DATASYSTEM}"))
+                    (f"openyuanrong=={versions.OPENYUANRONG}", ds.requirement), find_links=ds.find_links)
 
 
-def datasystem_set(python_version: str, arch: str) -> WheelSet:
+def datasystem_set(python_version: str, arch: str, ds: DataSystemSource = INDEX) -> WheelSet:
     return WheelSet("the data-system venv (dscli launcher: datasystem_worker, dscli)", python_version, arch,
-                    (f"openyuanrong-datasystem=={versions.OPENYUANRONG_DATASYSTEM}",))
+                    (ds.requirement,), find_links=ds.find_links)
 
 
 def etcd_set(arch: str) -> WheelSet:
@@ -59,9 +75,9 @@ def etcd_set(arch: str) -> WheelSet:
                     (f"openyuanrong=={versions.OPENYUANRONG}",), deps=False)
 
 
-def client_set(python_version: str, arch: str) -> WheelSet:
+def client_set(python_version: str, arch: str, ds: DataSystemSource = INDEX) -> WheelSet:
     return WheelSet("the data-system client in the image's Python (yrpd's connector)", python_version, arch,
-                    (f"openyuanrong-datasystem=={versions.OPENYUANRONG_DATASYSTEM}",), deps=False)
+                    (ds.requirement,), deps=False, find_links=ds.find_links)
 
 
 def model_set(python_version: str, arch: str) -> WheelSet:
@@ -90,16 +106,21 @@ def fetch(ws: WheelSet, root: Path | None = None) -> list[Path]:
     argv += ["--platform", f"manylinux2014_{ws.arch}", "--platform", f"linux_{ws.arch}"]
     if not ws.deps:
         argv.append("--no-deps")
+    for directory in ws.find_links:
+        argv += ["--find-links", directory]
     proc = subprocess.run([*argv, *ws.requirements], capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         reason = next((line for line in reversed(proc.stderr.splitlines()) if line.startswith("ERROR:")),
                       proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
-        raise SpecError("wheels", f"no wheels of {' '.join(ws.requirements)} for Python {ws.python_version} on "
-                                  f"{ws.arch}, for {ws.purpose} ({reason})",
-                        "point the container profile at a Python those packages are built for (python, "
-                        "cluster_python; docs/quickstart-ascend.md, 'Images with Python 3.12'), or put the wheels "
-                        "into a directory on the hosts and set wheels:")
+        fix = ("point the container profile at a Python those packages are built for (python, cluster_python; "
+               "docs/quickstart-ascend.md, 'Images with Python 3.12'), or put the wheels into a directory on the "
+               "hosts and set wheels:")
+        if ws.find_links:
+            fix = f"put a wheel of it for Python {ws.python_version} on {ws.arch} into {ws.find_links[0]}"
+        raise SpecError("datasystem_wheels" if ws.find_links else "wheels",
+                        f"no wheels of {' '.join(ws.requirements)} for Python {ws.python_version} on {ws.arch}, for "
+                        f"{ws.purpose} ({reason})", fix)
     (tmp / ".complete").touch()
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)

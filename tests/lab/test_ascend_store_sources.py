@@ -27,10 +27,15 @@ pytestmark = pytest.mark.e2e
 
 CACHE = Path(os.environ.get("YRPD_VLLM_ASCEND_SRC", "/var/cache/yrpd/vllm-ascend-src"))
 ENV_ROOT = Path(os.environ.get("YRPD_TEST_ENV_ROOT", "/opt/yrpd/venvs"))
-#: the first release with the yuanrong backend, today's release, the newest pre-release
+#: the first release with the yuanrong backend, today's release, and every release whose backend reads
+#: YR_CONFIG_PATH (served with a data system the user brings) up to the newest pre-release
 SDISTS = {
     "0.19.1rc1": "1e1d27a5cc5775a8b5fc6c09fbae07fb3c5625e5622cdb13d14eb3e2a8837e23",
     "0.23.0": "a58db76eaffcf328b13b315a0db3a57d381a8947d01057ddcefe4ad02372b242",
+    "0.27.1rc1": "6fa8b357b624df4c8810c445da24082a9147009d8fe1db33eff815c8ab9805f0",
+    "0.28.0rc1": "bde8bf4207d225df86d8f3b7d9b2bd89ff5e5e56af0cbe4bf8b5b691b98bbe95",
+    "0.29.0rc1": "680f58f98b8a8a4d92380f77a5d3949107da6db0b7cfc17834898d32fdfcdfd1",
+    "0.30.0rc1": "62466241beb151652e95ae47f1d1f5cb7bf66367d6e5c14c74d6b72c0f026ebe",
     "0.30.0rc2": "05cb51448c0cd174ea338b16ebbfc8e215f44b373ea2a0d65f1314523a01152f",
 }
 KV_TRANSFER = "vllm_ascend/distributed/kv_transfer"
@@ -188,4 +193,26 @@ def test_the_backend_calls_only_what_the_installed_client_has_or_yrpd_refuses_th
             set(ascend_store.MISSING_IN_DATASYSTEM) | {"pre_register_device_memory"}
         for name in ascend_store.MISSING_IN_DATASYSTEM:
             assert name in message
-    assert offered == (version != "0.30.0rc2")
+    assert offered == (not ascend_store.reads_json(version))
+
+
+@pytest.mark.parametrize("version", [v for v in SDISTS if ascend_store.reads_json(v)])
+def test_with_a_brought_data_system_the_json_yrpd_writes_is_what_the_release_reads(sources, hetero_client, version,
+                                                                                 tmp_path):
+    """The releases that read YR_CONFIG_PATH, served with a data system the user brings: every key of the JSON yrpd
+    writes is one the backend reads, the worker's address among them, and what the backend calls is the installed
+    client's methods plus those the brought wheel must have (yrpd refuses a wheel without them). The brought wheel
+    here is the installed 0.8.1 client's methods plus those (a FAKE: no newer wheel is on the package index)."""
+    from tests.unit.test_ascend_store import NEWER_CALLS, fake_wheel
+    from yrpd import dswheels
+
+    backend = parse(sources / version, ascend_store.BACKEND_MODULE.replace(".", "/") + ".py")
+    assert ascend_store.CONFIG_PATH_ENV in env_read(backend)
+    written = ascend_store.json_config("10.0.0.1:31501")
+    assert set(written) <= strings_read([backend]) and ascend_store.WORKER_KEY in written
+    methods, _ = hetero_client
+    calls, _ = client_calls(backend)
+    assert calls - methods - set(ascend_store.MISSING_IN_DATASYSTEM) <= {"pre_register_device_memory"}
+    assert set(NEWER_CALLS) == set(ascend_store.MISSING_IN_DATASYSTEM)
+    fake_wheel(tmp_path, "0.9.2", tuple(sorted(methods | set(NEWER_CALLS))))
+    ascend_store.check(version, f"v{version}", dswheels.bring(str(tmp_path)))  # offered

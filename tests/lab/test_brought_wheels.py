@@ -65,3 +65,36 @@ def test_every_wheel_a_container_needs_is_fetched_for_its_python_and_architectur
                                  capture_output=True, text=True, stdin=subprocess.DEVNULL)
             assert pip.returncode == 0, pip.stderr[-2000:]
             assert (venv / "bin/dscli").exists()
+
+
+def test_a_brought_data_system_is_read_from_the_real_wheel_and_fetched_from_where_the_user_put_it(tmp_path):
+    """datasystem_wheels with the real openyuanrong-datasystem 0.8.1 wheel (the package index's, put in a directory of
+    the user's): its version and HeteroClient's methods are read from the wheel, a release that needs newer calls is
+    refused naming them, and the wheels a container gets are fetched with that directory as a source."""
+    from yrpd import ascend_store, dswheels
+    from yrpd.errors import SpecError
+    from yrpd.steps import brought
+
+    real = wheels.fetch(wheels.client_set("3.12", "aarch64"), CACHE)
+    own = tmp_path / "my-wheels"
+    own.mkdir()
+    for f in real:
+        (own / f.name).write_bytes(f.read_bytes())
+    ds = dswheels.bring(str(own))
+    assert ds.version == versions.OPENYUANRONG_DATASYSTEM and not ds.coordinator
+    assert {"init", "exist", "mget_h2d", "mset_d2h"} <= ds.client_methods
+    assert ds.lacks(ascend_store.MISSING_IN_DATASYSTEM) == list(ascend_store.MISSING_IN_DATASYSTEM)
+    base = {"hosts": "h1,h2", "model": "/models/m", "device_kind": "npu", "devices": "0-7",
+            "image": IMAGES["3.12"].replace("v0.23.0", "v0.30.0rc2"), "datasystem_wheels": str(own)}
+    with pytest.raises(SpecError) as refused:
+        build_spec({}, {**base, "kv_connector": "ascend-store"})
+    assert f"which the openyuanrong-datasystem 0.8.1 brought in {own} lacks" in str(refused.value)
+    assert all(m in str(refused.value) for m in ascend_store.MISSING_IN_DATASYSTEM)
+    # control: yrpd's own connector serves with it, and the hosts' sets are fetched with that directory as a source
+    spec = build_spec({}, base)
+    plan = make_plan(spec, {h: HostInventory(DeviceKind.npu, tuple(range(8)), f"10.0.0.{i + 1}", arch="aarch64")
+                            for i, h in enumerate(("h1", "h2"))})
+    client = brought.needed(StepContext(spec, plan), plan.hosts[0])[brought.CLIENT]
+    assert client.find_links == (str(own),)
+    got = wheels.fetch(client, tmp_path / "cache")
+    assert [f.name for f in got] == [f.name for f in real]

