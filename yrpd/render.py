@@ -91,7 +91,8 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
         for ws in sets.values():
             lines.append(Text(f"  wheels fetched here and copied to the hosts: {' '.join(ws.requirements)} for "
                               f"cp{ws.python_version.replace('.', '')} {ws.arch}{'' if ws.deps else ' (no dependencies)'}"
-                              f" - {ws.purpose}"))
+                              + (f", also from {', '.join(ws.find_links)}" if ws.find_links else "")
+                              + f" - {ws.purpose}"))
     else:
         lines.append(Text("runtime: host, the processes run on the hosts (NPU hosts default to docker with the "
                           "vllm-ascend image; --runtime docker --image IMAGE elsewhere)"))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_yrpd
+from yrpd import wheels
 from tests.lab import real_model as rm
 from lab.hosts import leftovers
 
@@ -61,9 +62,16 @@ def test_pd_in_containers_answers_like_one_instance_and_leaves_nothing(standin, 
     h2.exec(f"docker run --name relabel --entrypoint bash {image} -c {shlex.quote(relabel)} && "
             f"docker commit relabel {image} >/dev/null && docker rm relabel >/dev/null")
     home = tmp_path / "home"
+    # the data system brought by the user (datasystem_wheels): the real 0.8.1 wheel in a directory of theirs, which
+    # the hosts' data-system venvs and the image's client are installed from
+    brought = tmp_path / "my-datasystem"
+    brought.mkdir()
+    for wheel in wheels.fetch(wheels.client_set("3.11", "x86_64")):
+        (brought / wheel.name).write_bytes(wheel.read_bytes())
     config = tmp_path / "yrpd.yaml"
     config.write_text("hosts:\n  - {address: h1, devices: [0]}\n  - {address: h2, devices: [1]}\n"
-                      "device_kind: cpu\nmodel: builtin:smollm2\ndatasystem_memory_mb: 256\ncluster_mode: ds_only\n")
+                      "device_kind: cpu\nmodel: builtin:smollm2\ndatasystem_memory_mb: 256\ncluster_mode: ds_only\n"
+                      f"datasystem_wheels: {brought}\n")
     ssh = lab.cli_ssh_args
     spec = ["--hosts", "h1,h2", "--config", str(config), "--runtime", "docker", "--image", image,
             "--container-profile", str(PROFILE)]
@@ -74,6 +82,7 @@ def test_pd_in_containers_answers_like_one_instance_and_leaves_nothing(standin, 
 
     plan = cli("plan", *spec, check=0).stdout
     assert "/usr/local/python3.11.7/bin/python3" in plan  # the image's Python runs the instances
+    assert f"openyuanrong-datasystem==0.8.1 for cp311 x86_64, also from {brought}" in " ".join(plan.split())
     dtype = json.loads(cli("plan", *spec, "--json", check=0).stdout)["dtype"]["dtype"]
     want = reference_answers.answers(dtype)  # before the deploy: the reference has the cores alone
     try:
