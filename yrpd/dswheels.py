@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,13 @@ class BroughtDataSystem:
     wheels: tuple[Path, ...]  # every openyuanrong-datasystem wheel there (one per Python and architecture)
     client_methods: frozenset[str]  # HeteroClient's public methods
     coordinator: bool  # dscli can start a worker with a coordinator (--coordinator_address)
+
+    @property
+    def digest(self) -> str:
+        """Of the wheel files as they are now (names, sizes, times): a rebuilt wheel of the same version is another
+        set to fetch and another derived image."""
+        stats = [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in self.wheels]
+        return hashlib.sha256(repr(stats).encode()).hexdigest()[:16]
 
     def lacks(self, methods: tuple[str, ...]) -> list[str]:
         return [m for m in methods if m not in self.client_methods]
@@ -60,7 +68,7 @@ def read_wheel(wheel: Path) -> tuple[str, frozenset[str], bool]:
 def bring(directory: str) -> BroughtDataSystem:
     """The data system in `directory`; SpecError (field datasystem_wheels) where there is none, or several versions,
     or a wheel that cannot be read."""
-    path = Path(directory).expanduser()
+    path = Path(directory).expanduser().resolve()
     if not path.is_dir():
         raise SpecError(FIELD, f"{directory} is not a directory", "name the directory holding the "
                         "openyuanrong_datasystem-*.whl files")

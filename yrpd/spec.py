@@ -651,6 +651,12 @@ class DataSystemSection(BaseModel):
             return self.cluster_launcher
         return ClusterLauncher.yr if self.cluster_mode is ClusterMode.full else ClusterLauncher.dscli
 
+    @field_validator("datasystem_wheels", mode="after")
+    @classmethod
+    def _absolute_wheels(cls, value: str | None) -> str | None:
+        # kept in the session as an absolute path: a later command from another directory finds the same wheels
+        return str(Path(value).expanduser().resolve()) if value else value
+
     def brought_data_system(self) -> "dswheels.BroughtDataSystem | None":
         """The data system of `datasystem_wheels`, read from its wheels; None: the package index's."""
         return dswheels.bring(self.datasystem_wheels) if self.datasystem_wheels else None
@@ -662,8 +668,14 @@ class DataSystemSection(BaseModel):
         return brought.version if brought else OPENYUANRONG_DATASYSTEM
 
     def _check_data_system(self) -> None:
-        if not self.datasystem_wheels:
-            return
+        if self.datasystem_wheels:
+            self._check_brought()
+        if self.cluster_launcher is ClusterLauncher.dscli and self.cluster_mode is ClusterMode.full:
+            raise SpecError("cluster_launcher", "dscli starts the data system alone; full mode needs openYuanrong's "
+                            "function system, which only the yr CLI starts", "set cluster_launcher: yr (or auto), or "
+                            "cluster_mode: ds_only")
+
+    def _check_brought(self) -> None:
         self.brought_data_system()  # SpecError naming datasystem_wheels where its wheels cannot serve
         if self.runtime is Runtime.host:
             raise SpecError("datasystem_wheels", "brought wheels are installed inside the containers (runtime docker)",
@@ -672,10 +684,6 @@ class DataSystemSection(BaseModel):
             other = "wheels" if self.wheels else "env_path"
             raise SpecError("datasystem_wheels", f"is brought to hosts that have nothing, and {other} says they have "
                             "their own", f"put the data system's wheels into the hosts' {other} instead, or drop it")
-        if self.cluster_launcher is ClusterLauncher.dscli and self.cluster_mode is ClusterMode.full:
-            raise SpecError("cluster_launcher", "dscli starts the data system alone; full mode needs openYuanrong's "
-                            "function system, which only the yr CLI starts", "set cluster_launcher: yr (or auto), or "
-                            "cluster_mode: ds_only")
 
 
 #: the fields an instance runs with: a change of them replaces instances one by one (yrpd.rollout); the others

@@ -35,13 +35,18 @@ class WheelSet:
     arch: str  # x86_64 | aarch64
     requirements: tuple[str, ...]
     deps: bool = True  # False: the target environment already has every dependency
-    #: directories here pip also looks in (the data system the user brings: datasystem_wheels)
+    #: directories here pip looks in (the data system the user brings: datasystem_wheels), and whether it looks on
+    #: the package index too (not for a set of the brought package alone: the index's build of the same version
+    #: must not win over the user's)
     find_links: tuple[str, ...] = ()
+    index: bool = True
+    #: what the directories held when the set was asked for (yrpd.dswheels.BroughtDataSystem.digest)
+    source_digest: str = ""
 
     @property
     def key(self) -> str:
         data = json.dumps([self.python_version, self.arch, sorted(self.requirements), self.deps,
-                           *([list(self.find_links)] if self.find_links else [])])
+                           *([list(self.find_links), self.index, self.source_digest] if self.find_links else [])])
         return f"cp{self.python_version.replace('.', '')}-{self.arch}-{hashlib.sha256(data.encode()).hexdigest()[:12]}"
 
 
@@ -50,6 +55,7 @@ class DataSystemSource:
     """Which openyuanrong-datasystem the sets hold: yrpd's pin from the package index, or the user's own wheels."""
     version: str = versions.OPENYUANRONG_DATASYSTEM
     find_links: tuple[str, ...] = ()  # the directory of the brought wheels
+    digest: str = ""  # of its files
 
     @property
     def requirement(self) -> str:
@@ -61,12 +67,13 @@ INDEX = DataSystemSource()
 
 def cluster_set(python_version: str, arch: str, ds: DataSystemSource = INDEX) -> WheelSet:
     return WheelSet("the openYuanrong venvs (yr CLI, data system)", python_version, arch,
-                    (f"openyuanrong=={versions.OPENYUANRONG}", ds.requirement), find_links=ds.find_links)
+                    (f"openyuanrong=={versions.OPENYUANRONG}", ds.requirement), find_links=ds.find_links,
+                    source_digest=ds.digest)
 
 
 def datasystem_set(python_version: str, arch: str, ds: DataSystemSource = INDEX) -> WheelSet:
     return WheelSet("the data-system venv (dscli launcher: datasystem_worker, dscli)", python_version, arch,
-                    (ds.requirement,), find_links=ds.find_links)
+                    (ds.requirement,), find_links=ds.find_links, index=not ds.find_links, source_digest=ds.digest)
 
 
 def etcd_set(arch: str) -> WheelSet:
@@ -77,7 +84,8 @@ def etcd_set(arch: str) -> WheelSet:
 
 def client_set(python_version: str, arch: str, ds: DataSystemSource = INDEX) -> WheelSet:
     return WheelSet("the data-system client in the image's Python (yrpd's connector)", python_version, arch,
-                    (ds.requirement,), deps=False, find_links=ds.find_links)
+                    (ds.requirement,), deps=False, find_links=ds.find_links, index=not ds.find_links,
+                    source_digest=ds.digest)
 
 
 def model_set(python_version: str, arch: str) -> WheelSet:
@@ -106,6 +114,8 @@ def fetch(ws: WheelSet, root: Path | None = None) -> list[Path]:
     argv += ["--platform", f"manylinux2014_{ws.arch}", "--platform", f"linux_{ws.arch}"]
     if not ws.deps:
         argv.append("--no-deps")
+    if not ws.index:
+        argv.append("--no-index")
     for directory in ws.find_links:
         argv += ["--find-links", directory]
     proc = subprocess.run([*argv, *ws.requirements], capture_output=True, text=True, stdin=subprocess.DEVNULL)

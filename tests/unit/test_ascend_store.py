@@ -218,3 +218,21 @@ def test_a_brought_data_system_is_what_every_host_installs_from_its_wheels(tmp_p
     index_set = brought.needed(StepContext(plain, plan2), host)[brought.CLIENT]
     assert index_set.requirements == ("openyuanrong-datasystem==0.8.1",) and index_set.find_links == ()
     assert index_set.key != brought.needed(ctx, plan.hosts[0])[brought.CLIENT].key
+    # the index's build of that version must not win: the brought package alone comes from the directory alone
+    assert not brought.needed(ctx, plan.hosts[0])[brought.CLIENT].index and index_set.index
+    # a rebuilt wheel of the same version is another set and another derived image
+    from yrpd.steps import container
+    before = (brought.needed(ctx, plan.hosts[0])[brought.CLIENT].key, container.derived(ctx))
+    import os, time
+    wheel = next((tmp_path / "ds").glob("*.whl"))
+    os.utime(wheel, ns=(time.time_ns(), time.time_ns() + 10**9))
+    after = (brought.needed(ctx, plan.hosts[0])[brought.CLIENT].key, container.derived(ctx))
+    assert before[0] != after[0] and before[1] != after[1]
+    assert container.derived_inputs(ctx)["datasystem"] == "0.9.2"
+
+
+def test_a_relative_datasystem_wheels_is_kept_absolute(tmp_path, monkeypatch):
+    fake_wheel(tmp_path / "ds", "0.9.2", NEWER_CALLS)
+    monkeypatch.chdir(tmp_path)
+    spec, _, _ = launches(datasystem_wheels="ds")
+    assert spec.datasystem_wheels == str(tmp_path / "ds")  # what the session stores: later commands run elsewhere

@@ -104,6 +104,8 @@ CASES = [
     ("session-root-too-long", GOOD, "remote_session_root: /var/lib/a-very-long-directory-name/for-sessions\n",
      "remote_session_root: is too long"),
     ("engine-args-owns-port", GOOD, "engine_args: ['--port', '9000']\n", "engine_args: --port is set by yrpd"),
+    ("dscli-with-full-mode", GOOD, "cluster_launcher: dscli\ncluster_mode: full\n",
+     "cluster_launcher: dscli starts the data system alone"),
     ("decode-engine-args-owns-port", GOOD, "decode_engine_args: ['--port=9000']\n",
      "decode_engine_args: --port is set by yrpd"),
     # (the control: the same field in a PD spec plans, tests/unit/test_serving.py)

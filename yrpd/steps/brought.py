@@ -24,7 +24,7 @@ def needed(ctx: StepContext, host: HostPlan) -> dict[str, wheels.WheelSet]:
     arch = host.arch or "x86_64"
     _, cluster_version = profile.cluster_interpreter
     brought_ds = ctx.spec.brought_data_system()
-    ds = (wheels.DataSystemSource(brought_ds.version, (str(brought_ds.directory),)) if brought_ds
+    ds = (wheels.DataSystemSource(brought_ds.version, (str(brought_ds.directory),), brought_ds.digest) if brought_ds
           else wheels.INDEX)
     if ctx.spec.launcher is ClusterLauncher.dscli:
         sets = {CLUSTER: wheels.datasystem_set(cluster_version, arch, ds)}

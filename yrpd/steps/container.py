@@ -23,7 +23,7 @@ from yrpd.steps import NotNeeded, StepContext, host_python, passed_before_with_t
 from yrpd import patches
 from yrpd.assets import patches_dir
 from yrpd.steps.vllm_env import bundle, bundle_archive, paths, unpack_script
-from yrpd.versions import OPENYUANRONG, OPENYUANRONG_DATASYSTEM
+from yrpd.versions import OPENYUANRONG
 
 PULL_POLICIES = ("never", "missing", "always")
 #: the Ascend driver's files the preflight reads (the profile mounts the same paths)
@@ -99,9 +99,13 @@ def series_digest() -> str:
 def derived_inputs(ctx: StepContext) -> dict:
     """Everything yrpd puts into the container before it is committed."""
     p = profile(ctx)
-    return {"schema": "yrpd.derived-image/1", "patches": series_digest(), "host_code": bundle()[0],
-            "openyuanrong": OPENYUANRONG, "datasystem": OPENYUANRONG_DATASYSTEM, "env_root": ctx.spec.env_root,
-            "source_tree": p.source_tree, "reinstall": p.reinstall, "patch_bundle": patch_bundle()[0]}
+    inputs = {"schema": "yrpd.derived-image/1", "patches": series_digest(), "host_code": bundle()[0],
+              "openyuanrong": OPENYUANRONG, "datasystem": ctx.spec.datasystem_version, "env_root": ctx.spec.env_root,
+              "source_tree": p.source_tree, "reinstall": p.reinstall, "patch_bundle": patch_bundle()[0]}
+    brought = ctx.spec.brought_data_system()
+    if brought is not None:  # the user's build of that version: another build is another image
+        inputs["datasystem_wheels"] = brought.digest
+    return inputs
 
 
 def derived(ctx: StepContext) -> str:
