@@ -93,14 +93,13 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
     if kv_cache_mb:
         pools = spec.prefill + spec.decode if target in ("single", "single-yr", "peer-lmcache") else 1
         engine_args += ["--kv-cache-memory-bytes", str((kv_cache_mb * pools) << 20)]
-        for role_args in ROLE_ENGINE_ARGS.values():  # the run's size wins over a role's own (they come later)
-            if data[role_args]:
-                data[role_args] = [*data[role_args], "--kv-cache-memory-bytes", str(kv_cache_mb << 20)]
     if target == "pd-noreuse":
         engine_args.append("--no-enable-prefix-caching")
-        for role_args in ROLE_ENGINE_ARGS.values():  # after a role's own --enable-prefix-caching too
-            if data[role_args]:
-                data[role_args] = [*data[role_args], "--no-enable-prefix-caching"]
+    # the run's flags win over a role's own too (a role's come after engine_args): appended there as well
+    added = engine_args[len(spec.engine_args):]
+    for role_args in ROLE_ENGINE_ARGS.values():
+        if data[role_args] and added:
+            data[role_args] = [*data[role_args], *added]
     data["engine_args"] = engine_args
     data["kv_connector"] = CONNECTORS.get(target, "yuanrong")
     if target in ("pd", *ROUTING_TARGETS, "peer-example-pd", "peer-ascend-store", "peer-nixl-pd"):
@@ -561,7 +560,7 @@ def measure(current: str, target: str, request: BenchRequest, load: Load, out_di
     deployed = api.open_deployment(current)
     url = endpoint_url(deployed.spec, deployed.plan)
     before, _, _ = counters(current)
-    mark = before
+    last = None  # (counters, use, rates) read after the last run of a repeat
     runs, ttfts, names, input_lens = [], [], [], set()
     started = time.monotonic()
     for n in range(request.repeat):
@@ -574,16 +573,17 @@ def measure(current: str, target: str, request: BenchRequest, load: Load, out_di
         runs[-1].update(stages(runs[-1], legs_before, prefill_legs(url)))
         if request.repeat > 1:  # each run's own hit rate, so a repeat gives its median and spread like the times
             time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the run's land
-            now, _, _ = counters(current)
-            rate = prefix_hit_rate({k: now[k] - mark.get(k, 0) for k in now})
+            mark = last[0] if last else before
+            last = counters(current)
+            rate = prefix_hit_rate({k: last[0][k] - mark.get(k, 0) for k in last[0]})
             if rate is not None:
                 runs[-1]["prefix_hit_rate"] = rate
-            mark = now
         ttfts += [round(t * 1000, 2) for t in raw.get("ttfts", []) if t]
         input_lens.add(hashlib.sha256(json.dumps(raw.get("input_lens")).encode()).hexdigest())
-    if request.repeat == 1:  # (a repeat waited after each run)
+    if last is None:  # one run: (a repeat read them after each run, the last one's are these)
         time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the last land
-    after, use, rates = counters(current)
+        last = counters(current)
+    after, use, rates = last
     metrics, spread = summarize(runs)
     return {"description": TARGETS[target], "session": current, "url": url,
             "wall_s": round(time.monotonic() - started, 1), "metrics": metrics, "spread": spread,
