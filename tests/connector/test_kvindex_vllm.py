@@ -108,6 +108,59 @@ def test_vllms_published_batches_tell_what_an_instance_holds(tokenize):
     assert inst.held == set() and inst.sight is kvindex.Sight.seeing
 
 
+def test_the_index_holds_what_vllms_block_pool_holds_when_two_requests_computed_the_same_prefix(tokenize):
+    """vLLM's own block pool, its events on: two requests that miss the same prompt in one step each compute and
+    cache it, so the pool holds two blocks under every one of its hashes, announced twice; evicting the first
+    request's copies announces their removal, and the second's still serve the prefix. The index, fed the pool's
+    events as the publisher encodes them, matches the whole prompt until the last copy of each block is gone, as the
+    pool's own lookup does."""
+    import msgspec
+    from vllm import SamplingParams
+    from vllm.distributed.kv_events import KVEventBatch
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    tokens = tokenize(PROMPTS[1])
+    n = len(tokens) // BLOCK
+    pool = BlockPool(2 * n + 1, True, BLOCK, enable_kv_cache_events=True)  # (its first block is its null block)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    first, second = (Request(f"r{i}", tokens, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+                     for i in (1, 2))
+    inst, seq = kvindex.InstanceBlocks(), iter(range(100))
+    encode = msgspec.msgpack.Encoder().encode
+
+    def publish():
+        batch = KVEventBatch(ts=time.time(), events=pool.take_events())
+        inst.apply(next(seq), kvindex.events_of(kvindex.decode_batch(encode(batch))))
+
+    def pool_holds() -> int:  # the leading blocks vLLM's own lookup finds
+        found = 0
+        for h in first.block_hashes[:n]:
+            if pool.get_cached_block(h, [0]) is None:
+                break
+            found += 1
+        return found
+
+    hashes = kvindex.block_hashes(tokens, BLOCK)
+    own, other = pool.get_new_blocks(n), pool.get_new_blocks(n)
+    pool.cache_full_blocks(first, own, 0, n, BLOCK, 0)
+    pool.cache_full_blocks(second, other, 0, n, BLOCK, 0)
+    publish()
+    assert pool_holds() == n and inst.matched(hashes) == n
+    pool.free_blocks(own)
+    pool.free_blocks(other)
+    pool.get_new_blocks(n)  # evicted in the order freed: the first request's copies
+    publish()
+    assert pool_holds() == n and inst.matched(hashes) == n  # every block still has its second copy
+    assert len(inst.held) == n
+    pool.get_new_blocks(1)  # then the second request's first block: the prefix ends at once
+    publish()
+    assert pool_holds() == 0 and inst.matched(hashes) == 0 and len(inst.held) == n - 1
+
+
 def test_a_feed_follows_vllms_publisher_and_fills_what_it_missed_from_the_replay_socket(tmp_path):
     """vLLM's own ZMQ publisher (the one an instance's scheduler runs), on ipc sockets: a subscriber that joins
     after the first batches gets them from the replay socket; a gap is filled the same way; a gap the publisher's
@@ -231,14 +284,14 @@ def publisher_sockets(tmp_path) -> tuple[str, str, dict]:
                                "replay_endpoint": replay, "topic": ""}}
 
 
-async def following(tmp_path, url: str, lag_s: float):
+async def following(tmp_path, url: str, lag_s: float, exact: bool = False):
     """The proxy's feeds attached to a vLLM publisher of their own: (the feeds, the publisher)."""
     from vllm.distributed.kv_events import ZmqEventPublisher
 
     from yrpd.proxy.kvfeed import Feeds
 
     pub, replay, sources = publisher_sockets(tmp_path)
-    feeds = Feeds(lag_s=lag_s)
+    feeds = Feeds(lag_s=lag_s, exact=exact)
     publisher = ZmqEventPublisher(0, endpoint=pub, replay_endpoint=replay)
     assert await feeds.attach(url, sources, "127.0.0.1", local=True) is None
     return feeds, publisher
@@ -314,7 +367,7 @@ def test_the_exact_mode_asks_a_replay_only_of_a_copy_that_lacks_an_ended_legs_la
     url = "http://127.0.0.1:8100"
 
     async def scenario():
-        feeds, publisher = await following(tmp_path, url, lag_s=5)
+        feeds, publisher = await following(tmp_path, url, lag_s=5, exact=True)
         w = feeds.watch(url)
         await asyncio.sleep(0.3)  # the subscription is up
         publisher.publish(stored(1, 2))
@@ -348,6 +401,12 @@ def test_the_exact_mode_asks_a_replay_only_of_a_copy_that_lacks_an_ended_legs_la
         assert not w.awaited and await feeds.catch_up([url]) == 0
         publisher.shutdown()
         await feeds.close()
+        # the control: without the exact mode nothing asks for them, so nothing is kept awaited (it only grew)
+        plain, publisher = await following(tmp_path, url, lag_s=5)
+        plain.leg_stored(url, time.monotonic(), 1, last=7)
+        assert 7 not in plain.watch(url).blocks.held and not plain.watch(url).awaited
+        publisher.shutdown()
+        await plain.close()
 
     asyncio.run(scenario())
 

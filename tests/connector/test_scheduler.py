@@ -186,6 +186,22 @@ def test_producer_hands_over_the_prompts_partial_last_block_once_it_is_computed(
     assert sch.request_finished(stay, [])[1]["yrpd"]["tail"] == 0
 
 
+def test_producer_tells_the_proxy_what_its_own_prefix_cache_had_when_the_request_was_first_scheduled(make):
+    """The proxy checks its KV-event index against what the instance's cache really had: the local prefix-cache
+    tokens vLLM gave the connector's first lookup of a handed-over request, not a later one (a preempted request is
+    looked up again after its blocks went). The control: a request that stays here says nothing of it."""
+    sch = make("kv_producer")
+    toks = tokens(22, 11)
+    hand = fakes.request("h", toks, {"do_remote_decode": True})
+    sch.get_num_new_matched_tokens(hand, 8)
+    sch.get_num_new_matched_tokens(hand, 0)
+    assert sch.request_finished(hand, [])[1]["yrpd"]["cached"] == 8
+    stay = fakes.request("s", toks)
+    sch.get_num_new_matched_tokens(stay, 8)
+    assert "cached" not in sch.request_finished(stay, [])[1]["yrpd"]
+    assert not sch._local_hit  # nothing kept once they finished
+
+
 def test_producer_hand_over_ending_on_a_block_boundary_needs_no_extra_block(make):
     sch = make("kv_producer")
     toks = tokens(20, 5)  # exactly 5 blocks: the last full block is the hand-over's last block

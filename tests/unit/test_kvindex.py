@@ -110,3 +110,14 @@ def test_the_relay_finds_each_instances_sockets_by_name_and_the_proxy_names_them
     # the controls: a tcp endpoint, another socket, a replay socket are no instance's events
     for other in ("tcp://*:5557", f"ipc://{run}/other.sock", f"ipc://{layout.kv_events('decode-0', 'replay')}"):
         assert relayed_name(other) is None
+
+
+def test_a_partial_blocks_entry_does_not_change_the_block_size_a_restart_learns_it_anew():
+    """vLLM announces a partial block's entry (a hash unit finer than its blocks) with the tokens it covers as its
+    block size: the index keeps hashing prompts by whole blocks. A restarted instance may have another size."""
+    inst = InstanceBlocks()
+    inst.apply(0, [Stored((1, 2), 16)])
+    inst.apply(1, [Stored((3,), 5)])  # the partial entry of a prompt's last 5 tokens
+    assert inst.block_size == 16
+    inst.apply(0, [Stored((9,), 32)])  # numbering began again: a new run of the instance, a new cache
+    assert inst.block_size == 32 and inst.held == {9}

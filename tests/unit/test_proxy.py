@@ -676,6 +676,7 @@ def test_the_prefill_legs_time_is_what_the_bench_splits_a_first_tokens_wait_by()
             assert split["mean_ttft_after_prefill_ms"] == pytest.approx(900.0 - split["mean_prefill_leg_ms"])
             # control: an instance's own URL (a single target, no proxy) times nothing: no split, not a zero
             assert await asyncio.to_thread(bench_run.prefill_legs, s.decode[0].url) is None
+            assert not any((await asyncio.to_thread(bench_run.index_checked, s.url)).values())  # routed on no events
             assert bench_run.stages({"mean_ttft_ms": 900.0}, None, after) == {}
             assert bench_run.stages({"mean_ttft_ms": 900.0}, after, after) == {}  # no leg in the run
     run(go())
@@ -1151,6 +1152,51 @@ def test_prefix_routing_scores_an_instance_by_what_its_kv_events_say_it_holds_an
     # a request that finds it gone takes it out of rotation, and its cache out of sight, before any probe does
     pool.failed(a, "prefill instance http://a unreachable", down=True)
     assert a.blocks.sight is Sight.blind and a.blocks.why == "the instance is down"
+
+
+def test_each_prefill_leg_checks_what_the_kv_event_index_said_against_what_the_cache_had(monkeypatch):
+    """A leg routed on an instance's events claims the leading blocks they said it held; its connector says what
+    the cache had when the leg was scheduled. /metrics counts both ways of being wrong (an index that drifted from
+    the cache shows there, not only in a worse hit rate) and `yrpd bench run` reads each run's share. The controls:
+    a leg routed on the estimate (blind) or one whose connector said nothing is not checked."""
+    from yrpd.bench import run as bench_run
+    from yrpd.proxy.kvindex import InstanceBlocks, Stored, block_hashes
+    from yrpd.proxy.metrics import Metrics
+
+    pool = Pool(["http://a"], ["http://d"], Routing.prefix)
+    for inst in pool.instances:
+        inst.up = True
+    a = pool.of("prefill")[0]
+    a.blocks = InstanceBlocks()
+    tokens = list(range(1000, 1400))  # 25 blocks of 16
+    a.blocks.apply(0, [Stored(tuple(block_hashes(tokens, 16)[:20]), 16)])
+    p = prompt("Background: " + "the quick brown fox jumps over the lazy dog. " * 40).with_tokens(tokens, None)
+    lease = pool.acquire("prefill", prompt=p)
+    assert lease.held_blocks == 20
+    assert pool.checked(lease, 12 * 16 + 5, 16) == (20, 12)  # 8 of its blocks were evicted meanwhile
+    pool.release(lease)
+    lease = pool.acquire("prefill", prompt=p)
+    assert pool.checked(lease, 24 * 16, 16) == (20, 24)  # 4 more were stored meanwhile, not yet announced
+    pool.release(lease)
+    assert a.index_checked == {"right": 32, "claimed_absent": 8, "held_unclaimed": 4}
+    text = Metrics().render(pool, kv_index={})
+    assert 'yrpd_proxy_kv_index_checked_blocks_total{instance="http://a",role="prefill",outcome="claimed_absent"} 8' \
+        in text and 'instance="http://d"' not in text.split("yrpd_proxy_kv_index_checked_blocks_total")[-1]
+    # controls: no word from the connector, and a leg routed blind
+    lease = pool.acquire("prefill", prompt=p)
+    assert pool.checked(lease, None, 16) is None
+    pool.release(lease)
+    a.blocks.go_blind("batch 4 came after 2")
+    lease = pool.acquire("prefill", prompt=p)
+    assert lease.held_blocks is None and pool.checked(lease, 24 * 16, 16) is None
+    assert a.index_checked == {"right": 32, "claimed_absent": 8, "held_unclaimed": 4}
+    # the bench's reading of it: the sums over the instances, a run's deltas and the share agreed on
+    monkeypatch.setattr(bench_run, "_proxy_metrics", lambda url: text)
+    assert bench_run.index_checked("http://proxy") == {"right": 32, "claimed_absent": 8, "held_unclaimed": 4}
+    assert bench_run.index_stage({"right": 2}, {"right": 32, "claimed_absent": 8, "held_unclaimed": 4}) == {
+        "index_right_blocks": 30, "index_claimed_absent_blocks": 8, "index_held_unclaimed_blocks": 4,
+        "index_agreement": round(30 / 42, 4)}
+    assert bench_run.index_stage(a.index_checked, dict(a.index_checked)) == {}
 
 
 def test_in_exact_mode_each_leg_is_routed_after_catching_up_on_every_up_instances_events(monkeypatch):

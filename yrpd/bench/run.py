@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -232,20 +233,49 @@ def counters(session_id: str) -> tuple[dict, dict, dict]:
     return total, use if workers else {}, rates
 
 
+def _proxy_metrics(url: str) -> str | None:
+    """The proxy's /metrics at `url`; None where nothing answers them there (no proxy: a single instance)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            return resp.read().decode()
+    except OSError:
+        return None
+
+
 def prefill_legs(url: str) -> tuple[float, int] | None:
     """(seconds, count) of the successful prefill legs the proxy at `url` has timed since it started (its
     yrpd_proxy_prefill_seconds histogram); None where nothing answers them there (no proxy: a single instance)."""
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return None
+    text = _proxy_metrics(url)
     found = {}
-    for line in text.splitlines():
+    for line in (text or "").splitlines():
         name, _, value = line.partition(" ")
         if name in ("yrpd_proxy_prefill_seconds_sum", "yrpd_proxy_prefill_seconds_count"):
             found[name.rsplit("_", 1)[1]] = float(value)
     return (found["sum"], int(found["count"])) if len(found) == 2 else None
+
+
+_CHECKED = re.compile(r'^yrpd_proxy_kv_index_checked_blocks_total\{.*outcome="(\w+)".*\} (\S+)$')
+
+
+def index_checked(url: str) -> dict[str, int]:
+    """The proxy's check of its KV-event index against the prefill instances' caches, summed over them: blocks
+    by outcome (yrpd.proxy.pool.INDEX_OUTCOMES); empty where it routes on no events."""
+    out: dict[str, int] = {}
+    for line in (_proxy_metrics(url) or "").splitlines():
+        if m := _CHECKED.match(line):
+            out[m[1]] = out.get(m[1], 0) + int(float(m[2]))
+    return out
+
+
+def index_stage(before: dict[str, int], after: dict[str, int]) -> dict:
+    """One run's check of the index (its deltas, `index_<outcome>_blocks`) and the share of the blocks the index
+    and the caches agreed on (`index_agreement`, 0..1); empty where no leg was checked."""
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    total = sum(delta.values())
+    if not total:
+        return {}
+    return {**{f"index_{k}_blocks": v for k, v in delta.items()},
+            "index_agreement": round(delta.get("right", 0) / total, 4)}
 
 
 def stages(run: dict, before: tuple[float, int] | None, after: tuple[float, int] | None) -> dict:
@@ -488,8 +518,8 @@ class Load:
 
 
 #: the metrics a repeated run reports the spread of (min, max over its runs) beside the median
-SPREAD = ("mean_ttft_ms", "mean_prefill_leg_ms", "mean_ttft_after_prefill_ms", "prefix_hit_rate", "p90_ttft_ms",
-          "mean_tpot_ms", "request_throughput", "total_token_throughput", "request_goodput")
+SPREAD = ("mean_ttft_ms", "mean_prefill_leg_ms", "mean_ttft_after_prefill_ms", "prefix_hit_rate", "index_agreement",
+          "p90_ttft_ms", "mean_tpot_ms", "request_throughput", "total_token_throughput", "request_goodput")
 
 
 def summarize(runs: list[dict]) -> tuple[dict, dict]:
@@ -566,11 +596,12 @@ def measure(current: str, target: str, request: BenchRequest, load: Load, out_di
     for n in range(request.repeat):
         name = target if request.repeat == 1 else f"{target}-run{n + 1}"
         log(f"bench: {name}: vllm bench serve against {url} ({load.num_prompts} prompts)")
-        legs_before = prefill_legs(url)
+        legs_before, checked_before = prefill_legs(url), index_checked(url)
         raw = bench_serve(load.for_run(n), url, deployed.spec.model_name, out_dir, name, deployed.endpoint_key())
         names.append(name)
         runs.append({k: v for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         runs[-1].update(stages(runs[-1], legs_before, prefill_legs(url)))
+        runs[-1].update(index_stage(checked_before, index_checked(url)))
         if request.repeat > 1:  # each run's own hit rate, so a repeat gives its median and spread like the times
             time.sleep(STATS_INTERVAL_S + 1)  # the connector rewrites its stats files this often: let the run's land
             mark = last[0] if last else before

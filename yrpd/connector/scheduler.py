@@ -116,6 +116,9 @@ class ConnectorScheduler(ConnectorHalf):
         self._lookups: dict[str, _Lookup] = {}
         self._loaded_upto: dict[str, int] = {}
         self._handover: set[str] = set()  # producer: requests whose KV goes on to a decode instance
+        #: producer: prompt tokens each handed-over request found in the instance's own prefix cache when it was
+        #: first scheduled (told to the proxy, which checks its KV-event index against it)
+        self._local_hit: dict[str, int] = {}
         self._loaded_blocks: dict[str, int] = {}  # blocks each request took from the data system (told to the proxy)
         self._pending_loads: list[BlockOp] = []
         self._refused_logged: dict[str, float] = {}
@@ -194,6 +197,7 @@ class ConnectorScheduler(ConnectorHalf):
             params = getattr(request, "kv_transfer_params", None)
             if isinstance(params, dict) and params.get("do_remote_decode"):
                 self._handover.add(request.request_id)
+                self._local_hit.setdefault(request.request_id, num_computed_tokens)
         if not self._loads or self._conn is None:
             return 0, False
         elig = _eligible(request)
@@ -357,6 +361,7 @@ class ConnectorScheduler(ConnectorHalf):
         self._loaded_upto.pop(req_id, None)
         self._handover.discard(req_id)
         loaded = self._loaded_blocks.pop(req_id, 0)
+        cached = self._local_hit.pop(req_id, None)
         if not (self._active and self.cfg.is_producer):
             return False, None
         if self.cfg.role == "kv_both" and getattr(request, "kv_transfer_params", None) is None:
@@ -369,10 +374,13 @@ class ConnectorScheduler(ConnectorHalf):
                 tail = K.handover_tail(num_tokens, bs)
         # what the consumer checks before trusting the hand-over (namespaces alone cannot say what differs)
         # `loaded`: what this request took from the data system, which tells cache-aware routing how often the data
-        # system still holds prefixes other instances computed (yrpd.proxy.pool.Pool.observe)
+        # system still holds prefixes other instances computed (yrpd.proxy.pool.Pool.observe); `cached`: the prompt
+        # tokens its own prefix cache had, against which the proxy checks what its KV-event index said
+        # (yrpd.proxy.pool.Pool.checked)
         if n or tail:
             logger.info("yrpd connector: request %s: hands over %d blocks%s through the data system (loaded %d of "
                         "them from it)", req_id, n, f" + a {tail}-token tail" if tail else "", loaded)
         return False, {"yrpd": {"num_blocks": n, "tail": tail, "loaded": loaded, "block_size": self.block_size,
+                                **({"cached": cached} if cached is not None else {}),
                                 "ns": ",".join(self._rank_ns), "kv_dtype": self.ctx.kv_dtype,
                                 "model": self.ctx.model_identity}}

@@ -250,7 +250,7 @@ class Proxy:
         self.missing: list[str] = []  # the roles with no instance up, as of the last probe round
         #: the instances' KV-cache events (prefix routing): a batch is due within one probe round of a leg storing
         self.feeds = Feeds(lag_s=config.probe_interval, relay_port=config.kv_relay_port,
-                           curve=Curve(*config.kv_relay_keys) if config.kv_relay_keys else None)
+                           curve=Curve(*config.kv_relay_keys) if config.kv_relay_keys else None, exact=config.kv_exact)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._middleware])
@@ -600,6 +600,10 @@ class Proxy:
         lease = request[_CALL].prefill_lease
         if lease is not None:
             self.pool.observe(lease, _loaded_blocks(kv))
+            info = kv.get("yrpd") if isinstance(kv, dict) else None
+            if isinstance(info, dict) and (check := self.pool.checked(lease, info.get("cached"),
+                                                                      info.get("block_size"))):
+                request[_CALL].note["index"] = "%d/%d" % check  # the log line's: blocks claimed / found
             last = lease.prompt.last_block(inst.blocks) if lease.prompt is not None else None
             self.feeds.leg_stored(inst.url, t0, lease.new_blocks, last)
         return kv

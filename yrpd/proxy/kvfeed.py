@@ -244,10 +244,13 @@ class Feeds:
     """Every instance's KV-cache events, by instance URL: the feeds that keep each one's InstanceBlocks, and the
     rules that say when the proxy cannot see a cache exactly (docs/dev/kv-events.md "No silent blindness")."""
 
-    def __init__(self, lag_s: float, context=None, curve: Curve | None = None, relay_port: int | None = None) -> None:
+    def __init__(self, lag_s: float, context=None, curve: Curve | None = None, relay_port: int | None = None,
+                 exact: bool = False) -> None:
         """`relay_port`: where a host's relay (yrpd.proxy.kvrelay) listens, at the address its instances have, with
-        `curve` the keys to reach it; None: instances on other hosts are routed on the estimate."""
+        `curve` the keys to reach it; None: instances on other hosts are routed on the estimate. `exact`: the exact
+        mode (`catch_up` before routing), which alone keeps the blocks legs left awaited."""
         self.lag_s, self.ctx, self.curve, self.relay_port = lag_s, context, curve, relay_port
+        self.exact = exact
         self.watches: dict[str, Watch] = {}
 
     def watch(self, url: str) -> Watch:
@@ -333,7 +336,7 @@ class Feeds:
             return
         if w.expect is None:
             w.expect = (started, time.monotonic() + self.lag_s)
-        if last is not None and last not in w.blocks.held:
+        if self.exact and last is not None and last not in w.blocks.held:
             w.awaited.add(last)
 
     def check(self, now: float | None = None) -> list[str]:

@@ -88,7 +88,10 @@ def events_of(batch: Sequence) -> list[Event]:
 class InstanceBlocks:
     """One instance's prefix cache as its events tell it."""
 
-    held: set[int] = field(default_factory=set)
+    #: block hash -> the copies of it the instance holds. Two requests that miss the same prefix in one step each
+    #: compute and store it: vLLM then holds two blocks under one hash, announces each, and announces the removal
+    #: of each when it is evicted, so one hash is held until its last copy goes.
+    copies: dict[int, int] = field(default_factory=dict)
     sight: Sight = Sight.never
     #: the sequence number of the last batch applied; None before the first
     last_seq: int | None = None
@@ -104,6 +107,11 @@ class InstanceBlocks:
     lagging: bool = False
 
     @property
+    def held(self):
+        """The hashes of the blocks held (a set-like view)."""
+        return self.copies.keys()
+
+    @property
     def next_seq(self) -> int:
         """The number the next batch of the same publisher run carries."""
         return 0 if self.last_seq is None else self.last_seq + 1
@@ -115,7 +123,8 @@ class InstanceBlocks:
         applied either way, since what it says is true."""
         expected = self.next_seq
         if self.last_seq is not None and seq < expected:
-            self.held.clear()
+            self.copies.clear()
+            self.block_size = 0
             self.restarts += 1
             if seq > 0:
                 self.go_blind(f"the instance restarted; its batches before {seq} were missed", now)
@@ -131,12 +140,18 @@ class InstanceBlocks:
         self.last_seq = seq
         for event in events:
             if isinstance(event, Stored):
-                self.held.update(event.hashes)
-                self.block_size = event.block_size or self.block_size
+                for h in event.hashes:
+                    self.copies[h] = self.copies.get(h, 0) + 1
+                # a partial block's entry (vLLM caches one where its hash unit is finer than a block) says fewer
+                # tokens: the block size is the largest any event said since the instance's cache began
+                self.block_size = max(self.block_size, event.block_size)
             elif isinstance(event, Removed):
-                self.held.difference_update(event.hashes)
+                for h in event.hashes:
+                    left = self.copies.pop(h, 0) - 1
+                    if left > 0:
+                        self.copies[h] = left
             else:
-                self.held.clear()
+                self.copies.clear()
 
     def go_blind(self, why: str, now: float | None = None, lagging: bool = False) -> None:
         """Blind from now (`lagging`: for want of news, nothing known lost; a lost batch overrides that)."""
@@ -150,7 +165,8 @@ class InstanceBlocks:
 
     def rebuild(self) -> None:
         """Forget everything, to apply the instance's batches again from its first (a replay from 0)."""
-        self.held.clear()
+        self.copies.clear()
+        self.block_size = 0
         self.last_seq = None
 
     def resync(self) -> None:

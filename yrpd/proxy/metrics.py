@@ -6,7 +6,7 @@ import statistics
 import time
 from collections import Counter, deque
 
-from .pool import Pool
+from .pool import INDEX_OUTCOMES, Pool
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 OWN_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
@@ -118,6 +118,12 @@ class Metrics:
             family("yrpd_proxy_kv_index_gaps_total", "counter",
                    "Times the proxy went blind to the instance's prefix cache.",
                    [("", labels, kv_index.get(i.url, {}).get("gaps", 0)) for labels, i in instances])
+            family("yrpd_proxy_kv_index_checked_blocks_total", "counter",
+                   "Prompt blocks of prefill legs routed on the instance's KV-cache events, against what its prefix "
+                   "cache had when the leg was scheduled (its connector says): right (the index said held), "
+                   "claimed_absent (said held, not there), held_unclaimed (there, not said).",
+                   [("", {**labels, "outcome": k}, i.index_checked[k]) for labels, i in instances
+                    if i.role == "prefill" for k in INDEX_OUTCOMES])
         family("yrpd_proxy_migrations_total", "counter",
                "Requests whose instance broke off, by what the proxy did: sent again (nothing had reached the client), "
                "carried over (a stream going on on another instance), ended by the proxy (its last token was out), "

@@ -13,6 +13,8 @@ from .routing import (LEARN_CHUNKS, LEARN_RATE, LOAD_WEIGHT, LOADABLE_PRIOR, REC
 ROLES = ("prefill", "decode")
 #: why the proxy cannot see the cache of an instance out of rotation (its probe failed, or a request to it)
 DOWN = "the instance is down"
+#: how a prefill leg's KV blocks compare with what the KV-event index said the instance held (Instance.index_checked)
+INDEX_OUTCOMES = ("right", "claimed_absent", "held_unclaimed")
 
 
 @dataclass(eq=False)
@@ -48,6 +50,10 @@ class Instance:
     draining: bool = False
     #: no longer a member: it goes once its last leg has ended
     leaving: bool = False
+    #: KV blocks of its prefill legs' prompts, checked against what its prefix cache had when each leg was scheduled
+    #: (the connector says): "right" where the index said held, "claimed_absent" where it said held and the cache
+    #: lacked them (stale), "held_unclaimed" where the cache had them and the index did not say (lost or late)
+    index_checked: dict[str, int] = field(default_factory=lambda: dict.fromkeys(INDEX_OUTCOMES, 0), repr=False)
     #: the model it serves ("served name#digest", the membership's "group"; "" where nobody said): a request's
     #: prefill and decode legs go to instances of one group, so no answer mixes two models while a change rolls
     group: str = ""
@@ -78,6 +84,7 @@ class Lease:
     loadable: float = 0  # chunks beyond those that another prefill instance finished: in the data system, likely
     prompt: Prompt | None = None
     new_blocks: int = 0  # full blocks of the prompt the instance's cache lacked, where its events tell (else 0)
+    held_blocks: int | None = None  # leading blocks its events said it held when routed (None: not seeing them)
     pending: list[bytes] | None = None  # the chain it added to the instance's pending ones (prefix routing)
     ahead: float = 0.0  # chunks queued on the instance when this leg was routed there
     started: float = field(default_factory=time.monotonic)
@@ -139,6 +146,23 @@ class Pool:
             found = 1.0 if loaded_blocks > 0 else 0.0
             self.loadable_found = _average(self.loadable_found, found)
         self._time(lease, loaded_blocks, (time.monotonic() if now is None else now) - lease.started)
+
+    @staticmethod
+    def checked(lease: Lease, cached_tokens: int | None, block_size: int | None) -> tuple[int, int] | None:
+        """A prefill leg routed on the instance's KV-cache events ended, and its connector said how many prompt
+        tokens the instance's own prefix cache had when the leg was scheduled: count how the index's claim compares
+        (Instance.index_checked). Returns (blocks claimed, blocks found), None where either side did not say. The
+        two moments differ (legs ahead of it store and evict meanwhile), so a few blocks off is the queue; a
+        growing share is an index that has drifted from the cache."""
+        if lease.held_blocks is None or not isinstance(cached_tokens, int) or not isinstance(block_size, int) \
+                or block_size < 1:
+            return None
+        claimed, found = lease.held_blocks, cached_tokens // block_size
+        counts = lease.instance.index_checked
+        counts["right"] += min(claimed, found)
+        counts["claimed_absent"] += max(0, claimed - found)
+        counts["held_unclaimed"] += max(0, found - claimed)
+        return claimed, found
 
     def _time(self, lease: Lease, loaded_blocks: int, elapsed: float) -> None:
         # One leg's time is (chunks queued ahead + chunks it computed) x the instance's time per chunk + chunks it
@@ -291,7 +315,9 @@ class Pool:
         chosen = min(within, key=lambda i: (cost(i), i.in_flight, i.recent))
         # charged to its queue: what it is expected to compute (the loadable part where the data system lost it)
         work = prompt.work(max(matched[chosen], stored)) + (1 - self.loadable_found) * loadable(chosen)
-        return Lease(chosen, work, matched[chosen], loadable(chosen), prompt, new_blocks=prompt.new_blocks(chosen.blocks))
+        held = prompt.held(chosen.blocks)
+        return Lease(chosen, work, matched[chosen], loadable(chosen), prompt, new_blocks=prompt.new_blocks(chosen.blocks),
+                     held_blocks=None if held is None else held[1])
 
     @staticmethod
     def seen(inst: Instance, prompt: Prompt) -> float:
