@@ -56,6 +56,7 @@ if [[ -n "$WHEELS" && ! -d "$WHEELS" ]]; then
 fi
 
 log() { echo "[install_openyuanrong] $*" >&2; }
+. "$(dirname "${BASH_SOURCE[0]}")/pyinstall.sh"
 
 # openyuanrong has cp310/cp311 wheels, openyuanrong-datasystem cp311/cp312: any other interpreter gets
 # "No matching distribution"; say so before creating anything
@@ -93,17 +94,14 @@ ensure_venv() {
         log "$dist==$version already in $venv, skipping"
         return 0
     fi
+    pyi_init "$(dirname "$venv")" "$WHEELS"
     if [[ ! -x "$venv/bin/python" ]]; then
-        log "creating venv $venv"
         mkdir -p "$(dirname "$venv")"
-        "$PYTHON" -m venv "$venv"
+        pyi_phase "venv $venv" "$PYTHON" -m venv "$venv"
     fi
-    local pip_args=(install --disable-pip-version-check --no-input)
-    if [[ -n "$WHEELS" ]]; then
-        pip_args+=(--no-index --find-links "$WHEELS")
-    fi
-    log "installing $dist==$version into $venv${have:+ (had $have)}"
-    "$venv/bin/python" -m pip "${pip_args[@]}" "$dist==$version"
+    local where=()
+    [[ -z "$WHEELS" ]] || where=(--no-index --find-links "$WHEELS")
+    pyi_phase "$dist==$version into $venv${have:+ (had $have)}" pyi_install "$venv" "${where[@]}" "$dist==$version"
     have="$(installed_version "$venv" "$dist")"
     if [[ "$have" != "$version" ]]; then
         echo "$dist in $venv is '${have:-missing}' after install, wanted $version" >&2

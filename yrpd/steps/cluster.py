@@ -32,7 +32,7 @@ from yrpd.placement import HostPlan
 from yrpd.cluster import dsconfig
 from yrpd.spec import ClusterLauncher, ClusterMode, Runtime
 from yrpd.steps import ScriptCall, StepContext, host_python, processes, shell_command
-from yrpd.versions import OPENYUANRONG, PYTHON_TAG
+from yrpd.versions import OPENYUANRONG, PYTHON_TAG, UV
 from yrpd.containers import container_profile
 from yrpd.steps.brought import CLUSTER, ETCD, brought
 
@@ -134,7 +134,7 @@ def install(ctx: StepContext, host: HostPlan) -> Command:
     if ctx.spec.runtime is Runtime.docker:  # made from the image's Python inside the container
         flags += f"--python {shlex.quote(container_profile(ctx.spec).cluster_interpreter[0])} "
     script = (
-        f"export YR_VERSION={OPENYUANRONG} DS_VERSION={ctx.spec.datasystem_version}\n"
+        f"export YR_VERSION={OPENYUANRONG} DS_VERSION={ctx.spec.datasystem_version} UV_VERSION={UV}\n"
         f"bash -s -- {flags}{shlex.quote(yr_venv)} {shlex.quote(ds_venv)} <<'YRPD_SCRIPT_END'\n{body}\n"
         "YRPD_SCRIPT_END\n"
     )

