@@ -704,6 +704,11 @@ def test_benchmarks_proxy_stages_reads_the_proxys_own_log_lines(caplog, tmp_path
     assert one["requests"] == 2 and sum(one["legs"].values()) == 2
     assert 200 <= one["leg_ms"] < 1000 and one["ttft_ms"] >= one["leg_ms"]
     assert one["after_ms"] == pytest.approx(one["ttft_ms"] - one["leg_ms"])
+    assert [p["requests"] for p in runs_of(log, 2)[0]["parts"]] == [1, 1]  # --quarters' slices, here halves
+    # the line of a leg routed on KV-cache events carries the index's check before decode's URL
+    log.write_text(log.read_text() + "INFO yrpd.proxy: POST /v1/completions 200 9ms id=bench-run2-0 prefill=http://a:1 "
+                   "prefill_ms=5 index=3/4 decode=http://d:1 ttft_ms=9 own_ms=1.0\n")
+    assert runs_of(log)[1]["legs"] == {"http://a:1": 1}
 
 
 def test_the_proxy_counts_as_its_own_time_only_what_it_did_not_spend_waiting_for_instances():
