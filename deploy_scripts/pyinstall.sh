@@ -1,5 +1,5 @@
-# Python installs for the install scripts: uv where it can run (several times faster than pip on the same pinned
-# sets), pip where it cannot, and one progress line per phase with its time. Sourced by install_vllm_cpu.sh,
+# Python installs for the install scripts: uv where it can run (a fraction of pip's time on the same pinned sets:
+# docs/benchmarks.md), pip where it cannot, and one progress line per phase with its time. Sourced by install_vllm_cpu.sh,
 # install_openyuanrong.sh and scripts/bootstrap.sh; yrpd ships it inlined into them (yrpd.assets.deploy_script).
 #
 #   pyi_init ROOT [WHEELS]   find or install uv (ROOT/uv, a venv of its own; from WHEELS alone where given); once

