@@ -6,10 +6,25 @@ carries them as the packages `yrpd.deploy_scripts` and `yrpd.playbooks` (see pyp
 
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
+
+
+#: one parse at a time: CPython 3.11 keeps the AST constructor's recursion count in state the threads share, and two
+#: parses at once can fail with "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905); the
+#: steps build the hosts' commands in threads, so their scripts are parsed in threads
+_PARSING = threading.Lock()
+
+
+def parse_python(text: str):
+    """`ast.parse(text)`, never two at once in this process (see _PARSING)."""
+    import ast  # only where Python is parsed
+
+    with _PARSING:
+        return ast.parse(text)
 
 
 @lru_cache(maxsize=None)
@@ -46,7 +61,7 @@ def deploy_script(name: str) -> str:
     text = _as_shipped(text, name)
     if _HOSTLIB_IMPORT not in text:
         return text
-    spans = [(n.lineno, n.end_lineno) for n in ast.parse(text).body
+    spans = [(n.lineno, n.end_lineno) for n in parse_python(text).body
              if isinstance(n, ast.ImportFrom) and n.module == "hostlib"]
     lines = text.splitlines(keepends=True)
     shared = _as_shipped((scripts / HOSTLIB).read_text(), HOSTLIB)
@@ -67,7 +82,7 @@ def _as_shipped(text: str, name: str) -> str:
     drop = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(text).readline)
             if tok.type == tokenize.COMMENT and not tok.line[:tok.start[1]].strip() and not tok.string.startswith("#!")}
     lines = text.splitlines(keepends=True)
-    first = ast.parse(text).body[0] if text.strip() else None
+    first = parse_python(text).body[0] if text.strip() else None
     if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
         summary = first.value.value.strip().splitlines()[0] + f" (in full: yrpd's deploy_scripts/{name})"
         lines[first.lineno - 1:first.end_lineno] = [repr(summary) + "\n"] + [""] * (first.end_lineno - first.lineno)

@@ -17,6 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from yrpd.assets import parse_python
 from yrpd.errors import SpecError
 
 DIST = "openyuanrong_datasystem"
@@ -54,7 +55,7 @@ def read_wheel(wheel: Path) -> tuple[str, frozenset[str], bool]:
             raise ValueError(f"{wheel.name} is not an openyuanrong-datasystem wheel (no METADATA or {CLIENT_MODULE})")
         version = next((line.split(":", 1)[1].strip() for line in z.read(meta).decode().splitlines()
                         if line.startswith("Version:")), "")
-        tree = ast.parse(z.read(CLIENT_MODULE).decode())
+        tree = parse_python(z.read(CLIENT_MODULE).decode())
         start = z.read(DSCLI_START).decode() if DSCLI_START in names else ""
     methods = frozenset(f.name for node in tree.body if isinstance(node, ast.ClassDef) and node.name == CLIENT_CLASS
                         for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))

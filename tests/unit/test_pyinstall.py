@@ -63,3 +63,4 @@ def test_the_scripts_defaults_are_the_versions_yrpd_pins():
             assert default == pins[var], f"{name}: {var} defaults to {default}, yrpd pins {pins[var]}"
             seen.add(var)
     assert seen == set(pins)
+
