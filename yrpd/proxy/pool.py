@@ -315,9 +315,8 @@ class Pool:
         chosen = min(within, key=lambda i: (cost(i), i.in_flight, i.recent))
         # charged to its queue: what it is expected to compute (the loadable part where the data system lost it)
         work = prompt.work(max(matched[chosen], stored)) + (1 - self.loadable_found) * loadable(chosen)
-        held = prompt.held(chosen.blocks)
-        return Lease(chosen, work, matched[chosen], loadable(chosen), prompt, new_blocks=prompt.new_blocks(chosen.blocks),
-                     held_blocks=None if held is None else held[1])
+        held, new = prompt.blocks_at(chosen.blocks)
+        return Lease(chosen, work, matched[chosen], loadable(chosen), prompt, new_blocks=new, held_blocks=held)
 
     @staticmethod
     def seen(inst: Instance, prompt: Prompt) -> float:

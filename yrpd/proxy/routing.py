@@ -147,12 +147,15 @@ class Prompt:
             return min(loaded_blocks * blocks.block_size, len(self.tokens)) * self.chunks / len(self.tokens)
         return expected or None
 
-    def new_blocks(self, blocks: InstanceBlocks | None) -> int:
-        """Full blocks of the prompt an instance would store that its cache does not hold (0 where not known)."""
+    def blocks_at(self, blocks: InstanceBlocks | None) -> tuple[int | None, int]:
+        """(leading full blocks of the prompt an instance's events say it holds, None where they tell nothing exact;
+        full blocks it would store that its cache does not hold, 0 where not known)."""
         held = self.held(blocks)
-        if held is None or not blocks.block_size:  # (block size unknown until its first stored block)
-            return 0
-        return len(self.hashes(blocks.block_size)) - held[1]
+        if held is None:
+            return None, 0
+        if not blocks.block_size:  # (block size unknown until its first stored block)
+            return held[1], 0
+        return held[1], len(self.hashes(blocks.block_size)) - held[1]
 
     def last_block(self, blocks: InstanceBlocks | None) -> int | None:
         """The hash of the prompt's last full block by an instance's block size (None where not known): a leg there
