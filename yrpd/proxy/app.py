@@ -194,11 +194,16 @@ class UpstreamAnswer(ProxyError):
         return web.Response(status=self.status, body=self.body, headers={"Content-Type": self.content_type})
 
 
-def _loaded_blocks(kv: object) -> int | None:
-    """Blocks prefill's connector loaded from the data system for this request (yrpd's connector says so in the
-    kv_transfer_params it answers with); None from a connector that does not say."""
+def _connector_says(kv: object) -> dict:
+    """What yrpd's connector on prefill says of this request in the kv_transfer_params it answers with (`loaded`,
+    `cached`, `block_size`...); empty from a connector that says nothing."""
     info = kv.get("yrpd") if isinstance(kv, dict) else None
-    loaded = info.get("loaded") if isinstance(info, dict) else None
+    return info if isinstance(info, dict) else {}
+
+
+def _loaded_blocks(info: dict) -> int | None:
+    """Blocks prefill's connector loaded from the data system for this request; None where it does not say."""
+    loaded = info.get("loaded")
     return loaded if isinstance(loaded, int) and not isinstance(loaded, bool) else None
 
 
@@ -599,10 +604,9 @@ class Proxy:
         self.metrics.prefill.observe(took)
         lease = request[_CALL].prefill_lease
         if lease is not None:
-            self.pool.observe(lease, _loaded_blocks(kv))
-            info = kv.get("yrpd") if isinstance(kv, dict) else None
-            if isinstance(info, dict) and (check := self.pool.checked(lease, info.get("cached"),
-                                                                      info.get("block_size"))):
+            info = _connector_says(kv)
+            self.pool.observe(lease, _loaded_blocks(info))
+            if check := self.pool.checked(lease, info.get("cached"), info.get("block_size")):
                 request[_CALL].note["index"] = "%d/%d" % check  # the log line's: blocks claimed / found
             last = lease.prompt.last_block(inst.blocks) if lease.prompt is not None else None
             self.feeds.leg_stored(inst.url, t0, lease.new_blocks, last)
