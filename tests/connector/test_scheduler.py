@@ -199,7 +199,7 @@ def test_producer_tells_the_proxy_what_its_own_prefix_cache_had_when_the_request
     stay = fakes.request("s", toks)
     sch.get_num_new_matched_tokens(stay, 8)
     assert "cached" not in sch.request_finished(stay, [])[1]["yrpd"]
-    assert not sch._local_hit  # nothing kept once they finished
+    assert not sch._handover  # nothing kept once they finished
 
 
 def test_producer_hand_over_ending_on_a_block_boundary_needs_no_extra_block(make):

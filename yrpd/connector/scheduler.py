@@ -115,10 +115,9 @@ class ConnectorScheduler(ConnectorHalf):
         self._states: dict[str, _ReqState] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._loaded_upto: dict[str, int] = {}
-        self._handover: set[str] = set()  # producer: requests whose KV goes on to a decode instance
-        #: producer: prompt tokens each handed-over request found in the instance's own prefix cache when it was
-        #: first scheduled (told to the proxy, which checks its KV-event index against it)
-        self._local_hit: dict[str, int] = {}
+        #: producer: the requests whose KV goes on to a decode instance -> the prompt tokens each found in the
+        #: instance's own prefix cache when first scheduled (told to the proxy, which checks its KV-event index by it)
+        self._handover: dict[str, int] = {}
         self._loaded_blocks: dict[str, int] = {}  # blocks each request took from the data system (told to the proxy)
         self._pending_loads: list[BlockOp] = []
         self._refused_logged: dict[str, float] = {}
@@ -196,8 +195,7 @@ class ConnectorScheduler(ConnectorHalf):
         if self._active and self.cfg.is_producer:
             params = getattr(request, "kv_transfer_params", None)
             if isinstance(params, dict) and params.get("do_remote_decode"):
-                self._handover.add(request.request_id)
-                self._local_hit.setdefault(request.request_id, num_computed_tokens)
+                self._handover.setdefault(request.request_id, num_computed_tokens)
         if not self._loads or self._conn is None:
             return 0, False
         elig = _eligible(request)
@@ -359,9 +357,8 @@ class ConnectorScheduler(ConnectorHalf):
         st = self._states.pop(req_id, None)
         self._lookups.pop(req_id, None)
         self._loaded_upto.pop(req_id, None)
-        self._handover.discard(req_id)
+        cached = self._handover.pop(req_id, None)
         loaded = self._loaded_blocks.pop(req_id, 0)
-        cached = self._local_hit.pop(req_id, None)
         if not (self._active and self.cfg.is_producer):
             return False, None
         if self.cfg.role == "kv_both" and getattr(request, "kv_transfer_params", None) is None:
