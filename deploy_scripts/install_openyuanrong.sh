@@ -99,9 +99,7 @@ ensure_venv() {
         mkdir -p "$(dirname "$venv")"
         pyi_phase "venv $venv" "$PYTHON" -m venv "$venv"
     fi
-    local where=()
-    [[ -z "$WHEELS" ]] || where=(--no-index --find-links "$WHEELS")
-    pyi_phase "$dist==$version into $venv${have:+ (had $have)}" pyi_install "$venv" "${where[@]}" "$dist==$version"
+    pyi_phase "$dist==$version into $venv${have:+ (had $have)}" pyi_install "$venv" "$dist==$version"
     have="$(installed_version "$venv" "$dist")"
     if [[ "$have" != "$version" ]]; then
         echo "$dist in $venv is '${have:-missing}' after install, wanted $version" >&2

