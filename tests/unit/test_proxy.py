@@ -207,40 +207,40 @@ def test_prefix_routing_weighs_work_by_the_time_each_instance_was_measured_to_ta
     # nothing measured yet: costs are in chunks, a cold prompt goes where fewer are queued
     b.queued = 10.0
     assert pool.select("prefill", prompt=prompt(cold.format(0))) is a
-    # a leg's time per chunk is its time over the chunks queued ahead of it and those it computed
-    leg = pool.acquire("prefill", prompt=prompt(cold.format(1)))
+    # an instance's time per chunk: the seconds it had a leg in flight over the chunks its legs computed
+    leg = pool.acquire("prefill", prompt=prompt(cold.format(1)), now=100.0)
     assert leg.instance is a and leg.ahead == 0
-    pool.release(leg)
-    pool.observe(leg, 0, now=leg.started + 2.0)
-    assert a.chunk_s == pytest.approx(2.0 / leg.work)
-    b.queued = 0.0
-    other = pool.acquire("prefill", prompt=prompt(cold.format(2)))
-    assert other.instance is b
-    b.queued += 10.0  # a leg of another client still queued there: it counts ahead of this one
-    pool.release(other)
-    pool.observe(other, 0, now=other.started + 0.5)
-    assert b.chunk_s == pytest.approx(0.5 / other.work)
-    first_b = b.chunk_s
-    later = pool.acquire("prefill", prompt=prompt(cold.format(3)))
-    assert later.instance is b and later.ahead == pytest.approx(10.0)
-    pool.release(later)
-    pool.observe(later, 0, now=later.started + 1.0)  # moving averages of seconds and chunks: a leg weighs by size
-    assert b.chunk_s == pytest.approx((0.5 + 0.2 * 0.5) / (other.work + 0.2 * (10.0 + later.work - other.work)))
-    assert min(first_b, 1.0 / (10.0 + later.work)) < b.chunk_s < max(first_b, 1.0 / (10.0 + later.work))
-    # a leg of a few chunks (a prompt its cache held) is mostly the cost every leg has: it teaches nothing
-    b.queued = 0.0  # (the other client's leg ended)
-    hit = pool.acquire("prefill", prompt=prompt(cold.format(3)))
-    assert hit.instance is b and hit.work < 8 and hit.ahead == 0
-    pool.release(hit)
-    before = b.chunk_s
-    pool.observe(hit, 0, now=hit.started + 0.3)
-    assert b.chunk_s == before
-    b.queued = 10.0
-    # b takes about a quarter of a's time per chunk: a cold prompt goes there though 10 chunks wait there
+    pool.release(leg, now=106.0)
+    pool.observe(leg, 0, now=106.0)
+    assert a.chunk_s == pytest.approx(6.0 / leg.work)
+    # b computes 0.05 s a chunk, one leg after the other: the second leg, sent while the first was half done,
+    # waits for the first's second half only, yet the first counts whole ahead of it; timed from routed to
+    # answered over the chunks ahead and its own, b came out faster than it is, busier still faster
+    b.queued, a.queued = 0.0, 1000.0  # (a busy with another client's work meanwhile)
+    first = pool.acquire("prefill", prompt=prompt(cold.format(2)), now=200.0)
+    half = 200.0 + 0.05 * first.work / 2
+    second = pool.acquire("prefill", prompt=prompt(cold.format(3)), now=half)
+    assert first.instance is second.instance is b and second.ahead == pytest.approx(first.work)
+    first_done = 200.0 + 0.05 * first.work
+    pool.release(first, now=first_done)
+    pool.observe(first, 0, now=first_done)
+    second_done = first_done + 0.05 * second.work
+    pool.release(second, now=second_done)
+    pool.observe(second, 0, now=second_done)
+    assert b.chunk_s == pytest.approx(0.05)
+    # the control: what the old measure took from the second leg
+    assert (second_done - half) / (second.ahead + second.work) < 0.05 * 0.8
+    # idle seconds are no instance's time: a leg an hour later still takes 0.05 s a chunk
+    late = pool.acquire("prefill", prompt=prompt(cold.format(4)), now=4000.0)
+    pool.release(late, now=4000.0 + 0.05 * late.work)
+    pool.observe(late, 0, now=4000.0 + 0.05 * late.work)
+    assert late.instance is b and b.chunk_s == pytest.approx(0.05)
+    b.queued, a.queued = 10.0, 0.0
+    # b takes a sixth of a's time per chunk: a cold prompt goes there though 10 chunks wait there
     assert b.chunk_s < a.chunk_s / 3
-    assert pool.select("prefill", prompt=prompt(cold.format(4))) is b
+    assert pool.select("prefill", prompt=prompt(cold.format(5))) is b
     a.chunk_s = b.chunk_s  # the control: at equal speeds the queue decides
-    assert pool.select("prefill", prompt=prompt(cold.format(4))) is a
+    assert pool.select("prefill", prompt=prompt(cold.format(5))) is a
     # an instance not measured yet is taken for the mean of those measured
     c = Pool(["http://a", "http://b"], [], Routing.prefix)
     c.of("prefill")[0].chunk_s = 0.3
@@ -257,7 +257,7 @@ def test_prefix_routing_weighs_work_by_the_time_each_instance_was_measured_to_ta
         d.release(leg)
     leg = d.acquire("prefill", prompt=prompt("Cold prompt 32: " + "words to compute here. " * 30))
     assert leg.instance is slow and d.chunk_s(slow) == pytest.approx(0.1)
-    d.release(leg)
+    d.release(leg, now=leg.started + 0.05 * leg.work)
     d.observe(leg, 0, now=leg.started + 0.05 * leg.work)
     assert slow.chunk_s == pytest.approx(0.05) and slow.untimed_legs == 0
     state = {i["url"]: i for i in (i.as_dict() for i in pool.instances)}
@@ -273,15 +273,17 @@ def test_a_load_from_the_data_system_is_weighed_by_its_measured_time():
     shared = "Context: " + "the quick brown fox jumps over the lazy dog. " * 30  # 21 chunks
     first = pool.acquire("prefill", prompt=prompt(shared + "Q1"))
     home, other = first.instance, (b if first.instance is a else a)
-    pool.release(first)
+    pool.release(first, now=first.started + 0.05 * first.work)
     pool.observe(first, 0, now=first.started + 0.05 * first.work)
     home.queued, home.in_flight = 15.0, 1
     # a leg that loaded the prefix: what it took beyond computing the rest, per chunk loaded, is the load's time
     moved = pool.acquire("prefill", prompt=prompt(shared + "Q2"))
     assert moved.instance is other and moved.loadable == 21
-    pool.release(moved)
+    pool.release(moved, now=moved.started + 0.05 * moved.work + 21 * 0.2)
     pool.observe(moved, 3, now=moved.started + 0.05 * moved.work + 21 * 0.2)
     assert pool.load_chunk_s == pytest.approx(0.2) and pool.routing_state()["load_ms_per_chunk"] == 200
+    # and its busy seconds, less the load's, were its 0.05 s a chunk computed
+    assert other.chunk_s == pytest.approx(0.05)
     other.memory.forget()  # (as if its own cache had lost the prefix since)
     # loads measured slower than computing (a data system on disk): waiting at home is sooner than loading
     assert pool.select("prefill", prompt=prompt(shared + "Q3")) is home

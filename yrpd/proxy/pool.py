@@ -34,11 +34,16 @@ class Instance:
     queued: float = 0.0
     #: prompt chunks given to its prefill legs lately, decaying with every prefill leg routed (prefix routing)
     recent: float = 0.0
-    #: seconds its prefill legs took per prompt chunk computed, their own and those queued ahead of them: measured
-    #: (moving averages of legs' seconds and of their chunks, the one over the other, so a leg weighs by its
-    #: size), None until a leg taught it (prefix routing)
+    #: seconds it takes per prompt chunk it computes: the seconds it had a leg in flight over the chunks its legs
+    #: computed in them (moving averages of both, per leg ended, the one over the other), None until a leg taught
+    #: it (prefix routing)
     chunk_s: float | None = None
     timed: tuple[float, float] | None = field(default=None, repr=False)  # (seconds, chunks), the averages above
+    #: when its current spell with a leg in flight began (monotonic; None while idle), the seconds of its spells
+    #: ended, and how many of its busy seconds a timed leg has accounted for
+    busy_since: float | None = field(default=None, repr=False)
+    busy_s: float = field(default=0.0, repr=False)
+    busy_timed: float = field(default=0.0, repr=False)
     #: prefill legs routed to other instances since its last was timed: past RECENT_LEGS its own time is stale
     untimed_legs: int = 0
     memory: PrefixMemory = field(default_factory=PrefixMemory, repr=False)
@@ -61,6 +66,10 @@ class Instance:
     @property
     def routable(self) -> bool:
         return self.up and not self.draining and not self.leaving
+
+    def busy(self, now: float) -> float:
+        """Seconds it has had a leg in flight, up to `now`."""
+        return self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
 
     def note_error(self, message: str) -> None:
         self.last_error, self.last_error_at = message, time.time()
@@ -145,7 +154,7 @@ class Pool:
         if lease.loadable >= LEARN_CHUNKS:
             found = 1.0 if loaded_blocks > 0 else 0.0
             self.loadable_found = _average(self.loadable_found, found)
-        self._time(lease, loaded_blocks, (time.monotonic() if now is None else now) - lease.started)
+        self._time(lease, loaded_blocks, time.monotonic() if now is None else now)
 
     @staticmethod
     def checked(lease: Lease, cached_tokens: int | None, block_size: int | None) -> tuple[int, int] | None:
@@ -164,25 +173,32 @@ class Pool:
         counts["held_unclaimed"] += max(0, found - claimed)
         return claimed, found
 
-    def _time(self, lease: Lease, loaded_blocks: int, elapsed: float) -> None:
-        # One leg's time is (chunks queued ahead + chunks it computed) x the instance's time per chunk + chunks it
-        # loaded x the load's: a leg that loaded nothing measures the first, one that loaded the second (with the
-        # first known). Queued legs were partly done already and legs sent after it may share its batches, so
-        # this is a rough measure: it leans fast on a busy instance, slow on one whose legs overlap.
+    def _time(self, lease: Lease, loaded_blocks: int, now: float) -> None:
+        # An instance's time per chunk is the seconds it was busy (a leg in flight) over the chunks computed in
+        # them, each leg that ends bringing the busy seconds since the last one ended. Timing each leg from routed
+        # to answered over the chunks queued ahead of it and its own (what this did before) counted legs ahead at
+        # their whole size though partly done: a busy instance looked fast, got more legs and looked faster still
+        # (the bb2d9c4 trace: one of two equal prefill instances took 141 of 228 legs). Chunks loaded from the
+        # data system count at what a load costs against a computation.
         inst, prompt = lease.instance, lease.prompt
+        busy = inst.busy(now)
+        spent, inst.busy_timed = busy - inst.busy_timed, busy
         loaded = prompt.loaded_chunks(loaded_blocks, inst.blocks, lease.loadable)
         if loaded is None:
             return
-        computed = lease.ahead + prompt.work(lease.matched + loaded)
-        if loaded == 0:
-            # a leg of a few chunks is mostly what every leg costs (the HTTP round trip, one token): it would make
-            # the instance holding the hot prefixes, which gets the short legs, look slow
-            if computed >= LEARN_CHUNKS:
-                seconds, chunks = inst.timed or (elapsed, computed)
-                inst.timed = (_average(seconds, elapsed), _average(chunks, computed))
-                inst.chunk_s, inst.untimed_legs = inst.timed[0] / inst.timed[1], 0
-        elif inst.chunk_s is not None and loaded >= LEARN_CHUNKS:
-            self.load_chunk_s = _average(self.load_chunk_s, max(0.0, elapsed - inst.chunk_s * computed) / loaded)
+        computed = prompt.work(lease.matched + loaded)
+        if loaded:
+            if inst.chunk_s is not None and loaded >= LEARN_CHUNKS:
+                # what the leg took beyond computing its own chunks and waiting for those ahead, per chunk loaded
+                elapsed = now - lease.started
+                self.load_chunk_s = _average(self.load_chunk_s,
+                                             max(0.0, elapsed - inst.chunk_s * (lease.ahead + computed)) / loaded)
+            ratio = (self.load_chunk_s / inst.chunk_s if self.load_chunk_s is not None and inst.chunk_s
+                     else LOAD_WEIGHT / WORK_WEIGHT)
+            computed += loaded * ratio
+        seconds, chunks = inst.timed or (spent, computed)
+        inst.timed = (_average(seconds, spent), _average(chunks, computed))
+        inst.chunk_s, inst.untimed_legs = inst.timed[0] / inst.timed[1], 0
 
     def of(self, role: str) -> list[Instance]:
         return [i for i in self.instances if i.role == role]
@@ -229,13 +245,17 @@ class Pool:
         self.instances = [i for i in self.instances if not (i.leaving and i.in_flight == 0)]
 
     def acquire(self, role: str, exclude: list[Instance] | tuple = (), prompt: Prompt | None = None,
-                groups: set[str] | None = None) -> Lease | None:
+                groups: set[str] | None = None, now: float | None = None) -> Lease | None:
         """Choose an up instance for one leg (see `select`; of `groups` alone where given) and count the leg on it
-        until `release`."""
+        until `release` (`now`: the monotonic time it starts, for tests)."""
         lease = self._choose(role, exclude, prompt, groups)
         if lease is None:
             return None
         inst = lease.instance
+        if now is not None:
+            lease.started = now
+        if inst.in_flight == 0:
+            inst.busy_since = lease.started
         inst.in_flight += 1
         inst.requests += 1
         lease.ahead = inst.queued
@@ -254,13 +274,17 @@ class Pool:
                 inst.recent += lease.work
         return lease
 
-    def release(self, lease: Lease) -> None:
-        """End a leg; a second release of the same lease does nothing."""
+    def release(self, lease: Lease, now: float | None = None) -> None:
+        """End a leg (`now`: the monotonic time it ended, for tests); a second release of the same lease does
+        nothing."""
         if lease.released:
             return
         lease.released = True
         inst = lease.instance
         inst.in_flight -= 1
+        if inst.in_flight == 0 and inst.busy_since is not None:
+            inst.busy_s += (time.monotonic() if now is None else now) - inst.busy_since
+            inst.busy_since = None
         if lease.pending is not None:
             inst.pending = [c for c in inst.pending if c is not lease.pending]
         inst.queued = max(0.0, inst.queued - lease.work)
