@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 LINE = re.compile(r"id=bench-(?P<run>\w+)-(?P<n>\d+) prefill=(?P<prefill>\S+) prefill_ms=(?P<leg>\d+) "
-                  r"(?:index=\S+ )?decode=\S+ ttft_ms=(?P<ttft>\d+)")
+                  r"(?:\S+ )*?decode=\S+ ttft_ms=(?P<ttft>\d+)")
 
 
 def runs_of(log: Path, parts: int = 1) -> list[dict]:

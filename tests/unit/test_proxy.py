@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -265,6 +266,28 @@ def test_prefix_routing_weighs_work_by_the_time_each_instance_was_measured_to_ta
     assert "ms_per_chunk" not in c.of("prefill")[1].as_dict()
 
 
+def test_an_instances_time_per_chunk_is_reckoned_on_what_its_connector_says_it_computed():
+    text = "Background: " + "the quick brown fox jumps over the lazy dog. " * 40
+    tokens = list(range(1000, 1400))
+
+    def taught(cached):
+        pool = Pool(["http://a"], [], Routing.prefix)
+        a = pool.of("prefill")[0]
+        a.up = True
+        leg = pool.acquire("prefill", prompt=prompt(text).with_tokens(tokens, None), now=10.0)
+        assert leg.matched == 0  # routing knew of nothing held there
+        pool.release(leg, now=12.0)
+        pool.observe(leg, 0, now=12.0, cached_tokens=cached)
+        return a.chunk_s, leg.prompt
+
+    # its cache had three quarters of the prompt: 2 s were for the last quarter
+    chunk_s, p = taught(300)
+    assert chunk_s == pytest.approx(2.0 / (p.chunks / 4))
+    # the control: where the connector does not say, the whole prompt as routing reckoned it
+    chunk_s, p = taught(None)
+    assert chunk_s == pytest.approx(2.0 / p.chunks)
+
+
 def test_a_load_from_the_data_system_is_weighed_by_its_measured_time():
     pool = Pool(["http://a", "http://b"], [], Routing.prefix, bound=3)
     a, b = pool.of("prefill")
@@ -297,7 +320,9 @@ def test_a_load_from_the_data_system_is_weighed_by_its_measured_time():
     assert (home.chunk_s, pool.load_chunk_s) == before
 
 
-def test_the_proxy_learns_from_prefill_answers_how_often_the_data_system_had_a_prefix():
+def test_the_proxy_learns_from_prefill_answers_how_often_the_data_system_had_a_prefix(caplog):
+    caplog.set_level("INFO", logger="yrpd.proxy")
+
     async def go():
         async with running(prefill=2, routing=Routing.prefix) as s:
             for fake in s.prefill:
@@ -312,6 +337,10 @@ def test_the_proxy_learns_from_prefill_answers_how_often_the_data_system_had_a_p
             assert routing["policy"] == "prefix" and routing["prompts_stored"] > 0
             assert routing["data_system_found"] == pytest.approx(0.8)  # from the prior 1.0, one miss
     run(go())
+    # the log line says what the leg was reckoned with: the chunks queued ahead of it and the time per chunk, once
+    # a leg has taught one (not the first)
+    first, second = [r.getMessage() for r in caplog.records if "POST /v1/completions 200" in r.getMessage()]
+    assert "chunk_ms=" not in first and re.search(r" ahead=0\.0 chunk_ms=\d+(\.\d+)? decode=", second), second
 
 
 def test_prefix_routing_balances_decode_legs_by_load_and_breaks_ties_by_prefix():
@@ -707,9 +736,10 @@ def test_benchmarks_proxy_stages_reads_the_proxys_own_log_lines(caplog, tmp_path
     assert 200 <= one["leg_ms"] < 1000 and one["ttft_ms"] >= one["leg_ms"]
     assert one["after_ms"] == pytest.approx(one["ttft_ms"] - one["leg_ms"])
     assert [p["requests"] for p in runs_of(log, 2)[0]["parts"]] == [1, 1]  # --quarters' slices, here halves
-    # the line of a leg routed on KV-cache events carries the index's check before decode's URL
+    # the line of a leg routed on KV-cache events carries the index's check and the routing's reckoning before
+    # decode's URL
     log.write_text(log.read_text() + "INFO yrpd.proxy: POST /v1/completions 200 9ms id=bench-run2-0 prefill=http://a:1 "
-                   "prefill_ms=5 index=3/4 decode=http://d:1 ttft_ms=9 own_ms=1.0\n")
+                   "prefill_ms=5 index=3/4 ahead=12.5 chunk_ms=41.2 decode=http://d:1 ttft_ms=9 own_ms=1.0\n")
     assert runs_of(log)[1]["legs"] == {"http://a:1": 1}
 
 

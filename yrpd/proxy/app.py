@@ -605,9 +605,15 @@ class Proxy:
         lease = request[_CALL].prefill_lease
         if lease is not None:
             info = _connector_says(kv)
-            self.pool.observe(lease, _loaded_blocks(info))
-            if check := self.pool.checked(lease, info.get("cached"), info.get("block_size")):
+            cached = info.get("cached")
+            self.pool.observe(lease, _loaded_blocks(info), cached_tokens=cached)
+            if check := self.pool.checked(lease, cached, info.get("block_size")):
                 request[_CALL].note["index"] = "%d/%d" % check  # the log line's: blocks claimed / found
+            if lease.prompt is not None and lease.chunk_s is not None:
+                # the log line's: why it went there (the chunks queued ahead of it, the time per chunk it was
+                # reckoned with)
+                request[_CALL].note["ahead"] = round(lease.ahead, 1)
+                request[_CALL].note["chunk_ms"] = round(lease.chunk_s * 1000, 1)
             last = lease.prompt.last_block(inst.blocks) if lease.prompt is not None else None
             self.feeds.leg_stored(inst.url, t0, lease.new_blocks, last)
         return kv

@@ -96,6 +96,7 @@ class Lease:
     held_blocks: int | None = None  # leading blocks its events said it held when routed (None: not seeing them)
     pending: list[bytes] | None = None  # the chain it added to the instance's pending ones (prefix routing)
     ahead: float = 0.0  # chunks queued on the instance when this leg was routed there
+    chunk_s: float | None = None  # the seconds per chunk its cost was reckoned with (prefix routing's prefill legs)
     started: float = field(default_factory=time.monotonic)
     released: bool = False
 
@@ -140,10 +141,12 @@ class Pool:
         known = [i.chunk_s for i in self.of(inst.role) if i.chunk_s is not None and i.untimed_legs < RECENT_LEGS]
         return sum(known) / len(known) if known else inst.chunk_s
 
-    def observe(self, lease: Lease, loaded_blocks: int | None, now: float | None = None) -> None:
+    def observe(self, lease: Lease, loaded_blocks: int | None, now: float | None = None,
+                cached_tokens: int | None = None) -> None:
         """A prefill leg finished (`loaded_blocks`: what its connector loaded from the data system; None when it
-        did not say): its prompt's KV is in the data system now, a leg that expected to load there tells how
-        often that works, and its time (routed to answered) what a chunk costs there."""
+        did not say; `cached_tokens`: the prompt tokens the instance's own prefix cache had, where it said): its
+        prompt's KV is in the data system now, a leg that expected to load there tells how often that works, and
+        its time what a chunk costs there."""
         if self.routing is not Routing.prefix or lease.prompt is None or lease.instance.role != "prefill":
             return
         if loaded_blocks is None:
@@ -154,7 +157,7 @@ class Pool:
         if lease.loadable >= LEARN_CHUNKS:
             found = 1.0 if loaded_blocks > 0 else 0.0
             self.loadable_found = _average(self.loadable_found, found)
-        self._time(lease, loaded_blocks, time.monotonic() if now is None else now)
+        self._time(lease, loaded_blocks, time.monotonic() if now is None else now, cached_tokens)
 
     @staticmethod
     def checked(lease: Lease, cached_tokens: int | None, block_size: int | None) -> tuple[int, int] | None:
@@ -173,7 +176,7 @@ class Pool:
         counts["held_unclaimed"] += max(0, found - claimed)
         return claimed, found
 
-    def _time(self, lease: Lease, loaded_blocks: int, now: float) -> None:
+    def _time(self, lease: Lease, loaded_blocks: int, now: float, cached_tokens: int | None) -> None:
         # An instance's time per chunk is the seconds it was busy (a leg in flight) over the chunks computed in
         # them, each leg that ends bringing the busy seconds since the last one ended. Timing each leg from routed
         # to answered over the chunks queued ahead of it and its own (what this did before) counted legs ahead at
@@ -186,7 +189,12 @@ class Pool:
         loaded = prompt.loaded_chunks(loaded_blocks, inst.blocks, lease.loadable)
         if loaded is None:
             return
-        computed = prompt.work(lease.matched + loaded)
+        # what the instance computed: the prompt less what its cache had (as its connector says, where the prompt's
+        # tokens are known: the index's claim or the estimate may be off) and what it loaded
+        matched = lease.matched
+        if isinstance(cached_tokens, int) and not isinstance(cached_tokens, bool) and prompt.tokens:
+            matched = min(cached_tokens, len(prompt.tokens)) * prompt.chunks / len(prompt.tokens)
+        computed = prompt.work(matched + loaded)
         if loaded:
             if inst.chunk_s is not None and loaded >= LEARN_CHUNKS:
                 # what the leg took beyond computing its own chunks and waiting for those ahead, per chunk loaded
@@ -267,6 +275,7 @@ class Pool:
             inst.pending.append(prompt.chain)
             lease.pending = prompt.chain
             if inst.role == "prefill":
+                lease.chunk_s = self.chunk_s(inst)
                 for other in self.of("prefill"):
                     other.recent *= 1 - 1 / RECENT_LEGS
                     if other is not inst:
