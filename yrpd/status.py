@@ -138,6 +138,8 @@ class ProxyStatus:
     degraded: dict | None = None
     #: requests whose instance broke off, by what the proxy did (yrpd.proxy.metrics.MIGRATION_OUTCOMES)
     migrations: dict[str, int] | None = None
+    #: how it routes, as it says: the policy, and prefix routing's measures (yrpd.proxy.pool.Pool.routing_state)
+    routing: dict | None = None
 
 
 @dataclass
@@ -422,6 +424,7 @@ def _proxy(deployment: Deployment, proc: ProcessStatus | None, probe: dict | Non
         row.instances_up = {i["url"]: i["up"] for i in detail.get("instances", [])}
         row.in_flight = sum(i.get("in_flight", 0) for i in detail.get("instances", []))
         row.degraded, row.migrations = detail.get("degraded"), detail.get("migrations")
+        row.routing = detail.get("routing")
         if deployed and row.degraded:
             since = time.strftime("%H:%M:%S", time.localtime(row.degraded["since"]))
             problems.append(f"serving degraded since {since} ({time.time() - row.degraded['since']:.0f} s): "

@@ -97,7 +97,8 @@ def answer(host: str, dead=(), restarts=0, unhealthy=(), proxy_ok=True, cluster=
              **({"kv_index": kv_index} if kv_index else {})},
             {"url": "http://10.0.0.2:8100", "up": proxy_ok, "in_flight": 0, "requests": 6, "prefix_routed": 0}],
             "degraded": degraded, "migrations": {"sent again": 1, "carried over": 2, "ended by the proxy": 0,
-                                                 "not carried over": 0}}}
+                                                 "not carried over": 0},
+            "routing": {"policy": "prefix", "bound": 2, "load_ms_per_chunk": 6.5}}}
     return json.dumps({"processes": processes_answer(host, names, dead, restarting, failed, process_restarts),
                        "cluster": cluster_answer(host == "h1", restarts, disk_free) if cluster else None, "serving": serving})
 

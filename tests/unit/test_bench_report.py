@@ -105,8 +105,12 @@ def test_counters_split_each_roles_prompt_tokens_by_where_their_kv_came_from(mon
                               probe={"prompt_tokens_computed": computed, "prompt_tokens_local_cache": cached,
                                      "prompt_tokens_loaded": loaded, "prompt_tokens": computed + cached + loaded})
 
+    from yrpd.status import ProxyStatus
+
+    proxy = ProxyStatus(url="u", host="h1", pid=1, state="running", healthy=True,
+                        routing={"policy": "prefix", "bound": 2, "load_ms_per_chunk": 6.5})
     report = StatusReport(session="s", phase=SessionPhase.deployed, healthy=True, problems=[], hosts=[],
-                          processes=[], proxy=None, cluster=None,
+                          processes=[], proxy=proxy, cluster=None,
                           instances=[inst("prefill-0", "prefill", 800, 2300, 0, {"requests": 5, "ms_per_chunk": 31.5}),
                                      inst("prefill-1", "prefill", 900, 0, 768,
                                           {"requests": 9, "kv_index": {"sight": "seeing", "replays": 4, "replay_s": 0.5}}),
@@ -116,7 +120,9 @@ def test_counters_split_each_roles_prompt_tokens_by_where_their_kv_came_from(mon
     total, _, rates = run.counters("s")
     # the legs the proxy sent each instance (a delta over the run, like every counter) and its measured time
     assert total["legs_prefill-0"] == 5 and total["legs_prefill-1"] == 9 and "legs_decode-0" not in total
-    assert rates == {"prefill-0": 31.5}
+    assert rates == {"prefill-0": 31.5, run.LOAD_RATE: 6.5}
+    report.proxy.routing = {"policy": "prefix", "bound": 2}  # the control: no load measured yet, none reported
+    assert run.counters("s")[2] == {"prefill-0": 31.5}
     # the round trips to its replay socket where the proxy follows its events (the oracle's price), else nothing
     assert total["replays_prefill-1"] == 4 and "replays_prefill-0" not in total
     assert total["replay_s_prefill-1"] == 0.5 and "replay_s_prefill-0" not in total

@@ -29,6 +29,7 @@ def test_a_healthy_deployment_reports_every_part(tmp_path):
     assert decode.routed == {"requests": 6, "in_flight": 0, "errors": None, "prefix_routed": 0}
     prefill = next(i for i in report.instances if i.role == "prefill")
     assert prefill.routed["ms_per_chunk"] == 28.4  # prefix routing's measured time, where the proxy has one
+    assert report.proxy.routing["load_ms_per_chunk"] == 6.5  # and that of a load from the data system
     assert report.cluster.healthy and report.cluster.mode == "ds_only" and report.cluster.master == "h1 (10.0.0.1)"
     assert {c.component for c in report.cluster.components} == {"etcd", "ds_master", "ds_worker"}
     # one round trip per host, and the cluster asked because the journal says it was started

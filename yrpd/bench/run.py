@@ -191,6 +191,8 @@ def down(session_id: str) -> None:
 
 DS_HITS = ("hits_memory", "hits_disk", "misses")  # the data system workers' own counts of reads, by tier
 TOKEN_SOURCES = ("prompt_tokens_computed", "prompt_tokens_local_cache", "prompt_tokens_loaded")
+#: the key of `ms_per_chunk` (a target's results) for prefix routing's measure of a chunk loaded from the data system
+LOAD_RATE = "load from the data system"
 
 
 def counters(session_id: str) -> tuple[dict, dict, dict]:
@@ -198,7 +200,7 @@ def counters(session_id: str) -> tuple[dict, dict, dict]:
     the proxy sent each instance, `legs_<instance>`, and the replays it asked of each, `replays_<instance>`, with the
     seconds they took, `replay_s_<instance>`), the
     workers' use of memory and disk now (MB), and the time per prompt chunk prefix routing measured for each
-    instance now ({instance: ms}; empty without it)."""
+    instance now ({instance: ms}, and LOAD_RATE: a chunk loaded from the data system; empty without it)."""
     report = api.status(api.open_deployment(session_id))
     blocks = ("loaded_blocks", "saved_blocks", "handoff_missed_blocks")
     total = {"external_cache_hit_tokens": 0.0, "prompt_tokens": 0.0, **{key: 0 for key in blocks},
@@ -220,6 +222,9 @@ def counters(session_id: str) -> tuple[dict, dict, dict]:
                 if index.get(key) is not None:
                     total[f"{key}_{inst.name}"] = index[key]
     rates = {i.name: i.routed["ms_per_chunk"] for i in report.instances if (i.routed or {}).get("ms_per_chunk")}
+    load = ((report.proxy.routing if report.proxy else None) or {}).get("load_ms_per_chunk")
+    if load is not None:
+        rates[LOAD_RATE] = load
     use = {"memory_mb": 0.0, "memory_limit_mb": 0.0, "disk_mb": 0.0, "disk_limit_mb": 0.0, "objects": 0}
     workers = [c.cache for c in (report.cluster.components if report.cluster else [])
                if c.cache and "error" not in c.cache]
@@ -622,5 +627,5 @@ def measure(current: str, target: str, request: BenchRequest, load: Load, out_di
             # the prompts' lengths as vLLM counted them, hashed: the same for every target of one run
             "input_lens_sha256": sorted(input_lens), "ttfts_ms": ttfts,
             "counters": {k: after[k] - before.get(k, 0) for k in after},
-            "ms_per_chunk": rates,  # prefix routing's measure of each instance at the end
+            "ms_per_chunk": rates,  # prefix routing's measure of each instance and of a load, at the end
             "data_system": use}  # at the end of the run; empty where no worker reported
