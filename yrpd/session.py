@@ -98,6 +98,15 @@ class Session:
         self._write_json("spec.json", data)
 
     @property
+    def bench_origin(self) -> dict | None:
+        """Where `yrpd bench run` deployed this session for one of its targets: {"target", "spec": the spec that run
+        varied, "deployed": the fingerprint of the target's spec}; None where it was deployed as the user asked."""
+        return self._read_json("bench-origin.json")
+
+    def write_bench_origin(self, origin: dict) -> None:
+        self._write_json("bench-origin.json", origin)
+
+    @property
     def plan_data(self) -> dict | None:
         return self._read_json("plan.json")
 

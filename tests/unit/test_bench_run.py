@@ -162,7 +162,7 @@ def test_a_target_that_fails_is_named_the_others_are_measured_and_the_original_c
     spec = build_spec({}, {"hosts": "localhost", "device_kind": "cpu", "model": "/m"})
     events = []
 
-    def deploy(want, name, progress=None):
+    def deploy(want, name, progress=None, origin=None):
         events.append(("deploy", name))
         if name == "single":
             raise RuntimeError("deploying the single target failed: vLLM refused the KV pool")
@@ -241,3 +241,40 @@ def test_bench_serve_gives_vllm_the_runs_hash_seed(tmp_path, monkeypatch):
     vllm = run.VllmDataset("timed_trace", ("--dataset-path", "/t.jsonl"))
     run.bench_serve(load(dataset=None, vllm_dataset=vllm).for_run(1), "http://p", "m", tmp_path, "pd-run2")
     assert seen["env"]["PYTHONHASHSEED"] == "4"
+
+
+def test_a_target_left_up_by_an_earlier_run_is_benched_as_the_variant_it_is(tmp_path, monkeypatch):
+    """`--no-restore` leaves the last target deployed: a later run on it varies the spec the earlier run varied, so
+    its `pd` target is prefix routing again, not the `pd-load` deployment it finds (the sweep of dd4d6ad measured
+    load routing against itself at 50 and 90 % that way)."""
+    from types import SimpleNamespace
+
+    from yrpd.session import Session
+    from yrpd.steps import spec_fingerprint
+
+    user = build_spec({}, {"hosts": "localhost", "device_kind": "cpu", "model": "/m", "routing": "prefix"})
+    pd_load = run.variant(user, "pd-load", DeviceKind.cpu, None, None, None)
+    assert pd_load.routing.value == "load"
+    session = Session(tmp_path / "s-pd-load")
+    session.path.mkdir()
+    done = SimpleNamespace(session=session)
+    monkeypatch.setattr(run.api, "deploy", lambda spec, **kw: done)
+    assert run.deploy(pd_load, "pd-load", origin=user) == "s-pd-load"
+    left = SimpleNamespace(session=session, spec=pd_load)
+    base, target = run.varied_spec(left)
+    assert target == "pd-load" and spec_fingerprint(base) == spec_fingerprint(user)
+    assert run.variant(base, "pd", DeviceKind.cpu, None, None, None).routing.value == "prefix"
+    # the controls: a session deployed as the user asked, and one whose spec changed since the bench left it
+    assert run.varied_spec(SimpleNamespace(session=Session(tmp_path / "other"), spec=pd_load)) == (pd_load, None)
+    changed = pd_load.model_copy(update={"routing_bound": 3})
+    assert run.varied_spec(SimpleNamespace(session=session, spec=changed)) == (changed, None)
+    # and the run deploys each target recording what it varied
+    seen = []
+    monkeypatch.setattr(run, "deploy", lambda want, name, progress=None, origin=None: seen.append((name, origin))
+                        or f"s-{name}")
+    monkeypatch.setattr(run, "down", lambda sid: None)
+    monkeypatch.setattr(run, "measure", lambda *a: {"metrics": {}})
+    run.run_targets(SimpleNamespace(id="s-pd-load"), pd_load, DeviceKind.cpu,
+                    run.BenchRequest(targets=("pd",), restore=False), load(), tmp_path, log=lambda *_: None,
+                    original=user)
+    assert [(name, spec_fingerprint(origin)) for name, origin in seen] == [("pd", spec_fingerprint(user))]

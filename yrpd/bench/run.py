@@ -48,7 +48,7 @@ from pathlib import Path
 from yrpd.bench.dataset import DatasetOptions, make
 from yrpd.errors import SpecError
 from yrpd.serving import STATS_INTERVAL_S, endpoint_url, model_path
-from yrpd.spec import ROLE_ENGINE_ARGS, DeploySpec, DeviceKind
+from yrpd.spec import ROLE_ENGINE_ARGS, DeploySpec, DeviceKind, stored_spec
 from yrpd import api
 from yrpd.bench.report import prefix_hit_rate, write_report
 from yrpd.provenance import git_state, record
@@ -177,12 +177,28 @@ def _pool_refusal(spec: DeploySpec, args: list[str], model_dir: Path, dtype: str
             -(-need // 2**20))
 
 
-def deploy(spec: DeploySpec, name: str, progress=None) -> str:
-    """Deploy `spec` as a new session; returns its id."""
+def deploy(spec: DeploySpec, name: str, progress=None, origin: DeploySpec | None = None) -> str:
+    """Deploy `spec` as a new session; returns its id. `origin`: the spec the target varied, recorded in the session
+    (`varied_spec`)."""
     try:
-        return api.deploy(spec, new_session=True, progress=progress).session.id
+        done = api.deploy(spec, new_session=True, progress=progress)
     except Exception as e:
         raise RuntimeError(f"deploying the {name} target failed: {e}") from e
+    if origin is not None:
+        done.session.write_bench_origin({"target": name, "spec": origin.model_dump(mode="json"),
+                                         "deployed": spec_fingerprint(spec)})
+    return done.session.id
+
+
+def varied_spec(deployment) -> tuple[DeploySpec, str | None]:
+    """The spec a bench run's targets vary, and the target whose deployment this is (None: the user's own). A
+    session an earlier run deployed for one of its targets and left up (`--no-restore`) is that target's variant:
+    the targets vary the spec that run varied, or `pd` on a `pd-load` deployment would keep load routing. Once the
+    session's spec has changed since (a `yrpd deploy` of another spec onto it), it is the user's again."""
+    origin = deployment.session.bench_origin
+    if origin is None or origin.get("deployed") != spec_fingerprint(deployment.spec):
+        return deployment.spec, None
+    return stored_spec(origin["spec"]), origin["target"]
 
 
 def down(session_id: str) -> None:
@@ -425,13 +441,17 @@ def bench(session_id: str | None, request: BenchRequest, log=print, progress=Non
     session = deployment.session
     if session.phase is not SessionPhase.deployed:
         raise SpecError("bench", f"session {session.id} is {session.phase}", "deploy first: yrpd deploy ...")
-    if not deployment.spec.disaggregated:
+    base, left_up = varied_spec(deployment)
+    if not base.disaggregated:
         raise SpecError("bench", f"session {session.id} is not a PD deployment", "bench a PD deployment")
+    if left_up:
+        log(f"bench: session {session.id} is the {left_up} target of an earlier bench run, left up: the targets vary "
+            f"the spec that run varied")
     kind = deployment.plan.hosts[0].kind
     specs = {}
     for target in request.targets:
         try:
-            specs[target] = variant(deployment.spec, target, kind, request.kv_cache_mb, request.datasystem_mb,
+            specs[target] = variant(base, target, kind, request.kv_cache_mb, request.datasystem_mb,
                                     request.datasystem_spill_mb)
         except SpecError as e:
             raise SpecError("--targets", f"{target} cannot run on session {session.id} ({e.field}: {e.problem})",
@@ -483,7 +503,8 @@ def bench(session_id: str | None, request: BenchRequest, log=print, progress=Non
                                 if request.dataset_file else
                                 "new prompts of the same workload in each run (seed + run - 1), the same for every "
                                 "target: no run finds the one before it in the caches")
-    results = run_targets(session, deployment.spec, kind, request, load, out_dir, log=log, progress=progress)
+    results = run_targets(session, deployment.spec, kind, request, load, out_dir, log=log, progress=progress,
+                          original=base)
     meta["kv_cache_mb_per_instance"] = request.kv_cache_mb
     meta["datasystem_mb"] = request.datasystem_mb or deployment.spec.datasystem_memory_mb
     meta["datasystem_spill_mb"] = (deployment.spec.datasystem_spill_mb if request.datasystem_spill_mb is None
@@ -540,11 +561,11 @@ def summarize(runs: list[dict]) -> tuple[dict, dict]:
 
 
 def run_targets(session, spec: DeploySpec, kind: DeviceKind, request: BenchRequest, load: Load, out_dir: Path,
-                log=print, progress=None) -> dict:
-    """Each target in turn, deployed as it needs; one that fails is recorded with its reason and torn down, and
-    the run goes on with the next."""
+                log=print, progress=None, original: DeploySpec | None = None) -> dict:
+    """Each target in turn (variants of `original`, by default `spec`: what `session` runs), deployed as it needs;
+    one that fails is recorded with its reason and torn down, and the run goes on with the next."""
     current: str | None = session.id  # deployed (checked by bench()); None while no target is up
-    original = spec
+    original = original or spec
     results: dict[str, dict] = {}
     try:
         for target in request.targets:
@@ -559,7 +580,7 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, request: BenchReque
                         current = None
                     log(f"bench: deploying the {target} target ({TARGETS[target]})")
                     spec = want
-                    current = deploy(want, target, progress)
+                    current = deploy(want, target, progress, origin=original)
                 results[target] = measure(current, target, request, load, out_dir, log)
             except Exception as e:  # noqa: BLE001 - the report names it; the other targets' figures still count
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
