@@ -320,6 +320,34 @@ def test_a_load_from_the_data_system_is_weighed_by_its_measured_time():
     assert (home.chunk_s, pool.load_chunk_s) == before
 
 
+def test_a_loads_time_is_the_busy_seconds_its_leg_brought_beyond_computing_not_its_wait_behind_a_queue():
+    pool = Pool(["http://a", "http://b"], [], Routing.prefix, bound=3)
+    a, b = pool.of("prefill")
+    a.up = b.up = True
+    a.chunk_s = b.chunk_s = 0.05
+    shared = "Context: " + "the quick brown fox jumps over the lazy dog. " * 30  # 21 chunks
+    first = pool.acquire("prefill", prompt=prompt(shared + "Q1"), now=0.0)
+    home, other = first.instance, (b if first.instance is a else a)
+    pool.release(first, now=0.05 * first.work)
+    pool.observe(first, 0, now=0.05 * first.work)
+    home.queued, home.in_flight = 1000.0, 5  # busy with other clients: the prefix is loaded elsewhere
+    cold = pool.acquire("prefill", prompt=prompt("Unrelated: " + "lorem ipsum dolor sit amet. " * 40), now=100.0)
+    half = 100.0 + 0.05 * cold.work / 2
+    moved = pool.acquire("prefill", prompt=prompt(shared + "Q2"), now=half)
+    assert cold.instance is moved.instance is other and moved.loadable == 21
+    assert moved.ahead == pytest.approx(cold.work)
+    cold_done = 100.0 + 0.05 * cold.work
+    pool.release(cold, now=cold_done)
+    pool.observe(cold, 0, now=cold_done)
+    # after the cold leg, the moved one computes its own chunks at 0.05 s and loads 21 at 0.01 s
+    moved_done = cold_done + 0.05 * moved.work + 21 * 0.01
+    pool.release(moved, now=moved_done)
+    pool.observe(moved, 3, now=moved_done)
+    assert pool.load_chunk_s == pytest.approx(0.01)
+    # the control: its time from routing less the whole queue ahead and its own chunks, what was measured before
+    assert (moved_done - half) - 0.05 * (moved.ahead + moved.work) < 0
+
+
 def test_the_proxy_learns_from_prefill_answers_how_often_the_data_system_had_a_prefix(caplog):
     caplog.set_level("INFO", logger="yrpd.proxy")
 

@@ -113,9 +113,11 @@ class Pool:
         self.stored = PrefixMemory()
         #: how often a prefill leg that could load such chunks found them in the data system lately (0..1)
         self.loadable_found = LOADABLE_PRIOR
-        #: seconds a prefill leg took per chunk it loaded from the data system, beyond its computing: measured (a
-        #: moving average), None until a leg that loaded taught it
+        #: seconds a prefill leg took per chunk it loaded from the data system, beyond its computing: measured (the
+        #: moving averages of those seconds and of the chunks loaded, the one over the other), None until a leg
+        #: that loaded taught it
         self.load_chunk_s: float | None = None
+        self._loads: tuple[float, float] | None = None  # (seconds, chunks), the averages above
 
     def load_weight(self) -> float:
         """What a chunk another prefill instance finished costs here: a load where the data system still holds it
@@ -197,10 +199,14 @@ class Pool:
         computed = prompt.work(matched + loaded)
         if loaded:
             if inst.chunk_s is not None and loaded >= LEARN_CHUNKS:
-                # what the leg took beyond computing its own chunks and waiting for those ahead, per chunk loaded
-                elapsed = now - lease.started
-                self.load_chunk_s = _average(self.load_chunk_s,
-                                             max(0.0, elapsed - inst.chunk_s * (lease.ahead + computed)) / loaded)
+                # the busy seconds the leg brought beyond computing its own chunks at the instance's rate, per chunk
+                # loaded. (Its time from routing less the chunks queued ahead of it, what this took before, counted
+                # the queue whole though partly done: once the rate was measured right that came out below 0, and
+                # loads were taken for free.) A sample may be below 0 where legs overlapped; the averages are not.
+                extra = spent - inst.chunk_s * computed
+                seconds, chunks = self._loads or (extra, loaded)
+                self._loads = (_average(seconds, extra), _average(chunks, loaded))
+                self.load_chunk_s = max(0.0, self._loads[0] / self._loads[1])
             ratio = (self.load_chunk_s / inst.chunk_s if self.load_chunk_s is not None and inst.chunk_s
                      else LOAD_WEIGHT / WORK_WEIGHT)
             computed += loaded * ratio
