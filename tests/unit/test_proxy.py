@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.proxy_fakes import KV, running, until  # noqa: E402
-from yrpd.proxy.pool import Pool  # noqa: E402
+from yrpd.proxy.pool import Instance, Pool  # noqa: E402
 from yrpd.proxy.routing import CHUNK_CHARS, Prompt, Routing, chain, prompt_text  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -288,19 +288,28 @@ def test_an_instances_time_per_chunk_is_reckoned_on_what_its_connector_says_it_c
     assert chunk_s == pytest.approx(2.0 / p.chunks)
 
 
-def test_a_load_from_the_data_system_is_weighed_by_its_measured_time():
+#: a prompt prefix of 21 chunks
+SHARED = "Context: " + "the quick brown fox jumps over the lazy dog. " * 30
+
+
+def a_prefix_stored_at_home() -> tuple[Pool, Instance, Instance]:
+    """Two prefill instances of 0.05 s a chunk; a leg of SHARED + "Q1" went to one (home) and ended at t=0.05 x its
+    chunks, so the data system holds the prefix. Returns (pool, home, the other)."""
     pool = Pool(["http://a", "http://b"], [], Routing.prefix, bound=3)
     a, b = pool.of("prefill")
     a.up = b.up = True
     a.chunk_s = b.chunk_s = 0.05
-    shared = "Context: " + "the quick brown fox jumps over the lazy dog. " * 30  # 21 chunks
-    first = pool.acquire("prefill", prompt=prompt(shared + "Q1"))
-    home, other = first.instance, (b if first.instance is a else a)
-    pool.release(first, now=first.started + 0.05 * first.work)
-    pool.observe(first, 0, now=first.started + 0.05 * first.work)
+    first = pool.acquire("prefill", prompt=prompt(SHARED + "Q1"), now=0.0)
+    pool.release(first, now=0.05 * first.work)
+    pool.observe(first, 0, now=0.05 * first.work)
+    return pool, first.instance, (b if first.instance is a else a)
+
+
+def test_a_load_from_the_data_system_is_weighed_by_its_measured_time():
+    pool, home, other = a_prefix_stored_at_home()
     home.queued, home.in_flight = 15.0, 1
     # a leg that loaded the prefix: what it took beyond computing the rest, per chunk loaded, is the load's time
-    moved = pool.acquire("prefill", prompt=prompt(shared + "Q2"))
+    moved = pool.acquire("prefill", prompt=prompt(SHARED + "Q2"))
     assert moved.instance is other and moved.loadable == 21
     pool.release(moved, now=moved.started + 0.05 * moved.work + 21 * 0.2)
     pool.observe(moved, 3, now=moved.started + 0.05 * moved.work + 21 * 0.2)
@@ -309,9 +318,9 @@ def test_a_load_from_the_data_system_is_weighed_by_its_measured_time():
     assert other.chunk_s == pytest.approx(0.05)
     other.memory.forget()  # (as if its own cache had lost the prefix since)
     # loads measured slower than computing (a data system on disk): waiting at home is sooner than loading
-    assert pool.select("prefill", prompt=prompt(shared + "Q3")) is home
+    assert pool.select("prefill", prompt=prompt(SHARED + "Q3")) is home
     pool.load_chunk_s = 0.005  # the control: measured fast, the idle instance loads it
-    assert pool.select("prefill", prompt=prompt(shared + "Q3")) is other
+    assert pool.select("prefill", prompt=prompt(SHARED + "Q3")) is other
     # a load nobody expected, of blocks whose size nobody told, teaches neither time
     before = (home.chunk_s, pool.load_chunk_s)
     cold = pool.acquire("prefill", prompt=prompt("Never seen before. " * 40))
@@ -321,19 +330,11 @@ def test_a_load_from_the_data_system_is_weighed_by_its_measured_time():
 
 
 def test_a_loads_time_is_the_busy_seconds_its_leg_brought_beyond_computing_not_its_wait_behind_a_queue():
-    pool = Pool(["http://a", "http://b"], [], Routing.prefix, bound=3)
-    a, b = pool.of("prefill")
-    a.up = b.up = True
-    a.chunk_s = b.chunk_s = 0.05
-    shared = "Context: " + "the quick brown fox jumps over the lazy dog. " * 30  # 21 chunks
-    first = pool.acquire("prefill", prompt=prompt(shared + "Q1"), now=0.0)
-    home, other = first.instance, (b if first.instance is a else a)
-    pool.release(first, now=0.05 * first.work)
-    pool.observe(first, 0, now=0.05 * first.work)
+    pool, home, other = a_prefix_stored_at_home()
     home.queued, home.in_flight = 1000.0, 5  # busy with other clients: the prefix is loaded elsewhere
     cold = pool.acquire("prefill", prompt=prompt("Unrelated: " + "lorem ipsum dolor sit amet. " * 40), now=100.0)
     half = 100.0 + 0.05 * cold.work / 2
-    moved = pool.acquire("prefill", prompt=prompt(shared + "Q2"), now=half)
+    moved = pool.acquire("prefill", prompt=prompt(SHARED + "Q2"), now=half)
     assert cold.instance is moved.instance is other and moved.loadable == 21
     assert moved.ahead == pytest.approx(cold.work)
     cold_done = 100.0 + 0.05 * cold.work
