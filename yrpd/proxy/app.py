@@ -201,10 +201,11 @@ def _connector_says(kv: object) -> dict:
     return info if isinstance(info, dict) else {}
 
 
-def _loaded_blocks(info: dict) -> int | None:
-    """Blocks prefill's connector loaded from the data system for this request; None where it does not say."""
-    loaded = info.get("loaded")
-    return loaded if isinstance(loaded, int) and not isinstance(loaded, bool) else None
+def _said_count(info: dict, key: str) -> int | None:
+    """A count the connector said (`loaded`: blocks it took from the data system, `cached`: prompt tokens in the
+    instance's own prefix cache, `block_size`); None where it did not say one."""
+    value = info.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -605,11 +606,11 @@ class Proxy:
         lease = request[_CALL].prefill_lease
         if lease is not None:
             info = _connector_says(kv)
-            cached = info.get("cached")
-            self.pool.observe(lease, _loaded_blocks(info), cached_tokens=cached)
-            if check := self.pool.checked(lease, cached, info.get("block_size")):
+            cached = _said_count(info, "cached")
+            self.pool.observe(lease, _said_count(info, "loaded"), cached_tokens=cached)
+            if check := self.pool.checked(lease, cached, _said_count(info, "block_size")):
                 request[_CALL].note["index"] = "%d/%d" % check  # the log line's: blocks claimed / found
-            if lease.prompt is not None and lease.chunk_s is not None:
+            if lease.chunk_s is not None:
                 # the log line's: why it went there (the chunks queued ahead of it, the time per chunk it was
                 # reckoned with)
                 request[_CALL].note["ahead"] = round(lease.ahead, 1)

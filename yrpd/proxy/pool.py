@@ -168,8 +168,7 @@ class Pool:
         (Instance.index_checked). Returns (blocks claimed, blocks found), None where either side did not say. The
         two moments differ (legs ahead of it store and evict meanwhile), so a few blocks off is the queue; a
         growing share is an index that has drifted from the cache."""
-        if lease.held_blocks is None or not isinstance(cached_tokens, int) or not isinstance(block_size, int) \
-                or block_size < 1:
+        if lease.held_blocks is None or cached_tokens is None or block_size is None or block_size < 1:
             return None
         claimed, found = lease.held_blocks, cached_tokens // block_size
         counts = lease.instance.index_checked
@@ -180,11 +179,9 @@ class Pool:
 
     def _time(self, lease: Lease, loaded_blocks: int, now: float, cached_tokens: int | None) -> None:
         # An instance's time per chunk is the seconds it was busy (a leg in flight) over the chunks computed in
-        # them, each leg that ends bringing the busy seconds since the last one ended. Timing each leg from routed
-        # to answered over the chunks queued ahead of it and its own (what this did before) counted legs ahead at
-        # their whole size though partly done: a busy instance looked fast, got more legs and looked faster still
-        # (the bb2d9c4 trace: one of two equal prefill instances took 141 of 228 legs). Chunks loaded from the
-        # data system count at what a load costs against a computation.
+        # them, each leg that ends bringing the busy seconds since the last one ended: a leg's own time from
+        # routing would count the legs ahead of it whole though partly done, and a busy instance would look fast.
+        # Chunks loaded from the data system count at what a load costs against a computation.
         inst, prompt = lease.instance, lease.prompt
         busy = inst.busy(now)
         spent, inst.busy_timed = busy - inst.busy_timed, busy
@@ -194,15 +191,14 @@ class Pool:
         # what the instance computed: the prompt less what its cache had (as its connector says, where the prompt's
         # tokens are known: the index's claim or the estimate may be off) and what it loaded
         matched = lease.matched
-        if isinstance(cached_tokens, int) and not isinstance(cached_tokens, bool) and prompt.tokens:
+        if cached_tokens is not None and prompt.tokens:
             matched = min(cached_tokens, len(prompt.tokens)) * prompt.chunks / len(prompt.tokens)
         computed = prompt.work(matched + loaded)
         if loaded:
             if inst.chunk_s is not None and loaded >= LEARN_CHUNKS:
                 # the busy seconds the leg brought beyond computing its own chunks at the instance's rate, per chunk
-                # loaded. (Its time from routing less the chunks queued ahead of it, what this took before, counted
-                # the queue whole though partly done: once the rate was measured right that came out below 0, and
-                # loads were taken for free.) A sample may be below 0 where legs overlapped; the averages are not.
+                # loaded (not its time from routing: the same whole-queue fault). A sample may be below 0 where legs
+                # overlapped, so the averages are clamped, not each sample.
                 extra = spent - inst.chunk_s * computed
                 seconds, chunks = self._loads or (extra, loaded)
                 self._loads = (_average(seconds, extra), _average(chunks, loaded))
