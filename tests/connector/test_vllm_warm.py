@@ -1,0 +1,53 @@
+"""yrpd.demo.vllm_warm against the real vLLM: what it caches is what an instance's start reads instead of inspecting
+the model class in a subprocess of its own (the built-in model's builder runs it beside its conversion)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.connector.harness import REPO
+
+pytestmark = pytest.mark.e2e
+
+# an instance resolves its model exactly so (vllm serve builds this config first); vLLM's debug log says where the
+# model class's info came from
+RESOLVE = "import sys; from vllm.config import ModelConfig; print(ModelConfig(model=sys.argv[1]).architecture)"
+
+
+def run(python, args, env):
+    return subprocess.run([str(python), *args], capture_output=True, text=True, timeout=600, env=env, cwd=str(REPO),
+                          stdin=subprocess.DEVNULL)
+
+
+def test_a_warmed_cache_is_what_the_instance_start_reads(vllm_venv, tiny_model, tmp_path):
+    arch = json.loads((tiny_model / "config.json").read_text())["architectures"][0]
+    cache = tmp_path / "vllm-cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env.update({"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(cache)})
+    python = vllm_venv / "bin/python"
+
+    # an architecture vLLM lacks: one line naming it, exit 1, nothing cached
+    bad = run(python, ["-m", "yrpd.demo.vllm_warm", "NoSuchModelForCausalLM"], env)
+    assert bad.returncode == 1 and "vLLM has no model class for NoSuchModelForCausalLM" in bad.stderr
+    assert not list(cache.glob("modelinfos/*.json"))
+
+    warmed = run(python, ["-m", "yrpd.demo.vllm_warm", arch], env)
+    assert warmed.returncode == 0, warmed.stderr[-2000:]
+    assert f"vLLM's model info for {arch} cached in {cache}" in warmed.stdout
+    assert [p.name for p in cache.glob("modelinfos/*.json")] == [f"vllm-model_executor-models-"
+                                                                f"{_module(arch)}-{arch}.json"]
+
+    started = run(python, ["-c", RESOLVE, str(tiny_model)], {**env, "VLLM_LOGGING_LEVEL": "DEBUG"})
+    assert started.returncode == 0 and started.stdout.strip().endswith(arch), started.stderr[-2000:]
+    log = started.stdout + started.stderr
+    assert f"Loaded model info for class vllm.model_executor.models.{_module(arch)}.{arch} from cache" in log
+    assert "miss. Loading model instead" not in log
+
+
+def _module(arch: str) -> str:
+    """The vLLM module of the tiny model's class (Qwen2ForCausalLM lives in qwen2.py, LlamaForCausalLM in llama.py)."""
+    return arch.removesuffix("ForCausalLM").lower()
