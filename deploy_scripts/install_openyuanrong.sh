@@ -100,6 +100,7 @@ ensure_venv() {
         pyi_phase "venv $venv" "$PYTHON" -m venv "$venv"
     fi
     pyi_phase "$dist==$version into $venv${have:+ (had $have)}" pyi_install "$venv" "$dist==$version"
+    pyi_phase "bytecode of $venv" pyi_compile "$venv"
     have="$(installed_version "$venv" "$dist")"
     if [[ "$have" != "$version" ]]; then
         echo "$dist in $venv is '${have:-missing}' after install, wanted $version" >&2

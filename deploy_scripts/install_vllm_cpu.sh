@@ -165,6 +165,7 @@ if [[ ${#to_remove[@]} -gt 0 ]]; then
 fi
 
 write_metadata_shim
+pyi_phase "bytecode of $VENV" pyi_compile "$VENV"
 
 have_torch="$(dist_version torch)"
 [[ "$have_torch" == "$TORCH_VERSION"* ]] || { echo "torch is '$have_torch' after install, wanted $TORCH_VERSION" >&2; exit 1; }

@@ -6,6 +6,7 @@
 #                            its packages from that directory alone (no index)
 #   pyi_install VENV ARG...  pip-style install arguments into VENV
 #   pyi_uninstall VENV DIST...
+#   pyi_compile VENV         the bytecode of VENV's packages, where uv installed them
 #   pyi_phase LABEL CMD...   CMD's output into a log, one line with its time (the log's tail where it fails)
 #
 # uv reads no pip configuration: the index, extra indexes, find-links and constraints pip is configured with
@@ -102,6 +103,18 @@ pyi_uninstall() {
     else
         "$venv/bin/python" -m pip uninstall -y "$@"
     fi
+}
+
+# pip writes the bytecode of what it installs, uv does not; and where PYTHONDONTWRITEBYTECODE is set (this kind of
+# machine, many container images) no import writes it either, so every process compiled what it imported from source,
+# every time: `import vllm.v1.engine.core` took 22-24 s on a 2-core EPYC against 11.6 s with the bytecode there, and
+# each vLLM instance imports it in three processes. Written once here, on every core.
+pyi_compile() {
+    [[ -n "$PYI_UV" ]] || return 0
+    local site
+    site="$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    # (some packages ship files that are not Python 3, templates and the like, which fail here: theirs to keep)
+    "$1/bin/python" -m compileall -qq -j 0 "$site" || true
 }
 
 pyi_phase() {

@@ -51,5 +51,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     pyi_init "${ENV_ROOT:-/opt/yrpd/venvs}"  # (uv's own venv beside the hosts' venvs: one for both)
     [ -x .venv/bin/python ] || pyi_phase "venv .venv" python3 -m venv .venv
     pyi_phase "yrpd and its [$EXTRAS] packages into .venv" pyi_install .venv -e ".[$EXTRAS]"
+    pyi_phase "bytecode of .venv" pyi_compile .venv
     echo "$want" > "$stamp"
 fi
