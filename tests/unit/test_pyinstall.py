@@ -64,3 +64,23 @@ def test_the_scripts_defaults_are_the_versions_yrpd_pins():
             seen.add(var)
     assert seen == set(pins)
 
+
+
+def test_bytecode_is_written_where_uv_installed_and_the_venv_marked(tmp_path):
+    from yrpd.steps.vllm_env import BYTECODE_MARK
+
+    def compiled(installer_uv: str, name: str) -> tuple[bool, bool]:
+        venv = tmp_path / name
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        site = subprocess.run([str(venv / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        (tmp_path / site / "m.py").write_text("X = 1\n")
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        subprocess.run(["bash", "-c", f'. "{LIB}"; PYI_UV="{installer_uv}"; pyi_compile "{venv}"'], env=env, check=True,
+                       stdin=subprocess.DEVNULL)
+        return any((tmp_path / site / "__pycache__").glob("m.*.pyc")), (venv / BYTECODE_MARK).is_file()
+
+    # uv wrote none: pyi_compile does, though no import would (PYTHONDONTWRITEBYTECODE)
+    assert compiled("/opt/uv/bin/uv", "uv-venv") == (True, True)
+    # pip wrote it while installing: nothing to compile, the venv marked all the same
+    assert compiled("", "pip-venv") == (False, True)

