@@ -15,9 +15,17 @@ from tests.connector.harness import REPO
 
 pytestmark = pytest.mark.e2e
 
-# an instance resolves its model exactly so (vllm serve builds this config first); vLLM's debug log says where the
-# model class's info came from
-RESOLVE = "import sys; from vllm.config import ModelConfig; print(ModelConfig(model=sys.argv[1]).architecture)"
+# an instance resolves its model exactly so (vllm serve builds this config first), here with vLLM's inspection in a
+# subprocess of its own made to fail: it resolves only where the answer was cached
+RESOLVE = """
+import sys
+import vllm.model_executor.models.registry as registry
+def refuse(*args, **kwargs):
+    raise SystemExit("inspected in a subprocess")
+registry._run_in_subprocess = refuse
+from vllm.config import ModelConfig
+print(ModelConfig(model=sys.argv[1]).architecture)
+"""
 
 
 def run(python, args, env):
@@ -42,8 +50,8 @@ def test_a_warmed_cache_is_what_the_instance_start_reads(vllm_venv, tiny_model, 
     said = re.search(rf"vLLM's model info for {arch} cached: (\S+)$", warmed.stdout.strip())
     assert said and Path(said[1]).parent == cache / "modelinfos" and Path(said[1]).is_file()
 
-    started = run(python, ["-c", RESOLVE, str(tiny_model)], {**env, "VLLM_LOGGING_LEVEL": "DEBUG"})
+    started = run(python, ["-c", RESOLVE, str(tiny_model)], env)
     assert started.returncode == 0 and started.stdout.strip().endswith(arch), started.stderr[-2000:]
-    log = started.stdout + started.stderr
-    assert re.search(rf"Loaded model info for class \S+\.{arch} from cache", log), log[-2000:]
-    assert "miss. Loading model instead" not in log
+    # the control: the same start against a cache nobody warmed inspects the class
+    cold = run(python, ["-c", RESOLVE, str(tiny_model)], {**env, "VLLM_CACHE_ROOT": str(tmp_path / "cold")})
+    assert cold.returncode != 0 and "inspected in a subprocess" in cold.stderr
