@@ -3,11 +3,20 @@ routing choice with 2 prefill instances, one run each (benchmark, not a test; is
 share of prompt tokens seen before instead (0, 50 and 90 %).
 
     .venv/bin/python benchmarks/trace_replay.py [--trace FILE] [--requests N] [--conversations SHARE]
-                                                [--time-scale F] [--datasystem-mb MB] [--decode-kv-mb MB]
+                                                [--load SHARE | --time-scale F]
+                                                [--datasystem-mb MB] [--decode-kv-mb MB]
                                                 [--targets LIST]
                                                 [--sweep [--shares 0,50,90]] [--out-dir DIR]
                                                 [--keep-logs DIR]
                                                 [-- extra `yrpd bench run` options]
+
+The trace's time is scaled to this machine unless --time-scale is given: once deployed, a probe (`yrpd bench run
+--targets pd` of PROBE_PROMPTS random prompts of the trace's mean input length, PROBE_CONCURRENCY at once, none seen
+before) measures the input tokens a second the deployment computes; the trace is then written again with arrivals
+spaced so its input tokens come at --load (LOAD) of that, and replayed. The probe's report and calibration.json (the
+capacity, the load, the time scale) land in --out-dir beside the others. A trace scaled for a faster machine
+overloads a slower one, and an overloaded replay measures queues, not routing (docs/bench: the 8d91b96 run on an
+EPYC, every routing's mean TTFT 49-63 s).
 
 Fake hosts (root needed): h1 holds both prefill instances (cores 0 and 1) and the proxy, so the proxy follows both
 instances' KV-cache events on unix sockets; h2 holds the decode instance (core 0: the lab's hosts share this
@@ -60,6 +69,11 @@ SWEEP_TARGETS = "pd,pd-load"
 #: events are for.
 DECODE_KV_MB = 2048
 SWEEP_PROMPTS = 48
+#: the probe that measures the deployment's capacity, and the share of it the scaled trace asks for on average: the
+#: trace's arrivals come in bursts, so the busy spells run hotter than this
+PROBE_PROMPTS = 24
+PROBE_CONCURRENCY = 4
+LOAD = 0.6
 #: share of prompt tokens seen before -> (prefix tokens, suffix tokens, prefixes) of vLLM's prefix_repetition
 SWEEP = {0: (512, 512, SWEEP_PROMPTS), 50: (535, 489, 2), 90: (962, 62, 2)}
 
@@ -68,9 +82,12 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trace", type=Path, default=TRACE, help="a Mooncake-format trace [%(default)s]")
     parser.add_argument("--requests", type=int, default=1000, help="the trace's requests looked at [%(default)s]")
-    parser.add_argument("--conversations", type=float, default=0.02,
+    parser.add_argument("--conversations", type=float, default=0.01,
                         help="share of whole conversations kept [%(default)s]")
-    parser.add_argument("--time-scale", type=float, default=0.05, help="arrival times x this [%(default)s]")
+    parser.add_argument("--time-scale", type=float,
+                        help="arrival times x this, instead of scaling them to the capacity the probe measures")
+    parser.add_argument("--load", type=float, default=LOAD,
+                        help="the share of the measured capacity the trace's input tokens arrive at [%(default)s]")
     parser.add_argument("--datasystem-mb", type=int, default=1024, help="data system memory per host [%(default)s]")
     parser.add_argument("--decode-kv-mb", type=int, default=DECODE_KV_MB,
                         help="the decode instance's own KV pool, MB (prefill's stay yrpd's CPU default) [%(default)s]")
@@ -105,14 +122,42 @@ def run(args: argparse.Namespace, work: Path) -> int:
     if args.sweep:
         return sweep(args, work, hosts, yrpd)
     trace = args.out_dir / "trace.jsonl"
-    if yrpd("bench", "trace", "--trace", str(args.trace), "--out", str(trace), "--requests", str(args.requests),
-            "--conversations", str(args.conversations), "--time-scale", str(args.time_scale)):
-        return 1
-    meta = json.loads(Path(f"{trace}.meta.json").read_text())
-    replay = ["--targets", args.targets or TARGETS, "--vllm-dataset", "timed_trace",
-              "--num-prompts", str(meta["written"]), "--max-concurrency", "64",
-              "--vllm-dataset-args", " ".join(["--dataset-path", str(trace.resolve()), *meta["bench_args"]])]
-    code = in_lab(args, work, hosts, yrpd, [replay])
+
+    def write_trace(*timing: str) -> dict | None:
+        if yrpd("bench", "trace", "--trace", str(args.trace), "--out", str(trace), "--requests", str(args.requests),
+                "--conversations", str(args.conversations), *timing):
+            return None
+        return json.loads(Path(f"{trace}.meta.json").read_text())
+
+    def replay(meta: dict) -> list[str]:
+        return ["--targets", args.targets or TARGETS, "--vllm-dataset", "timed_trace",
+                "--num-prompts", str(meta["written"]), "--max-concurrency", "64",
+                "--vllm-dataset-args", " ".join(["--dataset-path", str(trace.resolve()), *meta["bench_args"]])]
+
+    if args.time_scale is not None:
+        meta = write_trace("--time-scale", str(args.time_scale))
+        if meta is None:
+            return 1
+        code = in_lab(args, work, hosts, yrpd, [replay(meta)])
+    else:
+        meta = write_trace()  # unscaled in time: its mean input length sizes the probe's prompts
+        if meta is None:
+            return 1
+
+        def calibrated() -> list[list[str]] | None:
+            capacity = probe(args, work, yrpd, meta)
+            if capacity is None:
+                return None
+            scaled = write_trace("--load", str(args.load), "--capacity", f"{capacity['tokens_per_s']:.3f}")
+            if scaled is None:
+                return None
+            capacity.update(load=args.load, time_scale=scaled["time_scale"], span_s=scaled["span_s"])
+            (args.out_dir / "calibration.json").write_text(json.dumps(capacity, indent=2) + "\n")
+            print(f"calibrated: {capacity['tokens_per_s']:.1f} input tokens/s measured; at load {args.load} the "
+                  f"trace's time x{scaled['time_scale']:.4g}, {scaled['written']} requests over {scaled['span_s']} s")
+            return [replay(scaled)]
+
+        code = in_lab(args, work, hosts, yrpd, calibrated)
     for run_dir in args.out_dir.iterdir():
         if (run_dir / "results.json").is_file():
             (run_dir / "breakdown.md").write_text(breakdown(trace, run_dir))
@@ -189,8 +234,35 @@ def sweep(args: argparse.Namespace, work: Path, hosts: list[str], yrpd) -> int:
     return in_lab(args, work, hosts, yrpd, runs)
 
 
-def in_lab(args: argparse.Namespace, work: Path, hosts: list[str], yrpd, runs: list[list[str]]) -> int:
-    """Deploy on the lab's fake hosts, then one `yrpd bench run` per entry of `runs`; the reports into --out-dir."""
+def probe(args: argparse.Namespace, work: Path, yrpd, meta: dict) -> dict | None:
+    """The deployment's capacity in input tokens a second: a `yrpd bench run --targets pd` of random prompts of the
+    trace's mean input and output lengths, PROBE_CONCURRENCY in flight (none seen before: no reuse counted)."""
+    mean_in = max(1, round(meta["input_tokens"]["total"] / meta["written"]))
+    mean_out = max(1, round(meta["output_tokens_total"] / meta["written"]))
+    before = set((work / "home" / "sessions").glob("*/bench/*/results.json"))
+    if yrpd("bench", "run", "--targets", "pd", "--vllm-dataset", "random", "--num-prompts", str(PROBE_PROMPTS),
+            "--max-concurrency", str(PROBE_CONCURRENCY), "--vllm-dataset-args",
+            f"--random-input-len {mean_in} --random-output-len {mean_out}",
+            "--datasystem-mb", str(args.datasystem_mb), "--no-restore"):
+        return None
+    new = sorted(set((work / "home" / "sessions").glob("*/bench/*/results.json")) - before)
+    if len(new) != 1:
+        print(f"trace_replay.py: the probe left {len(new)} reports, not one", file=sys.stderr)
+        return None
+    metrics = json.loads(new[0].read_text())["targets"]["pd"]["metrics"]
+    if metrics.get("failed") or not metrics.get("duration"):
+        print(f"trace_replay.py: the probe failed ({metrics.get('failed')} requests failed)", file=sys.stderr)
+        return None
+    return {"tokens_per_s": metrics["total_input_tokens"] / metrics["duration"], "probe_report": new[0].parent.name,
+            "probe": {"prompts": PROBE_PROMPTS, "concurrency": PROBE_CONCURRENCY, "input_len": mean_in,
+                      "output_len": mean_out, "duration_s": round(metrics["duration"], 2),
+                      "total_input_tokens": metrics["total_input_tokens"],
+                      "mean_ttft_ms": round(metrics["mean_ttft_ms"], 1)}}
+
+
+def in_lab(args: argparse.Namespace, work: Path, hosts: list[str], yrpd, runs) -> int:
+    """Deploy on the lab's fake hosts, then one `yrpd bench run` per entry of `runs` (or of what `runs()` returns
+    once deployed; None: it failed); the reports into --out-dir."""
     with FakeHostLab(len(hosts), work / "lab") as lab:
         ssh = lab.cli_ssh_args
         config = work / "yrpd.yaml"
@@ -203,6 +275,10 @@ def in_lab(args: argparse.Namespace, work: Path, hosts: list[str], yrpd, runs: l
         try:
             if yrpd("deploy", *layout, *ssh):
                 return 1
+            if callable(runs):
+                runs = runs()
+                if runs is None:
+                    return 1
             codes = [yrpd("bench", "run", *run, "--datasystem-mb", str(args.datasystem_mb), "--no-restore",
                           *args.extra) for run in runs]
             return max(codes)

@@ -68,3 +68,27 @@ def test_a_file_that_is_not_a_trace_is_named_with_its_line(tmp_path):
     with pytest.raises(SpecError) as err:
         scale_trace(bad, tmp_path / "out.jsonl", TraceScale(conversations=0))
     assert "--conversations" in str(err.value)
+
+
+def test_a_load_on_a_measured_capacity_sets_the_time_scale_and_says_so(tmp_path):
+    src = write(tmp_path)
+    out = tmp_path / "loaded.jsonl"
+    # scaled inputs 47 + 22 + 66 + 125 = 260 tokens over the window's 61 s: at 0.5 of 10 tokens a second they take 52 s
+    meta = scale_trace(src, out, TraceScale(load=0.5, capacity=10.0))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[-1]["timestamp"] == pytest.approx(52000, abs=1)
+    assert meta["time_scale"] == pytest.approx(52 / 61, abs=1e-5) and meta["load"] == 0.5 and meta["capacity"] == 10.0
+    # twice the capacity: arrivals twice as dense (the control beside it)
+    meta2 = scale_trace(src, tmp_path / "twice.jsonl", TraceScale(load=0.5, capacity=20.0))
+    assert meta2["time_scale"] == pytest.approx(meta["time_scale"] / 2, rel=1e-4)
+    # without a load the given scale stays
+    assert scale_trace(src, tmp_path / "plain.jsonl", TraceScale(time_scale=0.5))["time_scale"] == 0.5
+
+
+@pytest.mark.parametrize("scale, field", [(TraceScale(load=0.5), "--load"), (TraceScale(capacity=9.0), "--capacity"),
+                                          (TraceScale(load=0.5, capacity=9.0, time_scale=2.0), "--time-scale"),
+                                          (TraceScale(load=0.0, capacity=9.0), "--load")])
+def test_a_load_needs_a_capacity_and_no_time_scale_beside_it(tmp_path, scale, field):
+    with pytest.raises(SpecError) as err:
+        scale_trace(write(tmp_path), tmp_path / "out.jsonl", scale)
+    assert err.value.field == field

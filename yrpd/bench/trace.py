@@ -6,10 +6,12 @@ timestamp.
 The factors, each written into the scaled file's sidecar (`<out>.meta.json`) and the bench report: a window of the
 trace (`start` request, `requests` of them), `tokens_per_id` tokens in place of each 512-token block (input lengths
 scale with it, so the last, partial block stays partial), output lengths times `output_scale` (at least 1, at most
-`max_output`), and time stretched by `time_scale` (2: arrivals half as often); optionally a share of the
-conversations (`conversations`, chosen by a hash of their id and `seed`) with every turn of each, which keeps the
-trace's reuse in a replay of minutes (its turns come minutes apart: a window of consecutive requests sees little). Shared leading ids stay shared
-prefixes: that, and the arrival pattern, is what the trace brings.
+`max_output`), and time stretched by `time_scale` (2: arrivals half as often), or in its place by whatever makes the
+window's input tokens arrive at `load` times the machine's `capacity` (input tokens a second, measured on the
+deployment: a trace scaled for one machine overloads a slower one, where every routing only queues); optionally a
+share of the conversations (`conversations`, chosen by a hash of their id and `seed`) with every turn of each, which
+keeps the trace's reuse in a replay of minutes (its turns come minutes apart: a window of consecutive requests sees
+little). Shared leading ids stay shared prefixes: that, and the arrival pattern, is what the trace brings.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class TraceScale:
     #: minutes apart), all their turns, instead of every request: a short replay with the trace's reuse (1.0: all)
     conversations: float = 1.0
     seed: int = 0
+    #: in place of time_scale: the share of `capacity` (input tokens a second the deployment computes) the window's
+    #: input tokens arrive at, on average over its span
+    load: float | None = None
+    capacity: float | None = None
 
     def check(self) -> None:
         for name, ok, fix in (("--start", self.start >= 0, "0 or more"), ("--requests", self.requests >= 1, "1 or more"),
@@ -45,9 +51,28 @@ class TraceScale:
                               ("--output-scale", self.output_scale > 0, "above 0"),
                               ("--max-output", self.max_output >= 1, "1 or more"),
                               ("--time-scale", self.time_scale > 0, "above 0"),
-                              ("--conversations", 0 < self.conversations <= 1, "a share above 0, at most 1")):
+                              ("--conversations", 0 < self.conversations <= 1, "a share above 0, at most 1"),
+                              ("--load", self.load is None or self.load > 0, "a share of capacity above 0"),
+                              ("--capacity", self.capacity is None or self.capacity > 0,
+                               "input tokens a second above 0")):
             if not ok:
                 raise SpecError(name, "out of range", f"give {fix}")
+        if (self.load is None) != (self.capacity is None):
+            given, missing = ("--load", "--capacity") if self.capacity is None else ("--capacity", "--load")
+            raise SpecError(given, f"given without {missing}", "give both, or --time-scale alone")
+        if self.load is not None and self.time_scale != 1.0:
+            raise SpecError("--time-scale", "given with --load", "give one: --time-scale, or --load with --capacity")
+
+
+def time_scale_for(scale: TraceScale, span_ms: float, input_tokens: int) -> float:
+    """The factor on arrival times that makes `input_tokens` over `span_ms` (the window, scaled lengths) arrive at
+    scale.load x scale.capacity tokens a second; scale.time_scale where no load is asked."""
+    if scale.load is None or scale.capacity is None:
+        return scale.time_scale
+    if span_ms <= 0:
+        raise SpecError("--load", "the window's requests all arrive at once",
+                        "give a larger --requests, or --time-scale")
+    return input_tokens / (scale.load * scale.capacity) / (span_ms / 1000)
 
 
 def _sampled(ids: list, scale: TraceScale) -> bool:
@@ -82,10 +107,11 @@ def scale_trace(source: Path, out: Path, scale: TraceScale) -> dict:
         raise SpecError("--start", f"{source} has no request from number {scale.start} on{sample}",
                         "give a smaller --start" + (" or a larger --conversations" if sample else ""))
     t0 = rows[0][0]
-    scaled = [{"timestamp": round((ts - t0) * scale.time_scale, 3),
-               "input_length": max(1, math.ceil(inp * scale.tokens_per_id / TRACE_BLOCK)),
+    inputs = [max(1, math.ceil(inp * scale.tokens_per_id / TRACE_BLOCK)) for _, _, inp, _ in rows]
+    time_scale = time_scale_for(scale, rows[-1][0] - t0, sum(inputs))
+    scaled = [{"timestamp": round((ts - t0) * time_scale, 3), "input_length": n,
                "output_length": min(scale.max_output, max(1, round(outp * scale.output_scale))), "hash_ids": ids}
-              for ts, ids, inp, outp in rows]
+              for (ts, ids, _, outp), n in zip(rows, inputs)]
     out.write_text("".join(json.dumps(r) + "\n" for r in scaled))
     seen: set[int] = set()
     shared = total = 0
@@ -94,8 +120,8 @@ def scale_trace(source: Path, out: Path, scale: TraceScale) -> dict:
             total += 1
             shared += i in seen
             seen.add(i)
-    inputs = sorted(r["input_length"] for r in scaled)
-    meta = {"source": str(source), **asdict(scale), "written": len(scaled),
+    inputs.sort()
+    meta = {"source": str(source), **asdict(scale), "time_scale": round(time_scale, 6), "written": len(scaled),
             "span_s": round(scaled[-1]["timestamp"] / 1000, 1),
             "input_tokens": {"min": inputs[0], "median": inputs[len(inputs) // 2], "max": inputs[-1],
                              "total": sum(inputs)},

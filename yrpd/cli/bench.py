@@ -77,6 +77,11 @@ def _dataset_options(func):
 @click.option("--max-output", type=int, default=64, show_default=True, help="no answer longer than this")
 @click.option("--time-scale", type=float, default=1.0, show_default=True,
               help="arrival times times this (2: half as many requests a second)")
+@click.option("--load", type=float, help="instead of --time-scale: the window's input tokens arrive at this share of "
+                                         "--capacity (0.6: the machine 60 % busy with prompts none of it had seen)")
+@click.option("--capacity", type=float, help="with --load: input tokens a second the deployment computes (measure "
+                                             "it: `yrpd bench run --vllm-dataset random`, total input tokens over "
+                                             "the duration)")
 @click.option("--conversations", type=float, default=1.0, show_default=True,
               help="keep this share of the conversations, every turn of each (0.02: a replay of minutes that keeps "
                    "the trace's reuse)")
@@ -88,7 +93,8 @@ def trace(source: Path, out: Path, **factors) -> int:
     from yrpd.bench.trace import TraceScale, scale_trace
 
     meta = scale_trace(source, out, TraceScale(**factors))
-    err().print(f"wrote {meta['written']} requests over {meta['span_s']} s to {out} (inputs {meta['input_tokens']['min']}-"
+    err().print(f"wrote {meta['written']} requests over {meta['span_s']} s (time x{meta['time_scale']:.4g}) to {out} "
+                f"(inputs {meta['input_tokens']['min']}-"
                 f"{meta['input_tokens']['max']} tokens, {meta['ids_seen_before']:.0%} of blocks seen before); replay: "
                 f"yrpd bench run --vllm-dataset timed_trace --num-prompts {meta['written']} --max-concurrency 64 "
                 f"--vllm-dataset-args \"--dataset-path {out} {' '.join(meta['bench_args'])}\"")
