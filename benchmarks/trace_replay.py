@@ -159,7 +159,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
 
         code = in_lab(args, work, hosts, yrpd, calibrated)
     for run_dir in args.out_dir.iterdir():
-        if (run_dir / "results.json").is_file():
+        results = run_dir / "results.json"
+        if results.is_file() and json.loads(results.read_text())["dataset"].get("vllm_dataset") == "timed_trace":
             (run_dir / "breakdown.md").write_text(breakdown(trace, run_dir))
             print((run_dir / "breakdown.md").read_text())
     return code
@@ -239,13 +240,16 @@ def probe(args: argparse.Namespace, work: Path, yrpd, meta: dict) -> dict | None
     trace's mean input and output lengths, PROBE_CONCURRENCY in flight (none seen before: no reuse counted)."""
     mean_in = max(1, round(meta["input_tokens"]["total"] / meta["written"]))
     mean_out = max(1, round(meta["output_tokens_total"] / meta["written"]))
-    before = set((work / "home" / "sessions").glob("*/bench/*/results.json"))
+    def reports() -> set[Path]:  # (resolved: the sessions directory links its latest session too)
+        return {r.resolve() for r in (work / "home" / "sessions").glob("*/bench/*/results.json")}
+
+    before = reports()
     if yrpd("bench", "run", "--targets", "pd", "--vllm-dataset", "random", "--num-prompts", str(PROBE_PROMPTS),
             "--max-concurrency", str(PROBE_CONCURRENCY), "--vllm-dataset-args",
             f"--random-input-len {mean_in} --random-output-len {mean_out}",
             "--datasystem-mb", str(args.datasystem_mb), "--no-restore"):
         return None
-    new = sorted(set((work / "home" / "sessions").glob("*/bench/*/results.json")) - before)
+    new = sorted(reports() - before)
     if len(new) != 1:
         print(f"trace_replay.py: the probe left {len(new)} reports, not one", file=sys.stderr)
         return None
