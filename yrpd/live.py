@@ -1,11 +1,13 @@
 """Changing a running deployment without failing a request: scale, rolling spec changes, host maintenance.
 
-Every change is made of two moves (`_Mover`): *start* runs the deploy playbook on a plan with more instances (each
-added one starts, answers /health and reaches the data system before the membership file the proxy reads names it;
-what runs already is skipped by the steps' checks), and *retire* marks instances draining in that file (no new
+Each command here says what it wants (yrpd.reconcile.Desired: the spec, the hosts no new instance goes to, how many
+instances a roll may take down) and the reconciler takes the steps from what runs to that; `_Hands` carries each
+out on the hosts. *Join* and *start* run the deploy playbook on a plan with the new hosts or more instances (each
+added instance starts, answers /health and reaches the data system before the membership file the proxy reads names
+it; what runs already is skipped by the steps' checks); *retire* marks instances draining in that file (no new
 request goes there), waits until their requests in flight have ended, leaves them out, then stops them. The session
-stores the spec and plan after each move and its journal every move, so a change that fails half-way is resumed by
-running the same command again, and `yrpd down` always knows everything that runs.
+stores the spec and plan after each step, its journal every step and each instance's InstanceState, so a change
+that fails half-way is resumed by running the same command again, and `yrpd down` always knows everything that runs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from yrpd import credentials, planner, rollout
+from yrpd.reconcile import Desired, Join, Lifecycle, Observed, Retire, Start, Step, reconcile
 from yrpd.deployment import Deployment, drained_hosts, host_group, resolve_inventory, runtime_group, save_deployment
 from yrpd.errors import SpecError
 from yrpd.hostgroup import GroupFailure
@@ -25,6 +28,7 @@ from yrpd.placement import Plan
 from yrpd.playbook import StepFailed
 from yrpd.runner import Progress, Quiet, named_playbook, run_on, run_playbook
 from yrpd.session import Session, SessionPhase
+from yrpd.tags import InstanceState
 from yrpd.spec import DeploySpec, HostSpec
 from yrpd.steps import RunOptions, StepContext, host_python, processes, proxy
 from yrpd.steps.vllm_env import paths as vllm_paths
@@ -46,34 +50,46 @@ class Changed:
     warnings: list[str] = field(default_factory=list)
 
 
-class _Mover:
-    """The two moves, on a deployment that advances with each."""
+class _Hands:
+    """Carries the reconciler's steps out on the hosts, on a deployment that advances with each; what it observes is
+    that deployment as stored and the session's unfinished joins."""
 
     def __init__(self, deployment: Deployment, hosts, progress: Progress, drain_timeout_s: float,
-                 cordoned: list[str]):
+                 desired: Desired):
         self.now, self.hosts, self.progress, self.drain_timeout_s = deployment, hosts, progress, drain_timeout_s
-        self.cordoned = cordoned
+        self.desired = desired
         self.added: list[str] = []
         self.removed: list[str] = []
+        session = deployment.session
+        self.life = Lifecycle(session.state.get("instances") or {}, save=lambda states: session.set_state(
+            instances=states))
 
     @property
     def session(self):
         return self.now.session
 
+    def observe(self) -> Observed:
+        return Observed(self.now.plan, joining=tuple(self.session.state.get("joining") or ()))
+
+    def act(self, step: Step) -> None:
+        spec = self.desired.spec
+        if isinstance(step, Join):
+            self._start(spec, {}, list(step.hosts))
+        elif isinstance(step, Start):
+            self._start(spec, step.counts)
+        elif isinstance(step, Retire):
+            self._retire(list(step.names), spec)
+        else:  # Restart: the hosts' supervisors restart what dies; `yrpd deploy` run again brings back the rest
+            raise RuntimeError(f"{step.line()}: not a step a live change takes (nothing here observes dead instances)")
+
     def _master(self, plan: Plan):
         return next(h for h in plan.hosts if h.is_master)
 
-    def placed(self, spec: DeploySpec, add: dict[str, int]) -> Plan:
-        """The running plan with `add` more instances per role, of `spec`'s settings, placed on free devices."""
-        return rollout.replan(spec, self.now.inventory, self.now.plan.instances, self.cordoned, **add)
-
-    def start(self, spec: DeploySpec, add: dict[str, int], joining: list[str] = ()) -> None:
-        """Start `add` more instances per role; with `joining` (hosts new to the deployment) the playbook also runs
-        where none starts, so those hosts join the cluster."""
-        add = {role: n for role, n in add.items() if n > 0}
-        if not add and not joining:
-            return
-        plan = self.placed(spec, add)
+    def _start(self, spec: DeploySpec, add: dict[str, int], joining: list[str] = ()) -> None:
+        """Start `add` more instances per role, of `spec`'s settings, on free devices of hosts not cordoned; with
+        `joining` (hosts new to the deployment, or a join stopped half-way) the playbook also runs where none
+        starts, so those hosts join the cluster."""
+        plan = rollout.replan(spec, self.now.inventory, self.now.plan.instances, self.desired.cordoned, **add)
         names = [i.name for i in plan.instances if i.name not in {j.name for j in self.now.plan.instances}]
         after = Deployment(self.session, rollout.with_counts(spec, plan), self.now.inventory, plan)
         if joining:
@@ -83,6 +99,7 @@ class _Mover:
         # stored first: if the start fails half-way, `yrpd down` knows them and the same command resumes
         save_deployment(self.session, after.spec, after.inventory, plan)
         self.session.journal(event="start", instances=names, **({"hosts": list(joining)} if joining else {}))
+        self.life.move(names, InstanceState.starting, default=InstanceState.planned)
         master = self._master(plan)
         secrets = credentials.ensure(self.session.path, spec.proxy_key(), etcd_ips=[master.reach_ip])
         ctx = StepContext(spec=after.spec, plan=plan, session_id=self.session.id,
@@ -94,24 +111,27 @@ class _Mover:
         try:
             run_playbook(named_playbook(None), self.hosts, ctx, self.session, self.progress)
         except StepFailed as failure:
+            self.life.move(names, InstanceState.failed)
             failure.args = (f"{failure}\nthe instances already running serve on; fix the cause and run the same "
                             "command again to go on with the change",)
             raise
+        self.life.move(names, InstanceState.serving)
         if self.session.state.get("joining"):
             self.session.set_state(joining=None)  # the playbook ran on every host of the plan: each has joined
         self.now = after
         self.added += names
 
-    def retire(self, names: list[str], spec: DeploySpec) -> None:
-        if not names:
-            return
+    def _retire(self, names: list[str], spec: DeploySpec) -> None:
         old = self.now
         rest = [i for i in old.plan.instances if i.name not in names]
-        plan = rollout.replan(spec, old.inventory, rest, self.cordoned)
+        plan = rollout.replan(spec, old.inventory, rest, self.desired.cordoned)
         after_spec = rollout.with_counts(spec, plan)
         after = Deployment(self.session, after_spec, old.inventory, plan)
         master = self._master(plan)
+        # a failed start's instance never served: it goes straight to stopping
+        serving = [n for n in names if self.life.state(n) is InstanceState.serving]
         self.session.journal(event="drain", instances=names)
+        self.life.move(serving, InstanceState.draining)
         self.progress.message(f"draining {', '.join(names)}: no new request goes there; waiting for those in flight")
         run_on(self.hosts, master.name, proxy.write_members(old.context(), master, draining=frozenset(names)),
                "take them out of routing")
@@ -123,10 +143,12 @@ class _Mover:
         except GroupFailure as failure:
             # nothing was stopped: they go back into routing, and the deployment stays as it was
             run_on(self.hosts, master.name, proxy.write_members(old.context(), master), "put them back into routing")
+            self.life.move(serving, InstanceState.serving)
             self.session.journal(event="drain refused", instances=names, why=str(failure).splitlines()[0])
             failure.args = (f"{failure}\nnothing was stopped and {', '.join(names)} serve again; raise "
                             "--drain-timeout, or run it again once the long requests have ended",)
             raise
+        self.life.move(names, InstanceState.stopping)
         run_on(self.hosts, master.name, proxy.write_members(after.context(), master), "leave them out of routing")
         # every process of them: an instance whose DP ranks span hosts has a headless engine on each other host
         by_host: dict[str, list[str]] = {}
@@ -140,18 +162,18 @@ class _Mover:
                                                     stopping, grace=20), f"stop {', '.join(stopping)}")
         save_deployment(self.session, after.spec, after.inventory, plan)
         self.session.journal(event="stopped", instances=names)
+        self.life.move(names, InstanceState.gone)
         self.now = after
         self.removed += names
 
-    def scale_to(self, spec: DeploySpec) -> None:
-        """Remove the highest-indexed instances beyond `spec`'s counts, then add what it lacks."""
-        now = rollout.counts(self.now.plan)
-        extra = []
-        for role in rollout.COUNT_FIELDS:
-            mine = sorted((i for i in self.now.plan.instances if i.role == role), key=lambda i: i.index)
-            extra += [i.name for i in mine[getattr(spec, role):]]
-        self.retire(extra, spec)
-        self.start(spec, {role: getattr(spec, role) - now[role] for role in rollout.COUNT_FIELDS})
+
+def _reconciled(deployment: Deployment, desired: Desired, progress: Progress, drain_timeout_s: float) -> _Hands:
+    """What runs brought to `desired`, step by step on the hosts."""
+    with host_group(desired.spec) as group:
+        hands = _Hands(deployment, runtime_group(group, desired.spec, deployment.session.id), progress,
+                       drain_timeout_s, desired)
+        reconcile(desired, hands.observe, hands.act)
+    return hands
 
 
 def _check_live(deployment: Deployment, what: str) -> None:
@@ -187,6 +209,7 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
         found = inventory if inventory is not None else joined_inventory(spec, joining)
         deployment = Deployment(session, deployment.spec,
                                 {**{h: found[h] for h in joining}, **deployment.inventory}, deployment.plan)
+    # a join stopped half-way: the reconciler finishes it (the session remembers the hosts)
     unfinished = [h.name for h in spec.hosts if h.name in (session.state.get("joining") or [])]
     cordoned = drained_hosts(session) if cordoned is None else cordoned  # hosts no new instance goes to
     replaced = rollout.stale(deployment.plan, spec)
@@ -208,7 +231,6 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
     lines = rollout.describe(changes, deployment.plan, spec, max_unavailable)
     if unfinished:
         lines.append(f"join {', '.join(unfinished)}: stopped half-way, it goes on")
-        joining = list(dict.fromkeys(joining + unfinished))
     for line in lines:
         progress.message(line)
     if not lines:
@@ -216,7 +238,7 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
     session.journal(event="change", changes=lines, max_unavailable=max_unavailable)
     session.set_state(change="; ".join(lines))
     try:
-        mover = _roll(deployment, spec, max_unavailable, roles, drain_timeout_s, progress, cordoned, joining)
+        mover = _reconciled(deployment, Desired(spec, tuple(cordoned), max_unavailable), progress, drain_timeout_s)
     except BaseException:
         session.set_state(change="stopped half-way (the same command goes on with it): " + "; ".join(lines))
         raise
@@ -232,32 +254,6 @@ def joined_inventory(spec: DeploySpec, names: list[str]) -> dict:
     """The devices of the hosts `names` of `spec` (detected on them where the spec does not give them)."""
     return resolve_inventory(spec.model_copy(update={"hosts": [h for h in spec.hosts if h.name in names]}),
                              deploying=True)
-
-
-def _roll(deployment: Deployment, spec: DeploySpec, max_unavailable: int, roles: list[str], drain_timeout_s: float,
-          progress: Progress, cordoned: list[str], joining: list[str] = ()) -> _Mover:
-    session = deployment.session
-    with host_group(spec) as group:
-        mover = _Mover(deployment, runtime_group(group, spec, session.id), progress, drain_timeout_s, cordoned)
-        if joining:  # first: what the change starts may be placed there
-            mover.start(spec, {}, joining)
-        if max_unavailable == 0:
-            while old := rollout.stale(mover.now.plan, spec):
-                adding = rollout.surge(mover.now.plan, spec)
-                mover.start(spec, adding)
-                # one at a time, prefill first: a request whose prefill leg runs on the old prefill instance must
-                # still find a decode instance of its own model routable for its decode leg
-                for role in ("prefill", "decode"):
-                    if role in adding:
-                        mover.retire([next(i for i in old if i.role == role).name], spec)
-        else:
-            for role in roles:
-                while old := [i for i in rollout.stale(mover.now.plan, spec) if i.role == role]:
-                    batch = old[:max_unavailable]
-                    mover.retire([i.name for i in batch], spec)
-                    mover.start(spec, {role: len(batch)})
-        mover.scale_to(spec)
-    return mover
 
 
 def scale(deployment: Deployment, *, prefill: int | None = None, decode: int | None = None,
@@ -317,17 +313,13 @@ def drain_host(deployment: Deployment, host: str, *, drain_timeout_s: float = DR
     before = session.state.get("drained_counts", {}).get(host) or {"prefill": spec.prefill, "decode": spec.decode}
     session.set_state(drained=cordoned, drained_counts={**session.state.get("drained_counts", {}), host: before})
     session.journal(event="drain host", host=host)
-    warnings: list[str] = []
-    with host_group(spec) as group:
-        mover = _Mover(deployment, runtime_group(group, spec, session.id), progress, drain_timeout_s, cordoned)
-        for inst in moving:
-            if replaced[inst.name]:
-                mover.start(spec, {inst.role: 1})
-            else:
-                count = rollout.counts(mover.now.plan)[inst.role]
-                warnings.append(f"{inst.name} stopped without a replacement (no free devices elsewhere): {inst.role} "
-                                f"runs {count - 1} instances until `yrpd undrain {host}`")
-            mover.retire([inst.name], spec)
+    # what is wanted: every instance off the cordoned hosts, one fewer of a role for each that has no room elsewhere
+    fewer = rollout.counts_of([i for i in moving if not replaced[i.name]])
+    wanted = spec.model_copy(update={role: n - fewer[role] for role, n in rollout.counts(deployment.plan).items()})
+    warnings = [f"{inst.name} stopped without a replacement (no free devices elsewhere): {inst.role} runs "
+                f"{rollout.counts(deployment.plan)[inst.role] - fewer[inst.role]} instances until `yrpd undrain {host}`"
+                for inst in moving if not replaced[inst.name]]
+    mover = _reconciled(deployment, Desired(wanted, tuple(cordoned)), progress, drain_timeout_s)
     for warning in warnings:
         progress.message(warning)
     session.journal(event="drained host", host=host, added=mover.added, removed=mover.removed, warnings=warnings)

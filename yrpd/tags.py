@@ -1,5 +1,6 @@
 """Names that cross from the hosts to the controller, spelled once on this side. The host scripts spell them in
-deploy_scripts/hostlib.py (they run without yrpd); tests/unit/test_tags.py checks that both say the same.
+deploy_scripts/hostlib.py (they run without yrpd); tests/unit/test_tags.py checks that both say the same. Also the
+controller's own names for an instance's life (InstanceState), which the session stores and `yrpd status` reads.
 StrEnum: a member prints and compares as its value, as the JSON from the hosts holds it."""
 
 from __future__ import annotations
@@ -37,3 +38,18 @@ class ComponentState(StrEnum):
     running = "RUNNING"
     starting = "STARTING"
     stopped = "STOPPED"
+
+
+class InstanceState(StrEnum):
+    """Where an instance is in its life, as the reconciler moves it (yrpd/reconcile.py: the allowed moves are its
+    TRANSITIONS, and the session's state.json keeps each instance's). An instance of a deployed session with none
+    stored serves."""
+
+    planned = "planned"  # in the desired state, not started yet
+    starting = "starting"  # started; the proxy routes to it once it answers and reaches the data system
+    serving = "serving"  # routed to
+    draining = "draining"  # out of routing, its requests in flight ending
+    stopping = "stopping"  # drained, its processes being stopped
+    gone = "gone"  # stopped and out of the plan
+    failed = "failed"  # its start failed: the same command run again starts it again
+    dead = "dead"  # found not running, with nothing to restart it (a host rebuilt, a container gone)
