@@ -14,7 +14,7 @@ from yrpd.serving import host_of
 from yrpd.spec import ClusterLauncher, DeploySpec, Dtype, KvConnector, MultiNodeBackend, Runtime
 from yrpd.status import StatusReport
 from yrpd.steps import NotNeeded, StepContext
-from yrpd.tags import Condition, ProcessState
+from yrpd.tags import Condition, InstanceState, ProcessState
 from yrpd.containers import container_profile
 from yrpd.exposure import Guard, exposure
 from yrpd.steps.brought import needed
@@ -219,6 +219,8 @@ def status_tables(report: StatusReport) -> list[Table | Text]:
                 health = "[yellow]restarting[/yellow]"
             else:
                 health = f"[red]{i.state}[/red]" if i.state in (Condition.dead, Condition.failed) else f"[dim]{i.state}[/dim]"
+            if i.life != InstanceState.serving:  # a change has it starting, draining, stopping, or its start failed
+                health += f" [yellow]({i.life})[/yellow]"
             conn = i.connector or {}
             running = i.probe.get("requests_running")
             load = f"{_num(running)}/{_num(i.probe.get('requests_waiting'))}" if running is not None else "-"

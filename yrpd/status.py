@@ -28,7 +28,7 @@ from yrpd.steps import (
     processes,
     resolve,
 )
-from yrpd.tags import ComponentState, Condition, ProcessState
+from yrpd.tags import ComponentState, Condition, InstanceState, ProcessState
 
 #: what an instance's probe reports, copied as is (vLLM's metrics, summed over its ranks)
 PROBE_FIELDS = ("requests_running", "requests_waiting", "prompt_tokens", "external_cache_hit_tokens",
@@ -122,6 +122,9 @@ class InstanceStatus:
     #: every host its DP ranks run on, the head (`host`) first
     hosts: list[str] = field(default_factory=list)
     error: str | None = None
+    #: where a change has it (InstanceState, as the session keeps it): serving, or starting, draining, stopping and
+    #: failed while a change runs or after it stopped half-way
+    life: str = InstanceState.serving.value
 
 
 @dataclass
@@ -333,7 +336,12 @@ def _instance(deployment: Deployment, inst: InstancePlan, proc: ProcessStatus | 
     row = InstanceStatus(name=inst.name, role=inst.role, host=inst.host, devices=list(inst.devices), tp=inst.tp,
                          dp=inst.dp, port=inst.port, url=instance_url(deployment.plan, inst),
                          pid=proc.pid if proc else None, state=state, healthy=state == Condition.running and answered,
-                         restarts=proc.restarts if proc else 0, hosts=list(inst.hosts))
+                         restarts=proc.restarts if proc else 0, hosts=list(inst.hosts),
+                         life=(deployment.session.state.get("instances") or {}).get(inst.name,
+                                                                                    InstanceState.serving.value))
+    if row.life == InstanceState.failed:
+        problems.append(f"{inst.name}'s start failed in a change that stopped half-way; run the same command again "
+                        "to go on with the change")
     if probe:
         row.probe = {key: probe.get(key) for key in PROBE_FIELDS}
         counters = probe["connector"]["counters"]

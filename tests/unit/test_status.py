@@ -184,6 +184,33 @@ def test_restarts_of_a_running_instance_are_shown_not_counted_as_a_problem(tmp_p
     assert report.proxy.restarts == 2
 
 
+def test_an_instance_a_change_left_half_way_shows_its_state_and_a_failed_start_is_a_problem(tmp_path):
+    deployment = recorded(tmp_path)
+    deployment.session.set_state(instances={"decode-0": "draining"})
+    with scripted():
+        report = api.status(deployment)
+    assert report.healthy and {i.name: i.life for i in report.instances} == {"prefill-0": "serving",
+                                                                             "decode-0": "draining"}
+    assert "(draining)" in status_table_text(report) and "(serving)" not in status_table_text(report)
+    deployment.session.set_state(instances={"decode-0": "failed"})
+    with scripted():
+        report = api.status(deployment)
+    assert report.problems == ["decode-0's start failed in a change that stopped half-way; run the same command "
+                               "again to go on with the change"]
+    assert report.to_json()["instances"][1]["life"] == "failed"
+
+
+def status_table_text(report) -> str:
+    from rich.console import Console
+
+    from yrpd.render import status_tables
+
+    console = Console(width=300, record=True)
+    for table in status_tables(report):
+        console.print(table)
+    return console.export_text()
+
+
 def test_an_instance_that_does_not_answer(tmp_path):
     with scripted(h2={"unhealthy": ("decode-0",)}):
         report = api.status(recorded(tmp_path))
