@@ -192,7 +192,8 @@ def deploy(spec: DeploySpec, *, playbook_file: str | Path | None = None, new_ses
             failure.args = (f"{failure}\nfix the cause and run the same `yrpd deploy` again to resume session "
                             f"{session.id} (finished steps are skipped), or `yrpd down` to remove what was started",)
             raise
-    session.set_state(SessionPhase.deployed, failed_step=None, joining=None)  # the whole playbook ran on every host
+    # the whole playbook ran on every host: every instance of the plan serves (no change left one down)
+    session.set_state(SessionPhase.deployed, failed_step=None, joining=None, instances={})
     endpoint = None
     if any(step.function is proxy.start for step in playbook.steps):
         endpoint = endpoint_url(spec, placement) + "/v1"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from yrpd import credentials, planner, rollout
-from yrpd.reconcile import Desired, Join, Lifecycle, Observed, Retire, Start, Step, reconcile
+from yrpd.reconcile import DOWN, Desired, Join, Lifecycle, Observed, Restart, Retire, Start, Step, reconcile
 from yrpd.deployment import Deployment, drained_hosts, host_group, resolve_inventory, runtime_group, save_deployment
 from yrpd.errors import SpecError
 from yrpd.hostgroup import GroupFailure
@@ -69,28 +69,33 @@ class _Hands:
         return self.now.session
 
     def observe(self) -> Observed:
-        return Observed(self.now.plan, joining=tuple(self.session.state.get("joining") or ()))
+        down = frozenset(i.name for i in self.now.plan.instances if self.life.state(i.name) in DOWN)
+        return Observed(self.now.plan, joining=tuple(self.session.state.get("joining") or ()), down=down)
 
     def act(self, step: Step) -> None:
         spec = self.desired.spec
         if isinstance(step, Join):
-            self._start(spec, {}, list(step.hosts))
+            self._start(spec, {}, joining=list(step.hosts))
         elif isinstance(step, Start):
             self._start(spec, step.counts)
         elif isinstance(step, Retire):
             self._retire(list(step.names), spec)
-        else:  # Restart: the hosts' supervisors restart what dies; `yrpd deploy` run again brings back the rest
-            raise RuntimeError(f"{step.line()}: not a step a live change takes (nothing here observes dead instances)")
+        elif isinstance(step, Restart):
+            self._start(spec, {}, again=list(step.names))
+        else:
+            raise TypeError(f"not a step: {step!r}")
 
     def _master(self, plan: Plan):
         return next(h for h in plan.hosts if h.is_master)
 
-    def _start(self, spec: DeploySpec, add: dict[str, int], joining: list[str] = ()) -> None:
+    def _start(self, spec: DeploySpec, add: dict[str, int], joining: list[str] = (), again: list[str] = ()) -> None:
         """Start `add` more instances per role, of `spec`'s settings, on free devices of hosts not cordoned; with
         `joining` (hosts new to the deployment, or a join stopped half-way) the playbook also runs where none
-        starts, so those hosts join the cluster."""
+        starts, so those hosts join the cluster; `again`: instances of the plan that are down, started where they
+        are (the playbook's checks skip what runs)."""
         plan = rollout.replan(spec, self.now.inventory, self.now.plan.instances, self.desired.cordoned, **add)
         names = [i.name for i in plan.instances if i.name not in {j.name for j in self.now.plan.instances}]
+        self.life.move(again, InstanceState.starting)
         after = Deployment(self.session, rollout.with_counts(spec, plan), self.now.inventory, plan)
         if joining:
             # before the spec that names them is stored: a join stopped anywhere from here on is found by the next
@@ -98,24 +103,27 @@ class _Hands:
             self.session.set_state(joining=list(joining))
         # stored first: if the start fails half-way, `yrpd down` knows them and the same command resumes
         save_deployment(self.session, after.spec, after.inventory, plan)
-        self.session.journal(event="start", instances=names, **({"hosts": list(joining)} if joining else {}))
+        self.session.journal(event="start", instances=names, **({"hosts": list(joining)} if joining else {}),
+                             **({"again": list(again)} if again else {}))
         self.life.move(names, InstanceState.starting, default=InstanceState.planned)
+        names_all = [*again, *names]
         master = self._master(plan)
         secrets = credentials.ensure(self.session.path, spec.proxy_key(), etcd_ips=[master.reach_ip])
         ctx = StepContext(spec=after.spec, plan=plan, session_id=self.session.id,
                           options=RunOptions(secrets_dir=str(secrets)))
         if joining:
             self.progress.message(f"joining {', '.join(joining)} to the cluster (the hosts that run are skipped)")
-        if names:
-            self.progress.message(f"starting {', '.join(names)}; the proxy routes to them once they answer")
+        if names_all:
+            self.progress.message(f"starting {', '.join(names_all)}; the proxy routes to them once they answer")
         try:
             run_playbook(named_playbook(None), self.hosts, ctx, self.session, self.progress)
-        except StepFailed as failure:
-            self.life.move(names, InstanceState.failed)
-            failure.args = (f"{failure}\nthe instances already running serve on; fix the cause and run the same "
-                            "command again to go on with the change",)
+        except BaseException as failure:  # an interruption too: what it started is not known to serve
+            self.life.move(names_all, InstanceState.failed)
+            if isinstance(failure, StepFailed):
+                failure.args = (f"{failure}\nthe instances already running serve on; fix the cause and run the "
+                                "same command again to go on with the change",)
             raise
-        self.life.move(names, InstanceState.serving)
+        self.life.move(names_all, InstanceState.serving)
         if self.session.state.get("joining"):
             self.session.set_state(joining=None)  # the playbook ran on every host of the plan: each has joined
         self.now = after
@@ -128,10 +136,10 @@ class _Hands:
         after_spec = rollout.with_counts(spec, plan)
         after = Deployment(self.session, after_spec, old.inventory, plan)
         master = self._master(plan)
-        # a failed start's instance never served: it goes straight to stopping
-        serving = [n for n in names if self.life.state(n) is InstanceState.serving]
+        # a failed start's instance never served: it goes straight to stopping; one a retire cut short is where it
+        # was left (draining, stopping)
         self.session.journal(event="drain", instances=names)
-        self.life.move(serving, InstanceState.draining)
+        self.life.move([n for n in names if self.life.state(n) is InstanceState.serving], InstanceState.draining)
         self.progress.message(f"draining {', '.join(names)}: no new request goes there; waiting for those in flight")
         run_on(self.hosts, master.name, proxy.write_members(old.context(), master, draining=frozenset(names)),
                "take them out of routing")
@@ -143,12 +151,12 @@ class _Hands:
         except GroupFailure as failure:
             # nothing was stopped: they go back into routing, and the deployment stays as it was
             run_on(self.hosts, master.name, proxy.write_members(old.context(), master), "put them back into routing")
-            self.life.move(serving, InstanceState.serving)
+            self.life.move([n for n in names if self.life.state(n) is InstanceState.draining], InstanceState.serving)
             self.session.journal(event="drain refused", instances=names, why=str(failure).splitlines()[0])
             failure.args = (f"{failure}\nnothing was stopped and {', '.join(names)} serve again; raise "
                             "--drain-timeout, or run it again once the long requests have ended",)
             raise
-        self.life.move(names, InstanceState.stopping)
+        self.life.move([n for n in names if self.life.state(n) is not InstanceState.stopping], InstanceState.stopping)
         run_on(self.hosts, master.name, proxy.write_members(after.context(), master), "leave them out of routing")
         # every process of them: an instance whose DP ranks span hosts has a headless engine on each other host
         by_host: dict[str, list[str]] = {}
@@ -231,6 +239,11 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
     lines = rollout.describe(changes, deployment.plan, spec, max_unavailable)
     if unfinished:
         lines.append(f"join {', '.join(unfinished)}: stopped half-way, it goes on")
+    kept = session.state.get("instances") or {}
+    down = [i.name for i in deployment.plan.instances if kept.get(i.name) in DOWN]
+    if down:
+        lines.append(f"start {', '.join(down)} again: a change that stopped half-way left "
+                     f"{'it' if len(down) == 1 else 'them'} down")
     for line in lines:
         progress.message(line)
     if not lines:
@@ -238,16 +251,19 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
     session.journal(event="change", changes=lines, max_unavailable=max_unavailable)
     session.set_state(change="; ".join(lines))
     try:
-        mover = _reconciled(deployment, Desired(spec, tuple(cordoned), max_unavailable), progress, drain_timeout_s)
+        # a roll at the counts that run, then the spec's: one instance beyond what runs at most, and no role short
+        desired = Desired(spec, tuple(cordoned), max_unavailable=max_unavailable,
+                          roll_counts=tuple(rollout.counts(deployment.plan).items()))
+        hands = _reconciled(deployment, desired, progress, drain_timeout_s)
     except BaseException:
         session.set_state(change="stopped half-way (the same command goes on with it): " + "; ".join(lines))
         raise
     # the free fields (how to reach the hosts, timeouts) and the exact counts asked for
-    save_deployment(session, spec, mover.now.inventory, mover.now.plan)
-    final = Deployment(session, spec, mover.now.inventory, mover.now.plan)
-    session.journal(event="changed", changes=lines, added=mover.added, removed=mover.removed)
+    save_deployment(session, spec, hands.now.inventory, hands.now.plan)
+    final = Deployment(session, spec, hands.now.inventory, hands.now.plan)
+    session.journal(event="changed", changes=lines, added=hands.added, removed=hands.removed)
     session.set_state(SessionPhase.deployed, change=None, generation=int(session.state.get("generation", 1)) + 1)
-    return Changed(session, mover.added, mover.removed, time.monotonic() - started, final, lines)
+    return Changed(session, hands.added, hands.removed, time.monotonic() - started, final, lines)
 
 
 def joined_inventory(spec: DeploySpec, names: list[str]) -> dict:
@@ -319,12 +335,12 @@ def drain_host(deployment: Deployment, host: str, *, drain_timeout_s: float = DR
     warnings = [f"{inst.name} stopped without a replacement (no free devices elsewhere): {inst.role} runs "
                 f"{rollout.counts(deployment.plan)[inst.role] - fewer[inst.role]} instances until `yrpd undrain {host}`"
                 for inst in moving if not replaced[inst.name]]
-    mover = _reconciled(deployment, Desired(wanted, tuple(cordoned)), progress, drain_timeout_s)
+    hands = _reconciled(deployment, Desired(wanted, tuple(cordoned), evacuate=(host,)), progress, drain_timeout_s)
     for warning in warnings:
         progress.message(warning)
-    session.journal(event="drained host", host=host, added=mover.added, removed=mover.removed, warnings=warnings)
+    session.journal(event="drained host", host=host, added=hands.added, removed=hands.removed, warnings=warnings)
     session.set_state(generation=int(session.state.get("generation", 1)) + 1)
-    return Changed(session, mover.added, mover.removed, time.monotonic() - started, mover.now,
+    return Changed(session, hands.added, hands.removed, time.monotonic() - started, hands.now,
                    [f"{host}: drained"], warnings)
 
 

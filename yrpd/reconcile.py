@@ -3,17 +3,21 @@ goes to, how many instances a roll may take down at once) against what runs, and
 closer to the other.
 
 `next_step` is pure: given `Desired` and `Observed` it names one `Step` (join hosts, start instances, retire
-instances, restart dead ones) or None once they agree. `reconcile` asks for a step, has it carried out, observes
-again and repeats; yrpd.live carries steps out on the hosts, tests on scripted hosts. Deploy, scale, drain, undrain
-and the planner only say what they want (`Desired`).
+instances, start again those that are down) or None once they agree. `reconcile` asks for a step, has it carried out,
+observes again and repeats; yrpd.live carries steps out on the hosts, tests on scripted hosts. Deploy, scale, drain,
+undrain and the planner only say what they want (`Desired`).
 
 The order it takes, one step at a time:
 1. hosts the spec names and the deployment lacks join the cluster (before anything may be placed there);
-2. dead instances start again where they were;
-3. stale instances (started with other settings than the spec's, or on a host no new instance may use) are replaced,
-   prefill first: where `max_unavailable` is 0 a new one starts before an old one drains (for a model change a new
-   prefill and decode at once, since the proxy never pairs two models), else up to `max_unavailable` old ones drain
-   first and their replacements start after;
+2. instances that are down (a start that failed or was cut short, or found dead) start again where they were, before
+   anything drains;
+3. stale instances (started with other settings than the spec's, or on a host being evacuated) are replaced, prefill
+   first, at the counts `roll_counts` gives (the running ones, when the change began: a roll never needs room for
+   more than one instance beyond what ran, nor leaves a role short while it also scales down): where
+   `max_unavailable` is 0 a new one starts before an old one drains (for a model change a new prefill and decode at
+   once, since the proxy never pairs two models), else up to `max_unavailable` old ones drain first and their
+   replacements start after. Where the spec wants fewer than run (a drain that finds no room for a replacement),
+   old ones retire without one;
 4. counts: the highest-indexed instances beyond the spec's counts retire, then what is missing starts.
 
 Each instance's life is in InstanceState (yrpd/tags.py) with the allowed moves in TRANSITIONS; `Lifecycle` keeps
@@ -35,13 +39,15 @@ ROLES = ("prefill", "decode")
 TRANSITIONS: dict[S, frozenset[S]] = {
     S.planned: frozenset({S.starting}),
     S.starting: frozenset({S.serving, S.failed}),
-    S.failed: frozenset({S.starting, S.stopping}),
+    S.failed: frozenset({S.starting, S.stopping}),  # started again, or retired (it never served: no drain)
     S.serving: frozenset({S.draining, S.dead}),
     S.draining: frozenset({S.stopping, S.serving}),  # back: its drain did not end in time, nothing was stopped
     S.stopping: frozenset({S.gone}),
     S.dead: frozenset({S.starting, S.stopping}),
     S.gone: frozenset(),
 }
+#: the states of an instance that should serve and does not: the reconciler starts it again first
+DOWN = frozenset({S.failed, S.dead})
 
 
 class IllegalTransition(RuntimeError):
@@ -82,10 +88,14 @@ class Desired:
     """What the deployment should be: written by deploy, scale, drain, undrain and the planner."""
 
     spec: DeploySpec
-    #: hosts no new instance goes to; an instance on one is replaced (a drain)
+    #: hosts no new instance goes to (the drained ones)
     cordoned: tuple[str, ...] = ()
+    #: hosts whose instances are replaced elsewhere (a drain's)
+    evacuate: tuple[str, ...] = ()
     #: old instances a roll may take down before their replacements start (0: start first)
     max_unavailable: int = 0
+    #: the counts per role a roll is taken at, the spec's after it (None: the spec's throughout)
+    roll_counts: tuple[tuple[str, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,8 +105,8 @@ class Observed:
     plan: Plan
     #: hosts that began to join and did not finish (the session remembers them)
     joining: tuple[str, ...] = ()
-    #: instances found not running with nothing to restart them
-    dead: frozenset[str] = frozenset()
+    #: instances that should serve and do not (DOWN: a start that failed or was cut short, found dead)
+    down: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -144,10 +154,10 @@ def _start(counts: Mapping[str, int]) -> Start:
 
 
 def stale(plan: Plan, desired: Desired) -> list[InstancePlan]:
-    """The instances to replace, prefill first: started with other settings than the spec gives them, or on a
-    cordoned host."""
-    spec, cordoned = desired.spec, set(desired.cordoned)
-    return sorted((i for i in plan.instances if i.config != spec.instance_config(i.role) or cordoned & set(i.hosts)),
+    """The instances to replace, prefill first: started with other settings than the spec gives them, or on a host
+    being evacuated."""
+    spec, leaving = desired.spec, set(desired.evacuate)
+    return sorted((i for i in plan.instances if i.config != spec.instance_config(i.role) or leaving & set(i.hosts)),
                   key=lambda i: (i.role != "prefill", i.index))
 
 
@@ -158,24 +168,26 @@ def next_step(desired: Desired, observed: Observed) -> Step | None:
     joining = tuple(dict.fromkeys([*observed.joining, *(h.name for h in spec.hosts if h.name not in have)]))
     if joining:
         return Join(joining)
-    dead = tuple(i.name for i in plan.instances if i.name in observed.dead)
-    if dead:
-        return Restart(dead)
+    down = tuple(i.name for i in plan.instances if i.name in observed.down)
+    if down:
+        return Restart(down)
     counts = {role: sum(1 for i in plan.instances if i.role == role) for role in ROLES}
     want = {role: getattr(spec, role) for role in ROLES}
     old = stale(plan, desired)
     if old:
+        # the roll's own counts: the spec's may differ (a change that also scales), which step 4 then takes
+        base = {**want, **dict(desired.roll_counts or ())}
         roles = list(dict.fromkeys(i.role for i in old))
         # a model change replaces a prefill and a decode instance together: the proxy pairs one model's only
         active = roles if any(i.group != spec.model_group for i in old) else roles[:1]
         if desired.max_unavailable == 0:
-            # a replacement started: the old one it replaces drains next, one at a time, prefill first
-            over = [role for role in active if counts[role] > want[role]]
+            # a replacement started (or the spec wants fewer): an old one drains next, one at a time, prefill first
+            over = [role for role in active if counts[role] > base[role]]
             if over:
                 return Retire((next(i.name for i in old if i.role == over[0]),))
             return _start({role: 1 for role in active})
         # the replacements of what was drained first, then the next batch of old ones
-        short = {role: want[role] - counts[role] for role in ROLES if counts[role] < want[role]}
+        short = {role: base[role] - counts[role] for role in ROLES if counts[role] < base[role]}
         if short:
             return _start(short)
         role = active[0]

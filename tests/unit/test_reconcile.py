@@ -72,12 +72,12 @@ class Cluster:
 
     def __init__(self, plan: Plan, inv, desired: Desired):
         self.plan, self.inv, self.desired = plan, inv, desired
-        self.dead: set[str] = set()
+        self.down: set[str] = set()
         self.joining: tuple[str, ...] = ()
         self.taken: list[str] = []
 
     def observe(self) -> Observed:
-        return Observed(self.plan, joining=self.joining, dead=frozenset(self.dead))
+        return Observed(self.plan, joining=self.joining, down=frozenset(self.down))
 
     def act(self, step) -> None:
         d = self.desired
@@ -91,7 +91,7 @@ class Cluster:
             rest = [i for i in self.plan.instances if i.name not in step.names]
             self.plan = rollout.replan(d.spec, self.inv, rest, d.cordoned)
         elif isinstance(step, Restart):
-            self.dead -= set(step.names)
+            self.down -= set(step.names)
         self.taken.append(step.line())
 
     def run(self, desired: Desired) -> list[str]:
@@ -148,18 +148,51 @@ def test_a_drain_moves_what_runs_on_the_host_and_keeps_new_instances_off_it():
     cluster = Cluster(make_plan(s, inventory()), inventory(), Desired(s))
     host = cluster.plan.instance("decode-1").host
     moving = sorted(i.name for i in cluster.plan.instances if i.host == host)
-    steps = cluster.run(Desired(s, cordoned=(host,)))
+    steps = cluster.run(Desired(s, cordoned=(host,), evacuate=(host,)))
     assert len(steps) == 2 * len(moving) and all(f"drain and stop {n}" in steps for n in moving)
     assert all(i.host != host for i in cluster.plan.instances) and rollout.counts(cluster.plan) == \
         {"prefill": 1, "decode": 2}
-    assert cluster.run(Desired(s, cordoned=(host,))) == []  # done: a second run takes no step
+    assert cluster.run(Desired(s, cordoned=(host,), evacuate=(host,))) == []  # done: a second run takes no step
 
 
-def test_a_dead_instance_starts_again_where_it_was_and_a_joined_host_comes_first():
+def test_a_cordoned_host_only_keeps_new_instances_off_and_a_drain_without_room_retires_without_replacement():
+    s = spec(decode=2)
+    inv = inventory(4, hosts=("h1", "h2", "h3"))  # one instance a host, all taken
+    cluster = Cluster(make_plan(s, inv), inv, Desired(s))
+    host = cluster.plan.instance("decode-1").host
+    # a change with the host cordoned (a drain that stopped half-way) moves nothing off it
+    assert cluster.run(Desired(s, cordoned=(host,))) == []
+    # the drain of it wants one decode fewer (no room elsewhere): decode-1 retires without a replacement
+    assert cluster.run(Desired(spec(decode=1), cordoned=(host,), evacuate=(host,))) == ["drain and stop decode-1"]
+    assert all(i.host != host for i in cluster.plan.instances)
+
+
+def test_a_roll_that_also_scales_rolls_at_the_running_counts_first():
+    # 2P2D -> 1P2D with a flag change and max_unavailable 1: the prefill role never runs out
+    s = spec(hosts="h1,h2", prefill=2, decode=2)  # 4 instances of 4 NPUs on 2 hosts of 8: nothing spare
+    inv = inventory(hosts=("h1", "h2"))
+    cluster = Cluster(make_plan(s, inv), inv, Desired(s))
+    lowest = []
+    flagged = spec(hosts="h1,h2", prefill=1, decode=2, engine_args=["--x"])
+    act = cluster.act
+    cluster.act = lambda step: (act(step), lowest.append(rollout.counts(cluster.plan)["prefill"]))
+    cluster.run(Desired(flagged, max_unavailable=1, roll_counts=(("prefill", 2), ("decode", 2))))
+    assert min(lowest) == 1 and rollout.counts(cluster.plan) == {"prefill": 1, "decode": 2}
+    # 1P1D -> 3P1D with a flag change on 16 NPUs: one instance beyond what runs at a time, then the scale
+    s = spec(hosts="h1,h2")
+    inv = inventory(hosts=("h1", "h2"))
+    cluster = Cluster(make_plan(s, inv), inv, Desired(s))
+    steps = cluster.run(Desired(spec(hosts="h1,h2", prefill=3, engine_args=["--x"]),
+                                roll_counts=(("prefill", 1), ("decode", 1))))
+    assert steps == ["start 1 prefill", "drain and stop prefill-0", "start 1 decode", "drain and stop decode-0",
+                     "start 2 prefill"]
+
+
+def test_a_down_instance_starts_again_where_it_was_and_a_joined_host_comes_first():
     s = spec()
     cluster = Cluster(make_plan(s, inventory()), inventory(), Desired(s))
     before = cluster.where()
-    cluster.dead = {"decode-0"}
+    cluster.down = {"decode-0"}
     assert cluster.run(Desired(s)) == ["start decode-0 again"] and cluster.where() == before
     # a host the spec adds joins before the instances it may take start
     assert cluster.run(Desired(spec(hosts="h1,h2,h3,h4", decode=2))) == ["join h4", "start 1 decode"]
@@ -228,3 +261,35 @@ def test_live_changes_take_the_reconcilers_steps_on_the_hosts_and_keep_each_inst
     assert sorted(states) == sorted(i.name for i in now().plan.instances)  # the gone are not kept
     assert set(states.values()) == {"serving"}
     assert hosts.ran(host, r"session_processes\.py")  # the drained host's instances were stopped there
+
+
+def test_a_start_left_failed_is_started_again_before_anything_drains(tmp_path):
+    """A roll stopped at its first start (prefill-1 placed and stored, its start failed): the same deploy run again
+    starts prefill-1 again first, then goes on, and every instance ends serving."""
+    import json
+
+    from yrpd import live
+    from yrpd.deployment import Deployment, inventory_from_json, save_deployment
+    from yrpd.session import Session, SessionPhase, SessionStore
+    from yrpd.testing import ScriptedHosts
+
+    ips = {"h1": "10.0.0.1", "h2": "10.0.0.2", "h3": "10.0.0.3"}
+    s = build_spec({}, {"hosts": ",".join(ips), "devices": "0-3", "device_kind": "cpu", "model": "/models/m",
+                        "dtype": "float32", "session_root": str(tmp_path / "sessions")})
+    inv = inventory_from_json({h: {"kind": "cpu", "devices": [0, 1, 2, 3], "ip": ip} for h, ip in ips.items()})
+    flag = s.model_copy(update={"engine_args": ["--max-num-seqs", "8"]})
+    stopped = rollout.replan(flag, inv, make_plan(s, inv).instances, prefill=1)  # as the failed start stored it
+    session = SessionStore(tmp_path / "sessions").create()
+    save_deployment(session, rollout.with_counts(flag, stopped), inv, stopped)
+    session.set_state(SessionPhase.deployed, instances={"prefill-1": "failed"})
+    hosts = ScriptedHosts(default_exit=0)
+    hosts.on(r"deploy_scripts/proxy_drain\.py", stdout=json.dumps({"drained": True, "in_flight": {}, "seconds": 0.1}))
+    with hosts:
+        done = live.change(Deployment.load(Session(session.path)), flag)
+    assert "start prefill-1 again: a change that stopped half-way left it down" in done.lines
+    events = [(e["event"], e.get("again") or e["instances"]) for e in session.journal_entries()
+              if e.get("event") in ("start", "drain")]
+    assert events[0] == ("start", ["prefill-1"]) and events[1][0] == "start"  # again first, before any drain
+    assert rollout.stale(done.deployment.plan, flag) == [] and rollout.counts(done.deployment.plan) == \
+        {"prefill": 1, "decode": 1}
+    assert set(Session(session.path).state["instances"].values()) == {"serving"}
