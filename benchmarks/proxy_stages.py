@@ -76,6 +76,9 @@ def main() -> int:
             continue
         log = args.logs / args.proxy_host / target["session"] / "proxy.log"
         runs = runs_of(log, 4 if args.quarters else 1) if log.is_file() else []
+        # a run of another size on the same deployment is not one of the target's (trace_replay.py's capacity probe)
+        prompts = doc["dataset"].get("prompts")
+        runs = [r for r in runs if not prompts or r["requests"] == prompts]
         if not runs:
             print(f"| {name} | - | no proxy log lines of a bench run in {log} | - | - | - |")
             continue

@@ -14,9 +14,9 @@ The trace's time is scaled to this machine unless --time-scale is given: once de
 --targets pd` of PROBE_PROMPTS random prompts of the trace's mean input length, PROBE_CONCURRENCY at once, none seen
 before) measures the input tokens a second the deployment computes; the trace is then written again with arrivals
 spaced so its input tokens come at --load (LOAD) of that, and replayed. The probe's report and calibration.json (the
-capacity, the load, the time scale) land in --out-dir beside the others. A trace scaled for a faster machine
-overloads a slower one, and an overloaded replay measures queues, not routing (docs/bench: the 8d91b96 run on an
-EPYC, every routing's mean TTFT 49-63 s).
+capacity, the load, the time scale, the scaled trace's figures, the probe's provenance) land in --out-dir beside the
+others. A trace scaled for a faster machine overloads a slower one, and an overloaded replay measures queues, not
+routing (docs/bench: the 8d91b96 run on an EPYC, every routing's mean TTFT 49-63 s).
 
 Fake hosts (root needed): h1 holds both prefill instances (cores 0 and 1) and the proxy, so the proxy follows both
 instances' KV-cache events on unix sockets; h2 holds the decode instance (core 0: the lab's hosts share this
@@ -151,8 +151,13 @@ def run(args: argparse.Namespace, work: Path) -> int:
             scaled = write_trace("--load", str(args.load), "--capacity", f"{capacity['tokens_per_s']:.3f}")
             if scaled is None:
                 return None
-            capacity.update(load=args.load, time_scale=scaled["time_scale"], span_s=scaled["span_s"])
-            (args.out_dir / "calibration.json").write_text(json.dumps(capacity, indent=2) + "\n")
+            capacity.update(load=args.load, time_scale=scaled["time_scale"], span_s=scaled["span_s"], trace=scaled)
+            # where it came from: the probe's own provenance, this script's command first
+            prov = dict(capacity.pop("provenance"))
+            prov["commands"] = [" ".join([".venv/bin/python benchmarks/trace_replay.py", *sys.argv[1:]]),
+                                *prov.get("commands", [])]
+            (args.out_dir / "calibration.json").write_text(json.dumps({"provenance": prov, **capacity}, indent=2)
+                                                           + "\n")
             print(f"calibrated: {capacity['tokens_per_s']:.1f} input tokens/s measured; at load {args.load} the "
                   f"trace's time x{scaled['time_scale']:.4g}, {scaled['written']} requests over {scaled['span_s']} s")
             return [replay(scaled)]
@@ -253,11 +258,13 @@ def probe(args: argparse.Namespace, work: Path, yrpd, meta: dict) -> dict | None
     if len(new) != 1:
         print(f"trace_replay.py: the probe left {len(new)} reports, not one", file=sys.stderr)
         return None
-    metrics = json.loads(new[0].read_text())["targets"]["pd"]["metrics"]
+    doc = json.loads(new[0].read_text())
+    metrics = doc["targets"]["pd"]["metrics"]
     if metrics.get("failed") or not metrics.get("duration"):
         print(f"trace_replay.py: the probe failed ({metrics.get('failed')} requests failed)", file=sys.stderr)
         return None
-    return {"tokens_per_s": metrics["total_input_tokens"] / metrics["duration"], "probe_report": new[0].parent.name,
+    return {"provenance": doc["provenance"],
+            "tokens_per_s": metrics["total_input_tokens"] / metrics["duration"], "probe_report": new[0].parent.name,
             "probe": {"prompts": PROBE_PROMPTS, "concurrency": PROBE_CONCURRENCY, "input_len": mean_in,
                       "output_len": mean_out, "duration_s": round(metrics["duration"], 2),
                       "total_input_tokens": metrics["total_input_tokens"],
