@@ -331,10 +331,10 @@ def drain_host(deployment: Deployment, host: str, *, drain_timeout_s: float = DR
     session.journal(event="drain host", host=host)
     # what is wanted: every instance off the cordoned hosts, one fewer of a role for each that has no room elsewhere
     fewer = rollout.counts_of([i for i in moving if not replaced[i.name]])
-    wanted = spec.model_copy(update={role: n - fewer[role] for role, n in rollout.counts(deployment.plan).items()})
+    left = {role: n - fewer[role] for role, n in rollout.counts(deployment.plan).items()}
+    wanted = spec.model_copy(update=left)
     warnings = [f"{inst.name} stopped without a replacement (no free devices elsewhere): {inst.role} runs "
-                f"{rollout.counts(deployment.plan)[inst.role] - fewer[inst.role]} instances until `yrpd undrain {host}`"
-                for inst in moving if not replaced[inst.name]]
+                f"{left[inst.role]} instances until `yrpd undrain {host}`" for inst in moving if not replaced[inst.name]]
     hands = _reconciled(deployment, Desired(wanted, tuple(cordoned), evacuate=(host,)), progress, drain_timeout_s)
     for warning in warnings:
         progress.message(warning)

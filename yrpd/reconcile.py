@@ -29,11 +29,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from yrpd.placement import InstancePlan, Plan
+from yrpd import rollout
+from yrpd.placement import Plan
 from yrpd.spec import DeploySpec
 from yrpd.tags import InstanceState as S
 
-ROLES = ("prefill", "decode")
+ROLES = rollout.COUNT_FIELDS
 
 #: every allowed move of an instance's life
 TRANSITIONS: dict[S, frozenset[S]] = {
@@ -153,14 +154,6 @@ def _start(counts: Mapping[str, int]) -> Start:
     return Start(tuple((role, counts[role]) for role in ROLES if counts.get(role, 0) > 0))
 
 
-def stale(plan: Plan, desired: Desired) -> list[InstancePlan]:
-    """The instances to replace, prefill first: started with other settings than the spec gives them, or on a host
-    being evacuated."""
-    spec, leaving = desired.spec, set(desired.evacuate)
-    return sorted((i for i in plan.instances if i.config != spec.instance_config(i.role) or leaving & set(i.hosts)),
-                  key=lambda i: (i.role != "prefill", i.index))
-
-
 def next_step(desired: Desired, observed: Observed) -> Step | None:
     """The next step towards `desired` from `observed` (None: they agree)."""
     spec, plan = desired.spec, observed.plan
@@ -171,9 +164,9 @@ def next_step(desired: Desired, observed: Observed) -> Step | None:
     down = tuple(i.name for i in plan.instances if i.name in observed.down)
     if down:
         return Restart(down)
-    counts = {role: sum(1 for i in plan.instances if i.role == role) for role in ROLES}
+    counts = rollout.counts(plan)
     want = {role: getattr(spec, role) for role in ROLES}
-    old = stale(plan, desired)
+    old = rollout.stale(plan, spec, desired.evacuate)
     if old:
         # the roll's own counts: the spec's may differ (a change that also scales), which step 4 then takes
         base = {**want, **dict(desired.roll_counts or ())}

@@ -89,9 +89,11 @@ def joined_hosts(old: DeploySpec, new: DeploySpec) -> list[str]:
     return [h.name for h in new.hosts[len(before):]]
 
 
-def stale(plan: Plan, spec: DeploySpec) -> list[InstancePlan]:
-    """The instances of `plan` started with other settings than `spec` gives them, prefill first."""
-    return sorted((i for i in plan.instances if i.config != spec.instance_config(i.role)),
+def stale(plan: Plan, spec: DeploySpec, evacuate=()) -> list[InstancePlan]:
+    """The instances of `plan` started with other settings than `spec` gives them, or on a host of `evacuate` (a
+    drain's), prefill first."""
+    leaving = set(evacuate)
+    return sorted((i for i in plan.instances if i.config != spec.instance_config(i.role) or leaving & set(i.hosts)),
                   key=lambda i: (i.role != "prefill", i.index))
 
 
