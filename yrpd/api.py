@@ -15,21 +15,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from yrpd import credentials, live, rollout
+from yrpd import live, rollout
 from yrpd.containers import container_name, container_profile
-from yrpd.deployment import Deployment, drained_hosts, host_group, resolve_inventory, runtime_group, save_deployment
+from yrpd.deployment import Deployment, drained_hosts, host_group, resolve_inventory
 from yrpd.errors import SessionError, SpecError
 from yrpd.exposure import exposure
 from yrpd.hostgroup import Command, GroupResult, SshOptions, as_run_in, env_preamble
-# changing a running deployment lives in yrpd.live; the library's callers find it here with the rest
-from yrpd.live import DRAIN_TIMEOUT_S, Changed, change, drain_host, run_planner, scale, undrain_host  # noqa: F401
+# changing a running deployment, and tearing it down, live in yrpd.live; the library's callers find them here
+from yrpd.live import (DRAIN_TIMEOUT_S, Changed, Down, change, down, drain_host, run_planner, scale,  # noqa: F401
+                       undrain_host)
 from yrpd.logtail import LogLine, TailSplitter, grep_lines, grep_script, in_time_order, tail_script
 from yrpd.placement import HostInventory, Plan, make_plan
-from yrpd.playbook import PlaybookFailed, PlannedStep, StepFailed, StepOutcome, describe
-from yrpd.runner import Progress, Quiet, named_playbook, run_playbook
+from yrpd.playbook import PlannedStep, StepOutcome, describe
+from yrpd.runner import Progress, Quiet, named_playbook
 from yrpd.session import Session, SessionPhase, SessionStore, default_root, resolve_root
 from yrpd.serving import endpoint_url
 from yrpd.spec import DeploySpec, Runtime, stored_spec
+from yrpd.reconcile import Desired, reconcile
 from yrpd.status import StatusReport, collect_status
 from yrpd.steps import NotNeeded, RunOptions, StepContext, proxy, spec_fingerprint
 
@@ -139,66 +141,41 @@ def check_container_actions(spec: DeploySpec, actions: ContainerActions | None) 
 def deploy(spec: DeploySpec, *, playbook_file: str | Path | None = None, new_session: bool = False,
            actions: ContainerActions | None = None, progress: Progress | None = None,
            max_unavailable: int | None = None, drain_timeout_s: float = live.DRAIN_TIMEOUT_S) -> Deployed:
-    """Deploy the spec, or resume the latest session if it has the same spec, or change the latest session to it
-    while it serves (yrpd.live.change: a rolling change; `actions.recreate`: down, then deploy anew, for what cannot
-    roll). Raises StepFailed with the step and every host's result (the session is then `failed`: the same call
-    resumes it)."""
+    """Bring the hosts to the spec: deploy it, or resume the latest session if it has the same spec (the deploy
+    playbook's checks skip what holds and start what died), or change the latest session to it while it serves
+    (yrpd.live.change: a rolling change; `actions.recreate`: down, then deploy anew, for what cannot roll). It only
+    says what it wants (yrpd.reconcile.Desired); the reconciler takes the steps. Raises StepFailed with the step and
+    every host's result (the session is then `failed`: the same call resumes it)."""
     progress = progress or Quiet()
     if spec.runtime is not Runtime.auto:  # auto: checked once resolved, before any host is changed
         actions = check_container_actions(spec, actions)
     actions = actions or ContainerActions()
     started = time.monotonic()
-    playbook = named_playbook(playbook_file)
     store = SessionStore(resolve_root(spec.session_root))
     with host_group(spec) as group:
         inventory = resolve_inventory(spec, group, deploying=True)
         spec = with_runtime(spec, inventory)  # before the session lookup: a session holds the resolved spec
         actions = check_container_actions(spec, actions)
         session, running = (None, None) if new_session else latest_up(store, spec)
-        if running is not None and not same_deployment(running, spec):
-            if not actions.recreate:
-                changed = live.change(running, spec, max_unavailable=max_unavailable,
-                                      drain_timeout_s=drain_timeout_s, progress=progress, inventory=inventory)
-                endpoint = endpoint_url(spec, changed.deployment.plan) + "/v1"
-                return Deployed(changed.session, changed.deployment, endpoint, True, time.monotonic() - started,
-                                changes=changed.lines)
-            progress.message(f"--recreate: tearing session {running.session.id} down first (requests fail until "
-                             "the new one serves)")
-            down(running, progress=progress)
-            session, running = None, None
-        resumed = session is not None
-        # a resumed deployment keeps its instances where they run (a change may have moved them)
-        placement = make_plan(spec, inventory, keep=running.plan.instances if running else (),
-                              cordoned=drained_hosts(session) if session else ())
-        # runtime docker: the wheels the containers get from here, downloaded before any host is changed
-        from yrpd.steps.brought import prepare
-
-        prepare(StepContext(spec=spec, plan=placement))
-        if session is None:
-            session = store.create()
-            progress.message(f"session {session.id} ({session.path})")
-        else:
-            progress.message(f"resuming session {session.id}: finished steps are skipped")
-        save_deployment(session, spec, inventory, placement)
-        session.set_state(SessionPhase.deploying, playbook=str(playbook_file or "deploy"))
-        master = next(h for h in placement.hosts if h.is_master)
-        secrets = credentials.ensure(session.path, spec.proxy_key(), etcd_ips=[master.reach_ip])
-        ctx = StepContext(spec=spec, plan=placement, session_id=session.id,
-                          options=RunOptions(recreate=actions.recreate, pull=actions.pull, secrets_dir=str(secrets)))
-        try:
-            outcomes = run_playbook(playbook, runtime_group(group, spec, session.id), ctx, session, progress)
-        except StepFailed as failure:
-            session.set_state(SessionPhase.failed, failed_step=failure.step.name)
-            failure.args = (f"{failure}\nfix the cause and run the same `yrpd deploy` again to resume session "
-                            f"{session.id} (finished steps are skipped), or `yrpd down` to remove what was started",)
-            raise
-    # the whole playbook ran on every host: every instance of the plan serves (no change left one down)
-    session.set_state(SessionPhase.deployed, failed_step=None, joining=None, instances={})
+        changing = running is not None and not same_deployment(running, spec)
+        if changing and not actions.recreate:
+            changed = live.change(running, spec, max_unavailable=max_unavailable,
+                                  drain_timeout_s=drain_timeout_s, progress=progress, inventory=inventory)
+            endpoint = endpoint_url(spec, changed.deployment.plan) + "/v1"
+            return Deployed(changed.session, changed.deployment, endpoint, True, time.monotonic() - started,
+                            changes=changed.lines)
+        desired = Desired(spec, cordoned=tuple(drained_hosts(session)) if session and not changing else (),
+                          whole=True, anew=changing)
+        hands = live.Hands(desired, group, progress, deployment=running, session=session, store=store,
+                           inventory=inventory, playbook_file=playbook_file,
+                           options=RunOptions(recreate=actions.recreate, pull=actions.pull))
+        reconcile(desired, hands.observe, hands.act)
+    deployment = hands.now
     endpoint = None
-    if any(step.function is proxy.start for step in playbook.steps):
-        endpoint = endpoint_url(spec, placement) + "/v1"
-    return Deployed(session, Deployment(session, spec, inventory, placement), endpoint, resumed,
-                    time.monotonic() - started, outcomes)
+    if any(step.function is proxy.start for step in named_playbook(playbook_file).steps):
+        endpoint = endpoint_url(spec, deployment.plan) + "/v1"
+    return Deployed(deployment.session, deployment, endpoint, not hands.new, time.monotonic() - started,
+                    hands.outcomes)
 
 
 def same_deployment(running: Deployment, spec: DeploySpec) -> bool:
@@ -258,35 +235,6 @@ def open_deployment(session_id: str | None = None, ssh: SshOptions | dict | None
 
 def status(deployment: Deployment) -> StatusReport:
     return collect_status(deployment)
-
-
-@dataclass
-class Down:
-    session: Session
-    hosts: list[str]
-    seconds: float
-    was_down: bool  # it had been torn down before: this was a check again
-
-
-def down(deployment: Deployment, *, purge: bool = False, progress: Progress | None = None) -> Down:
-    """Run the teardown on every host and prove nothing of the session is left; raises PlaybookFailed naming
-    every host that still holds something (the session is then `down-failed`: the same call retries)."""
-    progress = progress or Quiet()
-    started = time.monotonic()
-    session = deployment.session
-    was_down = session.phase is SessionPhase.down
-    playbook = named_playbook(None, "teardown")
-    # docker runtime: a container that is gone or stopped has nothing of the session running in it
-    with deployment.group(absent_ok=True) as group:
-        try:
-            run_playbook(playbook, group, deployment.context(RunOptions(purge=purge)), session, progress, keep_going=True)
-        except PlaybookFailed as failure:
-            session.set_state(SessionPhase.down_failed)
-            failure.args = (f"{failure}\nfix the cause (or bring the host back) and run `yrpd down` again",)
-            raise
-    credentials.remove(session.path)  # the hosts' copies went with the teardown
-    session.set_state(SessionPhase.down, purged=purge)
-    return Down(session, [h.name for h in deployment.plan.hosts], time.monotonic() - started, was_down)
 
 
 def logs(deployment: Deployment, emit: Callable[[str, str, str], None], *, name: str | None = None,

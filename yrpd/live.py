@@ -1,11 +1,15 @@
-"""Changing a running deployment without failing a request: scale, rolling spec changes, host maintenance.
+"""The reconciler's hands, and the commands that change a deployment without failing a request: scale, rolling spec
+changes, host maintenance, the planner's loop.
 
-Each command here says what it wants (yrpd.reconcile.Desired: the spec, the hosts no new instance goes to, how many
-instances a roll may take down) and the reconciler takes the steps from what runs to that; `_Hands` carries each
-out on the hosts. *Join* and *start* run the deploy playbook on a plan with the new hosts or more instances (each
-added instance starts, answers /health and reaches the data system before the membership file the proxy reads names
-it; what runs already is skipped by the steps' checks); *retire* marks instances draining in that file (no new
-request goes there), waits until their requests in flight have ended, leaves them out, then stops them. The session
+Each command here (and `yrpd deploy`, in yrpd.api) says what it wants (yrpd.reconcile.Desired: the spec, the hosts no
+new instance goes to, how many instances a roll may take down, whether the whole deploy playbook must be checked) and
+the reconciler takes the steps from what runs to that; `Hands` carries each out on the hosts. *Bring up* runs the
+deploy playbook on every host (a first deploy, a resume: each step's check skips what holds); *join* and *start* run
+it on a plan with the new hosts or more instances (each added instance starts, answers /health and reaches the data
+system before the membership file the proxy reads names it); *retire* marks instances draining in that file (no new
+request goes there), waits until their requests in flight have ended, leaves them out, then stops them; *tear down*
+runs the teardown playbook. Before each step of a live change the hands look at the hosts' processes: an instance
+that died beyond its supervisor's reach (a container gone, a host rebuilt) is started again first. The session
 stores the spec and plan after each step, its journal every step and each instance's InstanceState, so a change
 that fails half-way is resumed by running the same command again, and `yrpd down` always knows everything that runs.
 """
@@ -16,18 +20,21 @@ import json
 import re
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from yrpd import credentials, planner, rollout
-from yrpd.reconcile import DOWN, Desired, Join, Lifecycle, Observed, Restart, Retire, Start, Step, reconcile
+from yrpd.reconcile import (DOWN, BringUp, Desired, Join, Lifecycle, Observed, Restart, Retire, Start, Step, TearDown,
+                            reconcile)
 from yrpd.deployment import Deployment, drained_hosts, host_group, resolve_inventory, runtime_group, save_deployment
 from yrpd.errors import SpecError
-from yrpd.hostgroup import GroupFailure
-from yrpd.placement import Plan
-from yrpd.playbook import StepFailed
+from yrpd.hostgroup import GroupFailure, HostGroup
+from yrpd.placement import Plan, make_plan
+from yrpd.playbook import PlaybookFailed, StepFailed
 from yrpd.runner import Progress, Quiet, named_playbook, run_on, run_playbook
-from yrpd.session import Session, SessionPhase
+from yrpd.session import Session, SessionPhase, SessionStore
+from yrpd.status import dead_instances
+from yrpd.steps.brought import prepare
 from yrpd.tags import InstanceState
 from yrpd.spec import DeploySpec, HostSpec
 from yrpd.steps import RunOptions, StepContext, host_python, processes, proxy
@@ -50,31 +57,71 @@ class Changed:
     warnings: list[str] = field(default_factory=list)
 
 
-class _Hands:
-    """Carries the reconciler's steps out on the hosts, on a deployment that advances with each; what it observes is
-    that deployment as stored and the session's unfinished joins."""
+class Hands:
+    """Carries the reconciler's steps out on the hosts, on a deployment that advances with each. What it observes:
+    that deployment as its session stores it (None before a first deploy has a plan), the session's unfinished
+    joins and each instance's InstanceState, and, with `look`, the hosts' own word on which instances died beyond
+    their supervisors' reach (yrpd.status.dead_instances)."""
 
-    def __init__(self, deployment: Deployment, hosts, progress: Progress, drain_timeout_s: float,
-                 desired: Desired):
-        self.now, self.hosts, self.progress, self.drain_timeout_s = deployment, hosts, progress, drain_timeout_s
-        self.desired = desired
+    def __init__(self, desired: Desired, group: HostGroup, progress: Progress, *,
+                 deployment: Deployment | None = None, session: Session | None = None,
+                 store: SessionStore | None = None, inventory: dict | None = None, playbook_file: str | None = None,
+                 options: RunOptions | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S, look: bool = False):
+        self.desired, self.group, self.progress, self.drain_timeout_s = desired, group, progress, drain_timeout_s
+        self.now = deployment
+        self._session = session or (deployment.session if deployment else None)
+        self.store, self.playbook_file, self.options, self.look = store, playbook_file, options or RunOptions(), look
+        self.inventory = inventory if inventory is not None else deployment.inventory
+        self.new = self.checked = False
+        self.outcomes: list = []
         self.added: list[str] = []
         self.removed: list[str] = []
-        session = deployment.session
-        self.life = Lifecycle(session.state.get("instances") or {}, save=lambda states: session.set_state(
-            instances=states))
+        self.restarted: list[str] = []
+        self._views: dict[str, HostGroup] = {}
 
     @property
-    def session(self):
-        return self.now.session
+    def session(self) -> Session:
+        return self._session
+
+    @property
+    def life(self) -> Lifecycle:
+        session = self._session
+        return Lifecycle(session.state.get("instances") or {},
+                         save=lambda states: session.set_state(instances=states))
+
+    @property
+    def hosts(self) -> HostGroup:
+        """The group as the session's steps see it (in its containers under the docker runtime)."""
+        sid = self._session.id
+        if sid not in self._views:
+            self._views[sid] = runtime_group(self.group, self.desired.spec, sid)
+        return self._views[sid]
 
     def observe(self) -> Observed:
-        down = frozenset(i.name for i in self.now.plan.instances if self.life.state(i.name) in DOWN)
-        return Observed(self.now.plan, joining=tuple(self.session.state.get("joining") or ()), down=down)
+        if self.now is None:
+            return Observed(None, new=self.new)
+        up = self.session.phase is SessionPhase.deployed
+        if self.look and up:
+            life = self.life
+            dead = dead_instances(self.now, self.hosts.subset([h.name for h in self.now.plan.hosts]))
+            found = [name for name in dead if life.state(name) is InstanceState.serving]
+            if found:
+                self.session.journal(event="found dead", instances=found)
+                self.progress.message(f"{', '.join(found)} found dead on {'its host' if len(found) == 1 else 'their hosts'}"
+                                      " (nothing restarts it there): started again first")
+                life.move(found, InstanceState.dead)
+        life = self.life
+        down = frozenset(i.name for i in self.now.plan.instances if life.state(i.name) in DOWN)
+        return Observed(self.now.plan, joining=tuple(self.session.state.get("joining") or ()), down=down, up=up,
+                        checked=self.checked, new=self.new)
 
     def act(self, step: Step) -> None:
         spec = self.desired.spec
-        if isinstance(step, Join):
+        if isinstance(step, TearDown):
+            self._tear_down()
+        elif isinstance(step, BringUp):
+            self._bring_up(spec)
+        elif isinstance(step, Join):
             self._start(spec, {}, joining=list(step.hosts))
         elif isinstance(step, Start):
             self._start(spec, step.counts)
@@ -87,6 +134,43 @@ class _Hands:
 
     def _master(self, plan: Plan):
         return next(h for h in plan.hosts if h.is_master)
+
+    def _tear_down(self) -> None:
+        self.progress.message(f"--recreate: tearing session {self.session.id} down first (requests fail until the "
+                              "new one serves)")
+        down(self.now, progress=self.progress)
+        self.now = self._session = None
+
+    def _bring_up(self, spec: DeploySpec) -> None:
+        """The deploy playbook on every host of the spec's plan: what runs keeps its place (a change may have moved
+        it); a session is created where there is none, else resumed (finished steps are skipped)."""
+        placement = make_plan(spec, self.inventory, keep=self.now.plan.instances if self.now else (),
+                              cordoned=self.desired.cordoned)
+        # runtime docker: the wheels the containers get from here, downloaded before any host is changed
+        prepare(StepContext(spec=spec, plan=placement))
+        if self._session is None:
+            self._session, self.new = self.store.create(), True
+            self.progress.message(f"session {self.session.id} ({self.session.path})")
+        else:
+            self.progress.message(f"resuming session {self.session.id}: finished steps are skipped")
+        session = self.session
+        save_deployment(session, spec, self.inventory, placement)
+        session.set_state(SessionPhase.deploying, playbook=str(self.playbook_file or "deploy"))
+        self.now = Deployment(session, spec, self.inventory, placement)
+        master = self._master(placement)
+        secrets = credentials.ensure(session.path, spec.proxy_key(), etcd_ips=[master.reach_ip])
+        ctx = StepContext(spec=spec, plan=placement, session_id=session.id,
+                          options=replace(self.options, secrets_dir=str(secrets)))
+        try:
+            self.outcomes = run_playbook(named_playbook(self.playbook_file), self.hosts, ctx, session, self.progress)
+        except StepFailed as failure:
+            session.set_state(SessionPhase.failed, failed_step=failure.step.name)
+            failure.args = (f"{failure}\nfix the cause and run the same `yrpd deploy` again to resume session "
+                            f"{session.id} (finished steps are skipped), or `yrpd down` to remove what was started",)
+            raise
+        # the whole playbook ran on every host: every instance of the plan serves (no change left one down)
+        session.set_state(SessionPhase.deployed, failed_step=None, joining=None, instances={})
+        self.checked = True
 
     def _start(self, spec: DeploySpec, add: dict[str, int], joining: list[str] = (), again: list[str] = ()) -> None:
         """Start `add` more instances per role, of `spec`'s settings, on free devices of hosts not cordoned; with
@@ -124,6 +208,7 @@ class _Hands:
                                 "same command again to go on with the change",)
             raise
         self.life.move(names_all, InstanceState.serving)
+        self.restarted += list(again)
         if self.session.state.get("joining"):
             self.session.set_state(joining=None)  # the playbook ran on every host of the plan: each has joined
         self.now = after
@@ -175,13 +260,44 @@ class _Hands:
         self.removed += names
 
 
-def _reconciled(deployment: Deployment, desired: Desired, progress: Progress, drain_timeout_s: float) -> _Hands:
-    """What runs brought to `desired`, step by step on the hosts."""
+
+def _reconciled(deployment: Deployment, desired: Desired, progress: Progress, drain_timeout_s: float,
+                only: tuple[type, ...] | None = None) -> Hands:
+    """What runs brought to `desired`, step by step on the hosts; those that died beyond their supervisors' reach are
+    started again first."""
     with host_group(desired.spec) as group:
-        hands = _Hands(deployment, runtime_group(group, desired.spec, deployment.session.id), progress,
-                       drain_timeout_s, desired)
-        reconcile(desired, hands.observe, hands.act)
+        hands = Hands(desired, group, progress, deployment=deployment, drain_timeout_s=drain_timeout_s, look=True)
+        reconcile(desired, hands.observe, hands.act, only=only)
     return hands
+
+
+@dataclass
+class Down:
+    session: Session
+    hosts: list[str]
+    seconds: float
+    was_down: bool  # it had been torn down before: this was a check again
+
+
+def down(deployment: Deployment, *, purge: bool = False, progress: Progress | None = None) -> Down:
+    """Run the teardown on every host and prove nothing of the session is left; raises PlaybookFailed naming
+    every host that still holds something (the session is then `down-failed`: the same call retries)."""
+    progress = progress or Quiet()
+    started = time.monotonic()
+    session = deployment.session
+    was_down = session.phase is SessionPhase.down
+    playbook = named_playbook(None, "teardown")
+    # docker runtime: a container that is gone or stopped has nothing of the session running in it
+    with deployment.group(absent_ok=True) as group:
+        try:
+            run_playbook(playbook, group, deployment.context(RunOptions(purge=purge)), session, progress, keep_going=True)
+        except PlaybookFailed as failure:
+            session.set_state(SessionPhase.down_failed)
+            failure.args = (f"{failure}\nfix the cause (or bring the host back) and run `yrpd down` again",)
+            raise
+    credentials.remove(session.path)  # the hosts' copies went with the teardown
+    session.set_state(SessionPhase.down, purged=purge)
+    return Down(session, [h.name for h in deployment.plan.hosts], time.monotonic() - started, was_down)
 
 
 def _check_live(deployment: Deployment, what: str) -> None:
@@ -378,6 +494,15 @@ def _reloaded(deployment: Deployment) -> Deployment:
     return again
 
 
+def heal(deployment: Deployment, *, progress: Progress | None = None) -> list[str]:
+    """Start again the instances that died beyond their supervisors' reach (a container gone, a host rebuilt,
+    restarts given up), found on the hosts: the reconciler at what the session stores, restarts only (a change
+    another command has in flight is that command's). The names started again."""
+    deployment = _reloaded(deployment)
+    desired = Desired(deployment.spec, tuple(drained_hosts(deployment.session)))
+    return _reconciled(deployment, desired, progress or Quiet(), DRAIN_TIMEOUT_S, only=(Restart,)).restarted
+
+
 def proxy_status(url: str, window_s: float) -> dict:
     """The proxy's /yrpd/status with latency over the last `window_s` seconds, fetched from where yrpd runs."""
     with urllib.request.urlopen(f"{url}/yrpd/status?window={window_s:g}", timeout=10) as resp:
@@ -436,5 +561,7 @@ def run_planner(deployment: Deployment, *, seconds: float | None = None, progres
             spec = DeploySpec.model_validate({**deployment.spec.model_dump(mode="json"), **target}).check()
             deployment = change(deployment, spec, progress=progress, what="planner").deployment
             last_change = clock()
+        else:
+            heal(deployment, progress=progress)
         sleep(settings.interval_s)
     return decisions

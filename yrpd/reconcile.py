@@ -1,24 +1,27 @@
-"""One reconciler for every change to a running deployment: a desired state (the spec, the hosts no new instance
-goes to, how many instances a roll may take down at once) against what runs, and the next step that brings one
-closer to the other.
+"""One reconciler for every change to a deployment, its first deploy included: a desired state (the spec, the hosts
+no new instance goes to, how many instances a roll may take down at once, whether every step of the deploy playbook
+must be checked) against what runs, and the next step that brings one closer to the other.
 
-`next_step` is pure: given `Desired` and `Observed` it names one `Step` (join hosts, start instances, retire
-instances, start again those that are down) or None once they agree. `reconcile` asks for a step, has it carried out,
-observes again and repeats; yrpd.live carries steps out on the hosts, tests on scripted hosts. Deploy, scale, drain,
-undrain and the planner only say what they want (`Desired`).
+`next_step` is pure: given `Desired` and `Observed` it names one `Step` or None once they agree. `reconcile` asks
+for a step, has it carried out, observes again and repeats; yrpd.live carries steps out on the hosts, tests on
+scripted hosts. Deploy, scale, drain, undrain and the planner only say what they want (`Desired`).
 
 The order it takes, one step at a time:
-1. hosts the spec names and the deployment lacks join the cluster (before anything may be placed there);
-2. instances that are down (a start that failed or was cut short, or found dead) start again where they were, before
-   anything drains;
-3. stale instances (started with other settings than the spec's, or on a host being evacuated) are replaced, prefill
+1. `anew` (a change that cannot roll, deployed with --recreate): what runs is torn down first (`TearDown`);
+2. nothing placed yet, a deploy that stopped half-way, or `whole` not yet checked in this command: the deploy
+   playbook runs on every host of the spec's plan (`BringUp`; its per-step checks are what observes the hosts there,
+   so what holds is skipped and what died is started again);
+3. hosts the spec names and the deployment lacks join the cluster (before anything may be placed there);
+4. instances that are down (a start that failed or was cut short, or found dead on their hosts) start again where
+   they were, before anything drains;
+5. stale instances (started with other settings than the spec's, or on a host being evacuated) are replaced, prefill
    first, at the counts `roll_counts` gives (the running ones, when the change began: a roll never needs room for
    more than one instance beyond what ran, nor leaves a role short while it also scales down): where
    `max_unavailable` is 0 a new one starts before an old one drains (for a model change a new prefill and decode at
    once, since the proxy never pairs two models), else up to `max_unavailable` old ones drain first and their
    replacements start after. Where the spec wants fewer than run (a drain that finds no room for a replacement),
    old ones retire without one;
-4. counts: the highest-indexed instances beyond the spec's counts retire, then what is missing starts.
+6. counts: the highest-indexed instances beyond the spec's counts retire, then what is missing starts.
 
 Each instance's life is in InstanceState (yrpd/tags.py) with the allowed moves in TRANSITIONS; `Lifecycle` keeps
 them and refuses any other move, loudly: an illegal move is a bug in the reconciler or what carries its steps out.
@@ -97,17 +100,30 @@ class Desired:
     max_unavailable: int = 0
     #: the counts per role a roll is taken at, the spec's after it (None: the spec's throughout)
     roll_counts: tuple[tuple[str, int], ...] | None = None
+    #: every step of the deploy playbook holds on every host (`yrpd deploy` of a spec that changes nothing that
+    #: runs): only the playbook's own checks can say so, so it runs once in the command that asks
+    whole: bool = False
+    #: what runs goes first and the spec deploys in a new session (`yrpd deploy --recreate`: a change that cannot
+    #: roll)
+    anew: bool = False
 
 
 @dataclass(frozen=True)
 class Observed:
     """What runs, as the hosts and the session say."""
 
-    plan: Plan
+    #: None: nothing is placed (no session, or one that stopped before it had a plan)
+    plan: Plan | None
     #: hosts that began to join and did not finish (the session remembers them)
     joining: tuple[str, ...] = ()
     #: instances that should serve and do not (DOWN: a start that failed or was cut short, found dead)
     down: frozenset[str] = frozenset()
+    #: the deploy playbook ran to its end on `plan` (False: it stopped half-way, the session says)
+    up: bool = True
+    #: it did so in this command, on every host of the plan
+    checked: bool = False
+    #: the session is this command's own: nothing of it ran before the command began
+    new: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,7 +163,19 @@ class Restart:
         return f"start {', '.join(self.names)} again"
 
 
-Step = Join | Start | Retire | Restart
+@dataclass(frozen=True)
+class BringUp:
+    def line(self) -> str:
+        return "run the deploy playbook on every host (each step's check skips what holds)"
+
+
+@dataclass(frozen=True)
+class TearDown:
+    def line(self) -> str:
+        return "tear what runs down (requests fail until the new session serves)"
+
+
+Step = TearDown | BringUp | Join | Start | Retire | Restart
 
 
 def _start(counts: Mapping[str, int]) -> Start:
@@ -157,6 +185,10 @@ def _start(counts: Mapping[str, int]) -> Start:
 def next_step(desired: Desired, observed: Observed) -> Step | None:
     """The next step towards `desired` from `observed` (None: they agree)."""
     spec, plan = desired.spec, observed.plan
+    if desired.anew and plan is not None and not observed.new:
+        return TearDown()
+    if plan is None or not observed.up or (desired.whole and not observed.checked):
+        return BringUp()
     have = {h.name for h in plan.hosts}
     joining = tuple(dict.fromkeys([*observed.joining, *(h.name for h in spec.hosts if h.name not in have)]))
     if joining:
@@ -198,12 +230,15 @@ def next_step(desired: Desired, observed: Observed) -> Step | None:
 
 
 def reconcile(desired: Desired, observe: Callable[[], Observed], act: Callable[[Step], None],
-              limit: int = 200) -> list[Step]:
-    """Take steps until what runs is what is desired; the steps taken. A step that leaves the observed state as it
-    was, or more than `limit` steps, is a bug: it raises rather than loop."""
+              limit: int = 200, only: tuple[type, ...] | None = None) -> list[Step]:
+    """Take steps until what runs is what is desired (with `only`: until the next step is of another kind); the
+    steps taken. A step that leaves the observed state as it was, or more than `limit` steps, is a bug: it raises
+    rather than loop."""
     taken: list[Step] = []
     seen = None
     while (step := next_step(desired, now := observe())) is not None:
+        if only is not None and not isinstance(step, only):
+            break
         if len(taken) >= limit or (taken and step == taken[-1] and now == seen):
             raise RuntimeError(f"the reconciler does not converge: {step.line()} again after {len(taken)} steps "
                                f"({'; '.join(s.line() for s in taken[-5:])})")

@@ -235,6 +235,36 @@ def collect_status(deployment: Deployment) -> StatusReport:
     return judge(deployment, dict(results), with_cluster)
 
 
+def dead_instances(deployment: Deployment, group) -> frozenset[str]:
+    """The plan's instances whose process on their head host neither runs nor is being restarted: its supervisor gave
+    up (restart's bound), or went with it (a container gone, a host rebuilt). What the reconciler of a live change or
+    the planner starts again; `group` reaches the plan's hosts as its steps do. A host that does not answer says
+    nothing (nothing could be started there either)."""
+    ctx = deployment.context()
+    by_name = {h.name: h for h in deployment.plan.hosts}
+    results = group.run(lambda host: host_python_parts({"processes": processes.status_call(ctx, by_name[host.name])}))
+    return dead_in(deployment, dict(results))
+
+
+def dead_in(deployment: Deployment, results: dict[str, HostResult]) -> frozenset[str]:
+    """dead_instances from each host's answer (pure)."""
+    seen: dict[tuple[str, str], ProcessStatus] = {}
+    answered = set()
+    for host, result in results.items():
+        if not result.ok:
+            continue
+        try:
+            own = parse_answer(result.stdout)["processes"]
+        except (StopIteration, ValueError, KeyError, TypeError):
+            continue
+        answered.add(host)
+        for proc in own["processes"]:
+            seen[(host, proc["name"])] = ProcessStatus(host=host, **proc)
+    gone = (Condition.dead, Condition.failed)
+    return frozenset(i.name for i in deployment.plan.instances if i.host in answered
+                     and ((i.host, i.name) not in seen or seen[(i.host, i.name)].condition in gone))
+
+
 # -- judging (pure) ------------------------------------------------------------------------------------
 
 def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: bool) -> StatusReport:

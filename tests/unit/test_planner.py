@@ -117,6 +117,8 @@ def test_the_loop_acts_once_then_cools_down_and_records_every_decision(tmp_path,
         return live.Changed(d.session, [], [], 1.0, Deployment(d.session, spec, d.inventory, plan))
 
     monkeypatch.setattr(live, "change", change)
+    healed: list[float] = []  # the reconciler's restarts-only pass (tests/unit/test_scale.py runs it on hosts)
+    monkeypatch.setattr(live, "heal", lambda d, **kw: healed.append(now[0]) or [])
 
     def sleep(s):
         now[0] += s
@@ -124,6 +126,7 @@ def test_the_loop_acts_once_then_cools_down_and_records_every_decision(tmp_path,
     decisions = live.run_planner(deployment, seconds=30, fetch=fetch, sleep=sleep, clock=lambda: now[0])
     assert [d.action for d in decisions] == [Action.hold, Action.add, Action.hold, Action.hold, Action.hold,
                                              Action.hold]
+    assert len(healed) == 5  # at each look that changed nothing: what died beyond its supervisor comes back
     assert changed == [{"prefill": 2, "decode": 1}]  # once: then it cools down
     assert decisions[2].reason.startswith("cooling down")
     state = Session(deployment.session.path).state["planner"]

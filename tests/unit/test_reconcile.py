@@ -10,8 +10,8 @@ import pytest
 
 from yrpd import rollout
 from yrpd.placement import HostInventory, Plan, make_plan
-from yrpd.reconcile import (TRANSITIONS, Desired, IllegalTransition, Join, Lifecycle, Observed, Restart, Retire, Start,
-                            next_step, reconcile)
+from yrpd.reconcile import (TRANSITIONS, BringUp, Desired, IllegalTransition, Join, Lifecycle, Observed, Restart,
+                            Retire, Start, TearDown, next_step, reconcile)
 from yrpd.spec import DeviceKind, build_spec
 from yrpd.tags import InstanceState
 
@@ -70,18 +70,28 @@ class Cluster:
     """What runs, changed only by the steps it is given, as hosts would carry them out (placement as yrpd.live
     places: rollout.replan)."""
 
-    def __init__(self, plan: Plan, inv, desired: Desired):
-        self.plan, self.inv, self.desired = plan, inv, desired
+    def __init__(self, plan: Plan | None, inv, desired: Desired, up: bool = True):
+        self.plan, self.inv, self.desired, self.up = plan, inv, desired, up
         self.down: set[str] = set()
         self.joining: tuple[str, ...] = ()
         self.taken: list[str] = []
+        self.checked = self.new = False
+        self.sessions = 1 if plan is not None else 0
 
     def observe(self) -> Observed:
-        return Observed(self.plan, joining=self.joining, down=frozenset(self.down))
+        return Observed(self.plan, joining=self.joining, down=frozenset(self.down), up=self.up,
+                        checked=self.checked, new=self.new)
 
     def act(self, step) -> None:
         d = self.desired
-        if isinstance(step, Join):
+        if isinstance(step, TearDown):
+            self.plan, self.down = None, set()
+        elif isinstance(step, BringUp):  # the whole playbook: the spec's plan, what runs kept where it is
+            if self.plan is None:
+                self.sessions, self.new = self.sessions + 1, True
+            self.plan = make_plan(d.spec, self.inv, keep=self.plan.instances if self.plan else (), cordoned=d.cordoned)
+            self.up, self.checked, self.down, self.joining = True, True, set(), ()
+        elif isinstance(step, Join):
             with_hosts = d.spec.model_copy(update=rollout.counts(self.plan))
             self.plan = make_plan(with_hosts, self.inv, keep=self.plan.instances, cordoned=d.cordoned)
             self.joining = ()
@@ -95,7 +105,8 @@ class Cluster:
         self.taken.append(step.line())
 
     def run(self, desired: Desired) -> list[str]:
-        self.desired, self.taken = desired, []
+        """One command: it has checked nothing yet, and its session is not new to it."""
+        self.desired, self.taken, self.checked, self.new = desired, [], False, False
         reconcile(desired, self.observe, self.act)
         return self.taken
 
@@ -199,6 +210,33 @@ def test_a_down_instance_starts_again_where_it_was_and_a_joined_host_comes_first
     # a join that stopped half-way (the session remembers it) is finished first, though the plan names the host
     cluster.joining = ("h4",)
     assert next_step(Desired(spec(hosts="h1,h2,h3,h4", decode=2)), cluster.observe()) == Join(("h4",))
+
+
+def test_deploy_brings_up_what_is_not_placed_resumes_what_stopped_and_checks_what_runs_once_per_command():
+    """`yrpd deploy` writes Desired(whole=True): the deploy playbook runs once in each command (its checks are what
+    observes every step on every host), and a changed spec that cannot roll (`anew`) is torn down first."""
+    s, inv = spec(), inventory()
+    cluster = Cluster(None, inv, Desired(s))
+    bring = "run the deploy playbook on every host (each step's check skips what holds)"
+    assert cluster.run(Desired(s, whole=True)) == [bring] and cluster.sessions == 1
+    placed = cluster.where()
+    assert placed == [(i.name, i.host) for i in make_plan(s, inv).instances]
+    assert cluster.run(Desired(s, whole=True)) == [bring] and cluster.where() == placed  # a re-run: checked again
+    assert cluster.run(Desired(s)) == []  # the control: a live change's desire, nothing to do
+    cluster.up = False  # a deploy that stopped half-way is resumed in its session, what it placed kept
+    assert cluster.run(Desired(s)) == [bring] and cluster.sessions == 1 and cluster.where() == placed
+    # what the playbook cannot do in one go follows in the same command: a host added then (a join), a dead instance
+    cluster.down, cluster.checked = {"decode-0"}, False  # a new command
+    assert next_step(Desired(s, whole=True), cluster.observe()) == BringUp()
+    assert cluster.run(Desired(s, whole=True)) == [bring]  # its checks start decode-0 again: no second step
+    # --recreate: torn down, then a new session
+    changed = spec(ptp=2, dtp=2)
+    assert cluster.run(Desired(changed, whole=True, anew=True)) == [
+        "tear what runs down (requests fail until the new session serves)", bring]
+    assert cluster.sessions == 2 and all(i.tp == 2 for i in cluster.plan.instances if i.role == "prefill")
+    # within the command the new session is not torn down again (the two steps above, then none); the next deploy
+    # of the same spec finds nothing that differs (api.deploy: anew only for a running deployment of another spec)
+    assert cluster.run(Desired(changed, whole=True)) == [bring] and cluster.sessions == 2
 
 
 def test_a_step_that_changes_nothing_fails_loudly_instead_of_looping():

@@ -18,8 +18,12 @@ from yrpd.session import Session, SessionPhase, SessionStore
 from yrpd.spec import build_spec
 from yrpd.testing import ScriptedHosts
 
+from tests.unit.sessions import processes_answer
+
 IPS = {"h1": "10.0.0.1", "h2": "10.0.0.2"}
 MEMBERS = r"proxy-members\.json"
+#: the reconciler's look at the hosts' processes (yrpd.status.dead_instances: one interpreter for the query's parts)
+LOOK = r'"action": "status"'
 
 
 def one_p_two_d(tmp_path: Path) -> Deployment:
@@ -38,8 +42,17 @@ def membership_written(command) -> dict:
     return json.loads(re.search(r"printf '%s\\n' '(.*?)' >", command.script, re.S).group(1))
 
 
-def scripted(drain_exit: int = 0) -> ScriptedHosts:
+def scripted(deployment: Deployment, drain_exit: int = 0, dead=lambda host: ()) -> ScriptedHosts:
+    """Hosts whose membership writes, drains and stops succeed, and where every instance the session stores runs
+    but those `dead(host)` names (gone with their supervisors) at each look."""
     hosts = ScriptedHosts()
+
+    def look(host, _):
+        plan = Deployment.load(Session(deployment.session.path)).plan
+        names = [i.name for i in plan.instances if i.host == host]
+        return json.dumps({"processes": processes_answer(host, names, dead=tuple(dead(host)))}), "", 0
+
+    hosts.on(LOOK, answer=look)
     hosts.on(MEMBERS)
     hosts.on(r"deploy_scripts/proxy_drain\.py", exit_code=drain_exit,
              stdout=json.dumps({"drained": drain_exit == 0, "in_flight": {}, "seconds": 0.1}),
@@ -51,13 +64,18 @@ def scripted(drain_exit: int = 0) -> ScriptedHosts:
 def test_scaling_in_drains_the_instance_through_the_proxy_before_it_stops_it_and_keeps_the_new_plan(tmp_path):
     deployment = one_p_two_d(tmp_path)
     gone = deployment.plan.instance("decode-1")
-    with scripted() as hosts:
+    with scripted(deployment) as hosts:
         done = api.scale(deployment, decode=1)
     assert done.removed == ["decode-1"] and done.added == []
     calls = [(name, cmd) for name, cmd in hosts.calls]
-    kinds = [("write" if re.search(MEMBERS, c.script) else "drain" if "proxy_drain.py" in c.script
-              else "stop" if "session_processes.py" in c.script else "?", name) for name, c in calls]
-    assert kinds == [("write", "h1"), ("drain", "h1"), ("write", "h1"), ("stop", gone.host)]
+    kinds = [("look" if re.search(LOOK, c.script) else "write" if re.search(MEMBERS, c.script)
+              else "drain" if "proxy_drain.py" in c.script else "stop" if "session_processes.py" in c.script else "?",
+              name) for name, c in calls]
+    # the reconciler looks at both hosts' processes before its step and after it (nothing found dead)
+    looks = [("look", "h1"), ("look", "h2")]
+    assert sorted(kinds[:2]) == looks and sorted(kinds[-2:]) == looks
+    assert kinds[2:-2] == [("write", "h1"), ("drain", "h1"), ("write", "h1"), ("stop", gone.host)]
+    calls = [(name, c) for name, c in calls if not re.search(LOOK, c.script)]
     first, second = (membership_written(c) for _, c in calls if re.search(MEMBERS, c.script))
     assert {i["name"]: i["draining"] for i in first["instances"]} == {"prefill-0": False, "decode-0": False,
                                                                       "decode-1": True}
@@ -73,12 +91,64 @@ def test_scaling_in_drains_the_instance_through_the_proxy_before_it_stops_it_and
     assert Session(deployment.session.path).state["generation"] == 2
 
 
+def test_an_instance_found_dead_on_its_host_starts_again_before_anything_drains(tmp_path):
+    """decode-0 gone with its supervisor (as when its container went): the reconciler's look at the hosts finds it,
+    starts it again where it was, and only then drains decode-1. The test above is the control: all running, no
+    start."""
+    deployment = one_p_two_d(tmp_path)
+    looks = {"h1": 0, "h2": 0}
+
+    def dead(host):
+        looks[host] += 1
+        return ("decode-0",) if host == "h2" and looks[host] == 1 else ()  # until the restart
+
+    hosts = scripted(deployment, dead=dead)
+    hosts.default_exit = 0  # every step's check passes: what the playbook starts runs
+    with hosts:
+        done = api.scale(deployment, decode=1)
+    assert done.removed == ["decode-1"]
+    events = [(e["event"], e.get("again") or e.get("instances")) for e in deployment.session.journal_entries()
+              if e.get("event") in ("found dead", "start", "drain", "stopped")]
+    assert events == [("found dead", ["decode-0"]), ("start", ["decode-0"]), ("drain", ["decode-1"]),
+                      ("stopped", ["decode-1"])]
+    assert Session(deployment.session.path).state["instances"] == {"decode-0": "serving"}
+
+
+def test_heal_starts_again_only_what_died_beyond_its_supervisor_and_changes_nothing_else(tmp_path):
+    """The planner's pass at each look (yrpd.live.heal): decode-1 gone is started again, nothing drains; the
+    control, every process running, runs no step at all."""
+    from yrpd import live
+
+    deployment = one_p_two_d(tmp_path)
+    with scripted(deployment) as calm:
+        assert live.heal(deployment) == []
+    # it looked at both hosts' processes, and did nothing
+    assert sorted(name for name, c in calm.calls if re.search(LOOK, c.script)) == ["h1", "h2"] == \
+        sorted(name for name, _ in calm.calls)
+    host = deployment.plan.instance("decode-1").host
+    looks = {"n": 0}
+
+    def dead(h):
+        looks["n"] += h == host
+        return ("decode-1",) if h == host and looks["n"] == 1 else ()
+
+    hosts = scripted(deployment, dead=dead)
+    hosts.default_exit = 0
+    with hosts:
+        assert live.heal(deployment) == ["decode-1"]
+    others = [c.script for _, c in hosts.calls if not re.search(LOOK, c.script)]
+    assert others and not any(re.search(r"proxy_drain\.py", c) for c in others)  # nothing drained
+    assert any(re.search(r"preflight\.ok", c) for c in others)  # the deploy playbook's checks ran
+    events = [e["event"] for e in deployment.session.journal_entries() if "event" in e]
+    assert events == ["found dead", "start"]
+
+
 def test_an_instance_that_does_not_drain_in_time_is_put_back_and_nothing_is_stopped(tmp_path):
     deployment = one_p_two_d(tmp_path)
-    with scripted(drain_exit=1) as hosts:
+    with scripted(deployment, drain_exit=1) as hosts:
         with pytest.raises(YrpdError, match="not drained after 120 s.*\\n.*nothing was stopped"):
             api.scale(deployment, decode=1)
-    assert not hosts.ran("h2", r"session_processes\.py") and not hosts.ran("h1", r"session_processes\.py")
+    assert not hosts.ran("h2", r'"action": "stop"') and not hosts.ran("h1", r'"action": "stop"')
     last = membership_written([c for _, c in hosts.calls if re.search(MEMBERS, c.script)][-1])
     assert not any(i["draining"] for i in last["instances"]) and len(last["instances"]) == 3  # back in routing
     assert Deployment.load(Session(deployment.session.path)).spec.decode == 2
@@ -100,7 +170,7 @@ def test_hosts_added_by_scale_join_the_cluster_first_and_take_the_added_instance
     the new one joins the cluster; then the added decode instance is placed on the one host with free devices."""
     deployment = one_p_two_d(tmp_path)  # h1 and h2: 4 cores each, 3 instances
     new = "127.0.0.3"  # resolves to itself: the address the other hosts use
-    hosts = scripted()
+    hosts = scripted(deployment)
     hosts.default_exit = 0  # every step's check passes: the hosts run it already ...
     hosts.on(r'"action": "wait", .*"timeout": 0}', exit_code=1, host=new)  # ... but the new one runs no cluster yet
     with hosts:
@@ -125,7 +195,7 @@ def test_hosts_added_by_scale_join_the_cluster_first_and_take_the_added_instance
 def test_a_join_stopped_half_way_is_finished_by_the_same_command(tmp_path):
     deployment = one_p_two_d(tmp_path)
     new = "127.0.0.3"
-    broken = scripted()
+    broken = scripted(deployment)
     broken.on(r"ds_kv_check\.py", exit_code=1, stderr="cannot reach 10.0.0.1:31501", host=new)
     broken.default_exit = 0
     with broken:
@@ -134,7 +204,7 @@ def test_a_join_stopped_half_way_is_finished_by_the_same_command(tmp_path):
     stopped = Deployment.load(Session(deployment.session.path))
     assert [h.name for h in stopped.spec.hosts] == ["h1", "h2", new]  # stored: `yrpd down` knows the host
     assert Session(deployment.session.path).state["joining"] == [new]
-    fixed = scripted()
+    fixed = scripted(deployment)
     fixed.default_exit = 0
     with fixed:
         done = api.scale(stopped, hosts=[new])  # the host is in the spec now: only the unfinished join goes on
