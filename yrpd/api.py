@@ -26,8 +26,8 @@ from yrpd.live import (DRAIN_TIMEOUT_S, Changed, Down, change, down, drain_host,
                        undrain_host)
 from yrpd.logtail import LogLine, TailSplitter, grep_lines, grep_script, in_time_order, tail_script
 from yrpd.placement import HostInventory, Plan, make_plan
-from yrpd.playbook import PlannedStep, StepOutcome, describe
-from yrpd.runner import Progress, Quiet, named_playbook
+from yrpd.playbook import PlannedStep, StepOutcome, describe, named_playbook
+from yrpd.runner import Progress, Quiet
 from yrpd.session import Session, SessionPhase, SessionStore, default_root, resolve_root
 from yrpd.serving import endpoint_url
 from yrpd.spec import DeploySpec, Runtime, stored_spec

@@ -30,8 +30,8 @@ from yrpd.deployment import Deployment, drained_hosts, host_group, resolve_inven
 from yrpd.errors import SpecError
 from yrpd.hostgroup import GroupFailure, HostGroup
 from yrpd.placement import Plan, make_plan
-from yrpd.playbook import PlaybookFailed, StepFailed
-from yrpd.runner import Progress, Quiet, named_playbook, run_on, run_playbook
+from yrpd.playbook import PlaybookFailed, StepFailed, named_playbook
+from yrpd.runner import Progress, Quiet, run_on, run_playbook
 from yrpd.session import Session, SessionPhase, SessionStore
 from yrpd.status import dead_instances
 from yrpd.steps.brought import prepare

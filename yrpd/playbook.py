@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from yrpd.assets import playbook_path
 from yrpd.errors import SpecError
 from yrpd.hostgroup import CheckedCommand, Command, GroupFailure, GroupResult, HostGroup, HostResult
 from yrpd.placement import HostPlan
@@ -82,6 +83,11 @@ def load_playbook(path: Path) -> Playbook:
             except (ValueError, ImportError) as exc:
                 raise SpecError("--playbook", f"{path}: step {step.name!r}: {exc}", "name a function in yrpd/steps") from None
     return playbook
+
+
+def named_playbook(playbook_file: str | Path | None, default: str = "deploy") -> Playbook:
+    """The playbook in `playbook_file`, or the built-in one named `default` (playbooks/NAME.yaml)."""
+    return load_playbook(Path(playbook_file) if playbook_file else playbook_path(default))
 
 
 def step_hosts(step: StepSpec, ctx: StepContext) -> list[HostPlan]:

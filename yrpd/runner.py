@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
-from yrpd.assets import playbook_path
 from yrpd.hostgroup import Command
-from yrpd.playbook import Playbook, PlaybookRunner, StepEnded, StepOutcome, StepSpec, StepStarted, load_playbook
+from yrpd.playbook import Playbook, PlaybookRunner, StepEnded, StepOutcome, StepSpec, StepStarted
 from yrpd.session import Session
 from yrpd.steps import NotNeeded, StepContext
 
@@ -33,10 +31,6 @@ class Quiet:
 
     def step_finished(self, step: StepSpec, outcome: StepOutcome) -> None:
         pass
-
-
-def named_playbook(playbook_file: str | Path | None, default: str = "deploy") -> Playbook:
-    return load_playbook(Path(playbook_file) if playbook_file else playbook_path(default))
 
 
 def run_playbook(playbook: Playbook, group, ctx: StepContext, session: Session, progress: Progress,
