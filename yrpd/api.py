@@ -151,6 +151,7 @@ def deploy(spec: DeploySpec, *, playbook_file: str | Path | None = None, new_ses
         actions = check_container_actions(spec, actions)
     actions = actions or ContainerActions()
     started = time.monotonic()
+    playbook = named_playbook(playbook_file)  # a playbook that cannot be read is refused before any host
     store = SessionStore(resolve_root(spec.session_root))
     with host_group(spec) as group:
         inventory = resolve_inventory(spec, group, deploying=True)
@@ -167,12 +168,12 @@ def deploy(spec: DeploySpec, *, playbook_file: str | Path | None = None, new_ses
         desired = Desired(spec, cordoned=tuple(drained_hosts(session)) if session and not changing else (),
                           whole=True, anew=changing)
         hands = live.Hands(desired, group, progress, deployment=running, session=session, store=store,
-                           inventory=inventory, playbook_file=playbook_file,
+                           inventory=inventory, playbook=playbook, playbook_name=str(playbook_file or "deploy"),
                            options=RunOptions(recreate=actions.recreate, pull=actions.pull))
         reconcile(desired, hands.observe, hands.act)
     deployment = hands.now
     endpoint = None
-    if any(step.function is proxy.start for step in named_playbook(playbook_file).steps):
+    if any(step.function is proxy.start for step in playbook.steps):
         endpoint = endpoint_url(spec, deployment.plan) + "/v1"
     return Deployed(deployment.session, deployment, endpoint, not hands.new, time.monotonic() - started,
                     hands.outcomes)

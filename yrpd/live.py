@@ -27,10 +27,10 @@ from yrpd import credentials, planner, rollout
 from yrpd.reconcile import (DOWN, BringUp, Desired, Join, Lifecycle, Observed, Restart, Retire, Start, Step, TearDown,
                             reconcile)
 from yrpd.deployment import Deployment, drained_hosts, host_group, resolve_inventory, runtime_group, save_deployment
-from yrpd.errors import SpecError
+from yrpd.errors import RemoteError, SpecError
 from yrpd.hostgroup import GroupFailure, HostGroup
 from yrpd.placement import Plan, make_plan
-from yrpd.playbook import PlaybookFailed, StepFailed, named_playbook
+from yrpd.playbook import Playbook, PlaybookFailed, StepFailed, named_playbook
 from yrpd.runner import Progress, Quiet, run_on, run_playbook
 from yrpd.session import Session, SessionPhase, SessionStore
 from yrpd.status import dead_instances
@@ -65,12 +65,14 @@ class Hands:
 
     def __init__(self, desired: Desired, group: HostGroup, progress: Progress, *,
                  deployment: Deployment | None = None, session: Session | None = None,
-                 store: SessionStore | None = None, inventory: dict | None = None, playbook_file: str | None = None,
-                 options: RunOptions | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S, look: bool = False):
+                 store: SessionStore | None = None, inventory: dict | None = None, playbook: Playbook | None = None,
+                 playbook_name: str = "deploy", options: RunOptions | None = None,
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S, look: bool = False):
         self.desired, self.group, self.progress, self.drain_timeout_s = desired, group, progress, drain_timeout_s
         self.now = deployment
         self._session = session or (deployment.session if deployment else None)
-        self.store, self.playbook_file, self.options, self.look = store, playbook_file, options or RunOptions(), look
+        self.store, self.options, self.look = store, options or RunOptions(), look
+        self.playbook, self.playbook_name = playbook or named_playbook(None), playbook_name
         self.inventory = inventory if inventory is not None else deployment.inventory
         self.new = self.checked = False
         self.outcomes: list = []
@@ -102,9 +104,14 @@ class Hands:
             return Observed(None, new=self.new)
         up = self.session.phase is SessionPhase.deployed
         if self.look and up:
-            life = self.life
             dead = dead_instances(self.now, self.hosts.subset([h.name for h in self.now.plan.hosts]))
+            life = self.life  # read after the look: another command may have moved one meanwhile
             found = [name for name in dead if life.state(name) is InstanceState.serving]
+            again = [name for name in found if name in self.restarted]
+            if again:  # started again in this command and dead once more: the cause is the instance's own
+                raise RemoteError(f"{', '.join(again)} died again after this command started "
+                                  f"{'it' if len(again) == 1 else 'them'} again; nothing drained since. "
+                                  f"`yrpd logs {again[0]}` says why; fix it and run the same command again")
             if found:
                 self.session.journal(event="found dead", instances=found)
                 self.progress.message(f"{', '.join(found)} found dead on {'its host' if len(found) == 1 else 'their hosts'}"
@@ -155,14 +162,14 @@ class Hands:
             self.progress.message(f"resuming session {self.session.id}: finished steps are skipped")
         session = self.session
         save_deployment(session, spec, self.inventory, placement)
-        session.set_state(SessionPhase.deploying, playbook=str(self.playbook_file or "deploy"))
+        session.set_state(SessionPhase.deploying, playbook=self.playbook_name)
         self.now = Deployment(session, spec, self.inventory, placement)
         master = self._master(placement)
         secrets = credentials.ensure(session.path, spec.proxy_key(), etcd_ips=[master.reach_ip])
         ctx = StepContext(spec=spec, plan=placement, session_id=session.id,
                           options=replace(self.options, secrets_dir=str(secrets)))
         try:
-            self.outcomes = run_playbook(named_playbook(self.playbook_file), self.hosts, ctx, session, self.progress)
+            self.outcomes = run_playbook(self.playbook, self.hosts, ctx, session, self.progress)
         except StepFailed as failure:
             session.set_state(SessionPhase.failed, failed_step=failure.step.name)
             failure.args = (f"{failure}\nfix the cause and run the same `yrpd deploy` again to resume session "
@@ -451,11 +458,16 @@ def drain_host(deployment: Deployment, host: str, *, drain_timeout_s: float = DR
     wanted = spec.model_copy(update=left)
     warnings = [f"{inst.name} stopped without a replacement (no free devices elsewhere): {inst.role} runs "
                 f"{left[inst.role]} instances until `yrpd undrain {host}`" for inst in moving if not replaced[inst.name]]
-    hands = _reconciled(deployment, Desired(wanted, tuple(cordoned), evacuate=(host,)), progress, drain_timeout_s)
+    session.set_state(change=f"drain {host}")  # in flight: the planner's heal leaves the deployment alone
+    try:
+        hands = _reconciled(deployment, Desired(wanted, tuple(cordoned), evacuate=(host,)), progress, drain_timeout_s)
+    except BaseException:
+        session.set_state(change=f"stopped half-way (the same command goes on with it): drain {host}")
+        raise
     for warning in warnings:
         progress.message(warning)
     session.journal(event="drained host", host=host, added=hands.added, removed=hands.removed, warnings=warnings)
-    session.set_state(generation=int(session.state.get("generation", 1)) + 1)
+    session.set_state(change=None, generation=int(session.state.get("generation", 1)) + 1)
     return Changed(session, hands.added, hands.removed, time.monotonic() - started, hands.now,
                    [f"{host}: drained"], warnings)
 
@@ -499,8 +511,27 @@ def heal(deployment: Deployment, *, progress: Progress | None = None) -> list[st
     restarts given up), found on the hosts: the reconciler at what the session stores, restarts only (a change
     another command has in flight is that command's). The names started again."""
     deployment = _reloaded(deployment)
+    if in_flight(deployment):
+        return []
     desired = Desired(deployment.spec, tuple(drained_hosts(deployment.session)))
     return _reconciled(deployment, desired, progress or Quiet(), DRAIN_TIMEOUT_S, only=(Restart,)).restarted
+
+
+def in_flight(deployment: Deployment) -> str | None:
+    """What another command is doing to the deployment, or left half-way (a change, a join, an instance not
+    serving): the reason heal leaves it alone, else None."""
+    session = deployment.session
+    if session.phase is not SessionPhase.deployed:
+        return f"session {session.id} is {session.phase}"
+    state = session.state
+    if state.get("change"):
+        return f"a change: {state['change']}"
+    if state.get("joining"):
+        return f"joining {', '.join(state['joining'])}"
+    busy = {name: s for name, s in (state.get("instances") or {}).items() if s != InstanceState.serving.value}
+    if busy:
+        return ", ".join(f"{name} {s}" for name, s in sorted(busy.items()))
+    return None
 
 
 def proxy_status(url: str, window_s: float) -> dict:
@@ -562,6 +593,10 @@ def run_planner(deployment: Deployment, *, seconds: float | None = None, progres
             deployment = change(deployment, spec, progress=progress, what="planner").deployment
             last_change = clock()
         else:
-            heal(deployment, progress=progress)
+            try:
+                heal(deployment, progress=progress)
+            except Exception as exc:  # noqa: BLE001 - the loop goes on; the next look tries again
+                progress.message(f"planner: starting again what died failed: {str(exc).splitlines()[0]}")
+                session.journal(event="heal failed", why=str(exc).splitlines()[0])
         sleep(settings.interval_s)
     return decisions

@@ -189,6 +189,10 @@ def next_step(desired: Desired, observed: Observed) -> Step | None:
         return TearDown()
     if plan is None or not observed.up or (desired.whole and not observed.checked):
         return BringUp()
+    if not spec.disaggregated:
+        # plain instances (role single): nothing but the playbook places them, and nothing changes them live (no
+        # proxy routes around an instance while it changes: yrpd.live refuses)
+        return None
     have = {h.name for h in plan.hosts}
     joining = tuple(dict.fromkeys([*observed.joining, *(h.name for h in spec.hosts if h.name not in have)]))
     if joining:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from yrpd.deployment import Deployment
-from yrpd.hostgroup import Command, HostResult
+from yrpd.hostgroup import CONTAINER_DOWN, Command, HostResult
 from yrpd.placement import HostPlan, InstancePlan
-from yrpd.serving import PROXY_NAME, instance_url, proxy_url
+from yrpd.serving import PROXY_NAME, instance_launches, instance_url, proxy_url
 from yrpd.session import SessionPhase
 from yrpd.spec import DeploySpec
 from yrpd.steps import (
@@ -28,6 +28,7 @@ from yrpd.steps import (
     processes,
     resolve,
 )
+from yrpd.steps.vllm_env import paths as vllm_paths
 from yrpd.tags import ComponentState, Condition, InstanceState, ProcessState
 
 #: what an instance's probe reports, copied as is (vLLM's metrics, summed over its ranks)
@@ -236,21 +237,29 @@ def collect_status(deployment: Deployment) -> StatusReport:
 
 
 def dead_instances(deployment: Deployment, group) -> frozenset[str]:
-    """The plan's instances whose process on their head host neither runs nor is being restarted: its supervisor gave
-    up (restart's bound), or went with it (a container gone, a host rebuilt). What the reconciler of a live change or
-    the planner starts again; `group` reaches the plan's hosts as its steps do. A host that does not answer says
-    nothing (nothing could be started there either)."""
+    """The plan's instances of which a process (its API server, or a headless engine where its DP ranks span hosts)
+    neither runs nor is being restarted: its supervisor gave up (restart's bound), or went with it (a container
+    gone, a host rebuilt). What the reconciler of a live change or the planner starts again; `group` reaches the
+    plan's hosts as its steps do. A host that does not answer says nothing (nothing could be started there either);
+    one whose container is not running answers that nothing of the session runs there."""
     ctx = deployment.context()
     by_name = {h.name: h for h in deployment.plan.hosts}
     results = group.run(lambda host: host_python_parts({"processes": processes.status_call(ctx, by_name[host.name])}))
-    return dead_in(deployment, dict(results))
+    paths = vllm_paths(ctx)
+    launches = {i.name: [(launch.host, launch.name) for launch in instance_launches(deployment.spec,
+                                                                                     deployment.plan, i, paths)]
+                for i in deployment.plan.instances}
+    return dead_in(launches, dict(results))
 
 
-def dead_in(deployment: Deployment, results: dict[str, HostResult]) -> frozenset[str]:
-    """dead_instances from each host's answer (pure)."""
+def dead_in(launches: dict[str, list[tuple[str, str]]], results: dict[str, HostResult]) -> frozenset[str]:
+    """dead_instances from each host's answer (pure); `launches`: each instance's processes as (host, name)."""
     seen: dict[tuple[str, str], ProcessStatus] = {}
     answered = set()
     for host, result in results.items():
+        if result.exit_code == CONTAINER_DOWN and "is not running on" in result.stdout + result.stderr:
+            answered.add(host)  # its container is gone or stopped: nothing of the session runs there
+            continue
         if not result.ok:
             continue
         try:
@@ -261,8 +270,9 @@ def dead_in(deployment: Deployment, results: dict[str, HostResult]) -> frozenset
         for proc in own["processes"]:
             seen[(host, proc["name"])] = ProcessStatus(host=host, **proc)
     gone = (Condition.dead, Condition.failed)
-    return frozenset(i.name for i in deployment.plan.instances if i.host in answered
-                     and ((i.host, i.name) not in seen or seen[(i.host, i.name)].condition in gone))
+    return frozenset(name for name, procs in launches.items()
+                     if any(host in answered and ((host, proc) not in seen or seen[(host, proc)].condition in gone)
+                            for host, proc in procs))
 
 
 # -- judging (pure) ------------------------------------------------------------------------------------

@@ -252,6 +252,16 @@ def test_pull_is_refused_outside_runtime_docker_before_any_host_is_touched(tmp_p
     assert hosts.calls == [] and not (tmp_path / "sessions").exists()
 
 
+def test_a_playbook_that_cannot_be_read_is_refused_before_any_host_or_session(tmp_path, playbook):
+    spec = spec_for(tmp_path)
+    with ScriptedHosts() as hosts, pytest.raises(SpecError, match=r"^--playbook: .*missing\.yaml does not exist"):
+        api.deploy(spec, playbook_file=tmp_path / "missing.yaml")
+    assert hosts.calls == [] and not (tmp_path / "sessions").exists()
+    # the control: the readable one deploys (its steps answered as done)
+    with ScriptedHosts(default_exit=0):
+        assert api.deploy(spec, playbook_file=playbook).session.phase is SessionPhase.deployed
+
+
 # -- down --------------------------------------------------------------------------------------------------
 
 def teardown_hosts(**failing: str) -> ScriptedHosts:

@@ -239,6 +239,17 @@ def test_deploy_brings_up_what_is_not_placed_resumes_what_stopped_and_checks_wha
     assert cluster.run(Desired(changed, whole=True)) == [bring] and cluster.sessions == 2
 
 
+def test_plain_instances_are_brought_up_by_the_playbook_and_nothing_else():
+    """disaggregated: false (role single, what the bench's baseline deploys): the playbook places them; the
+    reconciler takes no step of a live change after it (counts are prefill's and decode's)."""
+    s, inv = spec(disaggregated=False, prefill=2), inventory()
+    cluster = Cluster(None, inv, Desired(s))
+    assert cluster.run(Desired(s, whole=True)) == ["run the deploy playbook on every host (each step's check skips "
+                                                   "what holds)"]
+    assert {i.role for i in cluster.plan.instances} == {"single"}
+    assert next_step(Desired(s), cluster.observe()) is None
+
+
 def test_a_step_that_changes_nothing_fails_loudly_instead_of_looping():
     s = spec()
     cluster = Cluster(make_plan(s, inventory()), inventory(), Desired(s))

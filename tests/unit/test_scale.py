@@ -114,6 +114,18 @@ def test_an_instance_found_dead_on_its_host_starts_again_before_anything_drains(
     assert Session(deployment.session.path).state["instances"] == {"decode-0": "serving"}
 
 
+def test_an_instance_that_dies_again_after_its_restart_stops_the_change_naming_it_before_anything_drains(tmp_path):
+    deployment = one_p_two_d(tmp_path)
+    hosts = scripted(deployment, dead=lambda host: ("decode-0",))  # at every look
+    hosts.default_exit = 0
+    with hosts, pytest.raises(YrpdError, match=r"^decode-0 died again after this command started it again; nothing "
+                                                r"drained since\. `yrpd logs decode-0` says why"):
+        api.scale(deployment, decode=1)
+    events = [e["event"] for e in deployment.session.journal_entries() if "event" in e]
+    assert events == ["change", "found dead", "start"]  # once started again, then stopped: no drain
+    assert not any("proxy_drain.py" in c.script for _, c in hosts.calls)
+
+
 def test_heal_starts_again_only_what_died_beyond_its_supervisor_and_changes_nothing_else(tmp_path):
     """The planner's pass at each look (yrpd.live.heal): decode-1 gone is started again, nothing drains; the
     control, every process running, runs no step at all."""
@@ -141,6 +153,24 @@ def test_heal_starts_again_only_what_died_beyond_its_supervisor_and_changes_noth
     assert any(re.search(r"preflight\.ok", c) for c in others)  # the deploy playbook's checks ran
     events = [e["event"] for e in deployment.session.journal_entries() if "event" in e]
     assert events == ["found dead", "start"]
+
+
+def test_heal_leaves_a_deployment_alone_while_another_command_changes_it(tmp_path):
+    """A change in flight, a join stopped half-way or an instance draining: heal looks at no host (the change is
+    that command's); the control, nothing in flight, looks."""
+    from yrpd import live
+
+    deployment = one_p_two_d(tmp_path)
+    for state in ({"change": "decode: 2 -> 1 (scale)"}, {"joining": ["h3"]}, {"instances": {"decode-1": "draining"}}):
+        deployment.session.set_state(**state)
+        with scripted(deployment, dead=lambda h: ("decode-0",)) as hosts:
+            assert live.heal(deployment) == [] and live.in_flight(deployment)
+        assert hosts.calls == []
+        deployment.session.set_state(change=None, joining=None, instances={})
+    assert live.in_flight(deployment) is None
+    with scripted(deployment) as hosts:
+        assert live.heal(deployment) == []
+    assert hosts.calls
 
 
 def test_an_instance_that_does_not_drain_in_time_is_put_back_and_nothing_is_stopped(tmp_path):

@@ -287,3 +287,34 @@ def test_an_instance_whose_cache_the_proxy_cannot_see_is_named_with_why_and_the_
     with scripted(h1={"kv_index": {**blind, "sight": "seeing"}}) as hosts:
         report = api.status(deployment)
     assert not any("prefix cache" in w for w in report.warnings), report.warnings
+
+
+def test_dead_in_names_instances_whose_process_neither_runs_nor_is_restarted_and_trusts_no_silence():
+    """What the reconciler of a live change starts again (yrpd.status.dead_instances), from the hosts' answers."""
+    from yrpd.hostgroup import CONTAINER_DOWN, HostResult
+    from yrpd.status import dead_in
+
+    from tests.unit.sessions import processes_answer
+
+    def said(host, names, **faults):
+        return HostResult(host, "q", 0, json.dumps({"processes": processes_answer(host, names, **faults)}))
+
+    launches = {"prefill-0": [("h1", "prefill-0")], "decode-0": [("h2", "decode-0")],
+                "decode-1": [("h2", "decode-1"), ("h1", "decode-1-dp1")]}  # decode-1's DP ranks span h2 and h1
+    every = {"h1": ["prefill-0", "decode-1-dp1"], "h2": ["decode-0", "decode-1"]}
+    calm = {h: said(h, n) for h, n in every.items()}
+    assert dead_in(launches, calm) == frozenset()  # the control: all running
+    # being restarted by its supervisor is not dead; given up (failed) and gone (dead) are
+    assert dead_in(launches, {**calm, "h2": said("h2", every["h2"], restarting=("decode-0",))}) == frozenset()
+    assert dead_in(launches, {**calm, "h2": said("h2", every["h2"], failed=("decode-0",))}) == {"decode-0"}
+    assert dead_in(launches, {**calm, "h1": said("h1", every["h1"], dead=("decode-1-dp1",))}) == {"decode-1"}
+    # a host rebuilt: its processes are not even listed
+    assert dead_in(launches, {**calm, "h2": said("h2", [])}) == {"decode-0", "decode-1"}
+    # its container gone: nothing of the session runs there
+    gone = HostResult("h1", "q", CONTAINER_DOWN, "", "container yrpd-x is not running on h1 (deploy creates it: run "
+                      "the same yrpd deploy again)")
+    assert dead_in(launches, {**calm, "h1": gone}) == {"prefill-0", "decode-1"}
+    # a host that does not answer, or whose query failed, says nothing
+    assert dead_in(launches, {**calm, "h2": HostResult("h2", "q", None, error="ssh to h2 failed")}) == frozenset()
+    assert dead_in(launches, {**calm, "h2": HostResult("h2", "q", 1, "", "status query: the processes part failed")}) \
+        == frozenset()
