@@ -186,6 +186,12 @@ class Plan:
                 return inst
         raise KeyError(name)
 
+    def host(self, name: str) -> HostPlan:
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise KeyError(name)
+
 
 def unit_name(kind: DeviceKind) -> str:
     return {DeviceKind.npu: "NPUs", DeviceKind.gpu: "GPUs", DeviceKind.cpu: "CPU cores"}.get(kind, "devices")

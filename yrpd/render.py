@@ -10,7 +10,6 @@ from rich.text import Text
 
 from yrpd.placement import Plan, describe_devices, unit_name
 from yrpd.playbook import PlannedStep
-from yrpd.serving import host_of
 from yrpd.spec import ClusterLauncher, DeploySpec, Dtype, KvConnector, MultiNodeBackend, Runtime
 from yrpd.status import StatusReport
 from yrpd.steps import NotNeeded, StepContext
@@ -62,7 +61,7 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
         if inst.split:
             nics = ", ".join(f"{h.name} {h.nic or 'not detected yet'}" for h in plan.hosts if h.name in inst.hosts)
             how_run = ("a Ray cluster of its own (head on its first host), vllm serve --distributed-executor-backend "
-                       "ray there" if spec.multi_node(host_of(plan, inst.host).kind) is MultiNodeBackend.ray else
+                       "ray there" if spec.multi_node(plan.host(inst.host).kind) is MultiNodeBackend.ray else
                        "vLLM's multi-node launcher (--nnodes, --headless on all but its first host)")
             lines.append(Text(f"{inst.name} spans {', '.join(inst.hosts)} (tp {inst.tp} x pp {inst.pp}): {how_run}; "
                               f"its ranks talk over {nics}; one dead process restarts all of them"))

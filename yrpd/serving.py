@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from yrpd.layout import HostPaths
 from yrpd.peers import PEER_VENVS
-from yrpd.placement import HostPlan, InstancePlan, Plan
+from yrpd.placement import InstancePlan, Plan
 from yrpd import ascend_store, credentials
 from yrpd.containers import container_profile
 from yrpd.ports import INSTANCE_PORT_BLOCK, RAY_PORT_BLOCK
@@ -88,12 +88,8 @@ def builtin_model(spec: DeploySpec) -> str | None:
     return spec.builtin_model
 
 
-def host_of(plan: Plan, name: str) -> HostPlan:
-    return next(h for h in plan.hosts if h.name == name)
-
-
 def instance_url(plan: Plan, inst: InstancePlan) -> str:
-    return f"http://{host_of(plan, inst.host).reach_ip}:{inst.port}"
+    return f"http://{plan.host(inst.host).reach_ip}:{inst.port}"
 
 
 def endpoint_url(spec: DeploySpec, plan: Plan) -> str:
@@ -102,8 +98,8 @@ def endpoint_url(spec: DeploySpec, plan: Plan) -> str:
 
 
 def proxy_url(spec: DeploySpec, plan: Plan) -> str:
-    bind = spec.proxy_host or host_of(plan, plan.proxy_host).reach_ip
-    shown = host_of(plan, plan.proxy_host).reach_ip if bind == "0.0.0.0" else bind
+    bind = spec.proxy_host or plan.host(plan.proxy_host).reach_ip
+    shown = plan.host(plan.proxy_host).reach_ip if bind == "0.0.0.0" else bind
     return f"http://{shown}:{plan.proxy_port}"
 
 
@@ -122,8 +118,8 @@ def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: 
     if spec.kv_connector is KvConnector.nixl:
         # decode reads the blocks out of prefill's KV cache where vLLM keeps it: host memory on a CPU host
         return {"kv_connector": "NixlConnector", "kv_role": UPSTREAM_ROLES[inst.role],
-                "kv_buffer_device": "cpu" if host_of(plan, inst.host).kind is DeviceKind.cpu else "cuda"}
-    host = host_of(plan, on or inst.host)
+                "kv_buffer_device": "cpu" if plan.host(inst.host).kind is DeviceKind.cpu else "cuda"}
+    host = plan.host(on or inst.host)
     if spec.kv_connector is KvConnector.ascend_store:
         return ascend_store_config(spec, plan, inst)
     extra = {
@@ -181,7 +177,7 @@ def device_env(kind: DeviceKind, devices: tuple[int, ...], ranks: int) -> dict[s
 def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: HostPaths) -> list[Launch]:
     """The process(es) of one instance: its API server on the head host, plus one headless engine per other
     host its DP ranks span (vLLM's multi-node data parallel)."""
-    head = host_of(plan, inst.host)
+    head = plan.host(inst.host)
     kind = head.kind
     # a peer's connector imports its own package (lmcache, nixl): vLLM runs from the venv that has both
     peer = PEER_VENVS.get(spec.kv_connector)
@@ -233,18 +229,18 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
     # ranks each host runs: a DP rank's TP x PP group, or a share of the group that spans hosts
     for h, ranks in by_host.items():
         devices = tuple(d for r in ranks for d in r.devices)
-        host_env = {**env, **device_env(host_of(plan, h).kind, devices, inst.node_ranks),
-                    "VLLM_HOST_IP": host_of(plan, h).reach_ip}
-        if inst.split and host_of(plan, h).nic:
-            host_env.update((k, host_of(plan, h).nic) for k in NIC_ENV.get(kind, ()))
+        host_env = {**env, **device_env(plan.host(h).kind, devices, inst.node_ranks),
+                    "VLLM_HOST_IP": plan.host(h).reach_ip}
+        if inst.split and plan.host(h).nic:
+            host_env.update((k, plan.host(h).nic) for k in NIC_ENV.get(kind, ()))
         if spec.kv_connector is KvConnector.nixl:  # each host's ranks answer on their own host
-            host_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host_of(plan, h).reach_ip
+            host_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = plan.host(h).reach_ip
         if inst.spans_hosts and kind is DeviceKind.npu:  # its block on this host: slots differ from host to host
             slot = inst.slot_on(h, spec.ports.instance_base)
             host_env["HCCL_IF_BASE_PORT"] = str(spec.ports.hccl_base + INSTANCE_PORT_BLOCK * slot)
         files: tuple[tuple[str, str], ...] = ()
         if with_kv and spec.kv_connector is KvConnector.ascend_store:
-            worker = f"{host_of(plan, h).reach_ip}:{spec.ports.datasystem}"
+            worker = f"{plan.host(h).reach_ip}:{spec.ports.datasystem}"
             if ascend_store.reads_json(container_profile(spec).vllm_ascend):
                 config = paths.session.backend_config(inst.name if h == inst.host else f"{inst.name}-{h}")
                 host_env.update(ascend_store.config_env(config))
@@ -256,7 +252,7 @@ def instance_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: H
         if with_kv and ray and spec.kv_connector is KvConnector.yuanrong:
             # one --kv-transfer-config reaches the Ray workers of every host: each finds its own host's data system
             # worker in the environment its Ray node gives it
-            host_env["YRPD_DS_ADDRESS"] = f"{host_of(plan, h).reach_ip}:{spec.ports.datasystem}"
+            host_env["YRPD_DS_ADDRESS"] = f"{plan.host(h).reach_ip}:{spec.ports.datasystem}"
         if with_kv:
             config = kv_transfer_config(spec, plan, inst, paths, on=h)
             if ray and spec.kv_connector is KvConnector.yuanrong:
@@ -293,9 +289,9 @@ def split_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: Host
     (`ray start --head` on the head host, `--address` of it on the others), and `vllm serve` with the Ray executor on
     the head. Either way the processes are one gang (supervise.py): one leads, every other follows on the port
     kv_base + its slot on its host, and a dead one restarts them all."""
-    head = host_of(plan, inst.host)
+    head = plan.host(inst.host)
     slots = {o: inst.slot_on(o, spec.ports.instance_base) for o in inst.hosts}
-    ip = host_of(plan, h).reach_ip
+    ip = plan.host(h).reach_ip
     listen = f"{ip}:{spec.ports.kv_base + slots[h]}"
     health = f"{instance_url(plan, inst)}/health"
     if spec.multi_node(head.kind) is MultiNodeBackend.mp:
@@ -306,7 +302,7 @@ def split_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: Host
             follower = {"role": "follower", "listen": listen, "leader": f"{inst.name} on {inst.host}"}
             return [Launch(f"{inst.name}-{h}", h, [*argv, *nodes, "--headless", *spec.engine_args_of(inst.role)], env,
                            env_file=secrets, gang=follower)]
-        members = [[f"{inst.name}-{o}", f"{host_of(plan, o).reach_ip}:{spec.ports.kv_base + slots[o]}"]
+        members = [[f"{inst.name}-{o}", f"{plan.host(o).reach_ip}:{spec.ports.kv_base + slots[o]}"]
                    for o in inst.hosts if o != inst.host]
         return [Launch(inst.name, h, [*argv, "--host", ip, "--port", str(inst.port), *nodes, *spec.engine_args_of(inst.role)],
                        env, health, secrets, ds_link, gang={"role": "leader", "members": members})]
@@ -322,7 +318,7 @@ def split_launches(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: Host
         return [Launch(f"{inst.name}-ray-{h}", h, [*node, f"--address={gcs}", *ports], env, env_file=secrets,
                        gang={"role": "follower", "listen": listen, "leader": leader}, leaves=(temp,))]
     members = [[inst.name, listen]] + [
-        [f"{inst.name}-ray-{o}", f"{host_of(plan, o).reach_ip}:{spec.ports.kv_base + slots[o]}"]
+        [f"{inst.name}-ray-{o}", f"{plan.host(o).reach_ip}:{spec.ports.kv_base + slots[o]}"]
         for o in inst.hosts if o != inst.host]
     ray_head = Launch(f"{inst.name}-ray", h, [*node, "--head", *(f"--{k}={v}" for k, v in own.items()),
                                               "--include-dashboard=false"], env, env_file=secrets,
@@ -339,7 +335,7 @@ LMCACHE_NAME = "lmcache-server"
 def lmcache_launch(spec: DeploySpec, plan: Plan, host: str, paths: HostPaths) -> Launch | None:
     """LMCache's multi-process server on a host whose instances use it as their store; it holds as much memory as
     a data system worker would (`datasystem_memory_mb`), so the two stores compare at one size."""
-    ports = host_of(plan, host).ports
+    ports = plan.host(host).ports
     if spec.kv_connector is not KvConnector.lmcache or "lmcache" not in ports:
         return None
     argv = [f"{paths.peer_venv(PEER_VENVS[KvConnector.lmcache].name)}/bin/lmcache", "server",
@@ -356,7 +352,7 @@ def kv_relay_launch(spec: DeploySpec, plan: Plan, host: str, paths: HostPaths) -
     """The KV-event relay (yrpd.proxy.kvrelay) on a host other than the proxy's whose instances publish their
     KV-cache events on unix sockets: it republishes them to the proxy over tcp, CURVE-encrypted, only the proxy's key
     let in. It finds the instances' sockets itself, so scaling changes nothing of its command."""
-    h = host_of(plan, host)
+    h = plan.host(host)
     if "kv_relay" not in h.ports or paths.session is None or not any(
             inst.host == host and kv_events_config(spec, plan, inst, paths) for inst in plan.instances):
         return None
@@ -393,7 +389,7 @@ def kv_events_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: Ho
     vLLM lacks."""
     if (not spec.disaggregated or spec.routing is not Routing.prefix or not spec.routing_kv_events
             or paths.session is None or inst.dp > 1
-            or inst.spans_hosts or inst.role not in ("prefill", "decode") or host_of(plan, inst.host).kind
+            or inst.spans_hosts or inst.role not in ("prefill", "decode") or plan.host(inst.host).kind
             is not DeviceKind.cpu):
         return None
     sockets = [paths.session.kv_events(inst.name, what) for what in ("events", "replay")]
@@ -406,7 +402,7 @@ def kv_events_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: Ho
 def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | None:
     if not spec.disaggregated:
         return None
-    bind = spec.proxy_host or host_of(plan, plan.proxy_host).reach_ip
+    bind = spec.proxy_host or plan.host(plan.proxy_host).reach_ip
     argv = [paths.python, "-m", "yrpd.proxy", "--host", bind, "--port", str(plan.proxy_port),
             "--served-model-name", spec.model_name, "--routing", spec.routing.value,
             "--routing-bound", str(spec.routing_bound)]
