@@ -51,6 +51,22 @@ def test_a_missing_batch_makes_it_blind_a_restart_empties_it():
     assert fresh.sight is Sight.seeing and fresh.gaps == 0 and fresh.restarts == 0
 
 
+def test_what_it_holds_survives_a_queue_only_once_its_cache_has_had_to_evict():
+    inst = InstanceBlocks()
+    inst.apply(0, [Stored(tuple(range(100)))])
+    assert (inst.count, inst.peak, inst.evicted) == (100, 100, 0)
+    assert inst.survival(1000) == 1.0  # never evicted: no size known, room assumed
+    inst.apply(1, [Removed(tuple(range(20))), Stored(tuple(range(100, 110)))])
+    assert (inst.count, inst.peak, inst.evicted) == (90, 100, 20)  # full at 100: 10 free now
+    assert inst.survival(10) == 1.0  # what is free is taken first
+    assert inst.survival(55) == 0.5  # 45 new blocks evict half of the 90 held
+    assert inst.survival(500) == 0.0 and inst.survival(0) == 1.0
+    inst.apply(2, [Removed((999,))])  # a hash it did not hold moves nothing
+    assert (inst.count, inst.evicted) == (90, 20)
+    inst.apply(3, [Cleared()])  # emptied: its size, as learnt, stays
+    assert (inst.count, inst.peak) == (0, 100) and inst.survival(50) == 1.0
+
+
 def test_block_hashes_cover_full_blocks_only_and_chain():
     tokens = list(range(40))
     hashes = block_hashes(tokens, 16)

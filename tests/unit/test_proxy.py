@@ -1220,6 +1220,38 @@ def test_prefix_routing_scores_an_instance_by_what_its_kv_events_say_it_holds_an
     assert a.blocks.sight is Sight.blind and a.blocks.why == "the instance is down"
 
 
+def test_a_held_prefix_behind_a_queue_that_would_evict_it_counts_less_once_the_cache_has_evicted():
+    """a holds the whole prompt and has legs queued; b holds nothing and is idle. Where a's cache has never had to
+    evict, the prefix it holds is worth the wait (a); where it is full and the queue ahead computes as many new
+    blocks as it holds, the prefix is likely gone when the leg runs: b. The control is the first case."""
+    from yrpd.proxy.kvindex import InstanceBlocks, Removed, Stored, block_hashes
+
+    text = "Background: " + "the quick brown fox jumps over the lazy dog. " * 40
+    tokens = list(range(1000, 1000 + 16 * 28))
+    p = prompt(text).with_tokens(tokens, None)
+
+    def pool_with(evicted: bool):
+        pool = Pool(["http://a", "http://b"], [], Routing.prefix, bound=100)
+        a, b = pool.of("prefill")
+        for inst in (a, b):
+            inst.up = True
+            inst.blocks = InstanceBlocks()
+            inst.blocks.apply(0, [])
+        filler = tuple(range(1, 29))  # as many blocks as the prompt: the size of a's cache
+        # full once (it had to make room for the prompt's blocks), or not
+        a.blocks.apply(1, [Stored(filler, 16), *([Removed(filler)] if evicted else [])])
+        a.blocks.apply(2, [Stored(tuple(block_hashes(tokens, 16)), 16)])
+        b.blocks.apply(1, [Stored((7,), 16)])
+        a.in_flight, a.queued = 2, 1.5 * p.chunks  # legs queued there computing about 1.5 prompts' worth
+        return pool, a, b
+
+    pool, a, b = pool_with(evicted=False)
+    assert pool.select("prefill", prompt=p) is a
+    pool, a, b = pool_with(evicted=True)
+    assert a.blocks.survival(a.queued * len(tokens) / p.chunks / 16) < 0.5
+    assert pool.select("prefill", prompt=p) is b
+
+
 def test_each_prefill_leg_checks_what_the_kv_event_index_said_against_what_the_cache_had(monkeypatch):
     """A leg routed on an instance's events claims the leading blocks they said it held; its connector says what
     the cache had when the leg was scheduled. /metrics counts both ways of being wrong (an index that drifted from

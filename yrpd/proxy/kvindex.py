@@ -105,6 +105,11 @@ class InstanceBlocks:
     #: blind for want of news only (events late, the instance down): nothing known lost, so the next batch in order
     #: makes it exact again
     lagging: bool = False
+    #: blocks held now (copies counted), the most it ever held, and how many it evicted: once it has evicted, its
+    #: cache was full, and the most it held is its size (what routing discounts a claim by; yrpd.proxy.pool)
+    count: int = 0
+    peak: int = 0
+    evicted: int = 0
 
     @property
     def held(self):
@@ -123,7 +128,7 @@ class InstanceBlocks:
         applied either way, since what it says is true."""
         expected = self.next_seq
         if self.last_seq is not None and seq < expected:
-            self.copies.clear()
+            self._forget()
             self.block_size = 0
             self.restarts += 1
             if seq > 0:
@@ -142,16 +147,36 @@ class InstanceBlocks:
             if isinstance(event, Stored):
                 for h in event.hashes:
                     self.copies[h] = self.copies.get(h, 0) + 1
+                self.count += len(event.hashes)
+                self.peak = max(self.peak, self.count)
                 # a partial block's entry (vLLM caches one where its hash unit is finer than a block) says fewer
                 # tokens: the block size is the largest any event said since the instance's cache began
                 self.block_size = max(self.block_size, event.block_size)
             elif isinstance(event, Removed):
                 for h in event.hashes:
-                    left = self.copies.pop(h, 0) - 1
-                    if left > 0:
-                        self.copies[h] = left
+                    had = self.copies.pop(h, 0)
+                    if had:
+                        self.count -= 1
+                        self.evicted += 1
+                    if had > 1:
+                        self.copies[h] = had - 1
             else:
-                self.copies.clear()
+                self._forget()
+
+    def _forget(self) -> None:
+        """Its cache emptied (cleared, or the instance restarted): its size, as learnt, stays."""
+        self.copies.clear()
+        self.count = 0
+
+    def survival(self, ahead_blocks: float) -> float:
+        """The share of what it holds that is likely still held after `ahead_blocks` new blocks are computed there
+        first: 1 until it has ever evicted (room left, nothing goes), else what its size leaves free is taken first,
+        then each new block evicts one, uniformly over what it holds as far as is known (vLLM evicts the least
+        recently used)."""
+        if not self.evicted or self.count <= 0 or ahead_blocks <= 0:
+            return 1.0
+        evicting = ahead_blocks - max(self.peak - self.count, 0)
+        return 1.0 if evicting <= 0 else max(0.0, 1.0 - evicting / self.count)
 
     def go_blind(self, why: str, now: float | None = None, lagging: bool = False) -> None:
         """Blind from now (`lagging`: for want of news, nothing known lost; a lost batch overrides that)."""
@@ -165,7 +190,7 @@ class InstanceBlocks:
 
     def rebuild(self) -> None:
         """Forget everything, to apply the instance's batches again from its first (a replay from 0)."""
-        self.copies.clear()
+        self._forget()
         self.block_size = 0
         self.last_seq = None
 

@@ -101,6 +101,17 @@ class Lease:
     released: bool = False
 
 
+def _survival(inst: Instance, prompt: Prompt) -> float:
+    """The share of the blocks `inst`'s KV-cache events say it holds that is likely still held once the chunks
+    queued there (`queued`) have been computed: their new blocks evict old ones where its cache is full. 1 where
+    its events tell nothing exact (the estimate's memory has no size to go by)."""
+    blocks = inst.blocks
+    if blocks is None or not blocks.block_size or not prompt.tokens or prompt.chunks <= 0:
+        return 1.0
+    ahead = inst.queued * len(prompt.tokens) / prompt.chunks / blocks.block_size
+    return blocks.survival(ahead)
+
+
 class Pool:
     def __init__(self, prefill: list[str], decode: list[str], routing: Routing = Routing.load, bound: int = 2):
         self.routing, self.bound = routing, bound
@@ -334,9 +345,13 @@ class Pool:
             return Lease(chosen, 0.0, matched[chosen], prompt=prompt)
         stored = self.stored.matched(prompt.chain)
         found = self.loadable_found
+        # what an instance holds now, as far as it is likely still held when the legs queued there have run: a
+        # long queue computes new blocks that evict old ones (what the index says at routing is not what the cache
+        # holds when a queued leg runs)
+        kept = {i: matched[i] * _survival(i, prompt) for i in within}
 
         def loadable(i: Instance) -> float:
-            return max(0, stored - matched[i])
+            return max(0, stored - kept[i])
 
         def cost(i: Instance) -> float:
             # Expected seconds: this leg's wait and work, its work counted WORK_WEIGHT times (it also delays every
@@ -345,11 +360,11 @@ class Pool:
             chunk = 1.0 if chunk is None else chunk
             load = self.load_chunk_s if self.load_chunk_s is not None else chunk * LOAD_WEIGHT / WORK_WEIGHT
             fetch = loadable(i) * (found * load + (1 - found) * chunk)
-            return chunk * (i.queued + WORK_WEIGHT * prompt.work(max(matched[i], stored))) + WORK_WEIGHT * fetch
+            return chunk * (i.queued + WORK_WEIGHT * prompt.work(max(kept[i], stored))) + WORK_WEIGHT * fetch
 
         chosen = min(within, key=lambda i: (cost(i), i.in_flight, i.recent))
         # charged to its queue: what it is expected to compute (the loadable part where the data system lost it)
-        work = prompt.work(max(matched[chosen], stored)) + (1 - self.loadable_found) * loadable(chosen)
+        work = prompt.work(max(kept[chosen], stored)) + (1 - self.loadable_found) * loadable(chosen)
         held, new = prompt.blocks_at(chosen.blocks)
         return Lease(chosen, work, matched[chosen], loadable(chosen), prompt, new_blocks=new, held_blocks=held)
 
