@@ -122,8 +122,11 @@ def test_worker_saves_a_snapshot_of_exactly_the_planned_blocks_under_its_keys(ma
     w = make("kv_producer", {"ttl_seconds": 42}, caches=caches)
     d = digests(3, 1)
     saved, nbytes = w.stats.get("saved_blocks"), w.stats.get("saved_bytes")
+    staged = w.stats.snapshot()["latency_ms"]["stage"]["count"]
     gate = ds.hold["exist"] = threading.Event()  # the writer is slow: the engine reuses the blocks meanwhile
     w.wait_for_save(meta(saves=[BlockOp("r", d, [5, 1, 6])]))
+    # the step's own cost of the save (the copy out of the paged cache) is timed, once per step
+    assert w.stats.snapshot()["latency_ms"]["stage"]["count"] - staged == 1
     for t in caches.values():
         t[[5, 1, 6]] = 0
     gate.set()

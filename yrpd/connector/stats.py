@@ -36,7 +36,9 @@ COUNTERS = (
     # transport
     "ds_errors", "ds_reconnects",
 )
-LATENCIES = ("save", "load", "lookup")
+#: save: the writer's job (beside the engine); load; lookup (the scheduler's, in its step); stage: what a step's
+#: saves cost the engine itself (copying the blocks out of the paged cache before it samples)
+LATENCIES = ("save", "load", "lookup", "stage")
 
 
 class Latency:
