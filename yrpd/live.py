@@ -70,9 +70,9 @@ class Hands:
                  drain_timeout_s: float = DRAIN_TIMEOUT_S, look: bool = False):
         self.desired, self.group, self.progress, self.drain_timeout_s = desired, group, progress, drain_timeout_s
         self.now = deployment
-        self._session = session or (deployment.session if deployment else None)
+        self.session = session or (deployment.session if deployment else None)
         self.store, self.options, self.look = store, options or RunOptions(), look
-        self.playbook, self.playbook_name = playbook or named_playbook(None), playbook_name
+        self.playbook, self.playbook_name = playbook, playbook_name  # bring up's (default: deploy's)
         self.inventory = inventory if inventory is not None else deployment.inventory
         self.new = self.checked = False
         self.outcomes: list = []
@@ -82,19 +82,15 @@ class Hands:
         self._views: dict[str, HostGroup] = {}
 
     @property
-    def session(self) -> Session:
-        return self._session
-
-    @property
     def life(self) -> Lifecycle:
-        session = self._session
+        session = self.session
         return Lifecycle(session.state.get("instances") or {},
                          save=lambda states: session.set_state(instances=states))
 
     @property
     def hosts(self) -> HostGroup:
         """The group as the session's steps see it (in its containers under the docker runtime)."""
-        sid = self._session.id
+        sid = self.session.id
         if sid not in self._views:
             self._views[sid] = runtime_group(self.group, self.desired.spec, sid)
         return self._views[sid]
@@ -114,8 +110,9 @@ class Hands:
                                   f"`yrpd logs {again[0]}` says why; fix it and run the same command again")
             if found:
                 self.session.journal(event="found dead", instances=found)
-                self.progress.message(f"{', '.join(found)} found dead on {'its host' if len(found) == 1 else 'their hosts'}"
-                                      " (nothing restarts it there): started again first")
+                where = "its host" if len(found) == 1 else "their hosts"
+                self.progress.message(f"{', '.join(found)} found dead on {where} (nothing restarts it there): "
+                                      "started again first")
                 life.move(found, InstanceState.dead)
         life = self.life
         down = frozenset(i.name for i in self.now.plan.instances if life.state(i.name) in DOWN)
@@ -146,7 +143,7 @@ class Hands:
         self.progress.message(f"--recreate: tearing session {self.session.id} down first (requests fail until the "
                               "new one serves)")
         down(self.now, progress=self.progress)
-        self.now = self._session = None
+        self.now = self.session = None
 
     def _bring_up(self, spec: DeploySpec) -> None:
         """The deploy playbook on every host of the spec's plan: what runs keeps its place (a change may have moved
@@ -155,8 +152,8 @@ class Hands:
                               cordoned=self.desired.cordoned)
         # runtime docker: the wheels the containers get from here, downloaded before any host is changed
         prepare(StepContext(spec=spec, plan=placement))
-        if self._session is None:
-            self._session, self.new = self.store.create(), True
+        if self.session is None:
+            self.session, self.new = self.store.create(), True
             self.progress.message(f"session {self.session.id} ({self.session.path})")
         else:
             self.progress.message(f"resuming session {self.session.id}: finished steps are skipped")
@@ -169,7 +166,8 @@ class Hands:
         ctx = StepContext(spec=spec, plan=placement, session_id=session.id,
                           options=replace(self.options, secrets_dir=str(secrets)))
         try:
-            self.outcomes = run_playbook(self.playbook, self.hosts, ctx, session, self.progress)
+            self.outcomes = run_playbook(self.playbook or named_playbook(None), self.hosts, ctx, session,
+                                         self.progress)
         except StepFailed as failure:
             session.set_state(SessionPhase.failed, failed_step=failure.step.name)
             failure.args = (f"{failure}\nfix the cause and run the same `yrpd deploy` again to resume session "
