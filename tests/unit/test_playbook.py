@@ -72,8 +72,9 @@ def test_a_done_step_is_skipped_in_the_same_round_trip_and_a_hung_check_counts_a
     assert outcomes[1].results["localhost"].command == f"touch {hung}"  # reports name the step, not the wrapper
 
 
-def stamp(ctx, host, dir: str, step: str, slow_on: str = "", fail_on: str = "", **_):
-    wait = "sleep 1.5; " if host.name == slow_on else ""
+def stamp(ctx, host, dir: str, step: str, slow_on: str = "", until: str = "", fail_on: str = "", **_):
+    # the slow host waits for the other's file (at most 60 s), not a fixed time a loaded CI machine can outlast
+    wait = f"for _ in $(seq 600); do [ -e {dir}/{until} ] && break; sleep 0.1; done; " if host.name == slow_on else ""
     fail = "exit 3; " if host.name == fail_on else ""
     return Command(f"{wait}{fail}python3 -c 'import time; print(time.time())' > {dir}/{step}-{host.name}")
 
@@ -100,7 +101,8 @@ def test_per_host_steps_let_a_fast_host_go_on_and_are_reported_in_order(tmp_path
     the step after the chain (a barrier) starts only when both hosts are through."""
     here = __name__
     steps = [{"name": n, "run": f"{here}.stamp", "per_host": n != "c",
-              "with": {"dir": str(tmp_path), "step": n, "slow_on": "h1" if n == "a" else ""}} for n in "abc"]
+              "with": {"dir": str(tmp_path), "step": n, "slow_on": "h1" if n == "a" else "", "until": "b-h2"}}
+             for n in "abc"]
     runner, playbook, events = _run_two_hosts(steps)
     outcomes = runner.run(playbook)
     at = {f.name: float(f.read_text()) for f in tmp_path.iterdir()}
