@@ -70,6 +70,10 @@ def connector_counters(name):
         for key, value in doc.get("counters", {}).items():
             if isinstance(value, (int, float)):
                 totals[key] = totals.get(key, 0) + value
+        # the connector's time by kind (stage: what saving cost the engine's own steps), summed like the counters
+        for key, lat in (doc.get("latency_ms") or {}).items():
+            if isinstance(lat, dict) and isinstance(lat.get("total"), (int, float)):
+                totals[f"{key}_ms"] = round(totals.get(f"{key}_ms", 0) + lat["total"], 3)
         if "ds_healthy" in doc:
             healthy = doc["ds_healthy"] if healthy is None else (healthy and doc["ds_healthy"])
     return {"counters": totals, "ds_healthy": healthy, "files": len(files)}

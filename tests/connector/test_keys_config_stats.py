@@ -159,6 +159,10 @@ def test_config_defaults_and_roles():
     # vLLM's 1 s busy wait is cut to 2 ms on CPU unless told otherwise; negative leaves vLLM's own
     assert c.cpu_spin_ms == 2.0
     assert parse_config("kv_both", {"ds_address": "h:1", "cpu_spin_ms": "-1"}, env={}).cpu_spin_ms == -1.0
+    # a block saved lately is not saved again for 300 s, and never past half its TTL (it would expire meanwhile)
+    assert parse_config("kv_both", {"ds_address": "h:1"}, env={}).resave_after_s == 300.0
+    assert c.resave_after_s == 15.0  # ttl_seconds 30
+    assert parse_config("kv_both", {"ds_address": "h:1", "ttl_seconds": 0}, env={}).resave_after_s == 300.0
 
 
 @pytest.mark.parametrize("role,extra", [
@@ -172,6 +176,8 @@ def test_config_defaults_and_roles():
     ("kv_producer", {"ds_address": "h:1", "transport": "rdma"}),
     ("kv_producer", {"ds_address": "h:1", "cpu_spin_ms": "soon"}),
     ("kv_producer", {"ds_address": "h:1", "max_batch_keys": 5000}),
+    ("kv_producer", {"ds_address": "h:1", "resave_after_s": -1}),
+    ("kv_producer", {"ds_address": "h:1", "ttl_seconds": 60, "resave_after_s": 60}),
 ])
 def test_config_rejects_bad_input(role, extra):
     with pytest.raises(ConfigError):

@@ -284,6 +284,47 @@ def test_kv_both_does_not_save_again_what_it_loaded(make, ds):
     assert (info["num_blocks"], info["loaded"]) == (5, 3)
 
 
+def _next_turn(sch, rid: str, toks: list, computed: int):
+    """One request's first step with its whole prompt scheduled; its block ids are 100, 101, ..."""
+    n = len(toks) // BS + 1
+    return sch.build_connector_meta(fakes.scheduler_output(
+        new=[fakes.new_req(rid, toks, range(100, 100 + n), computed=computed)], num_scheduled={rid: len(toks) - computed}))
+
+
+@pytest.mark.parametrize("extra, again", [({}, False), ({"resave_after_s": 0}, True)], ids=["default", "resave 0"])
+def test_kv_both_does_not_copy_out_again_a_history_it_saved_lately(make, clock, extra, again):
+    """A chat's next turn: the history came from vLLM's own prefix cache and this instance saved it a turn ago, so
+    only the new blocks are staged on the step (resave_after_s 0, the keyed control: every block again)."""
+    sch = make("kv_both", extra)
+    first = tokens(22, 12)  # 5 full blocks
+    turn = first + tokens(9, 13)  # 7 full blocks, the first 5 of them the history
+    d = K.prefix_digests(turn, BS)
+    assert ops(_next_turn(sch, "t1", first, 0).saves) == [("t1", [100, 101, 102, 103, 104], d[:5])]
+    skipped = sch.stats.get("save_skipped_recent_blocks")
+    clock.advance(60)
+    saves = ops(_next_turn(sch, "t2", turn, 20).saves)
+    if again:
+        assert saves == [("t2", [100, 101, 102, 103, 104, 105, 106], d[:7])]
+    else:
+        assert saves == [("t2", [105, 106], d[5:7])]
+    assert sch.stats.get("save_skipped_recent_blocks") - skipped == (0 if again else 5)
+
+
+def test_kv_both_saves_a_history_again_once_resave_after_s_passed_and_a_hand_over_always(make, clock):
+    sch = make("kv_both", {"resave_after_s": 100})
+    toks = tokens(22, 14)
+    d = K.prefix_digests(toks, BS)
+    _next_turn(sch, "a", toks, 0)
+    clock.advance(99)
+    assert ops(_next_turn(sch, "b", toks, 20).saves) == []  # control: within the window nothing again
+    # a hand-over: decode loads every block, and the data system may have evicted one since
+    handed = fakes.request("c", toks, {"do_remote_decode": True})
+    sch.get_num_new_matched_tokens(handed, 20)
+    assert ops(_next_turn(sch, "c", toks, 20).saves)[0] == ("c", [100, 101, 102, 103, 104], d[:5])
+    clock.advance(100)  # the hand-over's save restarted the window: 100 s after it
+    assert ops(_next_turn(sch, "d", toks, 20).saves) == [("d", [100, 101, 102, 103, 104], d[:5])]
+
+
 def test_kv_both_announces_only_requests_that_came_with_transfer_params(make):
     sch = make("kv_both")
     toks = tokens(12, 9)

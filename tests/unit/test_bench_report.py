@@ -193,3 +193,25 @@ def test_report_splits_a_pd_targets_first_token_wait_into_the_prefill_leg_and_th
     # the control: runs the proxy did not time have no such rows at all
     plain = markdown({"single": target(900.0, None)}, {"prompts": 1})
     assert "of which the prefill leg" not in plain
+
+
+def test_report_pairs_each_request_of_a_store_with_the_same_prompt_on_the_plain_instance_and_shows_its_own_time():
+    """Where a store's cost sits: each request's TTFT less the plain instance's for the same prompt, and the
+    connector's time by kind; targets sent other prompts are not paired (the keyed control)."""
+    from yrpd.bench.report import markdown
+
+    meta = {"prompts": 4, "seed": 0}
+    plain = [100.0, 200.0, 300.0, 400.0]
+    results = {"single": {"description": "one", "metrics": {"mean_ttft_ms": 250.0}, "counters": {},
+                          "ttfts_ms": plain, "input_lens_sha256": ["a"]},
+               "single-yr": {"description": "one + store", "metrics": {"mean_ttft_ms": 265.0},
+                             "counters": {"stage_ms": 812.4, "save_skipped_recent_blocks": 64},
+                             "ttfts_ms": [110.0, 195.0, 330.0, 425.0], "input_lens_sha256": ["a"]}}
+    text = markdown(results, meta)
+    assert "- single-yr less single, per request (4): median 17.50 ms, p90 28.50 ms; 3 of 4 slower" in text
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
+            for line in text.splitlines() if line.startswith("| ")}
+    assert rows["connector: copying saves out on the engine's steps (ms, all runs)"] == ["0", "812"]
+    assert rows["KV blocks not saved again (saved within resave_after_s)"] == ["0", "64"]
+    results["single-yr"]["input_lens_sha256"] = ["b"]
+    assert "per request" not in markdown(results, meta)

@@ -318,3 +318,29 @@ def test_dead_in_names_instances_whose_process_neither_runs_nor_is_restarted_and
     assert dead_in(launches, {**calm, "h2": HostResult("h2", "q", None, error="ssh to h2 failed")}) == frozenset()
     assert dead_in(launches, {**calm, "h2": HostResult("h2", "q", 1, "", "status query: the processes part failed")}) \
         == frozenset()
+
+
+def test_the_host_probe_sums_each_instances_connector_counters_and_its_time_by_kind_over_its_stats_files(tmp_path):
+    """deploy_scripts/serving_status.py as yrpd runs it on a host: the scheduler's and the worker's stats files of
+    one instance add up, counters and the milliseconds each kind of work took (what `yrpd bench` reports of a
+    store's own cost); an instance with no stats file has none."""
+    from pathlib import Path
+
+    import yrpd
+
+    script = Path(yrpd.__file__).resolve().parent.parent / "deploy_scripts" / "serving_status.py"
+    for side, saved, stage in (("scheduler", 0, None), ("worker", 40, 12.5)):
+        doc = {"schema": "yrpd.connector.stats/1", "side": side, "ds_healthy": True,
+               "counters": {"saved_blocks": saved, "save_skipped_recent_blocks": 7 if side == "scheduler" else 0},
+               "latency_ms": {"lookup": {"count": 3, "total": 4.25 if side == "scheduler" else 0.0}}}
+        if stage is not None:
+            doc["latency_ms"]["stage"] = {"count": 9, "total": stage}
+        (tmp_path / f"p0-{side}.json").write_text(json.dumps(doc))
+    args = {"dir": str(tmp_path), "proxy": None, "kv_stats": str(tmp_path / "{name}-*.json"),
+            "instances": [{"name": "p0", "url": "http://127.0.0.1:9"}, {"name": "p1", "url": "http://127.0.0.1:9"}]}
+    out = json.loads(subprocess.run(["python3", str(script), json.dumps(args)], capture_output=True, text=True,
+                                    check=True, timeout=60).stdout)
+    by_name = {i["name"]: i["connector"] for i in out["instances"]}
+    assert by_name["p0"]["counters"] == {"saved_blocks": 40, "save_skipped_recent_blocks": 7, "lookup_ms": 4.25,
+                                         "stage_ms": 12.5}
+    assert by_name["p0"]["files"] == 2 and by_name["p1"] == {"counters": {}, "ds_healthy": None, "files": 0}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from yrpd.provenance import missing
@@ -32,6 +33,11 @@ ROWS = [  # (label, metric key in vllm bench serve's result, or yrpd.bench.run.s
 COUNTER_ROWS = [("external cache hit tokens", "external_cache_hit_tokens"), ("KV blocks loaded", "loaded_blocks"),
                 ("KV blocks saved", "saved_blocks"),
                 ("KV blocks handed over but computed again (evicted or late)", "handoff_missed_blocks"),
+                ("KV blocks not saved again (saved within resave_after_s)", "save_skipped_recent_blocks"),
+                ("connector: copying saves out on the engine's steps (ms, all runs)", "stage_ms"),
+                ("connector: existence lookups in the scheduler's steps (ms, all runs)", "lookup_ms"),
+                ("connector: the writer's puts, beside the engine (ms, all runs)", "save_ms"),
+                ("connector: loads (ms, all runs)", "load_ms"),
                 ("data system reads from memory", "ds_hits_memory"),
                 ("data system reads from disk", "ds_hits_disk"), ("data system misses", "ds_misses")]
 # where each role's prompt tokens came from; a row shows only where a target has it (the single targets have no role
@@ -158,12 +164,37 @@ def markdown(results: dict, meta: dict, provenance: dict | None = None) -> str:
     lines.append("")
     for name, value in ratios(results).items():
         lines.append(f"- {name}: **{value}**")
+    for line in per_request(results):
+        lines.append(f"- {line}")
     oracle = prefix_hit_rate(results["pd-oracle"]["counters"]) if "pd-oracle" in names else None
     for name in names:
         rate = prefix_hit_rate(results[name]["counters"])
         if oracle is not None and rate is not None and name != "pd-oracle":
             lines.append(f"- {name} prefix-cache hit rate against pd-oracle's: **{rate - oracle:+.2f} points**")
     return "\n".join(lines) + "\n"
+
+
+#: (target, baseline): pairs whose requests are compared one by one (a store's own cost beside the plain instance)
+PAIRED = (("single-yr", "single"), ("single-yr", "peer-lmcache"), ("peer-lmcache", "single"))
+
+
+def per_request(results: dict) -> list[str]:
+    """For each of PAIRED both measured on the same prompts: each request's TTFT less the baseline's for the same
+    prompt (vLLM's bench lists the TTFTs in the order of its prompts, and every target of a run gets the same
+    ones), median and p90 of the difference and how many requests were slower: where a store's cost sits (every
+    request a little, or a few a lot), which a ratio of means hides."""
+    out = []
+    for target, base in PAIRED:
+        a, b = (results.get(n) or {} for n in (target, base))
+        if "error" in a or "error" in b or not a.get("ttfts_ms") or len(a["ttfts_ms"]) != len(b.get("ttfts_ms") or ()):
+            continue
+        if a.get("input_lens_sha256") != b.get("input_lens_sha256"):
+            continue
+        deltas = [x - y for x, y in zip(a["ttfts_ms"], b["ttfts_ms"])]
+        p90 = statistics.quantiles(deltas, n=10, method="inclusive")[-1] if len(deltas) > 1 else deltas[0]
+        out.append(f"{target} less {base}, per request ({len(deltas)}): median {_fmt(statistics.median(deltas))} ms, "
+                   f"p90 {_fmt(p90)} ms; {sum(d > 0 for d in deltas)} of {len(deltas)} slower")
+    return out
 
 
 def _fmt(value) -> str:

@@ -205,6 +205,8 @@ def down(session_id: str) -> None:
     api.down(api.open_deployment(session_id))
 
 
+#: the connector's time by kind, ms summed over its processes (serving_status.py): what a no-hit request pays
+CONNECTOR_MS = ("stage_ms", "lookup_ms", "save_ms", "load_ms")
 DS_HITS = ("hits_memory", "hits_disk", "misses")  # the data system workers' own counts of reads, by tier
 TOKEN_SOURCES = ("prompt_tokens_computed", "prompt_tokens_local_cache", "prompt_tokens_loaded")
 #: the key of `ms_per_chunk` (a target's results) for prefix routing's measure of a chunk loaded from the data system
@@ -218,7 +220,7 @@ def counters(session_id: str) -> tuple[dict, dict, dict]:
     workers' use of memory and disk now (MB), and the time per prompt chunk prefix routing measured for each
     instance now ({instance: ms}, and LOAD_RATE: a chunk loaded from the data system; empty without it)."""
     report = api.status(api.open_deployment(session_id))
-    blocks = ("loaded_blocks", "saved_blocks", "handoff_missed_blocks")
+    blocks = ("loaded_blocks", "saved_blocks", "handoff_missed_blocks", "save_skipped_recent_blocks", *CONNECTOR_MS)
     total = {"external_cache_hit_tokens": 0.0, "prompt_tokens": 0.0, **{key: 0 for key in blocks},
              **{f"ds_{key}": 0 for key in DS_HITS}}
     for inst in report.instances:

@@ -30,6 +30,10 @@ Keys (all optional except the data system address):
                         data system's client holds the GIL for each call) or "thread" (inside the vLLM worker)
   layout                the memory-layout tag in the key namespace (default: the platform's device type and KV
                         layout); instances that must share blocks need the same tag
+  resave_after_s        producer: a block this instance saved less than this long ago is not copied out and saved
+                        again by a request that does not hand over to decode (its own prefix cache supplied it;
+                        the copy is on the engine's step); 0 saves every block of every request (default 300, at
+                        most half of ttl_seconds; given, below it; hand-overs always save every block, as decode needs them all)
   cpu_spin_ms           CPU instances only: how long vLLM's message-queue readers spin after a message before
                         they sleep (default 2; vLLM's own is 1 s; negative leaves vLLM's; see cpu_spin.py)
 """
@@ -110,6 +114,7 @@ class ConnectorConfig:
     transport: str = "auto"
     device_id: int | None = None
     cpu_spin_ms: float = 2.0
+    resave_after_s: float = 300.0
     saver: str = "process"
     unknown: dict = field(default_factory=dict)
 
@@ -131,7 +136,7 @@ _KNOWN = {
     "ds_address", "ds_host", "ds_port", "model_id", "namespace", "ttl_seconds", "evictable", "delete_after_load", "save_sync",
     "ready_wait_ms", "connect_timeout_ms", "request_timeout_ms", "retry_backoff_s", "exclusive_connection",
     "stats_interval_s", "stats_file", "max_batch_keys", "staging_mb", "transport", "device_id", "cpu_spin_ms",
-    "saver", "layout",
+    "saver", "layout", "resave_after_s",
 }
 
 
@@ -181,9 +186,15 @@ def parse_config(role: str | None, extra: Mapping[str, Any] | None, env: Mapping
         transport=transport,
         device_id=(None if extra.get("device_id") is None else _num(extra["device_id"], "device_id", int, 0)),
         cpu_spin_ms=_num(extra.get("cpu_spin_ms", 2.0), "cpu_spin_ms", float),
+        resave_after_s=_num(extra.get("resave_after_s", 300.0), "resave_after_s", float, 0),
         saver=saver,
         unknown={k: v for k, v in extra.items() if k not in _KNOWN},
     )
+    if cfg.ttl_seconds and "resave_after_s" not in extra:
+        cfg.resave_after_s = min(cfg.resave_after_s, cfg.ttl_seconds / 2)
+    if cfg.ttl_seconds and cfg.resave_after_s >= cfg.ttl_seconds:
+        # a block not saved again would expire while this instance still takes it for stored
+        raise ConfigError(f"resave_after_s ({cfg.resave_after_s:g}) must be below ttl_seconds ({cfg.ttl_seconds})")
     if cfg.max_batch_keys >= 2000:
         raise ConfigError("max_batch_keys must be < 2000 (data-system batch limit)")
     return cfg

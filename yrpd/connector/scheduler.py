@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 _POLL_S = 0.01  # consumer: at most one existence query per waiting request per 10 ms
+_SAVED_MAX = 1 << 16  # producer: the blocks it remembers saving (digests, about 100 bytes each)
 
 
 def _count(value) -> int:
@@ -120,6 +122,8 @@ class ConnectorScheduler(ConnectorHalf):
         self._handover: dict[str, int] = {}
         self._loaded_blocks: dict[str, int] = {}  # blocks each request took from the data system (told to the proxy)
         self._pending_loads: list[BlockOp] = []
+        #: producer: prefix digest -> when this instance last planned its save (resave_after_s)
+        self._saved: OrderedDict[str, float] = OrderedDict()
         self._refused_logged: dict[str, float] = {}
         self._rank_ns = [ctx.namespace(t, p).digest for p in range(ctx.pp_size) for t in range(ctx.tp_size)]
         ktc = ctx.ktc
@@ -340,8 +344,10 @@ class ConnectorScheduler(ConnectorHalf):
         rng = K.saveable_range(len(st.token_ids), st.saved_upto * bs, computed_after, bs)
         hi = min(rng.stop, len(st.block_ids)) if rng else st.saved_upto
         if hi > st.saved_upto:
-            digests = st.digests_upto(hi, bs)
-            meta.saves.append(BlockOp(st.req_id, digests[st.saved_upto:hi], st.block_ids[st.saved_upto:hi]))
+            pairs = self._unsaved(st.req_id, list(zip(st.digests_upto(hi, bs)[st.saved_upto:hi],
+                                                      st.block_ids[st.saved_upto:hi])))
+            if pairs:
+                meta.saves.append(BlockOp(st.req_id, [d for d, _ in pairs], [b for _, b in pairs]))
             st.saved_upto = hi
         n = len(st.token_ids)
         index = n // bs  # the partial block holding the last prompt token (a full one was saved above)
@@ -351,6 +357,24 @@ class ConnectorScheduler(ConnectorHalf):
             meta.saves.append(BlockOp(st.req_id, [K.tail_digest(st.token_ids, bs, prev, st.extra)],
                                       [st.block_ids[index]]))
             st.tail_saved = True
+
+    def _unsaved(self, req_id: str, pairs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """The (digest, block id) pairs to save: a request that stays here leaves out the blocks this instance
+        saved within resave_after_s, which its own prefix cache supplied (a chat's history every turn): copying them
+        out again would delay the step for keys the data system already holds. A hand-over saves them all: decode
+        needs every block, and one the data system evicted meanwhile would make it compute the whole prompt."""
+        now, window = time.monotonic(), self.cfg.resave_after_s
+        if window > 0 and req_id not in self._handover:
+            kept = [(d, b) for d, b in pairs if now - self._saved.get(d, float("-inf")) >= window]
+            if len(kept) < len(pairs):
+                self.stats.inc("save_skipped_recent_blocks", len(pairs) - len(kept))
+            pairs = kept
+        for d, _ in pairs:
+            self._saved[d] = now
+            self._saved.move_to_end(d)
+        while len(self._saved) > _SAVED_MAX:
+            self._saved.popitem(last=False)
+        return pairs
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         req_id = request.request_id

@@ -28,6 +28,9 @@ COUNTERS = (
     # ... of save_failed_blocks, those the worker had no room for: refused (out of memory), or taken without error
     # and evicted at once or by the writer's next write (its memory full of entries it may not evict; saver.py)
     "save_failed_memory_full_blocks",
+    # producer (scheduler side): blocks of requests that stay on the instance, not copied out again because it
+    # saved them within resave_after_s
+    "save_skipped_recent_blocks",
     # consumer (scheduler side): blocks asked about / found / not found before promising tokens
     "lookup_requests", "lookup_blocks", "lookup_hit_blocks", "lookup_miss_blocks", "lookup_errors",
     "lookup_waits", "handoff_missed_blocks", "handoff_refused",
