@@ -87,6 +87,10 @@ def test_report_shows_the_data_system_size_its_reads_by_tier_and_what_it_held_at
                "single": {"description": "one", "metrics": {"mean_ttft_ms": 900.0}, "counters": {}, "data_system": {}}}
     text = markdown(results, meta)
     assert "KV pool 112 MB per instance, data system 128 MB per host + 1024 MB on disk" in text.splitlines()[0]
+    assert "connector" not in text.splitlines()[0]  # the control: settings as the connector has them by default
+    # a run deployed with connector settings of its own says so in its first line
+    assert ", connector cpu_spin_ms -1, resave_after_s 0" in markdown(
+        results, {**meta, "connector": {"resave_after_s": 0, "cpu_spin_ms": -1}}).splitlines()[0]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
             for line in text.splitlines() if line.startswith("| ")}
     assert rows["data system reads from disk"] == ["12", "0"]

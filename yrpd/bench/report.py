@@ -109,6 +109,8 @@ def markdown(results: dict, meta: dict, provenance: dict | None = None) -> str:
         shape += f", data system {meta['datasystem_mb']} MB per host"
         if meta.get("datasystem_spill_mb"):
             shape += f" + {meta['datasystem_spill_mb']} MB on disk"
+    if meta.get("connector"):
+        shape += ", connector " + ", ".join(f"{k} {v}" for k, v in sorted(meta["connector"].items()))
     if meta.get("max_concurrency"):
         shape += f", concurrency {meta['max_concurrency']}"
     if (meta.get("repeat") or 1) > 1:

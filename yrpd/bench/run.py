@@ -512,6 +512,9 @@ def bench(session_id: str | None, request: BenchRequest, log=print, progress=Non
     meta["datasystem_spill_mb"] = (deployment.spec.datasystem_spill_mb if request.datasystem_spill_mb is None
                                    else request.datasystem_spill_mb)
     meta.update(max_concurrency=request.max_concurrency, repeat=request.repeat, goodput=list(request.goodput))
+    # the spec's connector settings every yrpd-connector target ran with: two runs that differ only there
+    # (benchmarks/store_regimes.sh's CONNECTOR) are told apart by their reports
+    meta["connector"] = dict(base.connector)
     commands = [request.command] + [(out_dir / f"{run}.cmd").read_text().strip()
                                     for target in results for run in results[target].get("runs_named", [])]
     prov = record(commands, inputs, vllm_venv, code)
