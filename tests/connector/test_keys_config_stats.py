@@ -177,6 +177,7 @@ def test_config_defaults_and_roles():
     ("kv_producer", {"ds_address": "h:1", "cpu_spin_ms": "soon"}),
     ("kv_producer", {"ds_address": "h:1", "max_batch_keys": 5000}),
     ("kv_producer", {"ds_address": "h:1", "resave_after_s": -1}),
+    ("kv_producer", {"ds_address": "h:1", "resave_after_s": "nan"}),
     ("kv_producer", {"ds_address": "h:1", "ttl_seconds": 60, "resave_after_s": 60}),
 ])
 def test_config_rejects_bad_input(role, extra):

@@ -321,8 +321,22 @@ def test_kv_both_saves_a_history_again_once_resave_after_s_passed_and_a_hand_ove
     handed = fakes.request("c", toks, {"do_remote_decode": True})
     sch.get_num_new_matched_tokens(handed, 20)
     assert ops(_next_turn(sch, "c", toks, 20).saves)[0] == ("c", [100, 101, 102, 103, 104], d[:5])
-    clock.advance(100)  # the hand-over's save restarted the window: 100 s after it
-    assert ops(_next_turn(sch, "d", toks, 20).saves) == [("d", [100, 101, 102, 103, 104], d[:5])]
+    clock.advance(50)  # 149 s after the first save, 50 after the hand-over's: its save restarted the window
+    assert ops(_next_turn(sch, "d", toks, 20).saves) == []
+    clock.advance(50)
+    assert ops(_next_turn(sch, "e", toks, 20).saves) == [("e", [100, 101, 102, 103, 104], d[:5])]
+
+
+def test_kv_both_saves_again_a_history_it_had_to_compute_even_if_it_saved_it_lately(make, clock):
+    """vLLM's own cache had evicted the history, so this request computed it: maybe the first save never landed
+    (dropped, refused, evicted since), and this is the copy that can make it land."""
+    sch = make("kv_both")
+    toks = tokens(22, 15)
+    d = K.prefix_digests(toks, BS)
+    _next_turn(sch, "a", toks, 0)
+    clock.advance(10)
+    assert ops(_next_turn(sch, "b", toks, 0).saves) == [("b", [100, 101, 102, 103, 104], d[:5])]
+    assert ops(_next_turn(sch, "c", toks, 8).saves) == [("c", [102, 103, 104], d[2:5])]  # 2 blocks from its cache
 
 
 def test_kv_both_announces_only_requests_that_came_with_transfer_params(make):

@@ -73,8 +73,9 @@ def test_a_done_step_is_skipped_in_the_same_round_trip_and_a_hung_check_counts_a
 
 
 def stamp(ctx, host, dir: str, step: str, slow_on: str = "", until: str = "", fail_on: str = "", **_):
-    # the slow host waits for the other's file (at most 60 s), not a fixed time a loaded CI machine can outlast
-    wait = f"for _ in $(seq 600); do [ -e {dir}/{until} ] && break; sleep 0.1; done; " if host.name == slow_on else ""
+    # the slow host waits for the other's stamp (at most 60 s), not a fixed time a loaded CI machine can outlast;
+    # -s: the file exists, empty, before that python prints its time
+    wait = f"for _ in $(seq 600); do [ -s {dir}/{until} ] && break; sleep 0.1; done; " if host.name == slow_on else ""
     fail = "exit 3; " if host.name == fail_on else ""
     return Command(f"{wait}{fail}python3 -c 'import time; print(time.time())' > {dir}/{step}-{host.name}")
 

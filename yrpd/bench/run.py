@@ -205,7 +205,8 @@ def down(session_id: str) -> None:
     api.down(api.open_deployment(session_id))
 
 
-#: the connector's time by kind, ms summed over its processes (serving_status.py): what a no-hit request pays
+#: the connector's time by kind, ms summed over its processes (serving_status.py; with TP > 1 over every rank, so
+#: more than the engine waited): where a no-hit request's time goes
 CONNECTOR_MS = ("stage_ms", "lookup_ms", "save_ms", "load_ms")
 DS_HITS = ("hits_memory", "hits_disk", "misses")  # the data system workers' own counts of reads, by tier
 TOKEN_SOURCES = ("prompt_tokens_computed", "prompt_tokens_local_cache", "prompt_tokens_loaded")

@@ -70,6 +70,8 @@ def _num(value: Any, name: str, cast=int, minimum=None):
         out = cast(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+    if out != out or out in (float("inf"), float("-inf")):  # nan and inf pass every comparison below
+        raise ConfigError(f"{name}: expected a finite number, got {value!r}")
     if minimum is not None and out < minimum:
         raise ConfigError(f"{name}: must be >= {minimum}, got {out}")
     return out

@@ -50,6 +50,7 @@ class _ReqState:
     saved_upto: int = 0
     digests: list = field(default_factory=list)
     tail_saved: bool = False  # the hand-over's partial last block is in a save plan
+    local_upto: int = 0  # blocks vLLM's own prefix cache supplied when first scheduled (none computed here)
 
     def digests_upto(self, n: int, block_size: int) -> list:
         if len(self.digests) < n:
@@ -320,6 +321,7 @@ class ConnectorScheduler(ConnectorHalf):
             if prev is not None:
                 st.saved_upto = max(st.saved_upto, prev.saved_upto)
             st.tail_saved = prev is not None and prev.tail_saved
+            st.local_upto = prev.local_upto if prev is not None else new_req.num_computed_tokens // self.block_size
             self._states[new_req.req_id] = st
             self._emit_saves(st, new_req.num_computed_tokens + num_sched.get(new_req.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -344,8 +346,8 @@ class ConnectorScheduler(ConnectorHalf):
         rng = K.saveable_range(len(st.token_ids), st.saved_upto * bs, computed_after, bs)
         hi = min(rng.stop, len(st.block_ids)) if rng else st.saved_upto
         if hi > st.saved_upto:
-            pairs = self._unsaved(st.req_id, list(zip(st.digests_upto(hi, bs)[st.saved_upto:hi],
-                                                      st.block_ids[st.saved_upto:hi])))
+            pairs = self._unsaved(st, list(zip(range(st.saved_upto, hi), st.digests_upto(hi, bs)[st.saved_upto:hi],
+                                               st.block_ids[st.saved_upto:hi])))
             if pairs:
                 meta.saves.append(BlockOp(st.req_id, [d for d, _ in pairs], [b for _, b in pairs]))
             st.saved_upto = hi
@@ -358,17 +360,21 @@ class ConnectorScheduler(ConnectorHalf):
                                       [st.block_ids[index]]))
             st.tail_saved = True
 
-    def _unsaved(self, req_id: str, pairs: list[tuple[str, int]]) -> list[tuple[str, int]]:
-        """The (digest, block id) pairs to save: a request that stays here leaves out the blocks this instance
-        saved within resave_after_s, which its own prefix cache supplied (a chat's history every turn): copying them
-        out again would delay the step for keys the data system already holds. A hand-over saves them all: decode
-        needs every block, and one the data system evicted meanwhile would make it compute the whole prompt."""
+    def _unsaved(self, st: _ReqState, blocks: list[tuple[int, str, int]]) -> list[tuple[str, int]]:
+        """The (digest, block id) pairs to save of `blocks` (index, digest, block id): a request that stays here
+        leaves out the blocks its instance's own prefix cache supplied and this instance saved within
+        resave_after_s (a chat's history every turn): copying them out again would delay the step for keys the data
+        system most likely holds. A block the request computed is always saved (a first save that never landed is
+        written then). A hand-over saves them all: decode needs every block, and one the data system evicted
+        meanwhile would make it compute the whole prompt."""
         now, window = time.monotonic(), self.cfg.resave_after_s
-        if window > 0 and req_id not in self._handover:
-            kept = [(d, b) for d, b in pairs if now - self._saved.get(d, float("-inf")) >= window]
-            if len(kept) < len(pairs):
-                self.stats.inc("save_skipped_recent_blocks", len(pairs) - len(kept))
-            pairs = kept
+        if window > 0 and st.req_id not in self._handover:
+            kept = [(i, d, b) for i, d, b in blocks
+                    if i >= st.local_upto or now - self._saved.get(d, float("-inf")) >= window]
+            if len(kept) < len(blocks):
+                self.stats.inc("save_skipped_recent_blocks", len(blocks) - len(kept))
+            blocks = kept
+        pairs = [(d, b) for _, d, b in blocks]
         for d, _ in pairs:
             self._saved[d] = now
             self._saved.move_to_end(d)
