@@ -11,6 +11,7 @@ from pathlib import Path
 from yrpd.errors import SessionError
 from yrpd.hostgroup import GroupResult, Host, HostGroup, env_preamble
 from yrpd.placement import HostInventory, Plan, instances_from_dicts, make_plan
+from yrpd.serving import endpoint_url, sample_request
 from yrpd.session import Session
 from yrpd.spec import DeploySpec, DeviceKind, Dtype, HostSpec, Runtime, stored_spec
 from yrpd.steps import RunOptions, StepContext, host_python
@@ -138,6 +139,16 @@ class Deployment:
     spec: DeploySpec
     inventory: dict[str, HostInventory]
     plan: Plan
+
+    @property
+    def url(self) -> str:
+        """The serving endpoint's base URL (the proxy's; a plain instance's own), without /v1."""
+        return endpoint_url(self.spec, self.plan)
+
+    @property
+    def sample_request(self) -> str:
+        """A curl line a user can try against the endpoint (it reads a token from its file, never shows it)."""
+        return sample_request(self.spec, self.plan, str(self.session.token_file))
 
     @classmethod
     def load(cls, session: Session) -> "Deployment":

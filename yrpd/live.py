@@ -1,7 +1,7 @@
 """The reconciler's hands, and the commands that change a deployment without failing a request: scale, rolling spec
 changes, host maintenance, the planner's loop.
 
-Each command here (and `yrpd deploy`, in yrpd.api) says what it wants (yrpd.reconcile.Desired: the spec, the hosts no
+Each command here (`yrpd deploy`'s too: `Wanted`, then `converge`) says what it wants (yrpd.reconcile.Desired: the spec, the hosts no
 new instance goes to, how many instances a roll may take down, whether the whole deploy playbook must be checked) and
 the reconciler takes the steps from what runs to that; `Hands` carries each out on the hosts. *Bring up* runs the
 deploy playbook on every host (a first deploy, a resume: each step's check skips what holds); *join* and *start* run
@@ -21,23 +21,27 @@ import re
 import time
 import urllib.request
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable
 
 from yrpd import credentials, planner, rollout
 from yrpd.reconcile import (DOWN, BringUp, Desired, Join, Lifecycle, Observed, Restart, Retire, Start, Step, TearDown,
                             reconcile)
+from yrpd.containers import container_name
 from yrpd.deployment import Deployment, drained_hosts, host_group, resolve_inventory, runtime_group, save_deployment
-from yrpd.errors import RemoteError, SpecError
-from yrpd.hostgroup import GroupFailure, HostGroup
-from yrpd.placement import Plan, make_plan
-from yrpd.playbook import Playbook, PlaybookFailed, StepFailed, named_playbook
+from yrpd.errors import RemoteError, SessionError, SpecError
+from yrpd.exposure import PortAccess, exposure
+from yrpd.hostgroup import GroupFailure, HostGroup, as_run_in, env_preamble
+from yrpd.placement import HostInventory, Plan, make_plan
+from yrpd.playbook import PlannedStep, Playbook, PlaybookFailed, StepFailed, StepOutcome, describe, named_playbook
 from yrpd.runner import Progress, Quiet, run_on, run_playbook
-from yrpd.session import Session, SessionPhase, SessionStore
+from yrpd.session import Session, SessionPhase, SessionStore, resolve_root
 from yrpd.status import dead_instances
-from yrpd.steps.brought import prepare
+from yrpd.steps.brought import every_set, prepare
 from yrpd.tags import InstanceState
-from yrpd.spec import DeploySpec, HostSpec
-from yrpd.steps import RunOptions, StepContext, host_python, processes, proxy
+from yrpd.wheels import WheelSet
+from yrpd.spec import DeploySpec, HostSpec, Runtime, stored_spec
+from yrpd.steps import NotNeeded, RunOptions, StepContext, host_python, processes, proxy
 from yrpd.steps.vllm_env import paths as vllm_paths
 from yrpd.serving import instance_launches, instance_url, proxy_url
 
@@ -264,6 +268,213 @@ class Hands:
         self.now = after
         self.removed += names
 
+
+
+# -- what `yrpd deploy` and `yrpd plan` ask, and the way from there -----------------------------------------------
+
+@dataclass(frozen=True)
+class ContainerActions:
+    """What this deploy may do to containers (runtime docker); not part of the deployment's identity."""
+
+    recreate: bool = False  # replace a container of this session whose spec differs (else refuse)
+    pull: str = "never"  # never | missing | always
+
+
+@dataclass
+class Deployed:
+    session: Session
+    deployment: Deployment
+    endpoint: str | None  # the OpenAI-compatible base URL, when the playbook started the proxy
+    resumed: bool
+    seconds: float
+    outcomes: list[StepOutcome] = field(default_factory=list)
+    #: a changed spec rolled onto the running session: what changed (yrpd.rollout.describe)
+    changes: list[str] = field(default_factory=list)
+
+
+def check_container_actions(spec: DeploySpec, actions: ContainerActions | None) -> ContainerActions:
+    actions = actions or ContainerActions()
+    if spec.runtime is not Runtime.docker and actions.pull != "never":
+        raise SpecError("--pull", "only applies to runtime docker", "drop it, or pass --runtime docker")
+    return actions
+
+
+@dataclass
+class PlanView:
+    """What a deploy of the spec would do: placement, and per step the command on each host (or why none)."""
+
+    ctx: StepContext  # the spec and its placement, as the steps see them
+    inventory: dict[str, HostInventory]
+    steps: list[PlannedStep]
+    #: a deploy of it would change the running session instead (pending_change); [] otherwise
+    changes: list[str] = field(default_factory=list)
+
+    @property
+    def spec(self) -> DeploySpec:
+        return self.ctx.spec
+
+    @property
+    def plan(self) -> Plan:
+        return self.ctx.plan
+
+    @property
+    def brought(self) -> list[WheelSet]:
+        """The wheels a deploy fetches here and copies to the hosts (runtime docker), each set once."""
+        return every_set(self.ctx)
+
+    @property
+    def ports(self) -> list[PortAccess]:
+        """Who may reach each port the deployment opens (yrpd.exposure)."""
+        return exposure(self.spec, self.plan)
+
+    def to_dict(self) -> dict:
+        data = self.plan.to_dict()
+        if self.changes:
+            data["changes"] = self.changes
+        data["steps"] = [{"name": s.step.name, "hosts": {host: str(cmd) for host, cmd in s.actions.items()}}
+                         for s in self.steps]
+        data["ports"] = [row.to_dict() for row in self.ports]
+        return data
+
+
+
+def pending_change(spec: DeploySpec, inventory: dict[str, HostInventory] | None = None) -> list[str]:
+    """What `yrpd deploy` of `spec` would change in the latest session while it serves (rollout.describe), read
+    from the session store (and `inventory` for hosts it adds); [] where it would deploy or resume instead."""
+    store = SessionStore(resolve_root(spec.session_root))
+    latest = store.latest()
+    if latest is None or latest.phase is not SessionPhase.deployed:
+        return []
+    try:
+        running = Deployment.load(latest)
+    except (SessionError, SpecError, ValueError):
+        return []
+    if same_deployment(running, spec):
+        return []
+    changes = rollout.diff(running.spec, spec)
+    cordoned = drained_hosts(latest)
+    unavailable = rollout.default_max_unavailable(spec, {**(inventory or {}), **running.inventory}, running.plan,
+                                                  cordoned)
+    lines = [f"session {latest.id} runs: `yrpd deploy` changes it while it serves"]
+    lines += rollout.describe(changes, running.plan, spec, unavailable)
+    blocked = [c.field for c in changes if c.kind is rollout.ChangeKind.recreate]
+    if blocked:
+        lines.append(f"{', '.join(blocked)} cannot change under it: deploy refuses unless given --recreate")
+    return lines
+
+
+def with_runtime(spec: DeploySpec, inventory: dict[str, HostInventory]) -> DeploySpec:
+    """The spec with runtime auto resolved by the hosts' device kinds (DeploySpec.resolve_runtime)."""
+    return spec.resolve_runtime({inv.kind for inv in inventory.values()})
+
+
+def _as_run(ctx: StepContext, steps: list[PlannedStep]) -> list[PlannedStep]:
+    """Runtime docker: the commands as deploy runs them, inside the container (`docker exec`)."""
+    if ctx.spec.runtime is not Runtime.docker:
+        return steps
+    name, engine = container_name(ctx.session_id), ctx.spec.container_engine.value
+    preamble = env_preamble(ctx.profile.env_scripts)
+    return [PlannedStep(s.step, {host: cmd if isinstance(cmd, NotNeeded) else as_run_in(cmd, name, engine,
+                                                                                         preamble=preamble)
+                                 for host, cmd in s.actions.items()}) for s in steps]
+
+
+def same_deployment(running: Deployment, spec: DeploySpec) -> bool:
+    """The running deployment is `spec`'s, every instance started with its settings: a deploy resumes it."""
+    return running.spec.fingerprint() == spec.fingerprint() and not rollout.stale(running.plan, spec)
+
+
+def latest_up(store: SessionStore, spec: DeploySpec) -> tuple[Session | None, Deployment | None]:
+    """The latest session if something of it may still run, and its deployment where it has a plan; (None, None)
+    if a new session is needed.
+
+    Its spec differing is for the caller (a rolling change); a session whose spec cannot be read, or that stopped
+    before it had a plan, is refused when the spec differs: a second deployment beside it would fight over the
+    same ports and devices."""
+    latest = store.latest()
+    if latest is None or not latest.phase.up:
+        return None, None
+    try:
+        previous = stored_spec(latest.spec_data)
+    except Exception as exc:  # noqa: BLE001 - one line for whatever is wrong with the file
+        raise SpecError("deploy", f"session {latest.id} is still {latest.phase} but its stored spec cannot be read "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
+                        f"tear it down with `yrpd down --session {latest.id}` (or remove {latest.path} once its "
+                        "processes are gone), or pass --new-session to deploy alongside it") from None
+    try:
+        running = Deployment.load(latest)
+    except SessionError:
+        running = None
+    if running is not None and (latest.phase is SessionPhase.deployed or same_deployment(running, spec)):
+        return latest, running
+    if previous.fingerprint() == spec.fingerprint():
+        return latest, None  # it stopped before planning: resumed from its stored spec, planned anew
+    old, new = previous.model_dump(mode="json", exclude={"ssh"}), spec.model_dump(mode="json", exclude={"ssh"})
+    changed = sorted(k for k in new if old.get(k) != new.get(k))
+    raise SpecError(
+        "deploy",
+        f"session {latest.id} is still {latest.phase} with a different spec (changed: {', '.join(changed)}): "
+        "only a deployed session changes while it runs",
+        "run the same `yrpd deploy` as before to finish it, `yrpd down` first, or pass --new-session to deploy "
+        "alongside it",
+    )
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What one `yrpd deploy` (or `yrpd plan`) asks: the spec, and how this command may bring the hosts to it (not
+    the deployment's identity). `converge` takes it from here; nothing before it has touched a host."""
+
+    spec: DeploySpec
+    playbook_file: str | Path | None = None
+    new_session: bool = False  # deploy beside the latest session even where that one is still up
+    actions: ContainerActions = field(default_factory=ContainerActions)
+    max_unavailable: int | None = None  # a rolling change's (None: rollout.default_max_unavailable)
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
+
+
+def preview(wanted: Wanted) -> PlanView:
+    """What `converge` of `wanted` would do: placement, each step's command on each host, and what it would change
+    in the running session. Touches no host unless devices, the dtype's CPU or the architecture must be detected."""
+    playbook = named_playbook(wanted.playbook_file)
+    inventory = resolve_inventory(wanted.spec)
+    spec = with_runtime(wanted.spec, inventory)
+    ctx = StepContext(spec=spec, plan=make_plan(spec, inventory))
+    return PlanView(ctx, inventory, _as_run(ctx, describe(playbook, ctx)), pending_change(spec, inventory))
+
+
+def converge(wanted: Wanted, progress: Progress) -> Deployed:
+    """Bring the hosts to `wanted.spec`: deploy it, or resume the latest session if it has the same spec (the deploy
+    playbook's checks skip what holds and start what died), or change the latest session to it while it serves
+    (`change`: a rolling change; `actions.recreate`: down, then deploy anew, for what cannot roll). Raises StepFailed
+    with the step and every host's result (the session is then `failed`: the same call resumes it)."""
+    started = time.monotonic()
+    spec, actions = wanted.spec, wanted.actions
+    playbook = named_playbook(wanted.playbook_file)  # a playbook that cannot be read is refused before any host
+    store = SessionStore(resolve_root(spec.session_root))
+    with host_group(spec) as group:
+        inventory = resolve_inventory(spec, group, deploying=True)
+        spec = with_runtime(spec, inventory)  # before the session lookup: a session holds the resolved spec
+        actions = check_container_actions(spec, actions)
+        session, running = (None, None) if wanted.new_session else latest_up(store, spec)
+        changing = running is not None and not same_deployment(running, spec)
+        if changing and not actions.recreate:
+            changed = change(running, spec, max_unavailable=wanted.max_unavailable,
+                             drain_timeout_s=wanted.drain_timeout_s, progress=progress, inventory=inventory)
+            return Deployed(changed.session, changed.deployment, changed.deployment.url + "/v1", True,
+                            time.monotonic() - started, changes=changed.lines)
+        desired = Desired(spec, cordoned=tuple(drained_hosts(session)) if session and not changing else (),
+                          whole=True, anew=changing)
+        hands = Hands(desired, group, progress, deployment=running, session=session, store=store,
+                      inventory=inventory, playbook=playbook, playbook_name=str(wanted.playbook_file or "deploy"),
+                      options=RunOptions(recreate=actions.recreate, pull=actions.pull))
+        reconcile(desired, hands.observe, hands.act)
+    deployment = hands.now
+    endpoint = None
+    if any(step.function is proxy.start for step in playbook.steps):
+        endpoint = deployment.url + "/v1"
+    return Deployed(deployment.session, deployment, endpoint, not hands.new, time.monotonic() - started,
+                    hands.outcomes)
 
 
 def _reconciled(deployment: Deployment, desired: Desired, progress: Progress, drain_timeout_s: float,

@@ -8,18 +8,27 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from yrpd.placement import Plan, describe_devices, unit_name
+from yrpd.placement import describe_devices, unit_name
 from yrpd.playbook import PlannedStep
-from yrpd.spec import ClusterLauncher, DeploySpec, Dtype, KvConnector, MultiNodeBackend, Runtime
+from yrpd.spec import ClusterLauncher, Dtype, KvConnector, MultiNodeBackend, Runtime
 from yrpd.status import StatusReport
 from yrpd.steps import NotNeeded, StepContext
 from yrpd.tags import Condition, InstanceState, ProcessState
-from yrpd.containers import container_profile
-from yrpd.exposure import Guard, exposure
-from yrpd.steps.brought import needed
+from yrpd.wheels import WheelSet
+from yrpd.exposure import Guard, PortAccess
 
 
-def plan_table(spec: DeploySpec, plan: Plan) -> list:
+def plan_view(view) -> list:
+    """What `yrpd plan` and `yrpd deploy --dry-run` show of an api.PlanView: what a deploy would change in the running
+    session, the placement, who may reach each port, and each step's command on each host."""
+    changes = [Text(line) for line in view.changes] + ([Text("")] if view.changes else [])
+    return [*changes, *plan_table(view.ctx, view.ports, view.brought), Text(""), *plan_commands(view.steps)]
+
+
+def plan_table(ctx: StepContext, access: list[PortAccess], brought: list[WheelSet]) -> list:
+    """The placement, the hosts, how the deployment runs there (dtype, runtime, the wheels `brought` to them) and
+    who may reach each port (`access`)."""
+    spec, plan = ctx.spec, ctx.plan
     kinds = {h.kind for h in plan.hosts}
     units = unit_name(kinds.pop()) if len(kinds) == 1 else "devices"
     def shape(role: str) -> str:
@@ -75,7 +84,7 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
     if spec.runtime is Runtime.docker:
         lines.append(Text(f"runtime: docker, one container of {spec.image} per host (the default on NPU hosts; "
                           "--runtime host runs the processes on the hosts)"))
-        profile = container_profile(spec)
+        profile = ctx.profile
         cluster_py, cluster_version = profile.cluster_interpreter
         if spec.launcher is ClusterLauncher.dscli:
             cluster = (f"the data system (launcher dscli, no yr CLI) in the venv {spec.env_root}/ds made from "
@@ -85,9 +94,7 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
                        f"(Python {cluster_version})")
         lines.append(Text(f"containers ({profile.name}, vllm-ascend {profile.vllm_ascend or 'unknown'}): instances "
                           f"and proxy run the image's {profile.python} (Python {profile.python_version}); {cluster}"))
-        ctx = StepContext(spec, plan)
-        sets = {ws.key: ws for host in plan.hosts for ws in needed(ctx, host).values()}
-        for ws in sets.values():
+        for ws in brought:
             lines.append(Text(f"  wheels fetched here and copied to the hosts: {' '.join(ws.requirements)} for "
                               f"cp{ws.python_version.replace('.', '')} {ws.arch}{'' if ws.deps else ' (no dependencies)'}"
                               + (f", also from {', '.join(ws.find_links)}" if ws.find_links else "")
@@ -98,7 +105,7 @@ def plan_table(spec: DeploySpec, plan: Plan) -> list:
     ports = Table(title="Who may reach each port", title_justify="left")
     for column in ("host", "port", "what", "listens on", "needed by", "a caller must present"):
         ports.add_column(column)
-    for row in exposure(spec, plan):
+    for row in access:
         guard = f"[red]{row.guard.value}[/red]" if row.guard is Guard.nothing else row.guard.value
         ports.add_row(row.host, row.port, row.what, row.listens_on, row.callers, guard)
     return [*lines, table, Text("Hosts", style="bold"), hosts, ports]

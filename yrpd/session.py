@@ -18,6 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from yrpd import credentials
 from yrpd.errors import SessionError
 
 SESSION_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
@@ -86,6 +87,11 @@ class Session:
         tmp = self.path / f".{name}.tmp"
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
         tmp.replace(self.path / name)
+
+    @property
+    def token_file(self) -> Path:
+        """Where this machine keeps the token a plain instance (no proxy) wants from its callers."""
+        return credentials.secrets_dir(self.path) / credentials.TOKEN_FILE
 
     @property
     def spec_data(self) -> dict:

@@ -891,6 +891,11 @@ class DeploySpec(TopologySection, RuntimeSection, DataSystemSection, ServingSect
         self._check_serving()
         return self
 
+    def fingerprint(self) -> str:
+        """Identity of a deployment: everything in the spec but how the hosts are reached (ssh settings may change)."""
+        data = self.model_dump(mode="json", exclude={"ssh"})
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
 
 
 

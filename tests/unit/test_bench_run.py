@@ -131,13 +131,12 @@ def test_a_repeat_gives_each_runs_own_hit_rate_and_prefill_leg_with_their_median
         return {"mean_ttft_ms": 5000.0, "completed": 4, "failed": 0, "ttfts": [1.0] * 4, "input_lens": [1]}
 
     names: list[str] = []
-    deployed = type("D", (), {"spec": type("S", (), {"model_name": "m"})(), "plan": None,
+    deployed = type("D", (), {"spec": type("S", (), {"model_name": "m"})(), "plan": None, "url": "http://p",
                               "endpoint_key": lambda self: None})()
     monkeypatch.setattr(run, "counters", counters)
     monkeypatch.setattr(run, "bench_serve", serve)
     monkeypatch.setattr(run, "prefill_legs", lambda url: (legs[0], legs[1]))
     monkeypatch.setattr(run.api, "open_deployment", lambda sid: deployed)
-    monkeypatch.setattr(run, "endpoint_url", lambda spec, plan: "http://p")
     monkeypatch.setattr(run.time, "sleep", lambda s: None)
     request = run.BenchRequest(targets=("pd",), repeat=3)
     got = run.measure("s1", "pd", request, load(), tmp_path, log=lambda *a: None)
@@ -250,7 +249,6 @@ def test_a_target_left_up_by_an_earlier_run_is_benched_as_the_variant_it_is(tmp_
     from types import SimpleNamespace
 
     from yrpd.session import Session
-    from yrpd.steps import spec_fingerprint
 
     user = build_spec({}, {"hosts": "localhost", "device_kind": "cpu", "model": "/m", "routing": "prefix"})
     pd_load = run.variant(user, "pd-load", DeviceKind.cpu, None, None, None)
@@ -262,7 +260,7 @@ def test_a_target_left_up_by_an_earlier_run_is_benched_as_the_variant_it_is(tmp_
     assert run.deploy(pd_load, "pd-load", origin=user) == "s-pd-load"
     left = SimpleNamespace(session=session, spec=pd_load)
     base, target = run.varied_spec(left)
-    assert target == "pd-load" and spec_fingerprint(base) == spec_fingerprint(user)
+    assert target == "pd-load" and base.fingerprint() == user.fingerprint()
     assert run.variant(base, "pd", DeviceKind.cpu, None, None, None).routing.value == "prefix"
     # the controls: a session deployed as the user asked, and one whose spec changed since the bench left it
     assert run.varied_spec(SimpleNamespace(session=Session(tmp_path / "other"), spec=pd_load)) == (pd_load, None)
@@ -277,4 +275,4 @@ def test_a_target_left_up_by_an_earlier_run_is_benched_as_the_variant_it_is(tmp_
     run.run_targets(SimpleNamespace(id="s-pd-load"), pd_load, DeviceKind.cpu,
                     run.BenchRequest(targets=("pd",), restore=False), load(), tmp_path, log=lambda *_: None,
                     original=user)
-    assert [(name, spec_fingerprint(origin)) for name, origin in seen] == [("pd", spec_fingerprint(user))]
+    assert [(name, origin.fingerprint()) for name, origin in seen] == [("pd", user.fingerprint())]

@@ -11,6 +11,7 @@ import re
 
 from rich.console import Console
 
+from yrpd.exposure import exposure
 from yrpd.hostgroup import GroupResult, HostResult
 from yrpd.playbook import StepOutcome, StepSpec
 from yrpd.render import outcome_line, plan_commands, plan_table, rates_table, status_tables, status_verdict, \
@@ -256,7 +257,7 @@ def test_warning_lines_come_only_from_hosts_where_the_step_succeeded():
 
 def test_plan_table_shows_placement_hosts_and_how_the_dtype_was_chosen(tmp_path):
     deployment = recorded(tmp_path)
-    text = shown(*plan_table(deployment.spec, deployment.plan))
+    text = shown(*plan_table(deployment.context(), exposure(deployment.spec, deployment.plan), []))
     assert "1 prefill x (dp 1, tp 1), 1 decode x (dp 1, tp 1); proxy on h1:8000" in text
     assert "dtype: float32 - set with --dtype" in text
     assert row(text, "h1", "prefill-0")[2:] == ["prefill", "0", "8100", "-", "61000-61015"]  # no DP rpc on one host

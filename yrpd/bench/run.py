@@ -47,13 +47,12 @@ from pathlib import Path
 
 from yrpd.bench.dataset import DatasetOptions, make
 from yrpd.errors import SpecError
-from yrpd.serving import STATS_INTERVAL_S, endpoint_url, model_path
+from yrpd.serving import STATS_INTERVAL_S, model_path
 from yrpd.spec import ROLE_ENGINE_ARGS, DeploySpec, DeviceKind, stored_spec
 from yrpd import api
 from yrpd.bench.report import prefix_hit_rate, write_report
 from yrpd.provenance import git_state, record
 from yrpd.session import SessionPhase
-from yrpd.steps import spec_fingerprint
 from yrpd.steps.vllm_env import paths
 
 TARGETS = {
@@ -186,7 +185,7 @@ def deploy(spec: DeploySpec, name: str, progress=None, origin: DeploySpec | None
         raise RuntimeError(f"deploying the {name} target failed: {e}") from e
     if origin is not None:
         done.session.write_bench_origin({"target": name, "spec": origin.model_dump(mode="json"),
-                                         "deployed": spec_fingerprint(spec)})
+                                         "deployed": spec.fingerprint()})
     return done.session.id
 
 
@@ -196,7 +195,7 @@ def varied_spec(deployment) -> tuple[DeploySpec, str | None]:
     the targets vary the spec that run varied, or `pd` on a `pd-load` deployment would keep load routing. Once the
     session's spec has changed since (a `yrpd deploy` of another spec onto it), it is the user's again."""
     origin = deployment.session.bench_origin
-    if origin is None or origin.get("deployed") != spec_fingerprint(deployment.spec):
+    if origin is None or origin.get("deployed") != deployment.spec.fingerprint():
         return deployment.spec, None
     return stored_spec(origin["spec"]), origin["target"]
 
@@ -578,7 +577,7 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, request: BenchReque
             try:
                 want = variant(original, target, kind, request.kv_cache_mb, request.datasystem_mb,
                                request.datasystem_spill_mb)
-                live = current is not None and spec_fingerprint(want) == spec_fingerprint(spec)
+                live = current is not None and want.fingerprint() == spec.fingerprint()
                 if not live:
                     if current is not None:
                         log(f"bench: tearing down session {current} to deploy the {target} target")
@@ -595,7 +594,7 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, request: BenchReque
                 _down_failed(current, log)
                 current = None
     finally:
-        if request.restore and (current is None or spec_fingerprint(spec) != spec_fingerprint(original)):
+        if request.restore and (current is None or spec.fingerprint() != original.fingerprint()):
             if current is not None:
                 down(current)
             log("bench: deploying the original spec again")
@@ -620,7 +619,7 @@ def _down_failed(current: str | None, log) -> None:
 def measure(current: str, target: str, request: BenchRequest, load: Load, out_dir: Path, log) -> dict:
     """`request.repeat` runs of the load against the deployed target: medians, spread, counters over all runs."""
     deployed = api.open_deployment(current)
-    url = endpoint_url(deployed.spec, deployed.plan)
+    url = deployed.url
     before, _, _ = counters(current)
     last = None  # (counters, use, rates) read after the last run of a repeat
     runs, ttfts, names, input_lens = [], [], [], set()

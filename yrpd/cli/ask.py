@@ -98,10 +98,9 @@ def kv_line(before: dict, after: dict, prompt_tokens: int) -> str:
 @click.option("--session", help="session to ask [latest]")
 def ask(session: str | None) -> None:
     from yrpd import api
-    from yrpd.serving import endpoint_url
 
     deployment = api.open_deployment(session)
-    url, model = endpoint_url(deployment.spec, deployment.plan), deployment.spec.model_name
+    url, model = deployment.url, deployment.spec.model_name
     key = deployment.endpoint_key()
     counters = by_role(api.status(deployment))
     for shown, question in QUESTIONS:

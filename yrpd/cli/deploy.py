@@ -34,9 +34,13 @@ def deploy(**params) -> int:
     actions = api.check_container_actions(spec, api.ContainerActions(recreate=bool(params.get("recreate")),
                                                                      pull=params.get("pull") or "never"))
     if params["dry_run"]:
-        from yrpd.cli.plan import show_plan
+        from yrpd.console import out
+        from yrpd.render import plan_view
 
-        return show_plan(spec, params.get("playbook"), as_json=False)
+        console = out()
+        for renderable in plan_view(api.plan(spec, params.get("playbook"))):
+            console.print(renderable)
+        return 0
     from yrpd.cli.progress import ConsoleProgress
 
     progress = ConsoleProgress()
@@ -52,15 +56,8 @@ def deploy(**params) -> int:
     console.print(f"deployed session {done.session.id} in {done.seconds:.1f}s; "
                   f"see `yrpd status`, `yrpd logs`; `yrpd down` tears it down")
     if done.endpoint:
-        from yrpd.serving import sample_request
-
-        plan = done.deployment.plan
         console.print(f"OpenAI-compatible endpoint: {done.endpoint} (model {spec.model_name})")
-        from yrpd import credentials
-
-        token_file = credentials.secrets_dir(done.session.path) / credentials.TOKEN_FILE
-        console.print(f"try: {sample_request(spec, plan, str(token_file))}", soft_wrap=True, highlight=False,
-                      markup=False)
+        console.print(f"try: {done.deployment.sample_request}", soft_wrap=True, highlight=False, markup=False)
         # the URL alone on stdout, for scripts: URL=$(yrpd deploy ...)
         click.echo(done.endpoint.removesuffix("/v1"))
     return 0

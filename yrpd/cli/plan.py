@@ -19,29 +19,17 @@ from yrpd.cli.options import spec_options, version
 def plan(**params) -> int:
     """Show where every instance goes and the commands a deploy would run. Touches no host unless
     devices must be detected (no --devices and none in the config)."""
+    from yrpd import api
     from yrpd.cli.options import spec_from_options
 
-    return show_plan(spec_from_options(params), params.get("playbook"), params["as_json"])
-
-
-def show_plan(spec, playbook_file: str | None, as_json: bool) -> int:
-    from yrpd import api
-
-    view = api.plan(spec, playbook_file)
-    if as_json:
+    view = api.plan(spec_from_options(params), params.get("playbook"))
+    if params["as_json"]:
         click.echo(json.dumps(view.to_dict(), indent=2))
         return 0
     from yrpd.console import out
-    from yrpd.render import plan_commands, plan_table
+    from yrpd.render import plan_view
 
     console = out()
-    for line in view.changes:
-        console.print(line, markup=False, highlight=False)
-    if view.changes:
-        console.print()
-    for renderable in plan_table(view.spec, view.plan):
-        console.print(renderable)
-    console.print()
-    for renderable in plan_commands(view.steps):
+    for renderable in plan_view(view):
         console.print(renderable)
     return 0

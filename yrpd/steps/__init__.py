@@ -12,7 +12,6 @@ touches a host: yrpd.playbook runs the commands through yrpd.hostgroup, and `yrp
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import shlex
@@ -60,16 +59,17 @@ class StepContext:
 
     @property
     def spec_hash(self) -> str:
-        return spec_fingerprint(self.spec)
+        return self.spec.fingerprint()
+
+    @property
+    def profile(self):
+        """The container profile a docker-runtime deployment runs with (SpecError where the image has none)."""
+        from yrpd.containers import container_profile
+
+        return container_profile(self.spec)
 
     def host_spec(self, host: HostPlan):
         return self.spec.host(host.name)
-
-
-def spec_fingerprint(spec: DeploySpec) -> str:
-    """Identity of a deployment: everything in the spec but how we reach the hosts (ssh settings may change)."""
-    data = spec.model_dump(mode="json", exclude={"ssh"})
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from yrpd.placement import HostPlan
 from yrpd.serving import builtin_model
 from yrpd.spec import ClusterLauncher, Runtime
 from yrpd.steps import StepContext
-from yrpd.containers import container_profile
 
 CLUSTER, ETCD, CLIENT, MODEL = "cluster", "etcd", "client", "model"
 
@@ -20,7 +19,7 @@ CLUSTER, ETCD, CLIENT, MODEL = "cluster", "etcd", "client", "model"
 def needed(ctx: StepContext, host: HostPlan) -> dict[str, wheels.WheelSet]:
     if ctx.spec.runtime is not Runtime.docker or ctx.spec.wheels or ctx.spec.env_path:
         return {}
-    profile = container_profile(ctx.spec)
+    profile = ctx.profile
     arch = host.arch or "x86_64"
     _, cluster_version = profile.cluster_interpreter
     brought_ds = ctx.spec.brought_data_system()
@@ -48,11 +47,13 @@ def brought(ctx: StepContext, host: HostPlan, which: str) -> tuple[str | None, t
     return remote, ((str(wheels.cache_root() / ws.key), remote),)
 
 
+def every_set(ctx: StepContext) -> list[wheels.WheelSet]:
+    """Every wheel set the deployment's hosts need, each once (in host order)."""
+    sets = {ws.key: ws for host in ctx.plan.hosts for ws in needed(ctx, host).values()}
+    return list(sets.values())
+
+
 def prepare(ctx: StepContext) -> None:
     """Download every set the deployment's hosts need (cached); SpecError naming the first that cannot be had."""
-    seen = set()
-    for host in ctx.plan.hosts:
-        for ws in needed(ctx, host).values():
-            if ws.key not in seen:
-                seen.add(ws.key)
-                wheels.fetch(ws)
+    for ws in every_set(ctx):
+        wheels.fetch(ws)

@@ -33,7 +33,6 @@ from yrpd.cluster import dsconfig
 from yrpd.spec import ClusterLauncher, ClusterMode, Runtime
 from yrpd.steps import ScriptCall, StepContext, host_python, processes, shell_command
 from yrpd.versions import OPENYUANRONG, PYTHON_TAG, UV
-from yrpd.containers import container_profile
 from yrpd.steps.brought import CLUSTER, ETCD, brought
 
 START_TIMEOUT = 180
@@ -71,7 +70,7 @@ def yr_ports(ctx: StepContext) -> YrPorts:
 def python_tag(ctx: StepContext) -> str:
     """`pythonX.Y` of the venvs' lib directory: the image's cluster Python under runtime docker."""
     if ctx.spec.runtime is Runtime.docker:
-        return f"python{container_profile(ctx.spec).cluster_interpreter[1]}"
+        return f"python{ctx.profile.cluster_interpreter[1]}"
     return PYTHON_TAG
 
 
@@ -132,7 +131,7 @@ def install(ctx: StepContext, host: HostPlan) -> Command:
             if etcd_source:
                 flags += f"--etcd-wheels {shlex.quote(etcd_source)} "
     if ctx.spec.runtime is Runtime.docker:  # made from the image's Python inside the container
-        flags += f"--python {shlex.quote(container_profile(ctx.spec).cluster_interpreter[0])} "
+        flags += f"--python {shlex.quote(ctx.profile.cluster_interpreter[0])} "
     script = (
         f"export YR_VERSION={OPENYUANRONG} DS_VERSION={ctx.spec.datasystem_version} UV_VERSION={UV}\n"
         f"bash -s -- {flags}{shlex.quote(yr_venv)} {shlex.quote(ds_venv)} <<'YRPD_SCRIPT_END'\n{body}\n"

