@@ -30,16 +30,18 @@ Keys (all optional except the data system address):
                         data system's client holds the GIL for each call) or "thread" (inside the vLLM worker)
   layout                the memory-layout tag in the key namespace (default: the platform's device type and KV
                         layout); instances that must share blocks need the same tag
-  resave_after_s        producer: a block this instance saved less than this long ago is not copied out and saved
-                        again by a request that does not hand over to decode (its own prefix cache supplied it;
-                        the copy is on the engine's step); 0 saves every block of every request (default 300, at
-                        most half of ttl_seconds; given, below it; hand-overs always save every block, as decode needs them all)
+  resave_after_s        producer: a request that does not hand over to decode leaves out the blocks vLLM's own
+                        prefix cache supplied that this instance saved less than this long ago (the copy is on the
+                        engine's step); a block it computed is always saved, and so is every block of a hand-over;
+                        0 saves every block of every request (default 300, at most half of ttl_seconds; given, below
+                        it)
   cpu_spin_ms           CPU instances only: how long vLLM's message-queue readers spin after a message before
                         they sleep (default 2; vLLM's own is 1 s; negative leaves vLLM's; see cpu_spin.py)
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -70,7 +72,7 @@ def _num(value: Any, name: str, cast=int, minimum=None):
         out = cast(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name}: expected a number, got {value!r}") from None
-    if out != out or out in (float("inf"), float("-inf")):  # nan and inf pass every comparison below
+    if not math.isfinite(out):  # nan passes every comparison below, inf every minimum
         raise ConfigError(f"{name}: expected a finite number, got {value!r}")
     if minimum is not None and out < minimum:
         raise ConfigError(f"{name}: must be >= {minimum}, got {out}")

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 _POLL_S = 0.01  # consumer: at most one existence query per waiting request per 10 ms
-_SAVED_MAX = 1 << 16  # producer: the blocks it remembers saving (digests, about 100 bytes each)
+_SAVED_MAX = 1 << 16  # producer: the blocks it remembers saving (a digest and a time: about 250 bytes each)
 
 
 def _count(value) -> int:
