@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 47's preset: the data system as a prefix store in both regimes, every store target side by side in one
-# `yrpd bench run` per regime, each target measured 3 times (medians, [min, max]).
+# `yrpd bench run` per regime, each target measured 3 times (medians, [min, max]) in rounds (`--interleave`: every
+# target's first run, then every target's second, ...), so the machine's drift over a run lands on every target.
 #
 #   benchmarks/store_regimes.sh OUT_DIR [TARGETS] [REGIMES]
 #
@@ -39,7 +40,7 @@ for regime in $regimes; do
         *) echo "unknown regime $regime: roomy or overflow" >&2; exit 2 ;;
     esac
     yrpd bench run --targets "$targets" --workload multi-turn --conversations 8 --turns 4 --prefix-len 512 \
-        --suffix-len 256 --question-len 64 --answer-len 48 --output-len 16 --max-concurrency 2 --repeat 3 \
+        --suffix-len 256 --question-len 64 --answer-len 48 --output-len 16 --max-concurrency 2 --repeat 3 --interleave \
         "${pool[@]}" || status=$?
     run="$(ls -td "${YRPD_HOME:-$HOME/.yrpd}"/sessions/*/bench/*/ | head -n 1)"
     for f in results.json report.md; do cp "$run/$f" "$out/$regime-$f"; done

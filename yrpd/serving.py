@@ -127,6 +127,9 @@ def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: 
         "stats_file": paths.stats_file(inst.name),
         "stats_interval_s": STATS_INTERVAL_S,
     }
+    if inst.role == "single":
+        # nothing waits for a plain instance's puts (no decode reads them now), so its writer yields to the engine
+        extra["writer_nice"] = ALONE_WRITER_NICE
     extra.update(spec.connector)
     return {
         "kv_connector": "YuanrongConnector",
@@ -136,6 +139,10 @@ def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: 
         "kv_connector_extra_config": extra,
     }
 
+
+#: the writer's nice value where no instance waits for its puts (connector key writer_nice): it gets about a tenth of
+#: a CPU the engine also wants, and all of an idle one
+ALONE_WRITER_NICE = 10
 
 #: upstream's roles in its PD recipes (vllm-ascend's pool saves on prefill and decode only reads it; NIXL's decode
 #: pulls from prefill)

@@ -179,6 +179,8 @@ def test_config_defaults_and_roles():
     ("kv_producer", {"ds_address": "h:1", "resave_after_s": -1}),
     ("kv_producer", {"ds_address": "h:1", "resave_after_s": "nan"}),
     ("kv_producer", {"ds_address": "h:1", "ttl_seconds": 60, "resave_after_s": 60}),
+    ("kv_producer", {"ds_address": "h:1", "writer_nice": -1}),
+    ("kv_producer", {"ds_address": "h:1", "writer_nice": 20}),
 ])
 def test_config_rejects_bad_input(role, extra):
     with pytest.raises(ConfigError):

@@ -333,6 +333,23 @@ def test_process_saver_writes_shared_staging_through_its_child_and_stops_it(tmp_
     assert not fakes.stray_threads(before)
 
 
+@pytest.mark.parametrize("nice", [10, 0], ids=["writer_nice 10", "default (control)"])
+def test_process_saver_starts_its_child_at_the_nice_value_asked(tmp_path, monkeypatch, nice):
+    """writer_nice lowers only the writer's priority, by that much: the worker (this process) keeps its own."""
+    monkeypatch.setenv("YRPD_TEST_DS_DUMP", str(tmp_path / "ds.json"))
+    extra = {**EXTRA, "writer_nice": nice} if nice else EXTRA
+    pool = StagingPool([ROW, 2 * ROW], 1 << 20, slab_factory=shared_slab_factory)
+    saver = ProcessSaver("kv_producer", extra, parse_config("kv_producer", extra),
+                         ConnectorStats("worker", "kv_producer"), 1 << 20, pool, command=[sys.executable, "-c", CHILD])
+    saver.start()
+    try:
+        saver.submit(staged_job(pool, ["a"], [1]))
+        assert saver.flush(30)  # the child has answered: it set its priority before its first read
+        assert os.getpriority(os.PRIO_PROCESS, saver.child_pid) == os.getpriority(os.PRIO_PROCESS, 0) + nice
+    finally:
+        saver.stop(10.0)
+
+
 def test_process_saver_counts_a_write_its_child_could_not_make_as_failed(tmp_path, monkeypatch):
     monkeypatch.setenv("YRPD_TEST_DS_DUMP", str(tmp_path / "ds.json"))
     monkeypatch.setenv("YRPD_TEST_DS_FAIL", json.dumps({"mcreate": "code: [K_OUT_OF_MEMORY], msg: [full]"}))

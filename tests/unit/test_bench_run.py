@@ -276,3 +276,41 @@ def test_a_target_left_up_by_an_earlier_run_is_benched_as_the_variant_it_is(tmp_
                     run.BenchRequest(targets=("pd",), restore=False), load(), tmp_path, log=lambda *_: None,
                     original=user)
     assert [(name, origin.fingerprint()) for name, origin in seen] == [("pd", user.fingerprint())]
+
+
+def test_interleaved_repeats_run_in_rounds_and_each_target_reports_all_its_runs(tmp_path, monkeypatch):
+    """--interleave: every target's first run, then every target's second, each deployed again per round; each
+    target's result has all its runs (medians over them, counters summed, the TTFTs in run order); without it each
+    target runs its repeats together (the keyed control)."""
+    spec = build_spec({}, {"hosts": "localhost", "device_kind": "cpu", "model": "/m"})
+    events = []
+    ttft = {("pd", 0): 100.0, ("pd", 1): 300.0, ("single", 0): 50.0, ("single", 1): 70.0}
+
+    def measure(current, target, request, load, out_dir, log, only=None):
+        events.append(("measure", target, only))
+        rounds = range(request.repeat) if only is None else only
+        runs = [{"mean_ttft_ms": ttft[(target, n)], "completed": 4, "failed": 0} for n in rounds]
+        return {"description": target, "session": current, "wall_s": 1.0, "runs": runs,
+                "runs_named": [f"{target}-run{n + 1}" for n in rounds], "metrics": run.summarize(runs)[0],
+                "ttfts_ms": [ttft[(target, n)] for n in rounds], "input_lens_sha256": ["h"],
+                "counters": {"saved_blocks": 10 * len(runs)}, "data_system": {}}
+
+    monkeypatch.setattr(run, "deploy", lambda want, name, progress=None, origin=None:
+                        events.append(("deploy", name)) or f"s-{name}")
+    monkeypatch.setattr(run, "down", lambda sid: events.append(("down", sid)))
+    monkeypatch.setattr(run, "measure", measure)
+    session = type("S", (), {"id": "s-original"})()
+    request = run.BenchRequest(targets=("pd", "single"), repeat=2, interleave=True)
+    results = run.run_targets(session, spec, DeviceKind.cpu, request, load(), tmp_path, log=lambda *_: None)
+    assert [e for e in events if e[0] == "measure"] == [("measure", "pd", [0]), ("measure", "single", [0]),
+                                                        ("measure", "pd", [1]), ("measure", "single", [1])]
+    assert events.count(("deploy", "pd")) == 1 and events.count(("deploy", "single")) == 2  # pd was up at first
+    assert list(results) == ["pd", "single"]
+    assert results["pd"]["metrics"]["mean_ttft_ms"] == 200.0 and results["pd"]["spread"]["mean_ttft_ms"] == [100.0,
+                                                                                                             300.0]
+    assert results["pd"]["ttfts_ms"] == [100.0, 300.0] and results["pd"]["counters"]["saved_blocks"] == 20
+    assert results["single"]["runs_named"] == ["single-run1", "single-run2"]
+    events.clear()
+    run.run_targets(session, spec, DeviceKind.cpu, run.BenchRequest(targets=("pd", "single"), repeat=2), load(),
+                    tmp_path, log=lambda *_: None)
+    assert [e for e in events if e[0] == "measure"] == [("measure", "pd", None), ("measure", "single", None)]

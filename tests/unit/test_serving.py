@@ -46,6 +46,8 @@ def test_guide_layout_npu_instances_get_their_devices_ports_and_connector_roles(
     assert kv_p["kv_connector_extra_config"]["ds_address"] == "10.0.0.1:31501"
     assert kv_d["kv_connector_extra_config"]["ds_address"] == "10.0.0.2:31501"
     assert kv_p["kv_connector_module_path"] == "yrpd.connector" and kv_p["kv_load_failure_policy"] == "recompute"
+    # decode waits for prefill's puts: neither writer is lowered in priority
+    assert "writer_nice" not in kv_p["kv_connector_extra_config"] and "writer_nice" not in kv_d["kv_connector_extra_config"]
     assert p.health_url == "http://10.0.0.1:8100/health"
     assert "--enforce-eager" not in p.argv  # CPU-only default
 
@@ -211,7 +213,13 @@ def test_bench_single_targets_one_plain_instance_and_one_that_keeps_its_kv_in_th
         else:
             kv = json.loads(flag(launch.argv, "--kv-transfer-config"))
             assert kv["kv_role"] == role and kv["kv_connector_extra_config"]["ds_address"] == "10.0.0.1:31501"
+            assert kv["kv_connector_extra_config"]["writer_nice"] == 10  # nothing waits for its puts
         assert proxy_launch(want, want_plan, PATHS) is None
+    # the user's own value wins
+    want = variant(spec.model_copy(update={"connector": {"writer_nice": 0}}), "single-yr", DeviceKind.cpu)
+    want_plan = make_plan(want, {"h1": HostInventory(DeviceKind.cpu, (0, 1), "10.0.0.1")})
+    [launch] = launches_on_host(want, want_plan, "h1", PATHS)
+    assert json.loads(flag(launch.argv, "--kv-transfer-config"))["kv_connector_extra_config"]["writer_nice"] == 0
 
 
 def test_bench_example_peer_hands_kv_over_through_one_files_directory_and_down_removes_it():

@@ -115,6 +115,8 @@ def markdown(results: dict, meta: dict, provenance: dict | None = None) -> str:
         shape += f", concurrency {meta['max_concurrency']}"
     if (meta.get("repeat") or 1) > 1:
         shape += f", {meta['repeat']} runs per target (medians; [min, max] below)"
+        if meta.get("interleave"):
+            shape += ", in rounds (every target's run n before any run n + 1)"
     if meta.get("goodput"):
         shape += f", goodput SLOs {' '.join(meta['goodput'])}"
     lines = [f"# yrpd bench: {shape}", ""]

@@ -397,6 +397,9 @@ class BenchRequest:
     max_concurrency: int = 1
     goodput: tuple[str, ...] = ()  # SLOs as `vllm bench serve --goodput` takes them: ttft:MS tpot:MS e2el:MS
     repeat: int = 1  # runs of the load against each target (one deployment each); the report gives medians
+    #: the repeats in rounds (every target's run n, then every target's run n + 1), each target deployed again in
+    #: each round, so the machine's drift over the run spreads over all targets
+    interleave: bool = False
     kv_cache_mb: int | None = None
     datasystem_mb: int | None = None
     datasystem_spill_mb: int | None = None
@@ -511,7 +514,8 @@ def bench(session_id: str | None, request: BenchRequest, log=print, progress=Non
     meta["datasystem_mb"] = request.datasystem_mb or deployment.spec.datasystem_memory_mb
     meta["datasystem_spill_mb"] = (deployment.spec.datasystem_spill_mb if request.datasystem_spill_mb is None
                                    else request.datasystem_spill_mb)
-    meta.update(max_concurrency=request.max_concurrency, repeat=request.repeat, goodput=list(request.goodput))
+    meta.update(max_concurrency=request.max_concurrency, repeat=request.repeat, goodput=list(request.goodput),
+                interleave=request.interleave and request.repeat > 1)
     # the spec's connector settings every yrpd-connector target ran with: two runs that differ only there
     # (benchmarks/store_regimes.sh's CONNECTOR) are told apart by their reports
     meta["connector"] = dict(base.connector)
@@ -572,8 +576,12 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, request: BenchReque
     current: str | None = session.id  # deployed (checked by bench()); None while no target is up
     original = original or spec
     results: dict[str, dict] = {}
+    parts: dict[str, list[dict]] = {}  # interleaved: each target's runs so far, one round each
+    rounds = [[n] for n in range(request.repeat)] if request.interleave and request.repeat > 1 else [None]
     try:
-        for target in request.targets:
+        for target, runs in ((t, r) for r in rounds for t in request.targets):
+            if target in results:  # failed in an earlier round: its error stands
+                continue
             try:
                 want = variant(original, target, kind, request.kv_cache_mb, request.datasystem_mb,
                                request.datasystem_spill_mb)
@@ -586,7 +594,11 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, request: BenchReque
                     log(f"bench: deploying the {target} target ({TARGETS[target]})")
                     spec = want
                     current = deploy(want, target, progress, origin=original)
-                results[target] = measure(current, target, request, load, out_dir, log)
+                measured = measure(current, target, request, load, out_dir, log, runs)
+                if runs is None:
+                    results[target] = measured
+                else:
+                    parts.setdefault(target, []).append(measured)
             except Exception as e:  # noqa: BLE001 - the report names it; the other targets' figures still count
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
                 log(f"bench: the {target} target failed: {reason}")
@@ -599,7 +611,23 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, request: BenchReque
                 down(current)
             log("bench: deploying the original spec again")
             deploy(original, "restore", progress)
-    return results
+    return {t: results[t] if t in results else merged(parts[t]) for t in request.targets if t in results or t in parts}
+
+
+def merged(parts: list[dict]) -> dict:
+    """One target's interleaved rounds (measure's results of one run each, each on a deployment of its own) as one
+    result: every run's figures, medians and spread over them all, the counters summed."""
+    runs = [r for p in parts for r in p["runs"]]
+    metrics, spread = summarize(runs)
+    counters: dict = {}
+    for p in parts:
+        for k, v in p["counters"].items():
+            counters[k] = counters.get(k, 0) + v
+    return {**parts[-1], "metrics": metrics, "spread": spread, "runs": runs, "counters": counters,
+            "sessions": [p["session"] for p in parts], "wall_s": round(sum(p["wall_s"] for p in parts), 1),
+            "runs_named": [n for p in parts for n in p["runs_named"]],
+            "ttfts_ms": [t for p in parts for t in p["ttfts_ms"]],
+            "input_lens_sha256": sorted({h for p in parts for h in p["input_lens_sha256"]})}
 
 
 def _down_failed(current: str | None, log) -> None:
@@ -616,15 +644,17 @@ def _down_failed(current: str | None, log) -> None:
             log(f"bench: tearing down session {sid} failed too: {e}")
 
 
-def measure(current: str, target: str, request: BenchRequest, load: Load, out_dir: Path, log) -> dict:
-    """`request.repeat` runs of the load against the deployed target: medians, spread, counters over all runs."""
+def measure(current: str, target: str, request: BenchRequest, load: Load, out_dir: Path, log,
+            only: list[int] | None = None) -> dict:
+    """`request.repeat` runs of the load against the deployed target (`only`: those of these indices, one round
+    of an interleaved run): medians, spread, counters over all runs."""
     deployed = api.open_deployment(current)
     url = deployed.url
     before, _, _ = counters(current)
     last = None  # (counters, use, rates) read after the last run of a repeat
     runs, ttfts, names, input_lens = [], [], [], set()
     started = time.monotonic()
-    for n in range(request.repeat):
+    for n in range(request.repeat) if only is None else only:
         name = target if request.repeat == 1 else f"{target}-run{n + 1}"
         log(f"bench: {name}: vllm bench serve against {url} ({load.num_prompts} prompts)")
         legs_before, checked_before = prefill_legs(url), index_checked(url)

@@ -157,6 +157,10 @@ def dataset(**params) -> int:
               help="runs of the load against each target, each with new prompts of the same workload (a dataset "
                    "file of yours: the same prompts), so no run finds the one before in the caches; the report "
                    "gives medians and the [min, max] spread")
+@click.option("--interleave", is_flag=True,
+              help="with --repeat: run the targets in rounds (each target's first run, then each one's second, ...), "
+                   "deploying each target again every round: slower, but a drift of the machine over the run spreads "
+                   "over every target instead of landing on the one measured then")
 @click.option("--kv-cache-mb", type=click.IntRange(1), default=None,
               help="size every instance's own KV pool (vLLM --kv-cache-memory-bytes): a working set larger than it "
                    "shows what a store beyond it keeps (default: vLLM's own sizing)")
@@ -196,7 +200,7 @@ def run(**params) -> int:
         dataset=DatasetOptions.from_params(params), dataset_file=params["dataset_file"], tokenizer=params["tokenizer"],
         vllm_dataset=VllmDataset(params["vllm_dataset"], words) if params["vllm_dataset"] else None,
         num_prompts=params["num_prompts"], output_len=params["output_len"], max_concurrency=params["max_concurrency"],
-        goodput=goodput_slos(params["goodput"]), repeat=params["repeat"],
+        goodput=goodput_slos(params["goodput"]), repeat=params["repeat"], interleave=params["interleave"],
         kv_cache_mb=params["kv_cache_mb"], datasystem_mb=params["datasystem_mb"],
         datasystem_spill_mb=params["datasystem_spill_mb"], vllm_venv=params["vllm_venv"],
         restore=not params["no_restore"], command=command_line())

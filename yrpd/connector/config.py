@@ -37,6 +37,9 @@ Keys (all optional except the data system address):
                         it)
   cpu_spin_ms           CPU instances only: how long vLLM's message-queue readers spin after a message before
                         they sleep (default 2; vLLM's own is 1 s; negative leaves vLLM's; see cpu_spin.py)
+  writer_nice           the writer process's nice value, 0-19 (default 0; `saver: thread` is not niced): where no
+                        one waits for its puts (an instance that hands nothing over) it can yield the CPU to the
+                        engine; yrpd sets 10 there
 """
 
 from __future__ import annotations
@@ -119,6 +122,7 @@ class ConnectorConfig:
     device_id: int | None = None
     cpu_spin_ms: float = 2.0
     resave_after_s: float = 300.0
+    writer_nice: int = 0
     saver: str = "process"
     unknown: dict = field(default_factory=dict)
 
@@ -140,7 +144,7 @@ _KNOWN = {
     "ds_address", "ds_host", "ds_port", "model_id", "namespace", "ttl_seconds", "evictable", "delete_after_load", "save_sync",
     "ready_wait_ms", "connect_timeout_ms", "request_timeout_ms", "retry_backoff_s", "exclusive_connection",
     "stats_interval_s", "stats_file", "max_batch_keys", "staging_mb", "transport", "device_id", "cpu_spin_ms",
-    "saver", "layout", "resave_after_s",
+    "saver", "layout", "resave_after_s", "writer_nice",
 }
 
 
@@ -191,6 +195,7 @@ def parse_config(role: str | None, extra: Mapping[str, Any] | None, env: Mapping
         device_id=(None if extra.get("device_id") is None else _num(extra["device_id"], "device_id", int, 0)),
         cpu_spin_ms=_num(extra.get("cpu_spin_ms", 2.0), "cpu_spin_ms", float),
         resave_after_s=_num(extra.get("resave_after_s", 300.0), "resave_after_s", float, 0),
+        writer_nice=_num(extra.get("writer_nice", 0), "writer_nice", int, 0),
         saver=saver,
         unknown={k: v for k, v in extra.items() if k not in _KNOWN},
     )
@@ -199,6 +204,8 @@ def parse_config(role: str | None, extra: Mapping[str, Any] | None, env: Mapping
     if cfg.ttl_seconds and cfg.resave_after_s >= cfg.ttl_seconds:
         # a block not saved again would expire while this instance still takes it for stored
         raise ConfigError(f"resave_after_s ({cfg.resave_after_s:g}) must be below ttl_seconds ({cfg.ttl_seconds})")
+    if cfg.writer_nice > 19:
+        raise ConfigError(f"writer_nice must be 0-19 (19 yields the most), got {cfg.writer_nice}")
     if cfg.max_batch_keys >= 2000:
         raise ConfigError("max_batch_keys must be < 2000 (data-system batch limit)")
     return cfg

@@ -612,6 +612,8 @@ def child_main(argv: Sequence[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s (writer %(process)d): %(message)s")
     role, extra = argv[0], json.loads(argv[1])
     cfg = parse_config(role, extra)
+    if cfg.writer_nice:
+        os.nice(cfg.writer_nice)  # from the worker's own niceness, which the child inherited
     events: list = []
     conn = kv_connection(cfg, "writer", events.append)
     conn.connect()
