@@ -127,8 +127,9 @@ def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: 
         "stats_file": paths.stats_file(inst.name),
         "stats_interval_s": STATS_INTERVAL_S,
     }
-    if inst.role == "single":
-        # nothing waits for a plain instance's puts (no decode reads them now), so its writer yields to the engine
+    if inst.role == "single" and not spec.connector.get("save_sync"):
+        # nothing waits for a plain instance's puts (no decode reads them now; with save_sync its own step does), so
+        # its writer yields to the engine
         extra["writer_nice"] = ALONE_WRITER_NICE
     extra.update(spec.connector)
     return {

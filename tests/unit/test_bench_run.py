@@ -304,7 +304,8 @@ def test_interleaved_repeats_run_in_rounds_and_each_target_reports_all_its_runs(
     results = run.run_targets(session, spec, DeviceKind.cpu, request, load(), tmp_path, log=lambda *_: None)
     assert [e for e in events if e[0] == "measure"] == [("measure", "pd", [0]), ("measure", "single", [0]),
                                                         ("measure", "pd", [1]), ("measure", "single", [1])]
-    assert events.count(("deploy", "pd")) == 1 and events.count(("deploy", "single")) == 2  # pd was up at first
+    # each target deployed anew every round, pd too though the session ran it when the bench began
+    assert events.count(("deploy", "pd")) == 2 and events.count(("deploy", "single")) == 2
     assert list(results) == ["pd", "single"]
     assert results["pd"]["metrics"]["mean_ttft_ms"] == 200.0 and results["pd"]["spread"]["mean_ttft_ms"] == [100.0,
                                                                                                              300.0]
@@ -314,3 +315,14 @@ def test_interleaved_repeats_run_in_rounds_and_each_target_reports_all_its_runs(
     run.run_targets(session, spec, DeviceKind.cpu, run.BenchRequest(targets=("pd", "single"), repeat=2), load(),
                     tmp_path, log=lambda *_: None)
     assert [e for e in events if e[0] == "measure"] == [("measure", "pd", None), ("measure", "single", None)]
+    assert events.count(("deploy", "pd")) == 0  # the keyed control: not in rounds, the running pd is measured
+
+
+@pytest.mark.parametrize("repeat", [1, 2], ids=["--repeat 1: refused", "--repeat 2 (control)"])
+def test_interleave_without_repeats_is_refused_before_any_session_is_read(tmp_path, monkeypatch, repeat):
+    monkeypatch.setenv("YRPD_HOME", str(tmp_path))  # no session there: what the control runs into next
+    from yrpd.errors import SessionError
+
+    with pytest.raises((SpecError, SessionError)) as e:
+        run.bench(None, run.BenchRequest(targets=("pd",), repeat=repeat, interleave=True))
+    assert (getattr(e.value, "field", None) == "--interleave") is (repeat == 1)

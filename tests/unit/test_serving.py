@@ -215,6 +215,11 @@ def test_bench_single_targets_one_plain_instance_and_one_that_keeps_its_kv_in_th
             assert kv["kv_role"] == role and kv["kv_connector_extra_config"]["ds_address"] == "10.0.0.1:31501"
             assert kv["kv_connector_extra_config"]["writer_nice"] == 10  # nothing waits for its puts
         assert proxy_launch(want, want_plan, PATHS) is None
+    # with save_sync the engine's step waits for the puts: the writer is not lowered
+    want = variant(spec.model_copy(update={"connector": {"save_sync": True}}), "single-yr", DeviceKind.cpu)
+    want_plan = make_plan(want, {"h1": HostInventory(DeviceKind.cpu, (0, 1), "10.0.0.1")})
+    [launch] = launches_on_host(want, want_plan, "h1", PATHS)
+    assert "writer_nice" not in json.loads(flag(launch.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
     # the user's own value wins
     want = variant(spec.model_copy(update={"connector": {"writer_nice": 0}}), "single-yr", DeviceKind.cpu)
     want_plan = make_plan(want, {"h1": HostInventory(DeviceKind.cpu, (0, 1), "10.0.0.1")})

@@ -153,8 +153,10 @@ def markdown(results: dict, meta: dict, provenance: dict | None = None) -> str:
         lines.append("| prefill prefix-cache hit rate (% of its prompt tokens) | "
                      + " | ".join(_fmt(r) for r in rates) + " |")
     if any(results[n].get("data_system") for n in names):
-        for label, key in (("data system memory used at the end (MB)", "memory_mb"),
-                           ("data system disk used at the end (MB)", "disk_mb")):
+        # in rounds each round deploys anew: the end is the last round's, which held one run's blocks
+        end = "at the end of the last round" if meta.get("interleave") else "at the end"
+        for label, key in ((f"data system memory used {end} (MB)", "memory_mb"),
+                           (f"data system disk used {end} (MB)", "disk_mb")):
             lines.append(f"| {label} | " + " | ".join(_fmt((results[n].get("data_system") or {}).get(key))
                                                       for n in names) + " |")
     spreads = [(n, k, v) for n in names for k, v in (results[n].get("spread") or {}).items()]

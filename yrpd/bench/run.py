@@ -433,6 +433,9 @@ def bench(session_id: str | None, request: BenchRequest, log=print, progress=Non
     if unknown or not request.targets:
         raise SpecError("--targets", f"unknown target(s) {', '.join(unknown) or '(none)'}",
                         f"use a comma-separated subset of {', '.join(TARGETS)}")
+    if request.interleave and request.repeat < 2:
+        raise SpecError("--interleave", f"given with --repeat {request.repeat}: one run per target has no rounds",
+                        "pass --repeat 2 or more, or leave out --interleave")
     if request.vllm_dataset and request.dataset_file:
         raise SpecError("--vllm-dataset", "given with --dataset", "run one workload: leave out one of the two")
     if request.vllm_dataset and not request.num_prompts:
@@ -585,7 +588,8 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, request: BenchReque
             try:
                 want = variant(original, target, kind, request.kv_cache_mb, request.datasystem_mb,
                                request.datasystem_spill_mb)
-                live = current is not None and want.fingerprint() == spec.fingerprint()
+                # in rounds every target is deployed anew each round (what ran before is the last target's)
+                live = current is not None and want.fingerprint() == spec.fingerprint() and runs is None
                 if not live:
                     if current is not None:
                         log(f"bench: tearing down session {current} to deploy the {target} target")

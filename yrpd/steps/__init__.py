@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from yrpd.assets import deploy_script
+from yrpd.containers import Profile, container_profile
 from yrpd.hostgroup import Command
 from yrpd.layout import HostSessionLayout
 from yrpd.placement import HostPlan, Plan
@@ -62,10 +63,8 @@ class StepContext:
         return self.spec.fingerprint()
 
     @property
-    def profile(self):
+    def profile(self) -> Profile:
         """The container profile a docker-runtime deployment runs with (SpecError where the image has none)."""
-        from yrpd.containers import container_profile
-
         return container_profile(self.spec)
 
     def host_spec(self, host: HostPlan):
