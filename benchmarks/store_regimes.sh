@@ -7,8 +7,10 @@
 #
 # TARGETS: default single,single-yr,peer-lmcache,pd,pd-noreuse. REGIMES: default "roomy overflow":
 #   roomy     vLLM's own KV pool (nothing overflows): what a store costs where it gives nothing back;
-#   overflow  every instance's pool cut to 48 MB (the single instance gets the PD pair's, 96 MB): a chat's history
-#             no longer fits, so only a store beyond the pool keeps the reuse.
+#   overflow  the single instance's pool cut to 96 MB (`--kv-cache-mb 48`: a single instance gets a PD pair's two): a
+#             chat's history no longer fits, so only a store beyond the pool keeps the reuse. The PD targets are left
+#             out here: their instances would get 48 MB each, less than one 2,048-token sequence of SmolLM2 in
+#             float32 (90 MB), which vLLM refuses; pd / pd-noreuse is the roomy regime's.
 # The workload is one for both: 8 chats x 4 turns (a 512-token system prompt all share, a 256-token opening each,
 # 64-token questions, 48-token answers kept in the history: prompts of 832-1,168 tokens), 16 tokens asked each turn,
 # 2 at a time. The deployment is `yrpd deploy --hosts localhost` (SmolLM2) with --max-model-len 2048, which a 96 MB
@@ -35,11 +37,13 @@ yrpd deploy --hosts localhost --new-session --config "$work/yrpd.yaml"
 status=0
 for regime in $regimes; do
     case "$regime" in
-        roomy) pool=() ;;
-        overflow) pool=(--kv-cache-mb 48) ;;
+        roomy) pool=(); run_targets="$targets" ;;
+        overflow) pool=(--kv-cache-mb 48)
+                  run_targets="$(tr , '\n' <<<"$targets" | { grep -v '^pd' || true; } | paste -sd, -)"
+                  [ -n "$run_targets" ] || { echo "overflow: no single-instance target in $targets" >&2; continue; } ;;
         *) echo "unknown regime $regime: roomy or overflow" >&2; exit 2 ;;
     esac
-    yrpd bench run --targets "$targets" --workload multi-turn --conversations 8 --turns 4 --prefix-len 512 \
+    yrpd bench run --targets "$run_targets" --workload multi-turn --conversations 8 --turns 4 --prefix-len 512 \
         --suffix-len 256 --question-len 64 --answer-len 48 --output-len 16 --max-concurrency 2 --repeat 3 --interleave \
         "${pool[@]}" || status=$?
     run="$(ls -td "${YRPD_HOME:-$HOME/.yrpd}"/sessions/*/bench/*/ | head -n 1)"
