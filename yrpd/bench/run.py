@@ -518,7 +518,7 @@ def bench(session_id: str | None, request: BenchRequest, log=print, progress=Non
     meta["datasystem_spill_mb"] = (deployment.spec.datasystem_spill_mb if request.datasystem_spill_mb is None
                                    else request.datasystem_spill_mb)
     meta.update(max_concurrency=request.max_concurrency, repeat=request.repeat, goodput=list(request.goodput),
-                interleave=request.interleave and request.repeat > 1)
+                interleave=request.interleave)
     # the spec's connector settings every yrpd-connector target ran with: two runs that differ only there
     # (benchmarks/store_regimes.sh's CONNECTOR) are told apart by their reports
     meta["connector"] = dict(base.connector)
@@ -580,7 +580,7 @@ def run_targets(session, spec: DeploySpec, kind: DeviceKind, request: BenchReque
     original = original or spec
     results: dict[str, dict] = {}
     parts: dict[str, list[dict]] = {}  # interleaved: each target's runs so far, one round each
-    rounds = [[n] for n in range(request.repeat)] if request.interleave and request.repeat > 1 else [None]
+    rounds = [[n] for n in range(request.repeat)] if request.interleave else [None]  # bench() refused it with one run
     try:
         for target, runs in ((t, r) for r in rounds for t in request.targets):
             if target in results:  # failed in an earlier round: its error stands
