@@ -17,6 +17,7 @@ from yrpd import ascend_store, credentials
 from yrpd.containers import container_profile
 from yrpd.ports import INSTANCE_PORT_BLOCK, RAY_PORT_BLOCK
 from yrpd.proxy.routing import Routing
+from yrpd.connector.config import ConfigError, user_settings
 from yrpd.spec import BUILTIN_MODEL, DeploySpec, DeviceKind, KvConnector, MultiNodeBackend
 
 #: role -> connector role; with prefix reuse, prefill also loads prefixes other requests stored
@@ -127,7 +128,7 @@ def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: 
         "stats_file": paths.stats_file(inst.name),
         "stats_interval_s": STATS_INTERVAL_S,
     }
-    if inst.role == "single" and not spec.connector.get("save_sync"):
+    if inst.role == "single" and not _saves_in_step(spec):
         # nothing waits for a plain instance's puts (no decode reads them now; with save_sync its own step does), so
         # its writer yields to the engine
         extra["writer_nice"] = ALONE_WRITER_NICE
@@ -139,6 +140,16 @@ def kv_transfer_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: 
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
+
+
+def _saves_in_step(spec: DeploySpec) -> bool:
+    """Whether the connector's `save_sync` is on, read as the connector reads it. A session stored before its spec's
+    keys were checked may hold a value the connector refuses: its instances fail to start with that error (which
+    status reports), and this answer does not matter."""
+    try:
+        return user_settings(spec.connector, known_only=False).save_sync
+    except ConfigError:
+        return False
 
 
 #: the writer's nice value where no instance waits for its puts (connector key writer_nice): it gets about a tenth of

@@ -24,6 +24,7 @@ from yrpd.ports import RAY_PORT_BLOCK
 from yrpd.errors import SpecError
 from yrpd.hostgroup import SshOptions
 from yrpd.proxy.routing import Routing
+from yrpd.connector.config import ConfigError, user_settings
 from yrpd import ascend_store, dswheels
 from yrpd.containers import check_image, container_profile, default_npu_image
 from yrpd.versions import DATASYSTEM_PYTHONS, DEFAULT_ENV_ROOT, OPENYUANRONG_DATASYSTEM, YR_PYTHONS
@@ -727,7 +728,8 @@ class ServingSection(BaseModel):
     #: vLLM's NixlConnector: decode pulls the prompt's blocks from prefill over UCX, nothing kept beyond the
     #: instances (PD on CPU hosts, NIXL in its own venv <env_root>/nixl; the `peer-nixl-pd` target)
     kv_connector: KvConnector = KvConnector.yuanrong
-    #: overrides for the connector's kv_connector_extra_config (docs/dev/connector.md lists the keys)
+    #: overrides for the connector's kv_connector_extra_config (docs/dev/connector.md lists the keys); a key the
+    #: connector does not know, or a value it would refuse, is refused before any host is touched
     connector: dict[str, Any] = {}
     #: how the proxy picks an instance: `prefix` (cache-aware) sends a prefill leg where it costs least: the
     #: prompt's chunks that instance was never sent (counted twice) plus the chunks queued there, in the time each
@@ -847,6 +849,10 @@ class ServingSection(BaseModel):
         if self.kv_connector is KvConnector.lmcache and self.disaggregated:
             raise SpecError("kv_connector", "lmcache is a prefix store for plain instances here, not a PD handoff",
                             "set disaggregated: false with it, or use kv_connector: yuanrong")
+        try:
+            user_settings(self.connector)
+        except ConfigError as e:
+            raise SpecError("connector", str(e), "docs/dev/connector.md lists the keys and their ranges") from None
         owned = ("--port", "--host", "--served-model-name", "--kv-transfer-config", "--tensor-parallel-size",
                  "--data-parallel-size", "--headless", "--dtype", "--pipeline-parallel-size", "--nnodes",
                  "--node-rank", "--master-addr", "--master-port", "--distributed-executor-backend")

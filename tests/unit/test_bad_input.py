@@ -122,6 +122,12 @@ CASES = [
     ("lmcache-with-pd", GOOD, "kv_connector: lmcache\n",
      "kv_connector: lmcache is a prefix store for plain instances here, not a PD handoff"),
     ("unknown-kv-connector", GOOD, "kv_connector: mooncake\n", "kv_connector"),
+    # the connector's own keys, checked as it reads them (the control: test_spec_accepts_the_connectors_own_keys)
+    ("connector-misspelt-key", GOOD, "connector: {ttl_secnds: 5}\n",
+     "connector: unknown key 'ttl_secnds' (did you mean 'ttl_seconds'?); docs/dev/connector.md lists the keys"),
+    ("connector-value-out-of-range", GOOD, "connector: {writer_nice: 25}\n", "connector: writer_nice must be 0-19"),
+    ("connector-not-a-boolean", GOOD, "connector: {save_sync: maybe}\n",
+     "connector: save_sync: expected a boolean, got 'maybe'"),
     ("mixed-kinds", ["--hosts", "h1,h2", "--devices", "0-3", "--model", "/m"],
      "hosts:\n  - {address: h1, device_kind: npu}\n  - {address: h2, device_kind: cpu}\n", "hosts mix device kinds"),
 ]
@@ -217,3 +223,13 @@ def test_the_parallel_sizes_have_readable_names_and_keep_their_short_ones(tmp_pa
     assert wanted == [("prefill-0", "h1", list(range(8))), ("decode-0", "h2", [0, 1, 2, 3])], wanted
     assert plan(*args) == wanted
     assert plan() != wanted
+
+
+def test_spec_accepts_the_connectors_own_keys_as_a_config_file_writes_them(tmp_path, yrpd):
+    """The keyed control of the connector cases above: known keys with values in range plan."""
+    ssh_config = tmp_path / "ssh_config"
+    ssh_config.write_text(SSH_CONFIG)
+    cfg = tmp_path / "yrpd.yaml"
+    cfg.write_text("connector: {ttl_seconds: 5, writer_nice: 19, save_sync: 'false', resave_after_s: 2}\n")
+    proc = yrpd("plan", *GOOD, "--config", str(cfg), "--ssh-config", str(ssh_config))
+    assert proc.returncode == 0, proc.stderr

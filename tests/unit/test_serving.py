@@ -215,11 +215,20 @@ def test_bench_single_targets_one_plain_instance_and_one_that_keeps_its_kv_in_th
             assert kv["kv_role"] == role and kv["kv_connector_extra_config"]["ds_address"] == "10.0.0.1:31501"
             assert kv["kv_connector_extra_config"]["writer_nice"] == 10  # nothing waits for its puts
         assert proxy_launch(want, want_plan, PATHS) is None
-    # with save_sync the engine's step waits for the puts: the writer is not lowered
-    want = variant(spec.model_copy(update={"connector": {"save_sync": True}}), "single-yr", DeviceKind.cpu)
+    # with save_sync the engine's step waits for the puts: the writer is not lowered; save_sync read as the
+    # connector reads it (a config file's "false" is false, the keyed control of "true")
+    for save_sync, lowered in ((True, False), ("true", False), ("false", True)):
+        want = variant(spec.model_copy(update={"connector": {"save_sync": save_sync}}), "single-yr", DeviceKind.cpu)
+        want_plan = make_plan(want, {"h1": HostInventory(DeviceKind.cpu, (0, 1), "10.0.0.1")})
+        [launch] = launches_on_host(want, want_plan, "h1", PATHS)
+        extra = json.loads(flag(launch.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+        assert ("writer_nice" in extra) is lowered, save_sync
+    # a session stored before the spec checked these keys still launches (and status reads it): an unknown key
+    # passes to the connector, which warns of it, as before
+    want = variant(spec, "single-yr", DeviceKind.cpu).model_copy(update={"connector": {"ttl_secnds": 5}})
     want_plan = make_plan(want, {"h1": HostInventory(DeviceKind.cpu, (0, 1), "10.0.0.1")})
     [launch] = launches_on_host(want, want_plan, "h1", PATHS)
-    assert "writer_nice" not in json.loads(flag(launch.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert json.loads(flag(launch.argv, "--kv-transfer-config"))["kv_connector_extra_config"]["ttl_secnds"] == 5
     # the user's own value wins
     want = variant(spec.model_copy(update={"connector": {"writer_nice": 0}}), "single-yr", DeviceKind.cpu)
     want_plan = make_plan(want, {"h1": HostInventory(DeviceKind.cpu, (0, 1), "10.0.0.1")})
@@ -304,6 +313,14 @@ def test_bench_kv_pool_size_reaches_every_target_and_a_single_instance_gets_the_
     assert sizes == {"pd": str(128 << 20), "pd-noreuse": str(128 << 20), "single": str(256 << 20),
                      "single-yr": str(256 << 20)}
     assert "--no-enable-prefix-caching" in variant(spec, "pd-noreuse", DeviceKind.cpu, kv_cache_mb=128).engine_args
+    # single-roomy keeps vLLM's own pool beside them (the store's floor), and is otherwise the plain instance
+    roomy = variant(spec, "single-roomy", DeviceKind.cpu, kv_cache_mb=128)
+    assert "--kv-cache-memory-bytes" not in roomy.engine_args
+    assert roomy == variant(spec, "single", DeviceKind.cpu)
+    # and a pool the deployment's own engine_args cut is not kept either
+    cut = spec.model_copy(update={"engine_args": ["--kv-cache-memory-bytes", "1000", "--max-model-len", "2048"]})
+    assert variant(cut, "single-roomy", DeviceKind.cpu, kv_cache_mb=128).engine_args == ["--max-model-len", "2048"]
+    assert "--kv-cache-memory-bytes" in variant(cut, "single", DeviceKind.cpu).engine_args  # the control
     # the data system's tiers are the same for every target of one run (eviction and spill runs)
     for target in ("pd", "pd-noreuse", "single", "single-yr", "peer-example-pd"):
         sized = variant(spec, target, DeviceKind.cpu, datasystem_mb=96, datasystem_spill_mb=512)

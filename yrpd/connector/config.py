@@ -44,6 +44,7 @@ Keys (all optional except the data system address):
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from dataclasses import dataclass, field
@@ -146,6 +147,19 @@ _KNOWN = {
     "stats_interval_s", "stats_file", "max_batch_keys", "staging_mb", "transport", "device_id", "cpu_spin_ms",
     "saver", "layout", "resave_after_s", "writer_nice",
 }
+
+
+def user_settings(extra: Mapping[str, Any], known_only: bool = True) -> ConnectorConfig:
+    """A deployment's own overrides (the spec's `connector`) as the connector will read them, checked before any
+    host is touched: an unknown key is refused here (the connector itself would only warn, so a misspelt key would
+    go unnoticed; `known_only=False` passes it, as the connector does), a value out of range as the connector would
+    refuse it. The address is yrpd's to give; a placeholder stands in where the overrides have none."""
+    unknown = sorted(set(extra) - _KNOWN)
+    if unknown and known_only:
+        close = difflib.get_close_matches(unknown[0], sorted(_KNOWN), n=1)
+        raise ConfigError(f"unknown key {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    placeholder = {} if {"ds_address", "ds_host", "ds_port"} & set(extra) else {"ds_address": "127.0.0.1:1"}
+    return parse_config("kv_both", {**placeholder, **extra}, env={})
 
 
 def parse_config(role: str | None, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
