@@ -10,7 +10,9 @@
 #   overflow  the single instance's pool cut to 96 MB (`--kv-cache-mb 48`: a single instance gets a PD pair's two): a
 #             chat's history no longer fits, so only a store beyond the pool keeps the reuse. The PD targets are left
 #             out here: their instances would get 48 MB each, less than one 2,048-token sequence of SmolLM2 in
-#             float32 (90 MB), which vLLM refuses; pd / pd-noreuse is the roomy regime's.
+#             float32 (90 MB), which vLLM refuses; pd / pd-noreuse is the roomy regime's. `single-roomy` runs
+#             beside them: the plain instance with vLLM's own pool, the reuse no store beats, so single-roomy /
+#             single in the same run is the floor of single-yr / single.
 # The workload is one for both: 8 chats x 4 turns (a 512-token system prompt all share, a 256-token opening each,
 # 64-token questions, 48-token answers kept in the history: prompts of 832-1,168 tokens), 16 tokens asked each turn,
 # 2 at a time. The deployment is `yrpd deploy --hosts localhost` (SmolLM2) with --max-model-len 2048, which a 96 MB
@@ -40,7 +42,8 @@ for regime in $regimes; do
         roomy) pool=(); run_targets="$targets" ;;
         overflow) pool=(--kv-cache-mb 48)
                   run_targets="$(tr , '\n' <<<"$targets" | { grep -v '^pd' || true; } | paste -sd, -)"
-                  [ -n "$run_targets" ] || { echo "overflow: no single-instance target in $targets" >&2; continue; } ;;
+                  [ -n "$run_targets" ] || { echo "overflow: no single-instance target in $targets" >&2; continue; }
+                  grep -qx single-roomy <<<"${run_targets//,/$'\n'}" || run_targets+=,single-roomy ;;
         *) echo "unknown regime $regime: roomy or overflow" >&2; exit 2 ;;
     esac
     yrpd bench run --targets "$run_targets" --workload multi-turn --conversations 8 --turns 4 --prefix-len 512 \

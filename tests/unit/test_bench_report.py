@@ -219,3 +219,19 @@ def test_report_pairs_each_request_of_a_store_with_the_same_prompt_on_the_plain_
     assert rows["KV blocks not saved again (saved within resave_after_s)"] == ["0", "64"]
     results["single-yr"]["input_lens_sha256"] = ["b"]
     assert "per request" not in markdown(results, meta)
+
+
+def test_beside_overflowing_pools_the_report_gives_the_floor_of_a_stores_ratio_and_the_stores_distance_from_it():
+    """single-roomy (vLLM's own pool) against single is the least single-yr / single can be in that run; both
+    ratios are reported, and only where the roomy instance ran (the keyed control)."""
+    from yrpd.bench.report import markdown, ratios
+
+    results = {name: {"description": name, "metrics": {"mean_ttft_ms": ttft}, "counters": {}}
+               for name, ttft in (("single", 2000.0), ("single-yr", 1000.0), ("single-roomy", 800.0))}
+    meta = {"kv_cache_mb_per_instance": 48}
+    got = ratios(results)
+    assert got["single-roomy/single mean TTFT"] == 0.4 and got["single-yr/single-roomy mean TTFT"] == 1.25
+    assert "KV pool 48 MB per instance (single-roomy: vLLM's own)" in markdown(results, meta)
+    del results["single-roomy"]
+    assert set(ratios(results)) == {"single-yr/single mean TTFT"}
+    assert "KV pool 48 MB per instance" in markdown(results, meta) and "(single-roomy" not in markdown(results, meta)

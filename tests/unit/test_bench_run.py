@@ -326,3 +326,15 @@ def test_interleave_without_repeats_is_refused_before_any_session_is_read(tmp_pa
     with pytest.raises((SpecError, SessionError)) as e:
         run.bench(None, run.BenchRequest(targets=("pd",), repeat=repeat, interleave=True))
     assert (getattr(e.value, "field", None) == "--interleave") is (repeat == 1)
+
+
+@pytest.mark.parametrize("kv_cache_mb", [None, 48], ids=["no --kv-cache-mb: refused", "--kv-cache-mb 48 (control)"])
+def test_single_roomy_without_a_cut_pool_is_refused_before_any_session_is_read(tmp_path, monkeypatch, kv_cache_mb):
+    """Without --kv-cache-mb single-roomy is single's spec, and would be measured on single's warm deployment."""
+    monkeypatch.setenv("YRPD_HOME", str(tmp_path))  # no session there: what the control runs into next
+    from yrpd.errors import SessionError
+
+    with pytest.raises((SpecError, SessionError)) as e:
+        run.bench(None, run.BenchRequest(targets=("single", "single-roomy"), kv_cache_mb=kv_cache_mb))
+    refused = getattr(e.value, "field", None) == "--targets" and "single-roomy" in str(e.value)
+    assert refused is (kv_cache_mb is None)

@@ -13,6 +13,9 @@ Targets, each a deployment of the same model on the same hosts and devices:
   PD instances use;
 - `single-yr`: the same instance with the yrpd connector as a prefix store (kv_both): what its own KV pool
   cannot hold is looked up in the data system (memory, then its disk tier);
+- `single-roomy`: the `single` instance with vLLM's own pool whatever `--kv-cache-mb` says: beside targets whose
+  pools overflow, the reuse a store could at best give back (every block its own pool's, nothing to load), so
+  its ratio to `single` is the floor no store reaches below in that run;
 - `peer-example-pd`: the `pd` deployment with vLLM's reference `ExampleConnector` in place of yrpd's: the
   handoff (and reuse of a whole prompt seen before) goes through safetensors files on the host's disk, what a
   user gets from vLLM alone. One host only;
@@ -64,6 +67,7 @@ TARGETS = {
     "pd-noreuse": "PD, prefix reuse off",
     "single": "single instance, same devices",
     "single-yr": "single instance, KV also in the data system",
+    "single-roomy": "single instance, vLLM's own KV pool whatever --kv-cache-mb says (a store's floor)",
     "peer-example-pd": "PD through vLLM's ExampleConnector (files)",
     "peer-lmcache": "single instance, KV also in LMCache's server",
     "peer-nixl-pd": "PD through vLLM's NixlConnector (UCX, no store)",
@@ -72,6 +76,8 @@ TARGETS = {
 #: the routing of the PD targets that differ from `pd` (prefix routing on the instances' KV-cache events) in it alone
 ROUTING_TARGETS = {"pd-load": {"routing": "load"}, "pd-rr": {"routing": "round-robin"},
                    "pd-estimate": {"routing_kv_events": False}, "pd-oracle": {"routing_kv_exact": True}}
+#: the targets that run one plain instance on the devices of all the PD instances
+SINGLE_TARGETS = ("single", "single-yr", "single-roomy", "peer-lmcache")
 #: the KV connector each target runs with
 CONNECTORS = {"peer-example-pd": "example", "peer-lmcache": "lmcache", "peer-ascend-store": "ascend-store",
               "peer-nixl-pd": "nixl"}
@@ -90,8 +96,10 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
     if datasystem_spill_mb is not None:
         data["datasystem_spill_mb"] = datasystem_spill_mb
     engine_args = list(spec.engine_args)
-    if kv_cache_mb:
-        pools = spec.prefill + spec.decode if target in ("single", "single-yr", "peer-lmcache") else 1
+    if target == "single-roomy":  # vLLM's own pool, whoever sized it smaller
+        engine_args = _without(engine_args, "--kv-cache-memory-bytes")
+    elif kv_cache_mb:
+        pools = spec.prefill + spec.decode if target in SINGLE_TARGETS else 1
         engine_args += ["--kv-cache-memory-bytes", str((kv_cache_mb * pools) << 20)]
     if target == "pd-noreuse":
         engine_args.append("--no-enable-prefix-caching")
@@ -108,7 +116,7 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
             data.update(ROUTING_TARGETS[target])
     elif target == "pd-noreuse":
         data.update(disaggregated=True, prefix_reuse=False)
-    elif target in ("single", "single-yr", "peer-lmcache"):
+    elif target in SINGLE_TARGETS:
         # one plain instance takes engine_args alone (the spec refuses role arguments without PD)
         data.update(single_kv_store=target == "single-yr", **{f: [] for f in ROLE_ENGINE_ARGS.values()})
         devices = sum(n * tp * dp for n, (tp, dp) in ((spec.prefill, spec.parallelism("prefill")),
@@ -121,6 +129,19 @@ def variant(spec: DeploySpec, target: str, kind: DeviceKind, kv_cache_mb: int | 
     else:
         raise ValueError(target)
     return DeploySpec.model_validate(data).check()
+
+
+def _without(args: list[str], flag: str) -> list[str]:
+    """`args` less every `flag V` and `flag=V`."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
 
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
@@ -433,6 +454,10 @@ def bench(session_id: str | None, request: BenchRequest, log=print, progress=Non
     if unknown or not request.targets:
         raise SpecError("--targets", f"unknown target(s) {', '.join(unknown) or '(none)'}",
                         f"use a comma-separated subset of {', '.join(TARGETS)}")
+    if "single-roomy" in request.targets and not request.kv_cache_mb:
+        # without it the two are one spec, and the second would be measured on the first's warm deployment
+        raise SpecError("--targets", "single-roomy differs from single only where --kv-cache-mb cuts the other "
+                        "targets' pools", "give --kv-cache-mb with it, or leave single-roomy out")
     if request.interleave and request.repeat < 2:
         raise SpecError("--interleave", f"given with --repeat {request.repeat}: one run per target has no rounds",
                         "pass --repeat 2 or more, or leave out --interleave")
@@ -469,7 +494,7 @@ def bench(session_id: str | None, request: BenchRequest, log=print, progress=Non
         refused = pool_refusal(spec, kind, tokenizer, deployment.plan.dtype.dtype)
         if refused:
             reason, need_mb = refused
-            per = "the PD instances' pools together" if target in ("single", "single-yr", "peer-lmcache") else ""
+            per = "the PD instances' pools together" if target in SINGLE_TARGETS else ""
             raise SpecError("--kv-cache-mb",
                             f"vLLM would refuse the {target} target: {reason}{per and ' (' + per + ')'}",
                             f"give --kv-cache-mb {need_mb} or more, or deploy with a smaller --max-model-len")
