@@ -74,13 +74,14 @@ def main() -> int:
     for name, target in doc["targets"].items():
         if target.get("error"):
             continue
-        log = args.logs / args.proxy_host / target["session"] / "proxy.log"
-        runs = runs_of(log, 4 if args.quarters else 1) if log.is_file() else []
+        # run in rounds (--interleave), a target was deployed anew for each of its runs: a session, and a log, each
+        logs = [args.logs / args.proxy_host / s / "proxy.log" for s in target.get("sessions") or [target["session"]]]
+        runs = [r for log in logs if log.is_file() for r in runs_of(log, 4 if args.quarters else 1)]
         # a run of another size on the same deployment is not one of the target's (trace_replay.py's capacity probe)
         prompts = doc["dataset"].get("prompts")
         runs = [r for r in runs if not prompts or r["requests"] == prompts]
         if not runs:
-            print(f"| {name} | - | no proxy log lines of a bench run in {log} | - | - | - |")
+            print(f"| {name} | - | no proxy log lines of a bench run in {', '.join(map(str, logs))} | - | - | - |")
             continue
         for n, r in enumerate(runs, 1):
             legs = ", ".join(f"{url.rsplit(':', 1)[-1]}: {k}" for url, k in r["legs"].items())

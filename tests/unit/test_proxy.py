@@ -772,6 +772,29 @@ def test_benchmarks_proxy_stages_reads_the_proxys_own_log_lines(caplog, tmp_path
     assert runs_of(log)[1]["legs"] == {"http://a:1": 1}
 
 
+def test_benchmarks_proxy_stages_reads_every_session_of_a_target_run_in_rounds(tmp_path, monkeypatch, capsys):
+    """Run in rounds (--interleave), a target's runs are in one proxy log per round's session; a target run in one
+    session (the keyed control) has its runs in that one."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks import proxy_stages
+
+    def line(run, ms):
+        return (f"INFO yrpd.proxy: POST /v1/completions 200 9ms id=bench-{run}-0 prefill=http://a:1 prefill_ms={ms} "
+                f"decode=http://d:1 ttft_ms={ms + 10}\n")
+
+    for session, text in (("s1", line("run1", 100)), ("s2", line("run2", 300)), ("s3", line("run1", 500))):
+        (tmp_path / "h1" / session).mkdir(parents=True)
+        (tmp_path / "h1" / session / "proxy.log").write_text(text)
+    doc = {"provenance": {}, "dataset": {"prompts": 1},
+           "targets": {"pd": {"session": "s2", "sessions": ["s1", "s2"]}, "pd-rr": {"session": "s3"}}}
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(sys, "argv", ["proxy_stages.py", str(tmp_path / "results.json"), str(tmp_path)])
+    assert proxy_stages.main() == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| pd")]
+    assert [r.split("|")[1:5] for r in rows[:3]] == [[" pd ", " 1 ", " 1: 1 ", " 100 "], [" pd ", " 2 ", " 1: 1 ", " 300 "],
+                                                     [" pd-rr ", " 1 ", " 1: 1 ", " 500 "]]
+
+
 def test_the_proxy_counts_as_its_own_time_only_what_it_did_not_spend_waiting_for_instances():
     """What `benchmarks/serving.py proxy-overhead` reads: own time to first token, the instances' waits left out."""
     async def go():
