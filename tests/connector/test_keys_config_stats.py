@@ -72,7 +72,7 @@ def test_request_identity_in_chain_seed():
 def test_key_format_is_accepted_by_the_data_system_charset():
     key = K.block_keys(ns(), list(range(BS)), BS)[0]
     assert K.is_block_key(key)
-    assert all(ch.isalnum() or ch == "_" for ch in key)  # '.', '/', ' ' are rejected by the data system
+    assert all(ch.isalnum() or ch in "_@:" for ch in key)  # '.', '/', ' ' are rejected by the data system
     assert len(key) < 128
 
 

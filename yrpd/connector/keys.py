@@ -2,7 +2,13 @@
 
 A block key names the KV of one full block of one layer group on one TP rank:
 
-    yrpd_<namespace digest, 16 hex>_<prefix digest, 32 hex>
+    yrpd_<namespace digest, 16 hex>@cache_family:yrpd@<prefix digest, 32 hex>
+
+The `@cache_family:<family>@<hex>` part is the form openYuanrong's data-system worker (0.8.1) reads when it
+publishes KV events of its own (`kv_events_config`): it names the block in them by the last 16 hex digits of the
+digest as an unsigned 64-bit number (`event_hash`) and publishes nothing for a key of any other form. So what the
+data system holds of ours can be followed by what it says, the way each instance's own cache is followed by vLLM's
+events (docs/dev/kv-events.md, "The data system's tiers").
 
 * The prefix digest chains over the token ids of every block up to and including this one,
   seeded with the request's extra identity (LoRA adapter, cache salt), so equal keys mean
@@ -34,7 +40,11 @@ from typing import Iterable, Sequence
 KEY_PREFIX = "yrpd"
 NS_HEX = 16
 PREFIX_HEX = 32
-_KEY_RE = re.compile(rf"^{KEY_PREFIX}_[0-9a-f]{{{NS_HEX}}}_[0-9a-f]{{{PREFIX_HEX}}}$")
+#: what the data system's event publisher finds between a key's namespace and its digest
+FAMILY = "@cache_family:yrpd@"
+#: the digest's hex digits the data system's events carry (as an unsigned 64-bit number)
+EVENT_HEX = 16
+_KEY_RE = re.compile(rf"^{KEY_PREFIX}_[0-9a-f]{{{NS_HEX}}}{FAMILY}[0-9a-f]{{{PREFIX_HEX}}}$")
 
 
 @dataclass(frozen=True)
@@ -107,7 +117,13 @@ def prefix_digests(token_ids: Sequence[int], block_size: int, num_blocks: int | 
 
 
 def key_for(ns_digest: str, prefix_digest: str) -> str:
-    return f"{KEY_PREFIX}_{ns_digest}_{prefix_digest}"
+    return f"{KEY_PREFIX}_{ns_digest}{FAMILY}{prefix_digest}"
+
+
+def event_hash(prefix_digest: str) -> int:
+    """How the data system's KV events name the block of `prefix_digest` (every namespace's key of it alike: TP
+    ranks and layer groups of one block share the number)."""
+    return int(prefix_digest[-EVENT_HEX:], 16)
 
 
 def block_keys(ns: Namespace | str, token_ids: Sequence[int], block_size: int, num_blocks: int | None = None,
