@@ -16,6 +16,9 @@ from dataclasses import dataclass
 #: an instance's KV-cache event sockets in the session's run directory (the relay finds them by these names)
 KV_EVENTS_SOCKET = "kv-events-{name}.sock"
 KV_REPLAY_SOCKET = "kv-replay-{name}.sock"
+#: the name the host's data-system worker publishes its own KV events under, as an instance would (no instance is
+#: named so): what it holds of the connector's blocks (docs/dev/kv-events.md, "The data system's tiers")
+DATASYSTEM_EVENTS = "datasystem"
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from yrpd.models import CPU_DTYPE
 from yrpd.errors import SpecError
 from yrpd.ports import INSTANCE_PORT_BLOCK, RAY_PORT_BLOCK
 from yrpd.precision import DtypeChoice, choose
-from yrpd.spec import (ClusterLauncher, DeploySpec, DeviceKind, KvConnector, MultiNodeBackend, Routing,
+from yrpd.spec import (ClusterLauncher, DeploySpec, DeviceKind, KvConnector, MultiNodeBackend,
                        format_device_list)
 
 
@@ -385,8 +385,8 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
         host_ports = {"datasystem": ports.datasystem, "exporter": ports.exporter}
         if spec.kv_connector is KvConnector.lmcache and any(i.host == h.name for i in instances):
             host_ports.update(lmcache=ports.lmcache, lmcache_http=ports.lmcache + 1)
-        if (h.name != master and kind is DeviceKind.cpu and spec.disaggregated and spec.routing is Routing.prefix
-                and spec.routing_kv_events and any(i.host == h.name for i in instances)):
+        if (h.name != master and kind is DeviceKind.cpu and spec.follows_kv_events
+                and any(i.host == h.name for i in instances)):
             # the relay of its instances' KV-cache events to the proxy (yrpd.serving.kv_relay_launch)
             host_ports.update(kv_relay=ports.kv_relay, kv_relay_replay=ports.kv_relay + 1)
         if h.name == master:

@@ -406,8 +406,7 @@ def kv_events_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: Ho
     one-host instances of vLLM 0.32 on CPU so far: vLLM names a DP rank's socket by adding to a tcp port, which an
     ipc path has not, and the proxy finds the sockets through /kv_event_sources, which the vllm-ascend images' older
     vLLM lacks."""
-    if (not spec.disaggregated or spec.routing is not Routing.prefix or not spec.routing_kv_events
-            or paths.session is None or inst.dp > 1
+    if (not spec.follows_kv_events or paths.session is None or inst.dp > 1
             or inst.spans_hosts or inst.role not in ("prefill", "decode") or plan.host(inst.host).kind
             is not DeviceKind.cpu):
         return None

@@ -754,6 +754,13 @@ class ServingSection(BaseModel):
     api_key_env: str | None = None
 
     @property
+    def follows_kv_events(self) -> bool:
+        """The proxy routes on what the caches say they hold: a PD deployment's prefix routing with the events on
+        (each instance's own cache from vLLM's events; the data system's holdings from its workers' own, where the
+        connector is yrpd's, whose keys they name)."""
+        return self.disaggregated and self.routing is Routing.prefix and self.routing_kv_events
+
+    @property
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name

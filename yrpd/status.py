@@ -144,6 +144,9 @@ class ProxyStatus:
     migrations: dict[str, int] | None = None
     #: how it routes, as it says: the policy, and prefix routing's measures (yrpd.proxy.pool.Pool.routing_state)
     routing: dict | None = None
+    #: what it sees of the data system's holdings, from the workers' own KV events (yrpd.proxy.kvindex.Store.state),
+    #: where it follows the caches' events
+    store_index: dict | None = None
 
 
 @dataclass
@@ -341,6 +344,10 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
             if index.get("sight") == "blind":  # routed on the estimate meanwhile: not an illness, but said
                 warnings.append(f"{row.name}: the proxy cannot see its prefix cache exactly ({index.get('why')}); "
                                 f"routed on the estimate until its KV-cache events are back")
+    for host, worker in sorted(((proxy.store_index if proxy else None) or {}).get("workers", {}).items()):
+        if worker.get("sight") == "blind":  # loads routed on the estimate meanwhile: said, as an instance's is
+            warnings.append(f"the proxy cannot see what the data system on {host} holds exactly ({worker.get('why')}); "
+                            "loads from it are routed on the estimate")
     cluster_report = None
     if with_cluster:
         master = next(h for h in deployment.plan.hosts if h.is_master)
@@ -473,6 +480,7 @@ def _proxy(deployment: Deployment, proc: ProcessStatus | None, probe: dict | Non
         row.in_flight = sum(i.get("in_flight", 0) for i in detail.get("instances", []))
         row.degraded, row.migrations = detail.get("degraded"), detail.get("migrations")
         row.routing = detail.get("routing")
+        row.store_index = detail.get("kv_store_index")
         if deployed and row.degraded:
             since = time.strftime("%H:%M:%S", time.localtime(row.degraded["since"]))
             problems.append(f"serving degraded since {since} ({time.time() - row.degraded['since']:.0f} s): "

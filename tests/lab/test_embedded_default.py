@@ -152,11 +152,16 @@ def test_deploy_localhost_alone_serves_reuses_and_tears_down(netns, tmp_path):
         assert len(kv) == 2 and loaded[0] > 0 and loaded[1] > 0 and cached > 0, kv  # the shared prefix: reused
         # the proxy follows both instances' KV-cache events (issue 46): it sees both caches, and prefill's holds the
         # blocks of the demo's prompts; `yrpd status` shows what the proxy sees
-        routed = {i["role"]: (i.get("routed") or {}).get("kv_index") or {}
-                  for i in json.loads(in_ns(netns, *yrpd, "status", "--json", env=env, timeout=120).stdout)["instances"]}
+        report = json.loads(in_ns(netns, *yrpd, "status", "--json", env=env, timeout=120).stdout)
+        routed = {i["role"]: (i.get("routed") or {}).get("kv_index") or {} for i in report["instances"]}
         assert {role: index.get("sight") for role, index in routed.items()} == {"prefill": "seeing",
                                                                               "decode": "seeing"}, routed
         assert routed["prefill"]["blocks"] > 0 and routed["prefill"]["block_size"] > 0, routed
+        # and the data system's holdings, from its worker's own events: the blocks the connectors saved, and the
+        # second question's prefill leg routed on them
+        store = report["proxy"]["store_index"]
+        assert store["sight"] == "seeing" and store["blocks"] > 0, store
+        assert report["proxy"]["routing"]["store_routed"] >= 1, report["proxy"]["routing"]
 
         started = time.monotonic()
         second = in_ns(netns, *yrpd, "deploy", "--hosts", "localhost", env=env)

@@ -137,3 +137,52 @@ def test_a_partial_blocks_entry_does_not_change_the_block_size_a_restart_learns_
     assert inst.block_size == 16
     inst.apply(0, [Stored((9,), 32)])  # numbering began again: a new run of the instance, a new cache
     assert inst.block_size == 32 and inst.held == {9}
+
+
+def test_a_data_system_workers_events_keep_a_set_of_what_it_holds_numbered_from_one():
+    from yrpd.proxy.kvindex import StoreBlocks
+
+    w = StoreBlocks()
+    assert w.sight is Sight.never and w.next_seq == 1
+    w.apply(1, [Stored((1, 2)), Stored((2, 3))])  # the worker says "stored" again on every overwrite
+    w.apply(2, [Removed((2,))])
+    assert w.sight is Sight.seeing and w.held == {1, 3} and w.gaps == 0  # a set: one removal takes it out
+    # a missed batch: blind, what it did hear still counts; it has no replay, so it stays blind ...
+    w.apply(4, [Stored((5,))], now=50.0)
+    assert w.sight is Sight.blind and w.blind_since == 50.0 and "batch 4 came after 2" in w.why and w.held == {1, 3, 5}
+    w.apply(5, [Stored((6,))])
+    assert w.sight is Sight.blind and w.gaps == 1
+    # ... until the worker starts anew (numbering from 1 again), empty: exact again
+    w.apply(1, [Stored((9,))])
+    assert w.sight is Sight.seeing and w.held == {9} and w.restarts == 1
+    # a new run whose first batches were missed: blind, emptied all the same
+    w.apply(3, [Stored((8,))])
+    w.apply(2, [Stored((7,))], now=60.0)
+    assert w.sight is Sight.blind and "batches before 2" in w.why and w.held == {7} and w.restarts == 2
+
+
+def test_a_proxy_that_joins_after_the_worker_stored_is_blind_one_that_joins_before_sees():
+    from yrpd.proxy.kvindex import StoreBlocks
+
+    late, early = StoreBlocks(), StoreBlocks()
+    late.apply(7, [Stored((1,))])
+    early.apply(1, [Stored((1,))])
+    assert late.sight is Sight.blind and "first batch seen was 7" in late.why
+    assert early.sight is Sight.seeing  # the control
+
+
+def test_the_data_system_holds_what_any_worker_holds_and_is_seen_while_none_is_blind():
+    from yrpd.proxy.kvindex import Store
+
+    store = Store()
+    assert store.sight is Sight.never and store.matched([1]) == 0
+    store.worker("h1").apply(1, [Stored((1, 2))])
+    store.worker("h2").apply(1, [Stored((3,))])
+    store.worker("h3")  # followed, silent so far: holds nothing, blinds nothing
+    assert store.sight is Sight.seeing
+    assert store.matched([1, 2, 3, 4]) == 3 and store.matched([2, 1]) == 2 and store.matched([4, 1]) == 0
+    state = store.state()
+    assert state["blocks"] == 3 and state["workers"]["h1"] == {"sight": "seeing", "blocks": 2, "gaps": 0,
+                                                               "restarts": 0}
+    store.worker("h2").apply(3, [])
+    assert store.sight is Sight.blind and "why" in store.state()["workers"]["h2"]

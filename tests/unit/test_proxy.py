@@ -1243,6 +1243,49 @@ def test_prefix_routing_scores_an_instance_by_what_its_kv_events_say_it_holds_an
     assert a.blocks.sight is Sight.blind and a.blocks.why == "the instance is down"
 
 
+def test_what_the_data_system_says_it_holds_decides_what_a_leg_loads_and_the_estimate_only_where_it_is_blind():
+    from yrpd.connector import keys as K
+    from yrpd.proxy.kvindex import InstanceBlocks, Store, Stored
+
+    pool = Pool(["http://a", "http://b"], [], Routing.prefix, bound=3)
+    for inst in pool.of("prefill"):
+        inst.up = True
+        inst.blocks = InstanceBlocks()
+        inst.blocks.apply(0, [Stored((12345,), 16)])  # seen, holding none of the prompts below
+    text = "Background: " + "the quick brown fox jumps over the lazy dog. " * 40
+    p = prompt(text).with_tokens(list(range(1000, 1400)), None)  # 25 full blocks of 16
+    store = Store()
+    store.worker("10.0.0.1").apply(1, [Stored(tuple(p.store_hashes(16)[:20]))])
+    pool.store = store
+    # the estimate never saw the prompt finish and thinks the data system loses what it is given; its workers say
+    # they hold the first 20 blocks: a leg loads them, and is charged the rest only
+    pool.loadable_found = 0.0
+    lease = pool.acquire("prefill", prompt=p)
+    assert lease.store_told and lease.loadable == pytest.approx(20 * 16 * p.chunks / 400)
+    assert lease.work == pytest.approx(p.chunks - lease.loadable)
+    pool.release(lease)
+    assert pool.routing_state()["store_routed"] == 1
+    # the other way round: the estimate remembers a prompt finished and trusts the data system; the workers say
+    # they hold none of it (evicted): nothing is loadable, all of it is computed
+    other = prompt("Other background: " + "a slow red cat sleeps under the warm sun. " * 40).with_tokens(
+        list(range(5000, 5400)), None)
+    pool.stored.remember(other.chain)
+    pool.loadable_found = 1.0
+    lease = pool.acquire("prefill", prompt=other)
+    assert lease.store_told and lease.loadable == 0 and lease.work == pytest.approx(other.chunks)
+    pool.release(lease)
+    # the control: a worker blind (a batch missed) hands the decision back to the estimate, which loads it
+    store.worker("10.0.0.1").apply(3, [])
+    lease = pool.acquire("prefill", prompt=other)
+    assert not lease.store_told and lease.loadable == pytest.approx(len(other.chain))
+    pool.release(lease)
+    # and so do a request with a cache salt the workers' keys chain from: its hashes differ from the unsalted ones
+    salted = Prompt.of({"prompt": text, "cache_salt": "s1"}).with_tokens(list(range(1000, 1400)), None)
+    assert salted.store_hashes(16) != p.store_hashes(16)
+    assert salted.store_hashes(16) == [K.event_hash(d) for d in K.prefix_digests(
+        list(range(1000, 1400)), 16, extra=K.request_extra(cache_salt="s1"))]  # as the connector keys them
+
+
 def test_a_held_prefix_behind_a_queue_that_would_evict_it_counts_less_once_the_cache_has_evicted():
     """a holds the whole prompt and has legs queued; b holds nothing and is idle. Where a's cache has never had to
     evict, the prefix it holds is worth the wait (a); where it is full and the queue ahead computes as many new

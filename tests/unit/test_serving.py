@@ -490,6 +490,29 @@ def test_cpu_instances_behind_a_prefix_routing_proxy_publish_kv_events_on_unix_s
     assert "--kv-hash-seed" not in proxy_launch(spec, plan, PATHS).argv  # the control: none set, none passed
 
 
+def test_where_the_proxy_follows_the_caches_events_every_cpu_hosts_data_system_worker_publishes_its_own():
+    from yrpd.bench.run import variant
+    from yrpd.cluster.dsconfig import worker_args
+    from yrpd.steps import StepContext
+    from yrpd.steps.cluster import node
+
+    def published(spec, plan):
+        ctx = StepContext(spec=spec, plan=plan, session_id="S")
+        return [worker_args(node(ctx, h, "ds_only")).get("kv_events_config") for h in plan.hosts]
+
+    spec, plan = deployment(DeviceKind.cpu, devices=2)
+    ctx = StepContext(spec=spec, plan=plan, session_id="S")
+    for h, config in zip(plan.hosts, published(spec, plan)):
+        # a unix socket in the session's run directory, named as an instance's would be: the relay carries it too
+        assert json.loads(config) == {"bind_endpoint": f"ipc://{ctx.layout.run_dir}/kv-events-datasystem.sock",
+                                      "backend_id": h.reach_ip}
+    # the controls: the estimate alone, load routing, another connector, NPU hosts: no worker publishes
+    for target in ("pd-estimate", "pd-load", "peer-nixl-pd"):
+        other = variant(spec, target, DeviceKind.cpu)
+        assert published(other, make_plan(other, INVENTORY_OF(plan))) == [None, None], target
+    assert published(*deployment(DeviceKind.npu, ptp=4, dtp=4)) == [None, None]
+
+
 def test_a_host_other_than_the_proxys_runs_a_relay_of_its_instances_kv_events_and_the_proxy_knows_its_port():
     from yrpd.bench.run import variant
     from yrpd.serving import KV_RELAY_NAME

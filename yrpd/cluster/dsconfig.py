@@ -88,6 +88,8 @@ DIFFERS_FROM_DSCLI = {
     "etcd_ca": "the session's CA", "etcd_cert": "the session's client certificate",
     "etcd_key": "the session's client key",
     "spill_directory": "the disk tier (datasystem_spill_mb)", "spill_size_limit": "datasystem_spill_mb",
+    "kv_events_config": "a unix socket in the session's run directory where the proxy follows the caches' events: what "
+                        "the worker stores and removes of the connector's blocks",
 }
 
 

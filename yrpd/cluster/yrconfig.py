@@ -99,6 +99,9 @@ class YrNode:
     #: etcd's TLS files (yrpd.credentials); set: etcd takes only clients with a certificate of the deployment's CA
     #: (yr's template turns on client-cert-auth and gives the data system its client pair)
     etcd_tls_dir: str = ""
+    #: set: the worker publishes its own KV events (what it stores and removes of keys in the connector's form) on
+    #: this unix socket, where the proxy, or the host's relay, subscribes
+    kv_events_socket: str = ""
 
     @property
     def spill_directory(self) -> str:
@@ -284,6 +287,9 @@ def worker_tuning(node: YrNode) -> dict[str, object]:
     if node.spill_mb:
         # the worker spills any write mode once its memory passes 90 % full; spill_size_limit is in bytes
         args.update(spill_directory=node.spill_directory, spill_size_limit=node.spill_mb << 20)
+    if node.kv_events_socket:
+        args["kv_events_config"] = json.dumps({"bind_endpoint": f"ipc://{node.kv_events_socket}",
+                                               "backend_id": node.host_ip}, separators=(",", ":"))
     return args
 
 

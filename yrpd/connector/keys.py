@@ -98,6 +98,19 @@ def chain_seed(extra: Sequence[object] | None = None) -> bytes:
     return h.digest()
 
 
+def request_extra(lora: str | None = None, cache_salt: object = None, mm_ids: Sequence[object] = ()) -> tuple:
+    """What a request's block keys chain from beyond its token ids (`chain_seed`): its LoRA adapter's name, its
+    cache salt and its multimodal inputs' identities. The connector and the proxy (which names the blocks the data
+    system says it holds) both take it from here."""
+    extra: list = []
+    if lora is not None:
+        extra.append(("lora", lora))
+    if cache_salt:
+        extra.append(("salt", str(cache_salt)))
+    extra.extend(("mm", str(ident)) for ident in mm_ids)
+    return tuple(extra)
+
+
 def prefix_digests(token_ids: Sequence[int], block_size: int, num_blocks: int | None = None,
                    extra: Sequence[object] | None = None) -> list[str]:
     """Chained digests of the first `num_blocks` full blocks (default: all full blocks)."""

@@ -79,13 +79,8 @@ class _Lookup:
 
 
 def _request_extra(lora_request: Any, cache_salt: Any, mm_ids: list) -> tuple:
-    extra: list = []
-    if lora_request is not None:
-        extra.append(("lora", getattr(lora_request, "lora_name", None) or str(lora_request)))
-    if cache_salt:
-        extra.append(("salt", str(cache_salt)))
-    extra.extend(("mm", str(ident)) for ident in mm_ids)
-    return tuple(extra)
+    lora = None if lora_request is None else getattr(lora_request, "lora_name", None) or str(lora_request)
+    return K.request_extra(lora, cache_salt, mm_ids)
 
 
 def _mm_ids(obj: Any) -> list:

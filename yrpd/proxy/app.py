@@ -257,6 +257,8 @@ class Proxy:
         #: the instances' KV-cache events (prefix routing): a batch is due within one probe round of a leg storing
         self.feeds = Feeds(lag_s=config.probe_interval, relay_port=config.kv_relay_port,
                            curve=Curve(*config.kv_relay_keys) if config.kv_relay_keys else None, exact=config.kv_exact)
+        if self._follows_events():
+            self.pool.store = self.feeds.store
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._middleware])
@@ -361,6 +363,11 @@ class Proxy:
         for url in self.feeds.check():
             log.warning("KV index blind for %s: %s; routed on the estimate until its events are back", url,
                         self.feeds.state(url).get("why"))
+        for host, sight, why in self.feeds.store_news():
+            if sight is Sight.blind:
+                log.warning("data-system index blind for %s: %s; loads from it are routed on the estimate", host, why)
+            else:
+                log.info("data-system index of %s: %s", host, sight.value)
 
     async def _health_of(self, url: str) -> tuple[bool, str]:
         try:
@@ -1010,7 +1017,8 @@ class Proxy:
         self.missing = missing
 
     async def metrics_page(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(body=self.metrics.render(self.pool, self.degraded_since, self._kv_index()).encode(),
+        store = self.feeds.store.state() if self._follows_events() else None
+        return web.Response(body=self.metrics.render(self.pool, self.degraded_since, self._kv_index(), store).encode(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def status(self, request: web.Request) -> web.StreamResponse:
@@ -1031,6 +1039,7 @@ class Proxy:
                                   "instances": [{**i.as_dict(), **({"kv_index": kv[i.url]} if kv else {})}
                                                 for i in self.pool.instances], "totals": totals,
                                   "routing": self.pool.routing_state(),
+                                  **({"kv_store_index": self.feeds.store.state()} if kv is not None else {}),
                                   "membership": {"file": self.config.instances_file,
                                                  "version": self.members_version, "error": self.members_error},
                                   "own_overhead_ms": self.metrics.own_percentiles(),

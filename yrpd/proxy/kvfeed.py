@@ -8,9 +8,9 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from .kvindex import InstanceBlocks, Sight, decode_batch, events_of
+from .kvindex import InstanceBlocks, Sight, Store, decode_batch, events_of
 from .kvrelay import topic as relay_topic
-from ..layout import KV_EVENTS_SOCKET
+from ..layout import DATASYSTEM_EVENTS, KV_EVENTS_SOCKET
 
 #: the replay socket's end marker: a batch number of -1
 END = -1
@@ -252,6 +252,10 @@ class Feeds:
         self.lag_s, self.ctx, self.curve, self.relay_port = lag_s, context, curve, relay_port
         self.exact = exact
         self.watches: dict[str, Watch] = {}
+        #: the data system's holdings, from the workers' own events: one feed per host whose instances are followed
+        self.store = Store()
+        self._store_feeds: dict[str, tuple[Feed, asyncio.Task]] = {}
+        self._store_said: dict[str, Sight] = {}  # each worker's sight as last logged
 
     def watch(self, url: str) -> Watch:
         if url not in self.watches:
@@ -300,7 +304,31 @@ class Feeds:
         except ImportError as exc:
             return f"this Python cannot subscribe ({exc})"
         w.task = asyncio.get_running_loop().create_task(w.feed.run())
+        self._follow_store(instance_host, endpoint_of(config), local)
         return None
+
+    def _follow_store(self, host: str, endpoint: str, local: bool) -> None:
+        """Follow the data-system worker of a host whose instance is followed: it publishes beside the instance's
+        socket, under the name the relay carries as an instance's (yrpd.steps.cluster.store_events). A worker that
+        publishes nothing (another connector, an older deployment) stays `never`: loads are routed on the
+        estimate."""
+        old = self._store_feeds.get(host)
+        if old is not None and not old[1].done():
+            return
+        name = relayed_name(endpoint)
+        if name is None:
+            return
+        blocks = self.store.worker(host)
+        if local:
+            socket = endpoint.rsplit("/", 1)[0] + "/" + KV_EVENTS_SOCKET.format(name=DATASYSTEM_EVENTS)
+            feed = Feed(blocks, socket, None, b"", self.ctx)
+        elif self.relay_port and self.curve is not None:
+            address = f"[{host}]" if ":" in host else host
+            feed = Feed(blocks, f"tcp://{address}:{self.relay_port}", None, relay_topic(DATASYSTEM_EVENTS), self.ctx,
+                        self.curve, DATASYSTEM_EVENTS)
+        else:
+            return
+        self._store_feeds[host] = (feed, asyncio.get_running_loop().create_task(feed.run()))
 
     async def catch_up(self, urls) -> int:
         """Bring the copies of these instances (URLs) that are seeing up to this moment, all at once (the exact
@@ -358,18 +386,30 @@ class Feeds:
                                   lagging=True)
         return newly
 
+    def store_news(self) -> list[tuple[str, Sight, str]]:
+        """Each probe round: the workers whose sight changed since the last round, (host, sight, why) each, for the
+        proxy's log."""
+        news = []
+        for host, w in sorted(self.store.workers.items()):
+            if self._store_said.get(host, Sight.never) is not w.sight:
+                news.append((host, w.sight, w.why))
+            self._store_said[host] = w.sight
+        return news
+
     def forget(self, url: str) -> None:
         w = self.watches.pop(url, None)
         if w is not None and w.task is not None:
             w.task.cancel()
 
     async def close(self) -> None:
-        for url in list(self.watches):
-            w = self.watches.pop(url)
-            if w.task is not None:
-                w.task.cancel()
-                with contextlib.suppress(BaseException):
-                    await w.task
+        tasks = [w.task for w in self.watches.values() if w.task is not None]
+        tasks += [task for _, task in self._store_feeds.values()]
+        self.watches.clear()
+        self._store_feeds.clear()
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
     def state(self, url: str) -> dict:
         """What /yrpd/status and /metrics say of one instance's index."""

@@ -207,3 +207,95 @@ class InstanceBlocks:
                 break
             n += 1
         return n
+
+
+@dataclass
+class StoreBlocks:
+    """What one data-system worker holds of the connector's blocks, as its own KV events tell (openYuanrong's
+    `kv_events_config`): the numbers `yrpd.connector.keys.event_hash` gives the blocks' prefix digests, in memory or
+    spilled to disk alike (a spill says nothing; docs/dev/kv-events.md, "The data system's tiers").
+
+    A set, not a count: the worker says "stored" again on every overwrite, and one TP rank's key removed takes the
+    block out (its load would miss), which errs towards computing. Its batches are numbered from 1 and it has no
+    replay: a subscriber that joined late, or missed a batch, cannot learn what it missed, so it stays blind (what it
+    holds is then at least what the index says) until the worker starts anew, empty."""
+
+    held: set[int] = field(default_factory=set)
+    sight: Sight = Sight.never
+    last_seq: int | None = None
+    blind_since: float | None = None
+    why: str = ""
+    gaps: int = 0
+    restarts: int = 0
+
+    @property
+    def next_seq(self) -> int:
+        return 1 if self.last_seq is None else self.last_seq + 1
+
+    def apply(self, seq: int, events: Iterable[Event], now: float | None = None) -> None:
+        expected = self.next_seq
+        if self.last_seq is not None and seq < expected:
+            # a new run of the worker, which started empty: exact if this is its first batch
+            self.held.clear()
+            self.restarts += 1
+            if seq == 1:
+                self.sight, self.blind_since, self.why = Sight.seeing, None, ""
+            else:
+                self.go_blind(f"the worker started anew; its batches before {seq} were missed", now)
+        elif seq > expected:
+            self.go_blind(f"batch {seq} came after {self.last_seq}" if self.last_seq is not None
+                          else f"the first batch seen was {seq}: the proxy joined after the worker had stored", now)
+        if self.sight is Sight.never:
+            self.sight = Sight.seeing
+        self.last_seq = seq
+        for event in events:
+            if isinstance(event, Stored):
+                self.held.update(event.hashes)
+            elif isinstance(event, Removed):
+                self.held.difference_update(event.hashes)
+            else:
+                self.held.clear()
+
+    def go_blind(self, why: str, now: float | None = None, lagging: bool = False) -> None:
+        """Blind from now: what it holds beyond the index is unknown (`lagging` is taken for the feed's sake: with no
+        replay, late and lost are one)."""
+        if self.sight is not Sight.blind:
+            self.blind_since = time.time() if now is None else now
+            self.gaps += 1
+        self.sight, self.why = Sight.blind, why
+
+
+class Store:
+    """The data system's holdings of the connector's blocks: every followed worker's together (a connector loads a
+    block from whichever worker holds it)."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, StoreBlocks] = {}  # host -> its worker's index
+
+    def worker(self, host: str) -> StoreBlocks:
+        return self.workers.setdefault(host, StoreBlocks())
+
+    @property
+    def sight(self) -> Sight:
+        """Seeing while every followed worker is; never until one has said anything."""
+        sights = {w.sight for w in self.workers.values()}
+        if not sights or sights == {Sight.never}:
+            return Sight.never
+        return Sight.blind if Sight.blind in sights else Sight.seeing
+
+    def matched(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of a prompt (its store hashes) the data system holds, as far as the index knows:
+        exactly while `sight` is seeing, at least that many otherwise."""
+        n = 0
+        for h in hashes:
+            if not any(h in w.held for w in self.workers.values()):
+                break
+            n += 1
+        return n
+
+    def state(self) -> dict:
+        """What /yrpd/status and /metrics say of it."""
+        return {"sight": self.sight.value, "blocks": len(set().union(*(w.held for w in self.workers.values()))),
+                "workers": {host: {"sight": w.sight.value, "blocks": len(w.held), "gaps": w.gaps,
+                                   "restarts": w.restarts, **({"why": w.why} if w.why else {})}
+                            for host, w in sorted(self.workers.items())}}

@@ -86,9 +86,10 @@ class Metrics:
         return {"n": len(values), "p50": round(statistics.median(values) * 1000, 2), "p90": pick(0.9),
                 "p99": pick(0.99)}
 
-    def render(self, pool: Pool, degraded_since: float | None = None, kv_index: dict[str, dict] | None = None) -> str:
+    def render(self, pool: Pool, degraded_since: float | None = None, kv_index: dict[str, dict] | None = None,
+               store: dict | None = None) -> str:
         """The exposition text; `kv_index`: each instance's KV index state by URL (yrpd.proxy.kvfeed), where the
-        proxy follows KV-cache events."""
+        proxy follows KV-cache events; `store`: the data system's index state (kvindex.Store.state)."""
         out: list[str] = []
 
         def family(name: str, kind: str, help_: str, samples) -> None:
@@ -124,6 +125,19 @@ class Metrics:
                    "claimed_absent (said held, not there), held_unclaimed (there, not said).",
                    [("", {**labels, "outcome": k}, i.index_checked[k]) for labels, i in instances
                     if i.role == "prefill" for k in INDEX_OUTCOMES])
+        if store is not None:
+            workers = sorted((store.get("workers") or {}).items())
+            family("yrpd_proxy_store_index_blind", "gauge",
+                   "1 while the proxy cannot see what the host's data-system worker holds of the connector's blocks "
+                   "exactly (a batch of its events missed, or joined after it had stored): loads are routed on the "
+                   "estimate then.",
+                   [("", {"host": host}, int(w.get("sight") == "blind")) for host, w in workers])
+            family("yrpd_proxy_store_index_blocks", "gauge",
+                   "Blocks the host's data-system worker holds of the connector's, as its own KV events say.",
+                   [("", {"host": host}, w.get("blocks", 0)) for host, w in workers])
+            family("yrpd_proxy_store_index_gaps_total", "counter",
+                   "Times the proxy went blind to the host's data-system worker.",
+                   [("", {"host": host}, w.get("gaps", 0)) for host, w in workers])
         family("yrpd_proxy_migrations_total", "counter",
                "Requests whose instance broke off, by what the proxy did: sent again (nothing had reached the client), "
                "carried over (a stream going on on another instance), ended by the proxy (its last token was out), "

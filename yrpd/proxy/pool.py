@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from .kvindex import InstanceBlocks, Sight
+from .kvindex import InstanceBlocks, Sight, Store
 from .routing import (LEARN_CHUNKS, LEARN_RATE, LOAD_WEIGHT, LOADABLE_PRIOR, RECENT_LEGS, WORK_WEIGHT, PrefixMemory,
                       Prompt, Routing)
 
@@ -95,6 +95,7 @@ class Lease:
     new_blocks: int = 0  # full blocks of the prompt the instance's cache lacked, where its events tell (else 0)
     held_blocks: int | None = None  # leading blocks its events said it held when routed (None: not seeing them)
     pending: list[bytes] | None = None  # the chain it added to the instance's pending ones (prefix routing)
+    store_told: bool = False  # its loadable chunks came from the data system's events, not the estimate
     ahead: float = 0.0  # chunks queued on the instance when this leg was routed there
     chunk_s: float | None = None  # the seconds per chunk its cost was reckoned with (prefix routing's prefill legs)
     started: float = field(default_factory=time.monotonic)
@@ -129,6 +130,10 @@ class Pool:
         #: that loaded taught it
         self.load_chunk_s: float | None = None
         self._loads: tuple[float, float] | None = None  # (seconds, chunks), the averages above
+        #: the data system's holdings as its workers' own events tell (yrpd.proxy.kvfeed.Feeds.store); None: not
+        #: followed, the estimate above alone
+        self.store: Store | None = None
+        self.store_routed = 0  # prefill legs whose loadable chunks the store's events told
 
     def load_weight(self) -> float:
         """What a chunk another prefill instance finished costs here: a load where the data system still holds it
@@ -139,7 +144,7 @@ class Pool:
         state: dict = {"policy": self.routing.value, "bound": self.bound}
         if self.routing is Routing.prefix:
             state.update(prompts_stored=len(self.stored), data_system_found=round(self.loadable_found, 3),
-                         load_weight=round(self.load_weight(), 3))
+                         load_weight=round(self.load_weight(), 3), store_routed=self.store_routed)
             if self.load_chunk_s is not None:
                 state["load_ms_per_chunk"] = round(self.load_chunk_s * 1000, 2)
         return state
@@ -284,6 +289,7 @@ class Pool:
         if self.routing is Routing.prefix and prompt is not None and prompt.chain:
             if lease.matched:
                 inst.prefix_routed += 1
+            self.store_routed += lease.store_told
             inst.memory.remember(prompt.chain)
             inst.pending.append(prompt.chain)
             lease.pending = prompt.chain
@@ -345,6 +351,9 @@ class Pool:
             return Lease(chosen, 0.0, matched[chosen], prompt=prompt)
         stored = self.stored.matched(prompt.chain)
         found = self.loadable_found
+        told = prompt.in_store(self.store, self.block_size())
+        if told is not None:  # what the data system holds, as it says: loads found there for sure
+            stored, found = told, 1.0
         # what an instance holds now, as far as it is likely still held when the legs queued there have run: a
         # long queue computes new blocks that evict old ones (what the index says at routing is not what the cache
         # holds when a queued leg runs)
@@ -364,9 +373,14 @@ class Pool:
 
         chosen = min(within, key=lambda i: (cost(i), i.in_flight, i.recent))
         # charged to its queue: what it is expected to compute (the loadable part where the data system lost it)
-        work = prompt.work(max(kept[chosen], stored)) + (1 - self.loadable_found) * loadable(chosen)
+        work = prompt.work(max(kept[chosen], stored)) + (1 - found) * loadable(chosen)
         held, new = prompt.blocks_at(chosen.blocks)
-        return Lease(chosen, work, matched[chosen], loadable(chosen), prompt, new_blocks=new, held_blocks=held)
+        return Lease(chosen, work, matched[chosen], loadable(chosen), prompt, new_blocks=new, held_blocks=held,
+                     store_told=told is not None)
+
+    def block_size(self) -> int:
+        """Tokens per KV block, as the prefill instances' events say (0 until one has stored a block)."""
+        return max((i.blocks.block_size for i in self.of("prefill") if i.blocks is not None), default=0)
 
     @staticmethod
     def seen(inst: Instance, prompt: Prompt) -> float:

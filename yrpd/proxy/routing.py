@@ -35,7 +35,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 
-from .kvindex import InstanceBlocks, Sight, block_hashes
+from ..connector.keys import event_hash, prefix_digests, request_extra
+from .kvindex import InstanceBlocks, Sight, Store, block_hashes
 
 
 class Routing(str, Enum):
@@ -108,15 +109,19 @@ class Prompt:
     chunks: float
     tokens: tuple[int, ...] | None = None
     seed: str | None = None
+    #: what the connector chains its block keys from beyond the token ids: the request's cache salt (LoRA adapters
+    #: are not told apart: their blocks look absent from the data system, which errs towards computing)
+    salt: str | None = None
     _hashes: dict = field(default_factory=dict, compare=False, repr=False)  # block size -> block_hashes
 
     @classmethod
     def of(cls, body: dict) -> Prompt:
         text = prompt_text(body)
-        return cls(chain(text), len(text) / CHUNK_CHARS)
+        salt = body.get("cache_salt")
+        return cls(chain(text), len(text) / CHUNK_CHARS, salt=str(salt) if salt else None)
 
     def with_tokens(self, tokens: list[int], seed: str | None) -> Prompt:
-        return Prompt(self.chain, self.chunks, tuple(tokens), seed)
+        return Prompt(self.chain, self.chunks, tuple(tokens), seed, self.salt)
 
     def work(self, matched: float) -> float:
         """Chunks left to compute where the first `matched` chunks are cached (at least a part of one)."""
@@ -126,6 +131,23 @@ class Prompt:
         if block_size not in self._hashes:
             self._hashes[block_size] = block_hashes(self.tokens or (), block_size, self.seed)
         return self._hashes[block_size]
+
+    def store_hashes(self, block_size: int) -> list[int]:
+        """The numbers the data system's events name the prompt's full blocks by (the connector's prefix digests,
+        yrpd.connector.keys.event_hash)."""
+        key = ("store", block_size)
+        if key not in self._hashes:
+            extra = request_extra(cache_salt=self.salt)
+            self._hashes[key] = [event_hash(d) for d in prefix_digests(self.tokens or (), block_size, extra=extra)]
+        return self._hashes[key]
+
+    def in_store(self, store: Store | None, block_size: int) -> float | None:
+        """Leading chunks of the prompt the data system holds as its workers' events tell, where they tell it
+        exactly; None where not (no events, a worker blind, no token ids or block size): routing estimates then."""
+        if store is None or store.sight is not Sight.seeing or not self.tokens or block_size < 1:
+            return None
+        n = store.matched(self.store_hashes(block_size))
+        return n * block_size * self.chunks / len(self.tokens)
 
     def held(self, blocks: InstanceBlocks | None) -> tuple[float, int] | None:
         """(leading chunks, leading blocks) of the prompt an instance's prefix cache holds, as its KV-cache events

@@ -30,7 +30,8 @@ from yrpd.cluster.yrconfig import (
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
 from yrpd.cluster import dsconfig
-from yrpd.spec import ClusterLauncher, ClusterMode, Runtime
+from yrpd.layout import DATASYSTEM_EVENTS
+from yrpd.spec import ClusterLauncher, ClusterMode, DeviceKind, KvConnector, Runtime
 from yrpd.steps import ScriptCall, StepContext, host_python, processes, shell_command
 from yrpd.versions import OPENYUANRONG, PYTHON_TAG, UV
 from yrpd.steps.brought import CLUSTER, ETCD, brought
@@ -82,7 +83,16 @@ def node(ctx: StepContext, host: HostPlan, mode: str) -> YrNode:
         python_tag=python_tag(ctx), shared_memory_mb=ctx.spec.datasystem_memory_mb,
         spill_mb=ctx.spec.datasystem_spill_mb, spill_dir=ctx.spec.datasystem_spill_dir or "",
         curve_key_dir=ctx.layout.curve_dir, etcd_tls_dir=ctx.layout.etcd_tls_dir,
+        kv_events_socket=ctx.layout.kv_events(DATASYSTEM_EVENTS) if store_events(ctx, host) else "",
     )
+
+
+def store_events(ctx: StepContext, host: HostPlan) -> bool:
+    """Whether a host's worker publishes what it holds of the connector's blocks: where the proxy follows the caches'
+    events (CPU hosts so far, as the instances' own: yrpd.serving.kv_events_config) and the connector is yrpd's,
+    whose keys the worker's events name (docs/dev/kv-events.md)."""
+    return (ctx.spec.follows_kv_events and ctx.spec.kv_connector is KvConnector.yuanrong
+            and host.kind is DeviceKind.cpu)
 
 
 def modes(ctx: StepContext) -> list[str]:
