@@ -63,8 +63,10 @@ def test_yrpds_worker_runs_with_dsclis_effective_flags_but_the_differences_it_na
     assert len(defaults) > 100, "datasystem_worker --help listed no flags"
     dscli = {k: str(v.get("value", "")).strip()
              for k, v in json.loads((pkg / "worker_config.json").read_text()).items()}
+    # (publishing its own KV events, as where the proxy follows the caches': a flag yrpd sets only then)
     node = YrNode(host_ip="10.0.0.1", master_ip="10.0.0.1", is_master=True, mode="ds_only",
-                  deploy_path="/tmp/yrpd_sessions/S/yr", ds_venv=str(DS_VENV))
+                  deploy_path="/tmp/yrpd_sessions/S/yr", ds_venv=str(DS_VENV),
+                  kv_events_socket="/tmp/yrpd_sessions/S/run/kv-events-datasystem.sock")
     ours = {k: dsconfig._flag(v) for k, v in dsconfig.worker_args(node).items()}
     assert not [k for k in ours if k not in defaults], "yrpd passes a flag this worker does not have"
 
