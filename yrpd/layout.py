@@ -19,6 +19,8 @@ KV_REPLAY_SOCKET = "kv-replay-{name}.sock"
 #: the name the host's data-system worker publishes its own KV events under, as an instance would (no instance is
 #: named so): what it holds of the connector's blocks (docs/dev/kv-events.md, "The data system's tiers")
 DATASYSTEM_EVENTS = "datasystem"
+#: the longest path a unix socket may have (sun_path, less its terminating NUL): a publisher fails to bind a longer one
+MAX_UNIX_SOCKET_PATH = 107
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 
-from yrpd.layout import HostPaths
+from yrpd.layout import MAX_UNIX_SOCKET_PATH, HostPaths
 from yrpd.peers import PEER_VENVS
 from yrpd.placement import InstancePlan, Plan
 from yrpd import ascend_store, credentials
@@ -396,7 +396,6 @@ EXPORTER_NAME = "exporter"  # every host's metrics exporter (yrpd.steps.exporter
 
 
 #: the longest path a unix socket may have on Linux (sun_path is 108 bytes with its terminating NUL)
-MAX_UNIX_SOCKET_PATH = 107
 
 
 def kv_events_config(spec: DeploySpec, plan: Plan, inst: InstancePlan, paths: HostPaths) -> dict | None:

@@ -1,7 +1,9 @@
 """What the data system says it holds of ours: a real worker started with `kv_events_config` (openYuanrong's own
-KV-event publisher) publishes a stored event for every block the connector's transport saves, under the number
-`keys.event_hash` gives its prefix digest, and a removed event when one goes; a key of any other form is never
-published (the control: the worker publishes only the `@cache_family:` form, which `keys.key_for` writes).
+KV-event publisher, on the unix socket yrpd gives it) publishes a stored event for every block the connector's
+transport saves, under the number `keys.event_hash` gives its prefix digest, and a removed event when one goes; a key
+of any other form is never published (the control: the worker publishes only the `@cache_family:` form, which
+`keys.key_for` writes, and holds the other keys all the same). The proxy's own feeds, following the host's worker
+beside an instance, hold what it holds, under the numbers the proxy's Prompt gives the same tokens.
 docs/dev/kv-events.md, "The data system's tiers". About 10 s."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pytest
 
 from tests.connector.harness import Stack, run_script
 from yrpd.connector import keys as K
+from yrpd.layout import DATASYSTEM_EVENTS, KV_EVENTS_SOCKET
 
 pytestmark = pytest.mark.e2e
 
@@ -22,13 +25,15 @@ NS = "0123456789abcdef"
 def test_the_data_system_names_our_saved_and_deleted_blocks_by_their_prefix_digests(vllm_venv, session_stack,
                                                                                      e2e_root):
     stack = Stack(e2e_root / "ds-events", venv=vllm_venv, ports=session_stack.ports)
-    events_port = stack.ports.take()
+    run_dir = e2e_root / "ds-events" / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
     try:
         ds = stack.start_ds(shm_mb=64, extra=("--kv_events_config", json.dumps(
-            {"bind_endpoint": f"tcp://127.0.0.1:{events_port}", "backend_id": "ds-events-test"})))
+            {"bind_endpoint": f"ipc://{run_dir}/{KV_EVENTS_SOCKET.format(name=DATASYSTEM_EVENTS)}",
+             "backend_id": "ds-events-test"})))
         tokens = list(range(1000, 1000 + 5 * BS + 7))  # five full blocks and a partial one (no key of its own)
         old_form = [f"{K.KEY_PREFIX}_{NS}_{'ab' * 16}", f"{K.KEY_PREFIX}-other-{'cd' * 16}"]
-        got = run_script(stack.venv, "ds_events.py", ds.address, f"tcp://127.0.0.1:{events_port}",
+        got = run_script(stack.venv, "ds_events.py", ds.address, str(run_dir),
                          stdin=json.dumps({"tokens": tokens, "block_size": BS, "ns": NS, "delete": 2,
                                            "old_form": old_form}))
         want = [K.event_hash(d) for d in K.prefix_digests(tokens, BS)]
@@ -38,5 +43,9 @@ def test_the_data_system_names_our_saved_and_deleted_blocks_by_their_prefix_dige
         assert got["held"] == [False, False, True, True, True], got  # as the data system answers
         assert got["seqs"] == list(range(1, len(got["seqs"]) + 1)), got  # numbered from 1 without a gap
         assert got["media"] == ["cpu"], got
+        assert got["old_held"] == [True, True], got  # the other forms were saved, only never published
+        # the proxy's index of the host's worker: what it holds now, seen, under the Prompt's own numbers
+        assert got["proxy_sight"] == "seeing" and got["proxy_held"] == sorted(want[2:]), got
+        assert got["prompt_hashes"] == want, got
     finally:
         stack.close()

@@ -408,11 +408,13 @@ def test_on_two_hosts_the_proxy_sees_decodes_cache_through_h2s_relay_which_comes
     seen = until(lambda i: all(i.get(r, {}).get("sight") == "seeing" for r in ("prefill", "decode"))
                  and i["decode"].get("blocks", 0) > 0, "decode-0's cache is not seen through h2's relay")
     print(f"measured: 2 hosts, decode-0's cache seen through h2's relay: {seen['decode']['blocks']} blocks")
-    # the data-system workers' own events are followed on both hosts (h2's through the same relay), and h1's, where
-    # prefill's connector saves, holds the prompts' blocks
+    # the data-system workers' own events: h1's, where prefill's connector saves, holds the prompts' blocks; h2's
+    # worker publishes beside decode-0 and h2's relay carries it (decode saves nothing there to be seen)
     code, body = rm.http("GET", f"{d.proxy}/yrpd/status", timeout=30)
     store = json.loads(body)["kv_store_index"]
     assert len(store["workers"]) == 2 and store["blocks"] > 0, store
+    assert d.lab["h2"].exec(f"grep -c 'instance datasystem: relaying' /tmp/yrpd_sessions/{session}/logs/kv-relay.log"
+                            ).stdout.strip() not in ("", "0"), "h2's relay does not carry its worker's events"
     before, pid = seen["decode"]["blocks"], relay_pid()
     assert pid, "h2 runs no relay"
     assert d.lab["h1"].exec(f"test -e /tmp/yrpd_sessions/{session}/run/kv-relay.state.json || echo none"

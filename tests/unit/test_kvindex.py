@@ -184,5 +184,10 @@ def test_the_data_system_holds_what_any_worker_holds_and_is_seen_while_none_is_b
     state = store.state()
     assert state["blocks"] == 3 and state["workers"]["h1"] == {"sight": "seeing", "blocks": 2, "gaps": 0,
                                                                "restarts": 0}
+    # routing trusts it for the prefill hosts only where each one's worker is followed and seen: a silent one may be
+    # one whose events never reach the proxy
+    assert store.sees({"h1", "h2"}) and not store.sees({"h1", "h3"}) and not store.sees({"h4"}) and not store.sees(())
     store.worker("h2").apply(3, [])
-    assert store.sight is Sight.blind and "why" in store.state()["workers"]["h2"]
+    assert store.sight is Sight.blind and "why" in store.state()["workers"]["h2"] and not store.sees({"h1", "h2"})
+    store.forget("h2")  # its instances left: neither its blocks nor its blindness count any more
+    assert store.sees({"h1"}) and store.matched([3]) == 0 and store.sight is Sight.seeing

@@ -1255,8 +1255,14 @@ def test_what_the_data_system_says_it_holds_decides_what_a_leg_loads_and_the_est
     text = "Background: " + "the quick brown fox jumps over the lazy dog. " * 40
     p = prompt(text).with_tokens(list(range(1000, 1400)), None)  # 25 full blocks of 16
     store = Store()
-    store.worker("10.0.0.1").apply(1, [Stored(tuple(p.store_hashes(16)[:20]))])
+    store.worker("a").apply(1, [Stored(tuple(p.store_hashes(16)[:20]))])  # the prefill hosts' workers: a and b
     pool.store = store
+    probe = Pool(["http://a", "http://b"], [], Routing.prefix, bound=3)  # the same instances, nothing sent yet
+    for inst, seen in zip(probe.of("prefill"), pool.of("prefill")):
+        inst.up, inst.blocks = True, seen.blocks
+    probe.store, probe.loadable_found = store, 0.0
+    assert not probe.acquire("prefill", prompt=p).store_told  # b's worker has said nothing yet: not taken for empty
+    store.worker("b").apply(1, [])
     # the estimate never saw the prompt finish and thinks the data system loses what it is given; its workers say
     # they hold the first 20 blocks: a leg loads them, and is charged the rest only
     pool.loadable_found = 0.0
@@ -1275,13 +1281,20 @@ def test_what_the_data_system_says_it_holds_decides_what_a_leg_loads_and_the_est
     assert lease.store_told and lease.loadable == 0 and lease.work == pytest.approx(other.chunks)
     pool.release(lease)
     # the control: a worker blind (a batch missed) hands the decision back to the estimate, which loads it
-    store.worker("10.0.0.1").apply(3, [])
+    store.worker("a").apply(3, [])
     lease = pool.acquire("prefill", prompt=other)
     assert not lease.store_told and lease.loadable == pytest.approx(len(other.chain))
     pool.release(lease)
     # and so do a request with a cache salt the workers' keys chain from: its hashes differ from the unsalted ones
     salted = Prompt.of({"prompt": text, "cache_salt": "s1"}).with_tokens(list(range(1000, 1400)), None)
     assert salted.store_hashes(16) != p.store_hashes(16)
+    # a request for another model (a LoRA adapter, whose name the keys also chain from) is not looked up
+    store.worker("a").apply(1, [Stored(tuple(p.store_hashes(16)))])
+    assert p.in_store(store, 16, {"a", "b"}) == pytest.approx(24 * 16 * p.chunks / 400)  # all but the last block
+    lora = Prompt.of({"prompt": text, "model": "my-lora"}, "smollm2").with_tokens(list(range(1000, 1400)), None)
+    assert lora.in_store(store, 16, {"a", "b"}) is None
+    assert Prompt.of({"prompt": text, "model": "smollm2"}, "smollm2").with_tokens(
+        list(range(1000, 1400)), None).in_store(store, 16, {"a", "b"}) is not None  # the control: the served model
     assert salted.store_hashes(16) == [K.event_hash(d) for d in K.prefix_digests(
         list(range(1000, 1400)), 16, extra=K.request_extra(cache_salt="s1"))]  # as the connector keys them
 

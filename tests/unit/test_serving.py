@@ -511,6 +511,8 @@ def test_where_the_proxy_follows_the_caches_events_every_cpu_hosts_data_system_w
         other = variant(spec, target, DeviceKind.cpu)
         assert published(other, make_plan(other, INVENTORY_OF(plan))) == [None, None], target
     assert published(*deployment(DeviceKind.npu, ptp=4, dtp=4)) == [None, None]
+    # ... nor under the yr launcher, whose config has not carried the flag's JSON yet
+    assert published(*deployment(DeviceKind.cpu, devices=2, cluster_launcher="yr")) == [None, None]
 
 
 def test_a_host_other_than_the_proxys_runs_a_relay_of_its_instances_kv_events_and_the_proxy_knows_its_port():

@@ -10,7 +10,6 @@ import logging
 import os
 import socket
 import time
-import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 
@@ -19,7 +18,7 @@ from aiohttp import web
 
 from . import resume
 from .kvfeed import Curve, Feeds
-from .kvindex import Sight
+from .kvindex import Sight, host_of
 from .metrics import LATENCY_KEPT_S, Metrics
 from .pool import ROLES, Instance, Lease, Pool
 from .resume import MAX_MIGRATIONS
@@ -404,7 +403,7 @@ class Proxy:
                 sources = await resp.json(content_type=None) if resp.status == 200 else {}
         except (*_UPSTREAM_ERRORS, ValueError):
             sources = {}
-        host = urllib.parse.urlsplit(inst.url).hostname or ""
+        host = host_of(inst.url)
         why = await self.feeds.attach(inst.url, sources, host, _is_local(host))
         inst.blocks = self.feeds.watch(inst.url).blocks
         if why is None:
@@ -505,7 +504,7 @@ class Proxy:
             raise ProxyError(400, "the request body must be a JSON object")
         body.pop("kv_transfer_params", None)  # the proxy owns this field on both legs
         if self.config.routing is Routing.prefix:
-            prompt = Prompt.of(body)
+            prompt = Prompt.of(body, self.config.served_model_name)
             if self._follows_events() and (tokens := await self._tokens(body, headers)) is not None:
                 prompt = prompt.with_tokens(tokens, self.config.kv_hash_seed)
             request[_CALL].prompt = prompt

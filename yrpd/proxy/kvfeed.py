@@ -8,7 +8,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from .kvindex import InstanceBlocks, Sight, Store, decode_batch, events_of
+from .kvindex import InstanceBlocks, Sight, Store, decode_batch, events_of, host_of
 from .kvrelay import topic as relay_topic
 from ..layout import DATASYSTEM_EVENTS, KV_EVENTS_SOCKET
 
@@ -315,6 +315,8 @@ class Feeds:
         old = self._store_feeds.get(host)
         if old is not None and not old[1].done():
             return
+        if old is not None and not old[1].cancelled():
+            old[1].exception()  # retrieved: a feed that ended is followed anew below
         name = relayed_name(endpoint)
         if name is None:
             return
@@ -400,6 +402,12 @@ class Feeds:
         w = self.watches.pop(url, None)
         if w is not None and w.task is not None:
             w.task.cancel()
+        host = host_of(url)
+        if host in self._store_feeds and not any(host_of(u) == host for u in self.watches):
+            # no instance there is followed any more: what its worker held is no longer looked at, nor kept
+            self._store_feeds.pop(host)[1].cancel()
+            self.store.forget(host)
+            self._store_said.pop(host, None)
 
     async def close(self) -> None:
         tasks = [w.task for w in self.watches.values() if w.task is not None]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import time
+import urllib.parse
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -15,6 +16,11 @@ from enum import Enum
 DEFAULT_SEED = "vllm-none-hash"
 #: the part of a block hash vLLM's events carry
 EVENT_HASH_BITS = 64
+
+
+def host_of(url: str) -> str:
+    """The host an instance's URL names: what its data-system worker is known by (`Store.workers`)."""
+    return urllib.parse.urlsplit(url).hostname or ""
 
 
 def _sha256(obj) -> bytes:
@@ -274,6 +280,16 @@ class Store:
 
     def worker(self, host: str) -> StoreBlocks:
         return self.workers.setdefault(host, StoreBlocks())
+
+    def sees(self, hosts: Iterable[str]) -> bool:
+        """Whether what the data system holds is known exactly where `hosts` (those of the prefill instances, whose
+        connectors save to their own host's worker) keep it: every one's worker followed and seen. A worker that has
+        said nothing yet is not taken for empty: its events may not reach the proxy at all."""
+        hosts = set(hosts)
+        return bool(hosts) and all(h in self.workers and self.workers[h].sight is Sight.seeing for h in hosts)
+
+    def forget(self, host: str) -> None:
+        self.workers.pop(host, None)
 
     @property
     def sight(self) -> Sight:

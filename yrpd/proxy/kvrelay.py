@@ -120,7 +120,10 @@ class Relay:
                 self.subs[name] = sock
                 self.poller.register(sock, zmq.POLLIN)
                 log.info("instance %s: relaying its KV-cache events", name)
-            self.replays[name] = replay
+            if Path(replay.removeprefix("ipc://")).exists():  # the data-system worker publishes with no replay socket
+                self.replays[name] = replay
+            else:
+                self.replays.pop(name, None)
 
     def serve(self, until=lambda: False) -> None:
         import zmq

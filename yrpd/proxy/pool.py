@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from .kvindex import InstanceBlocks, Sight, Store
+from .kvindex import InstanceBlocks, Sight, Store, host_of
 from .routing import (LEARN_CHUNKS, LEARN_RATE, LOAD_WEIGHT, LOADABLE_PRIOR, RECENT_LEGS, WORK_WEIGHT, PrefixMemory,
                       Prompt, Routing)
 
@@ -172,7 +172,9 @@ class Pool:
             # estimate, so its prompts are not taken for loadable either
             return
         self.stored.remember(lease.prompt.chain)
-        if lease.loadable >= LEARN_CHUNKS:
+        # a leg routed on what the data system said it holds teaches nothing of how often the estimate's "stored
+        # lately" is still there: it only loaded where the blocks were said to be
+        if lease.loadable >= LEARN_CHUNKS and not lease.store_told:
             found = 1.0 if loaded_blocks > 0 else 0.0
             self.loadable_found = _average(self.loadable_found, found)
         self._time(lease, loaded_blocks, time.monotonic() if now is None else now, cached_tokens)
@@ -351,7 +353,7 @@ class Pool:
             return Lease(chosen, 0.0, matched[chosen], prompt=prompt)
         stored = self.stored.matched(prompt.chain)
         found = self.loadable_found
-        told = prompt.in_store(self.store, self.block_size())
+        told = prompt.in_store(self.store, self.block_size(), {host_of(i.url) for i in self.up("prefill")})
         if told is not None:  # what the data system holds, as it says: loads found there for sure
             stored, found = told, 1.0
         # what an instance holds now, as far as it is likely still held when the legs queued there have run: a

@@ -32,10 +32,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..connector.keys import event_hash, prefix_digests, request_extra
+from ..connector.keys import event_hash, loadable_blocks, prefix_digests, request_extra
 from .kvindex import InstanceBlocks, Sight, Store, block_hashes
 
 
@@ -109,19 +110,23 @@ class Prompt:
     chunks: float
     tokens: tuple[int, ...] | None = None
     seed: str | None = None
-    #: what the connector chains its block keys from beyond the token ids: the request's cache salt (LoRA adapters
-    #: are not told apart: their blocks look absent from the data system, which errs towards computing)
+    #: what the connector chains its block keys from beyond the token ids: the request's cache salt
     salt: str | None = None
+    #: the request names another model than the deployment's (a LoRA adapter, whose name the connector's keys also
+    #: chain from and the proxy cannot tell apart): what the data system holds of it is not looked up
+    foreign: bool = False
     _hashes: dict = field(default_factory=dict, compare=False, repr=False)  # block size -> block_hashes
 
     @classmethod
-    def of(cls, body: dict) -> Prompt:
+    def of(cls, body: dict, served: str | None = None) -> Prompt:
+        """`served`: the deployment's model name, where known (a request for another is `foreign`)."""
         text = prompt_text(body)
         salt = body.get("cache_salt")
-        return cls(chain(text), len(text) / CHUNK_CHARS, salt=str(salt) if salt else None)
+        foreign = served is not None and body.get("model") not in (None, served)
+        return cls(chain(text), len(text) / CHUNK_CHARS, salt=str(salt) if salt else None, foreign=foreign)
 
     def with_tokens(self, tokens: list[int], seed: str | None) -> Prompt:
-        return Prompt(self.chain, self.chunks, tuple(tokens), seed, self.salt)
+        return Prompt(self.chain, self.chunks, tuple(tokens), seed, self.salt, self.foreign)
 
     def work(self, matched: float) -> float:
         """Chunks left to compute where the first `matched` chunks are cached (at least a part of one)."""
@@ -141,12 +146,14 @@ class Prompt:
             self._hashes[key] = [event_hash(d) for d in prefix_digests(self.tokens or (), block_size, extra=extra)]
         return self._hashes[key]
 
-    def in_store(self, store: Store | None, block_size: int) -> float | None:
-        """Leading chunks of the prompt the data system holds as its workers' events tell, where they tell it
-        exactly; None where not (no events, a worker blind, no token ids or block size): routing estimates then."""
-        if store is None or store.sight is not Sight.seeing or not self.tokens or block_size < 1:
+    def in_store(self, store: Store | None, block_size: int, hosts: Iterable[str]) -> float | None:
+        """Leading chunks of the prompt a leg could load from the data system as its workers' events tell, where
+        they tell it exactly for every host in `hosts` (Store.sees); None where not (no events, a worker blind or
+        silent so far, no token ids or block size, a foreign model): routing estimates then. A connector loads at
+        most every block but the one holding the last prompt token (keys.loadable_blocks)."""
+        if (store is None or self.foreign or not self.tokens or block_size < 1 or not store.sees(hosts)):
             return None
-        n = store.matched(self.store_hashes(block_size))
+        n = min(store.matched(self.store_hashes(block_size)), loadable_blocks(len(self.tokens), block_size))
         return n * block_size * self.chunks / len(self.tokens)
 
     def held(self, blocks: InstanceBlocks | None) -> tuple[float, int] | None:

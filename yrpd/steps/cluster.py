@@ -30,7 +30,7 @@ from yrpd.cluster.yrconfig import (
 from yrpd.hostgroup import Command
 from yrpd.placement import HostPlan
 from yrpd.cluster import dsconfig
-from yrpd.layout import DATASYSTEM_EVENTS
+from yrpd.layout import DATASYSTEM_EVENTS, MAX_UNIX_SOCKET_PATH
 from yrpd.spec import ClusterLauncher, ClusterMode, DeviceKind, KvConnector, Runtime
 from yrpd.steps import ScriptCall, StepContext, host_python, processes, shell_command
 from yrpd.versions import OPENYUANRONG, PYTHON_TAG, UV
@@ -90,9 +90,11 @@ def node(ctx: StepContext, host: HostPlan, mode: str) -> YrNode:
 def store_events(ctx: StepContext, host: HostPlan) -> bool:
     """Whether a host's worker publishes what it holds of the connector's blocks: where the proxy follows the caches'
     events (CPU hosts so far, as the instances' own: yrpd.serving.kv_events_config) and the connector is yrpd's,
-    whose keys the worker's events name (docs/dev/kv-events.md)."""
-    return (ctx.spec.follows_kv_events and ctx.spec.kv_connector is KvConnector.yuanrong
-            and host.kind is DeviceKind.cpu)
+    whose keys the worker's events name (docs/dev/kv-events.md). The dscli launcher alone so far: the flag's JSON
+    value has not been through `yr`'s config. Not where the socket's path is too long to bind (the proxy then
+    routes loads on its estimate, as without it)."""
+    return (ctx.spec.follows_kv_events and ctx.spec.kv_connector is KvConnector.yuanrong and dscli(ctx)
+            and host.kind is DeviceKind.cpu and len(ctx.layout.kv_events(DATASYSTEM_EVENTS)) <= MAX_UNIX_SOCKET_PATH)
 
 
 def modes(ctx: StepContext) -> list[str]:

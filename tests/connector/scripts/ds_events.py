@@ -1,14 +1,18 @@
 """Test helper run in the vLLM venv: what a data-system worker started with `kv_events_config` publishes while the
-connector's own transport saves blocks under the connector's keys and deletes some of them.
+connector's own transport saves blocks under the connector's keys and deletes some of them, read twice: raw from its
+socket, and by the proxy's own feeds (yrpd.proxy.kvfeed.Feeds) as they follow a host's worker beside an instance.
 
-    PYTHONPATH=. python tests/connector/scripts/ds_events.py HOST:PORT EVENTS_ENDPOINT < request.json
+    PYTHONPATH=. python tests/connector/scripts/ds_events.py HOST:PORT RUN_DIR < request.json
 
-request.json: {"tokens": [...], "block_size": N, "ns": "<16 hex>", "delete": K, "old_form": [key, ...]}: saves one
-value per full block of `tokens` under `keys.block_keys`, then the `old_form` keys (any other form), then deletes the
-first K block keys. Prints one JSON line: the hashes of the stored and of the removed events, in order, the batches'
-sequence numbers, the media the events named, and which block keys the data system holds at the end.
+The worker publishes on ipc://RUN_DIR/kv-events-datasystem.sock. request.json: {"tokens": [...], "block_size": N,
+"ns": "<16 hex>", "delete": K, "old_form": [key, ...]}: saves one value per full block of `tokens` under
+`keys.block_keys`, then the `old_form` keys (any other form), then deletes the first K block keys. Prints one JSON
+line: the hashes of the stored and of the removed events in order, the batches' numbers, the media the events named,
+which block keys and old-form keys the data system holds at the end, what the proxy's index of that worker holds and
+its sight, and the hashes the proxy's Prompt gives the same tokens.
 """
 
+import asyncio
 import json
 import sys
 import time
@@ -20,15 +24,24 @@ import zmq
 from yrpd.connector import keys as K
 from yrpd.connector.config import parse_config
 from yrpd.connector.transport import DsConnection, HostTransport, kvclient_factory, write_mode
+from yrpd.layout import DATASYSTEM_EVENTS, KV_EVENTS_SOCKET
+from yrpd.proxy.kvfeed import Feeds
+from yrpd.proxy.routing import Prompt
 
 
-def main() -> int:
-    address, endpoint = sys.argv[1], sys.argv[2]
+async def main() -> int:
+    address, run_dir = sys.argv[1], sys.argv[2]
     req = json.load(sys.stdin)
+    endpoint = f"ipc://{run_dir}/{KV_EVENTS_SOCKET.format(name=DATASYSTEM_EVENTS)}"
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
-    time.sleep(1.0)  # a SUB socket misses what is published before its connection is up
+    # the proxy's side: an instance on this host publishing beside the worker (its socket need not exist for this)
+    feeds = Feeds(lag_s=1.0)
+    instance = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": f"ipc://{run_dir}/{KV_EVENTS_SOCKET.format(name='prefill-0')}"}}
+    await feeds.attach("http://127.0.0.1:8100", instance, "127.0.0.1", local=True)
+    await asyncio.sleep(1.0)  # a SUB socket misses what is published before its connection is up
     cfg = parse_config("kv_producer", {"ds_address": address}, env={})
     conn = DsConnection(kvclient_factory(cfg.ds_host, cfg.ds_port, 5000, 5000, False), "events")
     assert conn.connect(), conn.last_error
@@ -40,22 +53,27 @@ def main() -> int:
     if old:
         transport.save(old, values[:len(old)], cfg.ttl_seconds)
     transport.delete(keys[:req.get("delete", 0)])
-    held = transport.exists(keys)
+    held, old_held = transport.exists(keys), transport.exists(old) if old else []
     stored, removed, seqs, media = [], [], [], set()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        if not sub.poll(250):
-            continue
-        topic, seq, payload = sub.recv_multipart()
-        seqs.append(int.from_bytes(seq, "big"))
-        for event in msgspec.msgpack.decode(payload)[1]:
-            media.add(event.get("medium"))
-            (stored if event.get("type") == "BlockStored" else removed).extend(event.get("block_hashes") or ())
+        await asyncio.sleep(0.05)  # the feeds receive meanwhile
+        while sub.poll(0):
+            topic, seq, payload = sub.recv_multipart()
+            seqs.append(int.from_bytes(seq, "big"))
+            for event in msgspec.msgpack.decode(payload)[1]:
+                media.add(event.get("medium"))
+                (stored if event.get("type") == "BlockStored" else removed).extend(event.get("block_hashes") or ())
+    worker = feeds.store.worker("127.0.0.1")
+    prompt = Prompt.of({"prompt": "x"}).with_tokens(req["tokens"], None)
     print(json.dumps({"stored": stored, "removed": removed, "seqs": seqs, "media": sorted(map(str, media)),
-                      "held": [bool(x) for x in held]}))
+                      "held": [bool(x) for x in held], "old_held": [bool(x) for x in old_held],
+                      "proxy_held": sorted(worker.held), "proxy_sight": worker.sight.value,
+                      "prompt_hashes": prompt.store_hashes(req["block_size"])}))
+    await feeds.close()
     conn.close()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(asyncio.run(main()))
