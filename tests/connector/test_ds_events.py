@@ -3,7 +3,8 @@ KV-event publisher, on the unix socket yrpd gives it) publishes a stored event f
 transport saves, under the number `keys.event_hash` gives its prefix digest, and a removed event when one goes; a key
 of any other form is never published (the control: the worker publishes only the `@cache_family:` form, which
 `keys.key_for` writes, and holds the other keys all the same). The proxy's own feeds, following the host's worker
-beside an instance, hold what it holds, under the numbers the proxy's Prompt gives the same tokens.
+beside an instance, hold what it holds, under the numbers the proxy's Prompt gives the same tokens, and go blind
+when no batch follows a leg that saved blocks there within the lag (the control: one that did).
 docs/dev/kv-events.md, "The data system's tiers". About 10 s."""
 
 from __future__ import annotations
@@ -47,5 +48,9 @@ def test_the_data_system_names_our_saved_and_deleted_blocks_by_their_prefix_dige
         # the proxy's index of the host's worker: what it holds now, seen, under the Prompt's own numbers
         assert got["proxy_sight"] == "seeing" and got["proxy_held"] == sorted(want[2:]), got
         assert got["prompt_hashes"] == want, got
+        # silence after a leg that saved blocks there: blind within the lag, seen again with the next batch
+        assert got["in_time"] == "seeing", got
+        assert got["late"][0] == "blind" and "no event of the data system's within 1 s" in got["late"][1], got
+        assert got["after_late"] == "seeing", got
     finally:
         stack.close()

@@ -169,6 +169,14 @@ def test_a_proxy_that_joins_after_the_worker_stored_is_blind_one_that_joins_befo
     early.apply(1, [Stored((1,))])
     assert late.sight is Sight.blind and "first batch seen was 7" in late.why
     assert early.sight is Sight.seeing  # the control
+    # blind for want of news (no batch after a leg saved there): the next batch in order ends it; a lost one does not
+    early.go_blind("no event within 2 s", lagging=True)
+    early.apply(2, [])
+    assert early.sight is Sight.seeing
+    early.go_blind("no event within 2 s", lagging=True)
+    early.apply(4, [])
+    early.apply(5, [])
+    assert early.sight is Sight.blind and "batch 4 came after 2" in early.why
 
 
 def test_the_data_system_holds_what_any_worker_holds_and_is_seen_while_none_is_blind():

@@ -1268,6 +1268,7 @@ def test_what_the_data_system_says_it_holds_decides_what_a_leg_loads_and_the_est
     pool.loadable_found = 0.0
     lease = pool.acquire("prefill", prompt=p)
     assert lease.store_told and lease.loadable == pytest.approx(20 * 16 * p.chunks / 400)
+    assert lease.store_new == 5  # the blocks its connector saves: a batch of the worker's is due after it
     assert lease.work == pytest.approx(p.chunks - lease.loadable)
     pool.release(lease)
     assert pool.routing_state()["store_routed"] == 1

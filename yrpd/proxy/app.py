@@ -623,6 +623,8 @@ class Proxy:
                 request[_CALL].note["chunk_ms"] = round(lease.chunk_s * 1000, 1)
             last = lease.prompt.last_block(inst.blocks) if lease.prompt is not None else None
             self.feeds.leg_stored(inst.url, t0, lease.new_blocks, last)
+            if lease.store_new:
+                self.feeds.store_saved(host_of(inst.url), t0)
         return kv
 
     def _goes_on(self, request: web.Request, exc: Exception, tries: int) -> bool:

@@ -256,6 +256,8 @@ class Feeds:
         self.store = Store()
         self._store_feeds: dict[str, tuple[Feed, asyncio.Task]] = {}
         self._store_said: dict[str, Sight] = {}  # each worker's sight as last logged
+        #: a prefill leg on the host saved blocks its worker lacked: (when it started, by when a batch must have come)
+        self._store_expect: dict[str, tuple[float, float]] = {}
 
     def watch(self, url: str) -> Watch:
         if url not in self.watches:
@@ -369,10 +371,26 @@ class Feeds:
         if self.exact and last is not None and last not in w.blocks.held:
             w.awaited.add(last)
 
+    def store_saved(self, host: str, started: float) -> None:
+        """A prefill leg on `host` that began at `started` (time.monotonic()) ended, and its connector saved blocks
+        the host's worker did not hold: a batch of the worker's must come within lag_s."""
+        if host in self._store_feeds and host not in self._store_expect:
+            self._store_expect[host] = (started, time.monotonic() + self.lag_s)
+
     def check(self, now: float | None = None) -> list[str]:
-        """Each probe round: the instances whose events stayed away after a leg that stored blocks go blind.
-        Returns their URLs (newly blind)."""
+        """Each probe round: the instances whose events stayed away after a leg that stored blocks go blind, and so
+        do the workers whose events stayed away after a leg that saved blocks there. Returns the instances' URLs
+        (newly blind; the workers' changes come by `store_news`)."""
         now = time.monotonic() if now is None else now
+        for host, (started, deadline) in list(self._store_expect.items()):
+            feed = self._store_feeds.get(host, (None,))[0]
+            if feed is None or (feed.last_batch_at is not None and feed.last_batch_at >= started):
+                del self._store_expect[host]
+            elif now >= deadline:
+                del self._store_expect[host]
+                self.store.worker(host).go_blind(
+                    f"no event of the data system's within {self.lag_s:g} s of a prefill leg that saved blocks",
+                    lagging=True)
         newly = []
         for url, w in self.watches.items():
             if w.expect is None or w.feed is None:
@@ -408,6 +426,7 @@ class Feeds:
             self._store_feeds.pop(host)[1].cancel()
             self.store.forget(host)
             self._store_said.pop(host, None)
+            self._store_expect.pop(host, None)
 
     async def close(self) -> None:
         tasks = [w.task for w in self.watches.values() if w.task is not None]

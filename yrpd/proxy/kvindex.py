@@ -233,6 +233,9 @@ class StoreBlocks:
     why: str = ""
     gaps: int = 0
     restarts: int = 0
+    #: blind for want of news only (no batch after a leg that saved blocks): nothing known lost, so the next batch in
+    #: order makes it exact again
+    lagging: bool = False
 
     @property
     def next_seq(self) -> int:
@@ -245,12 +248,14 @@ class StoreBlocks:
             self.held.clear()
             self.restarts += 1
             if seq == 1:
-                self.sight, self.blind_since, self.why = Sight.seeing, None, ""
+                self._see()
             else:
                 self.go_blind(f"the worker started anew; its batches before {seq} were missed", now)
         elif seq > expected:
             self.go_blind(f"batch {seq} came after {self.last_seq}" if self.last_seq is not None
                           else f"the first batch seen was {seq}: the proxy joined after the worker had stored", now)
+        elif self.sight is Sight.blind and self.lagging:
+            self._see()  # late, not lost
         if self.sight is Sight.never:
             self.sight = Sight.seeing
         self.last_seq = seq
@@ -263,12 +268,18 @@ class StoreBlocks:
                 self.held.clear()
 
     def go_blind(self, why: str, now: float | None = None, lagging: bool = False) -> None:
-        """Blind from now: what it holds beyond the index is unknown (`lagging` is taken for the feed's sake: with no
-        replay, late and lost are one)."""
+        """Blind from now: what it holds beyond the index is unknown (`lagging`: for want of news, nothing known
+        lost; a lost batch overrides that)."""
         if self.sight is not Sight.blind:
             self.blind_since = time.time() if now is None else now
             self.gaps += 1
+            self.lagging = lagging
+        else:
+            self.lagging = self.lagging and lagging
         self.sight, self.why = Sight.blind, why
+
+    def _see(self) -> None:
+        self.sight, self.blind_since, self.why, self.lagging = Sight.seeing, None, "", False
 
 
 class Store:

@@ -96,6 +96,7 @@ class Lease:
     held_blocks: int | None = None  # leading blocks its events said it held when routed (None: not seeing them)
     pending: list[bytes] | None = None  # the chain it added to the instance's pending ones (prefix routing)
     store_told: bool = False  # its loadable chunks came from the data system's events, not the estimate
+    store_new: int = 0  # full blocks of the prompt the data system lacked, where its events told: the leg saves them
     ahead: float = 0.0  # chunks queued on the instance when this leg was routed there
     chunk_s: float | None = None  # the seconds per chunk its cost was reckoned with (prefix routing's prefill legs)
     started: float = field(default_factory=time.monotonic)
@@ -353,7 +354,8 @@ class Pool:
             return Lease(chosen, 0.0, matched[chosen], prompt=prompt)
         stored = self.stored.matched(prompt.chain)
         found = self.loadable_found
-        told = prompt.in_store(self.store, self.block_size(), {host_of(i.url) for i in self.up("prefill")})
+        block_size = self.block_size()
+        told = prompt.in_store(self.store, block_size, {host_of(i.url) for i in self.up("prefill")})
         if told is not None:  # what the data system holds, as it says: loads found there for sure
             stored, found = told, 1.0
         # what an instance holds now, as far as it is likely still held when the legs queued there have run: a
@@ -378,7 +380,7 @@ class Pool:
         work = prompt.work(max(kept[chosen], stored)) + (1 - found) * loadable(chosen)
         held, new = prompt.blocks_at(chosen.blocks)
         return Lease(chosen, work, matched[chosen], loadable(chosen), prompt, new_blocks=new, held_blocks=held,
-                     store_told=told is not None)
+                     store_told=told is not None, store_new=prompt.store_lacks(self.store, block_size) if told is not None else 0)
 
     def block_size(self) -> int:
         """Tokens per KV block, as the prefill instances' events say (0 until one has stored a block)."""

@@ -156,6 +156,11 @@ class Prompt:
         n = min(store.matched(self.store_hashes(block_size)), loadable_blocks(len(self.tokens), block_size))
         return n * block_size * self.chunks / len(self.tokens)
 
+    def store_lacks(self, store: Store, block_size: int) -> int:
+        """Full blocks of the prompt the data system does not hold, as its workers' events tell: what a prefill leg's
+        connector saves there."""
+        return sum(not any(x in w.held for w in store.workers.values()) for x in self.store_hashes(block_size))
+
     def held(self, blocks: InstanceBlocks | None) -> tuple[float, int] | None:
         """(leading chunks, leading blocks) of the prompt an instance's prefix cache holds, as its KV-cache events
         tell; None where they tell nothing exact (no events, blind, no token ids): routing estimates then."""

@@ -66,10 +66,31 @@ async def main() -> int:
                 (stored if event.get("type") == "BlockStored" else removed).extend(event.get("block_hashes") or ())
     worker = feeds.store.worker("127.0.0.1")
     prompt = Prompt.of({"prompt": "x"}).with_tokens(req["tokens"], None)
+    seen = {"proxy_held": sorted(worker.held), "proxy_sight": worker.sight.value}
+
+    async def save_one(n: int) -> None:
+        more = K.block_keys(req["ns"], [n] * req["block_size"], req["block_size"])
+        transport.save(more, values[:1], cfg.ttl_seconds)
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if K.event_hash(more[0].rsplit("@", 1)[1]) in worker.held:
+                return
+
+    # a leg said it saved blocks there and a batch came: still seen (the control) ...
+    started = time.monotonic()
+    await save_one(7)
+    feeds.store_saved("127.0.0.1", started)
+    feeds.check(time.monotonic() + 2.0)
+    in_time = worker.sight.value
+    # ... none came within the lag: blind for want of news, until the next batch in order
+    feeds.store_saved("127.0.0.1", time.monotonic())
+    feeds.check(time.monotonic() + 2.0)
+    late = [worker.sight.value, worker.why]
+    await save_one(8)
     print(json.dumps({"stored": stored, "removed": removed, "seqs": seqs, "media": sorted(map(str, media)),
-                      "held": [bool(x) for x in held], "old_held": [bool(x) for x in old_held],
-                      "proxy_held": sorted(worker.held), "proxy_sight": worker.sight.value,
-                      "prompt_hashes": prompt.store_hashes(req["block_size"])}))
+                      "held": [bool(x) for x in held], "old_held": [bool(x) for x in old_held], **seen,
+                      "prompt_hashes": prompt.store_hashes(req["block_size"]), "in_time": in_time, "late": late,
+                      "after_late": worker.sight.value}))
     await feeds.close()
     conn.close()
     return 0
