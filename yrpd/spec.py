@@ -748,6 +748,10 @@ class ServingSection(BaseModel):
     #: from the replay socket of each instance whose copy lacks the last block of a leg that ended there, so it
     #: routes on the caches exactly as they are (the `pd-oracle` target of `yrpd bench`)
     routing_kv_exact: bool = False
+    #: with the events followed: the data system's workers publish what they hold of the connector's blocks, and the
+    #: proxy counts a prompt's blocks held there as loads found for sure instead of estimating how often such loads
+    #: were found (docs/dev/kv-events.md; off: the `pd-nostore` target of `yrpd bench`)
+    routing_store_events: bool = True
     #: address the proxy listens on; default the master's cluster address (127.0.0.1 for localhost)
     proxy_host: str | None = None
     #: name of an environment variable (read where yrpd runs) holding the proxy's API key

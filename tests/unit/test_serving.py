@@ -506,8 +506,9 @@ def test_where_the_proxy_follows_the_caches_events_every_cpu_hosts_data_system_w
         # a unix socket in the session's run directory, named as an instance's would be: the relay carries it too
         assert json.loads(config) == {"bind_endpoint": f"ipc://{ctx.layout.run_dir}/kv-events-datasystem.sock",
                                       "backend_id": h.reach_ip}
-    # the controls: the estimate alone, load routing, another connector, NPU hosts: no worker publishes
-    for target in ("pd-estimate", "pd-load", "peer-nixl-pd"):
+    # the controls: the estimate alone, load routing, the store's events off (pd-nostore), another connector, NPU
+    # hosts: no worker publishes
+    for target in ("pd-estimate", "pd-load", "pd-nostore", "peer-nixl-pd"):
         other = variant(spec, target, DeviceKind.cpu)
         assert published(other, make_plan(other, INVENTORY_OF(plan))) == [None, None], target
     assert published(*deployment(DeviceKind.npu, ptp=4, dtp=4)) == [None, None]

@@ -57,11 +57,12 @@ RATIOS = (  # (target, baseline, metric, label); the last is the mixed workload'
     ("pd", "peer-nixl-pd", "mean_ttft_ms", "mean TTFT"),
     ("pd", "pd-rr", "mean_ttft_ms", "mean TTFT"), ("pd", "pd-estimate", "mean_ttft_ms", "mean TTFT"),
     ("pd-estimate", "pd-rr", "mean_ttft_ms", "mean TTFT"), ("pd-oracle", "pd-rr", "mean_ttft_ms", "mean TTFT"),
-    ("pd", "pd-oracle", "mean_ttft_ms", "mean TTFT"),
+    ("pd", "pd-oracle", "mean_ttft_ms", "mean TTFT"), ("pd", "pd-nostore", "mean_ttft_ms", "mean TTFT"),
     # the stage prefill routing chooses, apart from decode's (yrpd.bench.run.stages)
     ("pd", "pd-rr", "mean_prefill_leg_ms", "mean prefill leg"),
     ("pd", "pd-estimate", "mean_prefill_leg_ms", "mean prefill leg"),
     ("pd", "pd-oracle", "mean_prefill_leg_ms", "mean prefill leg"),
+    ("pd", "pd-nostore", "mean_prefill_leg_ms", "mean prefill leg"),
 )
 
 

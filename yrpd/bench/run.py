@@ -64,6 +64,7 @@ TARGETS = {
     "pd-rr": "PD + prefix reuse, round-robin routing",
     "pd-estimate": "PD + prefix reuse, prefix routing on its estimate (no KV-cache events)",
     "pd-oracle": "PD + prefix reuse, prefix routing on the caches exactly as they are at each request",
+    "pd-nostore": "PD + prefix reuse, prefix routing on the instances' events, the data system's holdings estimated",
     "pd-noreuse": "PD, prefix reuse off",
     "single": "single instance, same devices",
     "single-yr": "single instance, KV also in the data system",
@@ -75,7 +76,8 @@ TARGETS = {
 }
 #: the routing of the PD targets that differ from `pd` (prefix routing on the instances' KV-cache events) in it alone
 ROUTING_TARGETS = {"pd-load": {"routing": "load"}, "pd-rr": {"routing": "round-robin"},
-                   "pd-estimate": {"routing_kv_events": False}, "pd-oracle": {"routing_kv_exact": True}}
+                   "pd-estimate": {"routing_kv_events": False}, "pd-oracle": {"routing_kv_exact": True},
+                   "pd-nostore": {"routing_store_events": False}}
 #: the targets that run one plain instance on the devices of all the PD instances
 SINGLE_TARGETS = ("single", "single-yr", "single-roomy", "peer-lmcache")
 #: the KV connector each target runs with

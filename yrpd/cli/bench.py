@@ -139,7 +139,8 @@ def dataset(**params) -> int:
                    "2 output tokens; NPU hosts); cpu: its shape scaled to a small CPU host. Options given beside it win")
 @click.option("--targets", default="pd,pd-noreuse,single", show_default=True,
               help="comma-separated: pd, pd-load, pd-rr, pd-estimate (pd routed by load, round robin, or on the "
-                   "proxy's estimate instead of the KV-cache events), pd-noreuse, single, single-yr, single-roomy (vLLM's "
+                   "proxy's estimate instead of the KV-cache events), pd-nostore (pd without the data system's own "
+                   "events: what it holds estimated), pd-noreuse, single, single-yr, single-roomy (vLLM's "
                    "own pool whatever --kv-cache-mb says), peer-example-pd, "
                    "peer-lmcache, peer-nixl-pd, peer-ascend-store (NPU)")
 @click.option("--vllm-dataset", type=click.Choice(["random", "prefix_repetition", "sharegpt", "burstgpt", "timed_trace"]),

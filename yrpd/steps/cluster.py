@@ -93,7 +93,8 @@ def store_events(ctx: StepContext, host: HostPlan) -> bool:
     whose keys the worker's events name (docs/dev/kv-events.md). The dscli launcher alone so far: the flag's JSON
     value has not been through `yr`'s config. Not where the socket's path is too long to bind (the proxy then
     routes loads on its estimate, as without it)."""
-    return (ctx.spec.follows_kv_events and ctx.spec.kv_connector is KvConnector.yuanrong and dscli(ctx)
+    return (ctx.spec.follows_kv_events and ctx.spec.routing_store_events and ctx.spec.kv_connector is KvConnector.yuanrong
+            and dscli(ctx)
             and host.kind is DeviceKind.cpu and len(ctx.layout.kv_events(DATASYSTEM_EVENTS)) <= MAX_UNIX_SOCKET_PATH)
 
 
