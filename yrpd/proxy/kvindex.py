@@ -10,6 +10,7 @@ import time
 import urllib.parse
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 from enum import Enum
 
 #: the first block's parent is the hash of this where the instance has no PYTHONHASHSEED (vLLM 0.32, sha256)
@@ -91,13 +92,12 @@ def events_of(batch: Sequence) -> list[Event]:
 
 
 @dataclass
-class InstanceBlocks:
-    """One instance's prefix cache as its events tell it."""
+class Numbered:
+    """How well an index sees one publisher by the numbers of its batches: in order, it is seeing; a number that
+    skips means batches were lost (blind); one that goes back means a new run of the publisher, whose cache started
+    empty (exact again if it is the run's first batch, blind if batches of the new run were missed). Subclasses say
+    what the first number is, what a new run empties, and how the two blind cases read."""
 
-    #: block hash -> the copies of it the instance holds. Two requests that miss the same prefix in one step each
-    #: compute and store it: vLLM then holds two blocks under one hash, announces each, and announces the removal
-    #: of each when it is evicted, so one hash is held until its last copy goes.
-    copies: dict[int, int] = field(default_factory=dict)
     sight: Sight = Sight.never
     #: the sequence number of the last batch applied; None before the first
     last_seq: int | None = None
@@ -106,49 +106,85 @@ class InstanceBlocks:
     why: str = ""
     gaps: int = 0  # how many times it went blind
     restarts: int = 0  # how many times the numbering began again
-    #: tokens per block, from the instance's own events (0 until its first stored block)
-    block_size: int = 0
-    #: blind for want of news only (events late, the instance down): nothing known lost, so the next batch in order
+    #: blind for want of news only (events late, the publisher down): nothing known lost, so the next batch in order
     #: makes it exact again
     lagging: bool = False
+
+    #: the number a publisher run's first batch carries
+    FIRST: ClassVar[int] = 0
+    #: how a new run whose first batches were missed reads, and what a first batch seen late adds
+    RESTARTED: ClassVar[str] = "the publisher restarted"
+    JOINED_LATE: ClassVar[str] = ""
+
+    @property
+    def next_seq(self) -> int:
+        """The number the next batch of the same publisher run carries."""
+        return self.FIRST if self.last_seq is None else self.last_seq + 1
+
+    def _number(self, seq: int, now: float | None) -> None:
+        """Take batch `seq`'s number, before its events are applied (they are either way: what they say is true)."""
+        expected = self.next_seq
+        if self.last_seq is not None and seq < expected:
+            self._new_run()
+            self.restarts += 1
+            if seq > self.FIRST:
+                self.go_blind(f"{self.RESTARTED}; its batches before {seq} were missed", now)
+            else:  # its whole new run is here: exact
+                self.resync()
+        elif seq > expected:
+            self.go_blind(f"batch {seq} came after {self.last_seq}" if self.last_seq is not None
+                          else f"the first batch seen was {seq}{self.JOINED_LATE}", now)
+        elif self.sight is Sight.blind and self.lagging:
+            self.resync()  # late, not lost
+        if self.sight is Sight.never:
+            self.sight = Sight.seeing
+        self.last_seq = seq
+
+    def _new_run(self) -> None:
+        """A new run of the publisher began: its cache started empty."""
+        raise NotImplementedError
+
+    def go_blind(self, why: str, now: float | None = None, lagging: bool = False) -> None:
+        """Blind from now (`lagging`: for want of news, nothing known lost; a lost batch overrides that)."""
+        if self.sight is not Sight.blind:
+            self.blind_since = time.time() if now is None else now
+            self.gaps += 1
+            self.lagging = lagging
+        else:
+            self.lagging = self.lagging and lagging
+        self.sight, self.why = Sight.blind, why
+
+    def resync(self) -> None:
+        """Seeing again: everything the publisher still holds has been applied in order."""
+        self.sight, self.blind_since, self.why, self.lagging = Sight.seeing, None, "", False
+
+
+@dataclass
+class InstanceBlocks(Numbered):
+    """One instance's prefix cache as its events tell it (vLLM numbers its batches from 0)."""
+
+    #: block hash -> the copies of it the instance holds. Two requests that miss the same prefix in one step each
+    #: compute and store it: vLLM then holds two blocks under one hash, announces each, and announces the removal
+    #: of each when it is evicted, so one hash is held until its last copy goes.
+    copies: dict[int, int] = field(default_factory=dict)
+    #: tokens per block, from the instance's own events (0 until its first stored block)
+    block_size: int = 0
     #: blocks held now (copies counted), the most it ever held, and how many it evicted: once it has evicted, its
     #: cache was full, and the most it held is its size (what routing discounts a claim by; yrpd.proxy.pool)
     count: int = 0
     peak: int = 0
     evicted: int = 0
 
+    RESTARTED: ClassVar[str] = "the instance restarted"
+
     @property
     def held(self):
         """The hashes of the blocks held (a set-like view)."""
         return self.copies.keys()
 
-    @property
-    def next_seq(self) -> int:
-        """The number the next batch of the same publisher run carries."""
-        return 0 if self.last_seq is None else self.last_seq + 1
-
     def apply(self, seq: int, events: Iterable[Event], now: float | None = None) -> None:
-        """Apply one batch numbered `seq`. Numbers go 0, 1, 2, ... per publisher: one that skips means batches were
-        lost (blind until `resync`); one that goes back means a new publisher, a restarted instance, whose cache
-        started empty (exact again if it is batch 0, blind if batches of the new run were missed). The batch is
-        applied either way, since what it says is true."""
-        expected = self.next_seq
-        if self.last_seq is not None and seq < expected:
-            self._forget()
-            self.block_size = 0
-            self.restarts += 1
-            if seq > 0:
-                self.go_blind(f"the instance restarted; its batches before {seq} were missed", now)
-            else:  # its whole new run is here: exact
-                self.resync()
-        elif seq > expected:
-            self.go_blind(f"batch {seq} came after {self.last_seq}" if self.last_seq is not None
-                          else f"the first batch seen was {seq}", now)
-        elif self.sight is Sight.blind and self.lagging:
-            self.resync()  # late, not lost
-        if self.sight is Sight.never:
-            self.sight = Sight.seeing
-        self.last_seq = seq
+        """Apply one batch numbered `seq` (Numbered: blind until `resync` where batches were lost)."""
+        self._number(seq, now)
         for event in events:
             if isinstance(event, Stored):
                 for h in event.hashes:
@@ -169,6 +205,10 @@ class InstanceBlocks:
             else:
                 self._forget()
 
+    def _new_run(self) -> None:
+        self._forget()
+        self.block_size = 0
+
     def _forget(self) -> None:
         """Its cache emptied (cleared, or the instance restarted): its size, as learnt, stays."""
         self.copies.clear()
@@ -184,25 +224,11 @@ class InstanceBlocks:
         evicting = ahead_blocks - max(self.peak - self.count, 0)
         return 1.0 if evicting <= 0 else max(0.0, 1.0 - evicting / self.count)
 
-    def go_blind(self, why: str, now: float | None = None, lagging: bool = False) -> None:
-        """Blind from now (`lagging`: for want of news, nothing known lost; a lost batch overrides that)."""
-        if self.sight is not Sight.blind:
-            self.blind_since = time.time() if now is None else now
-            self.gaps += 1
-            self.lagging = lagging
-        else:
-            self.lagging = self.lagging and lagging
-        self.sight, self.why = Sight.blind, why
-
     def rebuild(self) -> None:
         """Forget everything, to apply the instance's batches again from its first (a replay from 0)."""
         self._forget()
         self.block_size = 0
         self.last_seq = None
-
-    def resync(self) -> None:
-        """Seeing again: the batches applied since `rebuild` began at the publisher's first."""
-        self.sight, self.blind_since, self.why, self.lagging = Sight.seeing, None, "", False
 
     def matched(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of a prompt (its `block_hashes`) this instance holds: the first miss ends the
@@ -216,7 +242,7 @@ class InstanceBlocks:
 
 
 @dataclass
-class StoreBlocks:
+class StoreBlocks(Numbered):
     """What one data-system worker holds of the connector's blocks, as its own KV events tell (openYuanrong's
     `kv_events_config`): the numbers `yrpd.connector.keys.event_hash` gives the blocks' prefix digests, in memory or
     spilled to disk alike (a spill says nothing; docs/dev/kv-events.md, "The data system's tiers").
@@ -224,41 +250,17 @@ class StoreBlocks:
     A set, not a count: the worker says "stored" again on every overwrite, and one TP rank's key removed takes the
     block out (its load would miss), which errs towards computing. Its batches are numbered from 1 and it has no
     replay: a subscriber that joined late, or missed a batch, cannot learn what it missed, so it stays blind (what it
-    holds is then at least what the index says) until the worker starts anew, empty."""
+    holds is then at least what the index says) until the worker starts anew, empty; blind for want of news ends
+    with the next batch in order."""
 
     held: set[int] = field(default_factory=set)
-    sight: Sight = Sight.never
-    last_seq: int | None = None
-    blind_since: float | None = None
-    why: str = ""
-    gaps: int = 0
-    restarts: int = 0
-    #: blind for want of news only (no batch after a leg that saved blocks): nothing known lost, so the next batch in
-    #: order makes it exact again
-    lagging: bool = False
 
-    @property
-    def next_seq(self) -> int:
-        return 1 if self.last_seq is None else self.last_seq + 1
+    FIRST: ClassVar[int] = 1
+    RESTARTED: ClassVar[str] = "the worker started anew"
+    JOINED_LATE: ClassVar[str] = ": the proxy joined after the worker had stored"
 
     def apply(self, seq: int, events: Iterable[Event], now: float | None = None) -> None:
-        expected = self.next_seq
-        if self.last_seq is not None and seq < expected:
-            # a new run of the worker, which started empty: exact if this is its first batch
-            self.held.clear()
-            self.restarts += 1
-            if seq == 1:
-                self._see()
-            else:
-                self.go_blind(f"the worker started anew; its batches before {seq} were missed", now)
-        elif seq > expected:
-            self.go_blind(f"batch {seq} came after {self.last_seq}" if self.last_seq is not None
-                          else f"the first batch seen was {seq}: the proxy joined after the worker had stored", now)
-        elif self.sight is Sight.blind and self.lagging:
-            self._see()  # late, not lost
-        if self.sight is Sight.never:
-            self.sight = Sight.seeing
-        self.last_seq = seq
+        self._number(seq, now)
         for event in events:
             if isinstance(event, Stored):
                 self.held.update(event.hashes)
@@ -267,19 +269,8 @@ class StoreBlocks:
             else:
                 self.held.clear()
 
-    def go_blind(self, why: str, now: float | None = None, lagging: bool = False) -> None:
-        """Blind from now: what it holds beyond the index is unknown (`lagging`: for want of news, nothing known
-        lost; a lost batch overrides that)."""
-        if self.sight is not Sight.blind:
-            self.blind_since = time.time() if now is None else now
-            self.gaps += 1
-            self.lagging = lagging
-        else:
-            self.lagging = self.lagging and lagging
-        self.sight, self.why = Sight.blind, why
-
-    def _see(self) -> None:
-        self.sight, self.blind_since, self.why, self.lagging = Sight.seeing, None, "", False
+    def _new_run(self) -> None:
+        self.held.clear()
 
 
 class Store:
