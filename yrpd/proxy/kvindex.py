@@ -226,8 +226,7 @@ class InstanceBlocks(Numbered):
 
     def rebuild(self) -> None:
         """Forget everything, to apply the instance's batches again from its first (a replay from 0)."""
-        self._forget()
-        self.block_size = 0
+        self._new_run()
         self.last_seq = None
 
     def matched(self, hashes: Sequence[int]) -> int:
@@ -301,12 +300,16 @@ class Store:
             return Sight.never
         return Sight.blind if Sight.blind in sights else Sight.seeing
 
+    def holds(self, h: int) -> bool:
+        """Whether some followed worker holds the block numbered `h`."""
+        return any(h in w.held for w in self.workers.values())
+
     def matched(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of a prompt (its store hashes) the data system holds, as far as the index knows:
         exactly while `sight` is seeing, at least that many otherwise."""
         n = 0
         for h in hashes:
-            if not any(h in w.held for w in self.workers.values()):
+            if not self.holds(h):
                 break
             n += 1
         return n

@@ -379,8 +379,9 @@ class Pool:
         # charged to its queue: what it is expected to compute (the loadable part where the data system lost it)
         work = prompt.work(max(kept[chosen], stored)) + (1 - found) * loadable(chosen)
         held, new = prompt.blocks_at(chosen.blocks)
+        store_new = prompt.store_lacks(self.store, block_size) if told is not None else 0
         return Lease(chosen, work, matched[chosen], loadable(chosen), prompt, new_blocks=new, held_blocks=held,
-                     store_told=told is not None, store_new=prompt.store_lacks(self.store, block_size) if told is not None else 0)
+                     store_told=told is not None, store_new=store_new)
 
     def block_size(self) -> int:
         """Tokens per KV block, as the prefill instances' events say (0 until one has stored a block)."""

@@ -115,7 +115,8 @@ class Prompt:
     #: the request names another model than the deployment's (a LoRA adapter, whose name the connector's keys also
     #: chain from and the proxy cannot tell apart): what the data system holds of it is not looked up
     foreign: bool = False
-    _hashes: dict = field(default_factory=dict, compare=False, repr=False)  # block size -> block_hashes
+    #: block size -> block_hashes, and ("store", block size) -> store_hashes
+    _hashes: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, body: dict, served: str | None = None) -> Prompt:
@@ -159,7 +160,7 @@ class Prompt:
     def store_lacks(self, store: Store, block_size: int) -> int:
         """Full blocks of the prompt the data system does not hold, as its workers' events tell: what a prefill leg's
         connector saves there."""
-        return sum(not any(x in w.held for w in store.workers.values()) for x in self.store_hashes(block_size))
+        return sum(not store.holds(h) for h in self.store_hashes(block_size))
 
     def held(self, blocks: InstanceBlocks | None) -> tuple[float, int] | None:
         """(leading chunks, leading blocks) of the prompt an instance's prefix cache holds, as its KV-cache events
