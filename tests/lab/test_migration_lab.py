@@ -1,6 +1,7 @@
 """Failures no client sees, on the shared 2-host deployment (prefill, proxy and etcd on h1; decode on h2; the tiny
-model): greedy streams run back to back while an instance is killed (kill -9) at a moment nobody chose, and for 10 s
-after: decode's API server, then decode's EngineCore, each time waiting until the supervisor brought it back.
+model): greedy streams run back to back while an instance is killed (kill -9) as soon as one of them is a few tokens
+into its answer (a kill at a random moment found none under way in one CI: 7 sent again, 0 carried over), and for
+10 s after: decode's API server, then decode's EngineCore, each time waiting until the supervisor brought it back.
 A stream whose decode instance dies goes on elsewhere (yrpd/proxy/resume.py), and while a role restarts the other
 answers alone (PD degraded): every stream must end 200 with its whole answer, no error event, and the text an
 unbroken run gives. The CI form of the chaos run (benchmarks/chaos.py has the long one).
@@ -30,6 +31,8 @@ KILLS = (("h2", "decode-0"), ("h2", "decode-0:engine"))
 #: how long the streams go on after a kill (on prefill alone, PD degraded) before they stop until the deployment is
 #: healthy again: a restart under the full load of this 2-core machine takes minutes, not the 30 s it does idle
 DEGRADED_S = 10
+#: a stream counts as under way with this many of its TOKENS out, or fewer: the rest is time for the kill to land
+UNDER_WAY = TOKENS // 4
 PROMPTS = [f"{LONG}\n# stream {i}" for i in range(3)] + ["The capital of France is", "import os\nimport sys\n"]
 
 
@@ -43,6 +46,18 @@ def metric(proxy: str, name: str) -> dict[str, float]:
             key, value = line.rsplit(" ", 1)
             out[key[len(name):]] = float(value)
     return out
+
+
+def under_way(streams: Load, within: float = 120) -> Call:
+    """The first stream seen with its first tokens out and most still to come."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        for call in list(streams.current.values()):
+            if call.ended is None and 0 < call.chunks <= UNDER_WAY:
+                return call
+        time.sleep(0.01)
+    raise AssertionError(f"no stream had 1 to {UNDER_WAY} tokens out within {within} s: "
+                         f"{[(c.chunks, c.status, c.failure) for c in streams.calls[-8:]]}")
 
 
 def test_streams_go_on_through_instance_kills_and_no_client_sees_one(two_hosts, lab_figures):
@@ -65,13 +80,19 @@ def test_streams_go_on_through_instance_kills_and_no_client_sees_one(two_hosts, 
             pid = int(d.lab[host].exec(f"pgrep -P {pid} EngineCor").stdout.split()[0])
         with Load(d.proxy, expected, clients=CLIENTS, timeout=300,
                   request=lambda prompt, i: body(prompt, TOKENS, stream=True, ignore_eos=True)) as streams:
-            time.sleep(3)
+            time.sleep(1)
+            victim = under_way(streams)
+            chosen = victim.chunks
             d.lab[host].exec(f"kill -9 {pid}")
             killed = time.monotonic()
+            at_kill = victim.chunks
             time.sleep(DEGRADED_S)
         calls += [c for c in streams.calls if c.ended]
         d.healthy(within=240)
-        kills.append({"killed": f"{what} on {host}", "healthy_after_s": round(time.monotonic() - killed, 1)})
+        # tokens_out: that stream's, when it was chosen and once the kill had returned
+        kills.append({"killed": f"{what} on {host}", "healthy_after_s": round(time.monotonic() - killed, 1),
+                      "tokens_out": [chosen, at_kill], "that_stream_broken": victim.status != 200 or victim.error_event
+                      or bool(victim.failure), "that_stream_right": victim.text == expected[victim.body["prompt"]]})
     moved = {k: v - moved_before.get(k, 0) for k, v in metric(d.proxy, "yrpd_proxy_migrations_total").items()}
     degraded = {k: v - degraded_before.get(k, 0)
                 for k, v in metric(d.proxy, "yrpd_proxy_degraded_answers_total").items()}

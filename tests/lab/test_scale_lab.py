@@ -45,6 +45,7 @@ class Load:
         self.request = request or (lambda prompt, i: body(prompt, 16, stream=i % 2 == 1))
         self.timeout, self.pace_s = timeout, pace_s
         self.calls: list[Call] = []
+        self.current: dict[int, Call] = {}  # each client's call in flight, or its last one
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._client, args=(n,), daemon=True) for n in range(clients)]
 
@@ -53,6 +54,7 @@ class Load:
         while not self.stop.is_set():
             prompt = list(self.expected)[i % len(self.expected)]
             call = Call(self.proxy, self.request(prompt, i), timeout=self.timeout)
+            self.current[n] = call
             call.run()
             self.calls.append(call)
             i += 1
