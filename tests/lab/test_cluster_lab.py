@@ -116,6 +116,17 @@ def test_cluster_up_verified_status_restart_free_rerun_and_clean_down(fake_lab, 
     assert cluster["etcd"].startswith(lab.hosts[0].address)
     before = cluster_pids(report)
 
+    # each worker publishes what it holds of the connector's blocks (docs/dev/kv-events.md): the flag's JSON reached
+    # it intact through either launcher (yr's config, dscli's command line) and it bound the socket the flag names
+    for host in lab.hosts:
+        argv = host.exec(f"tr '\\0' '\\n' < /proc/{before[(host.name, 'ds_worker')]}/cmdline").stdout.splitlines()
+        flag = [a.split("=", 1)[1] for a in argv if a.lstrip("-").startswith("kv_events_config=")]
+        assert len(flag) == 1, (host.name, argv)
+        endpoint = json.loads(flag[0])["bind_endpoint"]
+        assert endpoint.startswith("ipc:///tmp/yrpd_sessions/") and endpoint.endswith("/kv-events-datasystem.sock")
+        path = endpoint.removeprefix("ipc://")
+        assert host.exec(f"test -S {path} && echo bound || echo absent").stdout.strip() == "bound", (host.name, path)
+
     # from outside the deployment (this machine, on the hosts' network) the data system refuses a client without
     # the deployment's CURVE keys, and serves one with them
     keys = next((tmp_path / "home" / "sessions").glob("2*")) / "secrets" / "datasystem.env"

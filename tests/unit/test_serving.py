@@ -512,8 +512,16 @@ def test_where_the_proxy_follows_the_caches_events_every_cpu_hosts_data_system_w
         other = variant(spec, target, DeviceKind.cpu)
         assert published(other, make_plan(other, INVENTORY_OF(plan))) == [None, None], target
     assert published(*deployment(DeviceKind.npu, ptp=4, dtp=4)) == [None, None]
-    # ... nor under the yr launcher, whose config has not carried the flag's JSON yet
-    assert published(*deployment(DeviceKind.cpu, devices=2, cluster_launcher="yr")) == [None, None]
+    # the yr launcher's config carries the same JSON in [ds_worker.args], as a TOML string
+    import tomllib
+
+    from yrpd.cluster.yrconfig import render_config
+    yr_spec, yr_plan = deployment(DeviceKind.cpu, devices=2, cluster_launcher="yr")
+    yr_ctx = StepContext(spec=yr_spec, plan=yr_plan, session_id="S")
+    for h in yr_plan.hosts:
+        args = tomllib.loads(render_config(node(yr_ctx, h, "ds_only")))["ds_worker"]["args"]
+        assert json.loads(args["kv_events_config"]) == {
+            "bind_endpoint": f"ipc://{yr_ctx.layout.run_dir}/kv-events-datasystem.sock", "backend_id": h.reach_ip}
 
 
 def test_a_host_other_than_the_proxys_runs_a_relay_of_its_instances_kv_events_and_the_proxy_knows_its_port():

@@ -90,11 +90,11 @@ def node(ctx: StepContext, host: HostPlan, mode: str) -> YrNode:
 def store_events(ctx: StepContext, host: HostPlan) -> bool:
     """Whether a host's worker publishes what it holds of the connector's blocks: where the proxy follows the caches'
     events (CPU hosts so far, as the instances' own: yrpd.serving.kv_events_config) and the connector is yrpd's,
-    whose keys the worker's events name (docs/dev/kv-events.md). The dscli launcher alone so far: the flag's JSON
-    value has not been through `yr`'s config. Not where the socket's path is too long to bind (the proxy then
-    routes loads on its estimate, as without it)."""
+    whose keys the worker's events name (docs/dev/kv-events.md). Either launcher: dscli puts the flag on the
+    worker's command line, yr's config carries it in [ds_worker.args] (tests/lab/test_cluster_lab.py checks both
+    bind). Not where the socket's path is too long to bind (the proxy then routes loads on its estimate, as without
+    it)."""
     return (ctx.spec.follows_kv_events and ctx.spec.routing_store_events and ctx.spec.kv_connector is KvConnector.yuanrong
-            and dscli(ctx)
             and host.kind is DeviceKind.cpu and len(ctx.layout.kv_events(DATASYSTEM_EVENTS)) <= MAX_UNIX_SOCKET_PATH)
 
 
