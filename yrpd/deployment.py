@@ -27,14 +27,31 @@ def host_group(spec: DeploySpec) -> HostGroup:
     return HostGroup(hosts, spec.ssh)
 
 
+@dataclass(frozen=True)
+class SessionContainer:
+    """Where a session's step commands run under the docker runtime: its container (one name on every host), the
+    engine that execs into it, and the preamble that sources the profile's env scripts first."""
+
+    name: str
+    engine: str
+    preamble: str
+
+
+def session_container(spec: DeploySpec, session_id: str) -> SessionContainer | None:
+    """The session's container, under the docker runtime; None where the steps run on the hosts themselves."""
+    if spec.runtime is not Runtime.docker:
+        return None
+    return SessionContainer(container_name(session_id), spec.container_engine.value,
+                            env_preamble(container_profile(spec).env_scripts))
+
+
 def runtime_group(group: HostGroup, spec: DeploySpec, session_id: str, absent_ok: bool = False) -> HostGroup:
     """The group as the session's steps see it: under the docker runtime, a view whose commands run in each
     host's container of the session (except those marked on_host); `absent_ok` for teardown."""
-    if spec.runtime is not Runtime.docker:
+    where = session_container(spec, session_id)
+    if where is None:
         return group
-    name = container_name(session_id)
-    return group.in_containers({h.name: name for h in group.hosts}, spec.container_engine.value, absent_ok,
-                               env_preamble(container_profile(spec).env_scripts))
+    return group.in_containers({h.name: where.name for h in group.hosts}, where.engine, absent_ok, where.preamble)
 
 
 def devices_given(spec: DeploySpec, host: HostSpec) -> bool:

@@ -27,11 +27,11 @@ from typing import Callable
 from yrpd import credentials, planner, rollout
 from yrpd.reconcile import (DOWN, BringUp, Desired, Join, Lifecycle, Observed, Restart, Retire, Start, Step, TearDown,
                             reconcile)
-from yrpd.containers import container_name
-from yrpd.deployment import Deployment, drained_hosts, host_group, resolve_inventory, runtime_group, save_deployment
+from yrpd.deployment import (Deployment, drained_hosts, host_group, resolve_inventory, runtime_group, save_deployment,
+                             session_container)
 from yrpd.errors import RemoteError, SessionError, SpecError
 from yrpd.exposure import PortAccess, exposure
-from yrpd.hostgroup import GroupFailure, HostGroup, as_run_in, env_preamble
+from yrpd.hostgroup import GroupFailure, HostGroup, as_run_in
 from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.playbook import PlannedStep, Playbook, PlaybookFailed, StepFailed, StepOutcome, describe, named_playbook
 from yrpd.runner import Progress, Quiet, run_on, run_playbook
@@ -369,13 +369,13 @@ def with_runtime(spec: DeploySpec, inventory: dict[str, HostInventory]) -> Deplo
 
 
 def _as_run(ctx: StepContext, steps: list[PlannedStep]) -> list[PlannedStep]:
-    """Runtime docker: the commands as deploy runs them, inside the container (`docker exec`)."""
-    if ctx.spec.runtime is not Runtime.docker:
+    """Runtime docker: the commands as deploy runs them, inside the container (`docker exec`), as runtime_group's
+    view runs them."""
+    where = session_container(ctx.spec, ctx.session_id)
+    if where is None:
         return steps
-    name, engine = container_name(ctx.session_id), ctx.spec.container_engine.value
-    preamble = env_preamble(ctx.profile.env_scripts)
-    return [PlannedStep(s.step, {host: cmd if isinstance(cmd, NotNeeded) else as_run_in(cmd, name, engine,
-                                                                                         preamble=preamble)
+    return [PlannedStep(s.step, {host: cmd if isinstance(cmd, NotNeeded) else as_run_in(cmd, where.name, where.engine,
+                                                                                         preamble=where.preamble)
                                  for host, cmd in s.actions.items()}) for s in steps]
 
 
