@@ -90,7 +90,7 @@ class ComponentStatus:
     mode: str | None
     healthy: bool
     alive: bool = False
-    cache: dict[str, Any] | None = None  # ds_worker only: CACHE_FIELDS from its resource.log, or {"error": ...}
+    cache: dict[str, Any] | None = None  # ds_worker only: its resource.log line (hostlib.ds_resource), or {"error": ...}
 
 
 @dataclass
