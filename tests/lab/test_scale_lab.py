@@ -14,6 +14,7 @@ import json
 import threading
 import time
 import urllib.request
+import uuid
 
 import pytest
 
@@ -46,6 +47,7 @@ class Load:
         self.timeout, self.pace_s = timeout, pace_s
         self.calls: list[Call] = []
         self.current: dict[int, Call] = {}  # each client's call in flight, or its last one
+        self.tag = uuid.uuid4().hex[:6]
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._client, args=(n,), daemon=True) for n in range(clients)]
 
@@ -53,7 +55,9 @@ class Load:
         i = n
         while not self.stop.is_set():
             prompt = list(self.expected)[i % len(self.expected)]
-            call = Call(self.proxy, self.request(prompt, i), timeout=self.timeout)
+            # a request id of its own: `yrpd logs --request` and the proxy's log lines name it
+            call = Call(self.proxy, self.request(prompt, i), timeout=self.timeout,
+                        request_id=f"load-{self.tag}-{n}-{i}")
             self.current[n] = call
             call.run()
             self.calls.append(call)
