@@ -1,6 +1,7 @@
 """Failures no client sees, on the shared 2-host deployment (prefill, proxy and etcd on h1; decode on h2; the tiny
 model): greedy streams run back to back while an instance is killed (kill -9) as soon as one of them is a few tokens
-into its answer, and for 10 s after: decode's API server, then decode's EngineCore, each time waiting until the supervisor brought it back.
+into its answer, and for 10 s after: decode's API server, then decode's EngineCore, each time waiting until the
+supervisor brought it back.
 A stream whose decode instance dies goes on elsewhere (yrpd/proxy/resume.py), and while a role restarts the other
 answers alone (PD degraded): every stream must end 200 with its whole answer, no error event, and the text an
 unbroken run gives. The CI form of the chaos run (benchmarks/chaos.py has the long one).
