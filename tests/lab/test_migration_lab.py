@@ -51,6 +51,11 @@ def metric(proxy: str, name: str) -> dict[str, float]:
     return out
 
 
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """Each label's count since `before` (a count after an event is a delta)."""
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
 def proxy_view(proxy: str) -> dict:
     """What the proxy says of its instances and of PD now: each instance's (role, up, in flight), degraded or not."""
     with urllib.request.urlopen(f"{proxy}/yrpd/status", timeout=10) as resp:
@@ -109,10 +114,9 @@ def test_streams_go_on_through_instance_kills_and_no_client_sees_one(two_hosts, 
                       "proxy_log": [line[-400:] for line in d.lab["h1"].exec(
                           f"grep -F 'id={victim.request_id} ' /tmp/yrpd_sessions/{session}/logs/proxy.log").stdout.splitlines()],
                       "proxy_at_kill": view, "answered_alone_before_kill": {
-                          k: v - load_alone.get(k, 0) for k, v in alone.items() if v - load_alone.get(k, 0)}})
-    moved = {k: v - moved_before.get(k, 0) for k, v in metric(d.proxy, "yrpd_proxy_migrations_total").items()}
-    degraded = {k: v - degraded_before.get(k, 0)
-                for k, v in metric(d.proxy, "yrpd_proxy_degraded_answers_total").items()}
+                          k: n for k, n in delta(alone, load_alone).items() if n}})
+    moved = delta(metric(d.proxy, "yrpd_proxy_migrations_total"), moved_before)
+    degraded = delta(metric(d.proxy, "yrpd_proxy_degraded_answers_total"), degraded_before)
     wrong = [c for c in calls if c.status == 200 and not c.error_event and c.text != expected[c.body["prompt"]]]
     broken = [c for c in calls if c.status != 200 or c.error_event or c.failure]
     figures["migration"] = {
