@@ -61,12 +61,13 @@ SHAPES = {
 }
 
 
-def start_worker(venv_bin: Path, home: Path, port: int, shm_mb: int, populate: bool) -> int:
+def start_worker(venv_bin: Path, home: Path, port: int, shm_mb: int, populate: bool, extra: list[str] = ()) -> int:
     cmd = [str(venv_bin / "dscli"), "start", "-d", str(home), "-w", "--worker_address", f"127.0.0.1:{port}",
            "--metastore_address", f"127.0.0.1:{port + 1}", "--start_metastore_service", "true",
            "--shared_memory_size_mb", str(shm_mb), "--memory_reclamation_time_second", "2"]
     if populate:  # pre-fault the shared-memory arena (production setting); needs these two as well
         cmd += ["--shared_memory_populate", "true", "--arena_per_tenant", "1", "--enable_fallocate", "false"]
+    cmd += list(extra)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     m = re.search(r"success, PID: (\d+)", out.stdout + out.stderr)
     if out.returncode != 0 or not m:
