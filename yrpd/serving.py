@@ -437,6 +437,8 @@ def proxy_launch(spec: DeploySpec, plan: Plan, paths: HostPaths) -> Launch | Non
         argv += ["--kv-relay-port", str(spec.ports.kv_relay)]
         if spec.routing_kv_exact:
             argv.append("--kv-exact")
+        if spec.datasystem_spill_mb and spec.routing_store_events:
+            argv += ["--store-memory-mb", str(spec.datasystem_memory_mb)]
     seeds = {l.env.get("PYTHONHASHSEED") for inst in plan.instances if inst.role in ("prefill", "decode")
              for l in instance_launches(spec, plan, inst, paths)[:1]}
     if len(seeds) == 1 and (seed := seeds.pop()) is not None:  # the instances' block hashes start from it

@@ -16,6 +16,7 @@ import pytest
 from tests.connector.harness import Stack, run_script
 from yrpd.connector import keys as K
 from yrpd.layout import DATASYSTEM_EVENTS, KV_EVENTS_SOCKET
+from yrpd.proxy.kvindex import MEMORY_REACH
 
 pytestmark = pytest.mark.e2e
 
@@ -52,5 +53,38 @@ def test_the_data_system_names_our_saved_and_deleted_blocks_by_their_prefix_dige
         assert got["in_time"] == "seeing", got
         assert got["late"][0] == "blind" and "no event of the data system's within 1 s" in got["late"][1], got
         assert got["after_late"] == "seeing", got
+    finally:
+        stack.close()
+
+
+def test_the_blocks_the_proxy_takes_for_spilled_are_those_the_worker_reads_from_disk(vllm_venv, session_stack, e2e_root):
+    """The worker never says a block's tier; the proxy infers it (its memory over the blocks' size, the least
+    recently stored or loaded beyond that on disk: kvindex.StoreBlocks). Checked against the worker's own hit
+    counters: 150 blocks of 1 MiB into 64 MiB of memory with a disk tier behind it. Those taken for in memory are all
+    read from memory; the oldest ten taken for on disk are read from disk (the control: the inference is not "all
+    in memory"). Once the proxy is told they were loaded they count as in memory, and the worker reads them from
+    memory again."""
+    stack = Stack(e2e_root / "ds-tiers", venv=vllm_venv, ports=session_stack.ports)
+    run_dir = e2e_root / "ds-tiers" / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        ds = stack.start_ds(shm_mb=64, extra=(
+            "--spill_directory", str(e2e_root / "ds-tiers" / "disk"), "--spill_size_limit", str(512 << 20),
+            "--log_monitor", "true", "--log_monitor_interval_ms", "1000",
+            "--kv_events_config", json.dumps(
+                {"bind_endpoint": f"ipc://{run_dir}/{KV_EVENTS_SOCKET.format(name=DATASYSTEM_EVENTS)}",
+                 "backend_id": "ds-tiers-test"})))
+        got = run_script(stack.venv, "ds_tiers.py", ds.address, str(run_dir), str(ds.home), "64", "150",
+                         str(1 << 20))
+        print(f"measured: {got}")
+        assert got["held"] == 150 and got["memory_blocks"] == got["in_memory"] == int(64 * MEMORY_REACH), got
+        # the worker keeps between its 80 % and 90 % marks in memory (a 1 MiB value takes about 1.25 MiB there):
+        # the few blocks at the edge may have gone to disk already
+        edge = got["memory_load"]["hits_disk"]
+        assert edge <= 3 and got["memory_load"] == {"hits_memory": got["in_memory"] - edge, "hits_disk": edge,
+                                                    "misses": 0}, got
+        assert got["disk_load"] == {"hits_memory": 0, "hits_disk": 10, "misses": 0}, got
+        assert got["after_touch_on_disk"] == [False] * 10, got
+        assert got["again"] == {"hits_memory": 10, "hits_disk": 0, "misses": 0}, got
     finally:
         stack.close()

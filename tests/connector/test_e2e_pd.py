@@ -124,7 +124,7 @@ def test_delete_after_load_and_expiry_set(pd, reference):
     prompt = make_prompts([900], seed=13)[0]
     ns = _ns(prefill)
     keys = K.block_keys(ns, prompt, BLOCK_SIZE)
-    prefill.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    said = prefill.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]["yrpd"]
     deadline = time.monotonic() + 10
     while not all(ds_tool(stack.venv, ds, "exist", keys)["exist"]) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -132,6 +132,8 @@ def test_delete_after_load_and_expiry_set(pd, reference):
     sizes = ds_tool(stack.venv, ds, "sizes", keys)["sizes"]
     # 2 layers x (2 kv heads, 128 tokens, 2 x 32) in the instances' dtype
     assert set(sizes.values()) == {2 * 2 * BLOCK_SIZE * 64 * DTYPE_BYTES}
+    # what prefill tells the proxy a block takes (from vLLM's KV cache config) is what the data system holds
+    assert said["block_bytes"] == 2 * 2 * BLOCK_SIZE * 64 * DTYPE_BYTES, said
     got = decode.complete(prompt, MAX_TOKENS, kv_transfer_params={"yrpd": {"num_blocks": len(keys)}})
     assert got["choices"][0]["token_ids"] == reference.tokens(prompt)
     deadline = time.monotonic() + 10

@@ -199,3 +199,35 @@ def test_the_data_system_holds_what_any_worker_holds_and_is_seen_while_none_is_b
     assert store.sight is Sight.blind and "why" in store.state()["workers"]["h2"] and not store.sees({"h1", "h2"})
     store.forget("h2")  # its instances left: neither its blocks nor its blindness count any more
     assert store.sees({"h1"}) and store.matched([3]) == 0 and store.sight is Sight.seeing
+
+
+def test_where_a_worker_has_a_disk_tier_its_least_recently_written_or_read_blocks_are_taken_for_spilled():
+    """The worker never says a block's tier: with a disk tier behind its memory, the blocks beyond what its memory
+    holds, by when each was last stored or loaded, are taken for on disk (it spills the least recently used)."""
+    from yrpd.proxy.kvindex import MEMORY_REACH, Store
+
+    store = Store(memory_bytes=5000)  # 3 blocks of 1,000 bytes (MEMORY_REACH)
+    a = store.worker("a")
+    a.apply(1, [Stored((1, 2, 3, 4, 5))])
+    # the blocks' size not said yet: nothing is taken for on disk
+    assert store.memory_blocks is None and not any(store.on_disk(h) for h in range(1, 6))
+    store.learn_block_bytes(1000)  # a prefill connector said what a block takes
+    assert store.memory_blocks == a.memory == int(5000 * MEMORY_REACH) // 1000 == 3
+    assert [store.on_disk(h) for h in range(1, 7)] == [True, True, False, False, False, False]  # 6: not held at all
+    store.touch([1])  # a connector loaded block 1: read back into memory, the newest read
+    assert [store.on_disk(h) for h in range(1, 6)] == [False, True, True, False, False]
+    a.apply(2, [Stored((2,)), Removed((5,))])  # an overwrite lands in memory; a removal makes room
+    assert [store.on_disk(h) for h in range(1, 6)] == [False, False, True, False, False]
+    assert store.state()["workers"]["a"] == {"sight": "seeing", "blocks": 4, "gaps": 0, "restarts": 0,
+                                             "memory_blocks": 3, "on_disk": 1}
+    # a block another worker has in memory is loaded from there: not on disk
+    store.worker("b").apply(1, [Stored((3,))])
+    assert store.worker("b").memory == 3 and not store.on_disk(3)
+    store.learn_block_bytes(500)  # a smaller size said later (an instance with fewer ranks) changes nothing
+    assert store.memory_blocks == 3
+    # the control: no disk tier (what a worker cannot hold it evicts, and says so): all it holds is in memory
+    plain = Store()
+    plain.worker("a").apply(1, [Stored((1, 2, 3, 4, 5))])
+    plain.learn_block_bytes(1000)
+    assert plain.memory_blocks is None and not any(plain.on_disk(h) for h in range(1, 6))
+    assert "memory_blocks" not in plain.state()["workers"]["a"]

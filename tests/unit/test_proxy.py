@@ -1291,7 +1291,7 @@ def test_what_the_data_system_says_it_holds_decides_what_a_leg_loads_and_the_est
     assert salted.store_hashes(16) != p.store_hashes(16)
     # a request for another model (a LoRA adapter, whose name the keys also chain from) is not looked up
     store.worker("a").apply(1, [Stored(tuple(p.store_hashes(16)))])
-    assert p.in_store(store, 16, {"a", "b"}) == pytest.approx(24 * 16 * p.chunks / 400)  # all but the last block
+    assert p.in_store(store, 16, {"a", "b"}) == 24  # all but the last block
     lora = Prompt.of({"prompt": text, "model": "my-lora"}, "smollm2").with_tokens(list(range(1000, 1400)), None)
     assert lora.in_store(store, 16, {"a", "b"}) is None
     assert Prompt.of({"prompt": text, "model": "smollm2"}, "smollm2").with_tokens(
@@ -1427,3 +1427,66 @@ def test_with_events_a_prompt_follows_the_leg_in_flight_that_is_computing_its_pr
     pool.release(lease)
     assert busy.pending == []
     assert pool.seen(busy, second) == 0  # ended, and its events told of nothing kept: nothing held
+
+
+def test_blocks_the_data_system_has_only_on_disk_cost_more_to_load_than_waiting_for_an_instance_that_holds_them():
+    """Instance a's own cache holds the first 10 of a prompt's 25 blocks, b's none, and the data system all but the
+    last; a has work queued. Loaded from the workers' memory, the blocks are cheap: the idle b takes the leg. Where
+    the workers' index takes them for spilled to disk (stored before more than the memory holds), a load costs
+    DISK_LOAD_RATIO times as much: a, which must load fewer, takes it."""
+    from yrpd.proxy.kvindex import InstanceBlocks, Store, Stored
+    from yrpd.proxy.routing import DISK_LOAD_RATIO
+
+    text = "Background: " + "the quick brown fox jumps over the lazy dog. " * 40
+    p = prompt(text).with_tokens(list(range(1000, 1400)), None)  # 25 full blocks of 16
+
+    def routed(spilled: bool):
+        pool = Pool(["http://a", "http://b"], [], Routing.prefix, bound=3)
+        a, b = pool.of("prefill")
+        for inst, held in ((a, p.hashes(16)[:10]), (b, [12345])):
+            inst.up, inst.blocks = True, InstanceBlocks()
+            inst.blocks.apply(0, [Stored(tuple(held), 16)])
+        a.queued = 8.0
+        store = Store(memory_bytes=56_000)  # 38 blocks of 1,000 bytes (MEMORY_REACH)
+        store.learn_block_bytes(1000)
+        for host in ("a", "b"):
+            store.worker(host).apply(1, [])
+        later = [Stored(tuple(range(1, 71)))]  # 70 blocks of other prompts
+        mine = [Stored(tuple(p.store_hashes(16)))]
+        store.worker("a").apply(2, later + mine if not spilled else mine + later)
+        pool.store = store
+        lease = pool.acquire("prefill", prompt=p)
+        pool.release(lease)
+        return pool, lease
+
+    pool, lease = routed(spilled=False)
+    assert lease.store_told and lease.instance.url == "http://b" and lease.on_disk == 0
+    pool, lease = routed(spilled=True)
+    assert lease.store_told and lease.instance.url == "http://a"
+    assert lease.on_disk == pytest.approx(lease.loadable) == pytest.approx(14 * 16 * p.chunks / 400)
+    assert DISK_LOAD_RATIO > 1
+    # its connector loaded the 14 blocks past the 10 its cache had: read back, they are in memory now
+    pool.observe(lease, 14, cached_tokens=160)
+    assert [pool.store.on_disk(h) for h in p.store_hashes(16)[:24]] == [True] * 10 + [False] * 14
+    # what a block takes, as a connector says it (an instance with two TP ranks: twice the bytes), sizes the memory
+    pool.observe(lease, 0, block_bytes=2000)
+    assert pool.store.block_bytes == 2000 and pool.store.memory_blocks == pool.store.worker("a").memory == 19
+
+
+def test_a_leg_that_loaded_from_disk_teaches_the_memory_loads_time_counting_each_chunk_as_the_disk_ratio():
+    from yrpd.proxy.routing import DISK_LOAD_RATIO
+
+    def taught(on_disk: bool) -> float:
+        pool, home, other = a_prefix_stored_at_home()
+        home.queued, home.in_flight = 15.0, 1
+        moved = pool.acquire("prefill", prompt=prompt(SHARED + "Q2"))
+        assert moved.instance is other and moved.loadable == 21
+        if on_disk:
+            moved.on_disk = moved.loadable  # as the workers' index would infer
+        done = moved.started + 0.05 * moved.work + 21 * 0.2
+        pool.release(moved, now=done)
+        pool.observe(moved, 3, now=done)
+        return pool.load_chunk_s
+
+    assert taught(False) == pytest.approx(0.2)  # the control: from memory, 0.2 s a chunk
+    assert taught(True) == pytest.approx(0.2 / DISK_LOAD_RATIO)  # the same seconds, from disk: memory is faster

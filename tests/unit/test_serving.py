@@ -551,3 +551,14 @@ def test_a_host_other_than_the_proxys_runs_a_relay_of_its_instances_kv_events_an
     # the proxy is told where relays listen whenever it follows events, so a scale onto a new host needs no restart
     # of it; not where it follows none
     assert [("--kv-relay-port" in proxy_launch(o, p, PATHS).argv) for o, p in cases] == [False, False, True]
+
+
+def test_the_proxy_knows_the_workers_memory_where_a_disk_tier_is_behind_it():
+    """Prefix routing infers what the data system holds on disk from each worker's memory (kvindex.Store): told where
+    a disk tier exists and the workers' events are followed; not where all a worker holds is in memory."""
+    spec, plan = deployment(DeviceKind.cpu, devices=2, datasystem_spill_mb=512, datasystem_memory_mb=2048)
+    assert flag(proxy_launch(spec, plan, PATHS).argv, "--store-memory-mb") == "2048"
+    # the controls: no disk tier; the workers' events not followed
+    for over in ({}, {"datasystem_spill_mb": 512, "routing_store_events": False}):
+        other, other_plan = deployment(DeviceKind.cpu, devices=2, **over)
+        assert "--store-memory-mb" not in proxy_launch(other, other_plan, PATHS).argv

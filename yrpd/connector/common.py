@@ -89,6 +89,7 @@ class ConnectorContext:
         # Only one KV cache group can be named by a flat list of block ids (and reported on failure).
         groups = getattr(kv_cache_config, "kv_cache_groups", None) if kv_cache_config is not None else None
         self.active = True
+        self.block_bytes = self._compute_block_bytes(groups)
         if groups is not None and len(groups) != 1:
             self.active = False
             logger.warning("yrpd connector: %d KV cache groups (hybrid model); the connector stays idle "
@@ -116,6 +117,17 @@ class ConnectorContext:
         if cache_dtype != "auto":
             return cache_dtype
         return str(getattr(self.vllm_config.model_config, "dtype", "auto")).replace("torch.", "")
+
+    def _compute_block_bytes(self, groups) -> int | None:
+        """What one block of a request takes in the data system, every rank's key together: a page (vLLM's
+        page_size_bytes) of every layer the scheduler's config names, on each TP rank (each writes a key); None where
+        vLLM gave no KV cache config (an older vLLM) or more than one group. Cache-aware routing infers from it how
+        many blocks a worker's memory holds before it spills (yrpd.proxy.kvindex.Store.memory_blocks)."""
+        try:
+            (group,) = groups
+            return int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names) * self.tp_size
+        except (TypeError, ValueError, AttributeError):
+            return None
 
     def _compute_layout_tag(self, extra: dict) -> str:
         if extra.get("layout"):

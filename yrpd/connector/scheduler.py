@@ -404,5 +404,6 @@ class ConnectorScheduler(ConnectorHalf):
                         "them from it)", req_id, n, f" + a {tail}-token tail" if tail else "", loaded)
         return False, {"yrpd": {"num_blocks": n, "tail": tail, "loaded": loaded, "block_size": self.block_size,
                                 **({"cached": cached} if cached is not None else {}),
+                                **({"block_bytes": self.ctx.block_bytes} if self.ctx.block_bytes else {}),
                                 "ns": ",".join(self._rank_ns), "kv_dtype": self.ctx.kv_dtype,
                                 "model": self.ctx.model_identity}}

@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the KV-event relay of each other host listens (yrpd.proxy.kvrelay; its CURVE keys from "
                         "YRPD_KV_RELAY_PUBLIC, YRPD_KV_PROXY_PUBLIC, YRPD_KV_PROXY_SECRET): the events of instances "
                         "on other hosts come through it")
+    p.add_argument("--store-memory-mb", type=int, metavar="MB",
+                   help="each data-system worker's shared memory, where a disk tier is behind it: prefix routing "
+                        "takes its older blocks for spilled to disk, whose loads cost more")
     p.add_argument("--kv-exact", action="store_true",
                    help="before routing each leg, fetch what the instances' KV-cache events have not delivered yet "
                         "from the replay socket of each instance whose copy lacks the last block of a leg that ended "
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                          request_timeout=args.request_timeout, probe_interval=args.probe_interval,
                          routing=Routing(args.routing), routing_bound=max(1, args.routing_bound),
                          instances_file=args.instances_file, kv_events=args.kv_events, kv_hash_seed=args.kv_hash_seed,
-                         kv_exact=args.kv_exact, kv_relay_port=args.kv_relay_port, kv_relay_keys=relay_keys)
+                         kv_exact=args.kv_exact, kv_relay_port=args.kv_relay_port, kv_relay_keys=relay_keys,
+                         store_memory_mb=args.store_memory_mb)
     try:
         _run(_serve(config, args.host, args.port))
     except OSError as exc:  # typically the port is taken

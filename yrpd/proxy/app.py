@@ -132,6 +132,9 @@ class ProxyConfig:
     #: the port of each other host's KV-event relay, and the CURVE keys to reach it (its public key, the proxy's pair)
     kv_relay_port: int | None = None
     kv_relay_keys: tuple[str, str, str] | None = None
+    #: each data-system worker's shared memory in MB, where a disk tier is behind it (None: none): what of the
+    #: workers' holdings is on disk is inferred from it (yrpd.proxy.kvindex.StoreBlocks)
+    store_memory_mb: int | None = None
 
 
 def parse_members(data) -> list[tuple[str, str, bool, str]]:
@@ -202,7 +205,8 @@ def _connector_says(kv: object) -> dict:
 
 def _said_count(info: dict, key: str) -> int | None:
     """A count the connector said (`loaded`: blocks it took from the data system, `cached`: prompt tokens in the
-    instance's own prefix cache, `block_size`); None where it did not say one."""
+    instance's own prefix cache, `block_size`, `block_bytes`: what a block takes in the data system); None where it
+    did not say one."""
     value = info.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -255,7 +259,8 @@ class Proxy:
         self.missing: list[str] = []  # the roles with no instance up, as of the last probe round
         #: the instances' KV-cache events (prefix routing): a batch is due within one probe round of a leg storing
         self.feeds = Feeds(lag_s=config.probe_interval, relay_port=config.kv_relay_port,
-                           curve=Curve(*config.kv_relay_keys) if config.kv_relay_keys else None, exact=config.kv_exact)
+                           curve=Curve(*config.kv_relay_keys) if config.kv_relay_keys else None, exact=config.kv_exact,
+                           store_memory_mb=config.store_memory_mb)
         if self._follows_events():
             self.pool.store = self.feeds.store
 
@@ -613,7 +618,8 @@ class Proxy:
         if lease is not None:
             info = _connector_says(kv)
             cached = _said_count(info, "cached")
-            self.pool.observe(lease, _said_count(info, "loaded"), cached_tokens=cached)
+            self.pool.observe(lease, _said_count(info, "loaded"), cached_tokens=cached,
+                              block_bytes=_said_count(info, "block_bytes"))
             if check := self.pool.checked(lease, cached, _said_count(info, "block_size")):
                 request[_CALL].note["index"] = "%d/%d" % check  # the log line's: blocks claimed / found
             if lease.chunk_s is not None:

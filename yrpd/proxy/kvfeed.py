@@ -245,15 +245,16 @@ class Feeds:
     rules that say when the proxy cannot see a cache exactly (docs/dev/kv-events.md "No silent blindness")."""
 
     def __init__(self, lag_s: float, context=None, curve: Curve | None = None, relay_port: int | None = None,
-                 exact: bool = False) -> None:
+                 exact: bool = False, store_memory_mb: int | None = None) -> None:
         """`relay_port`: where a host's relay (yrpd.proxy.kvrelay) listens, at the address its instances have, with
         `curve` the keys to reach it; None: instances on other hosts are routed on the estimate. `exact`: the exact
-        mode (`catch_up` before routing), which alone keeps the blocks legs left awaited."""
+        mode (`catch_up` before routing), which alone keeps the blocks legs left awaited. `store_memory_mb`: each
+        data-system worker's shared memory where a disk tier is behind it (None: none)."""
         self.lag_s, self.ctx, self.curve, self.relay_port = lag_s, context, curve, relay_port
         self.exact = exact
         self.watches: dict[str, Watch] = {}
         #: the data system's holdings, from the workers' own events: one feed per host whose instances are followed
-        self.store = Store()
+        self.store = Store(None if store_memory_mb is None else store_memory_mb << 20)
         self._store_feeds: dict[str, tuple[Feed, asyncio.Task]] = {}
         self._store_said: dict[str, Sight] = {}  # each worker's sight as last logged
         #: a prefill leg on the host saved blocks its worker lacked: (when it started, by when a batch must have come)

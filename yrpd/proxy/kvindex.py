@@ -5,6 +5,7 @@ vLLM's side and what this index does with it (issue 46)."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import pickle
 import time
 import urllib.parse
@@ -240,6 +241,14 @@ class InstanceBlocks(Numbered):
         return n
 
 
+#: how much of a worker's shared memory our blocks fill before its disk tier takes the older ones. It spills from 90 %
+#: full down to 80 %, and a value takes more room there than its bytes (1 MiB took about 1.25 MiB), so what stays
+#: in memory swings with where the last spill ended: the newest 44-46 of 1 MiB blocks in 64 MiB
+#: (tests/connector/test_ds_events.py), 66-68 of 2.8 MiB blocks in 256 MiB (benchmarks/connector/bench_tiers.py:
+#: docs/bench/connector-tiers-*.json). A little under the least seen, so that a block at the edge counts as on disk.
+MEMORY_REACH = 0.68
+
+
 @dataclass
 class StoreBlocks(Numbered):
     """What one data-system worker holds of the connector's blocks, as its own KV events tell (openYuanrong's
@@ -250,37 +259,107 @@ class StoreBlocks(Numbered):
     block out (its load would miss), which errs towards computing. Its batches are numbered from 1 and it has no
     replay: a subscriber that joined late, or missed a batch, cannot learn what it missed, so it stays blind (what it
     holds is then at least what the index says) until the worker starts anew, empty; blind for want of news ends
-    with the next batch in order."""
+    with the next batch in order.
 
-    held: set[int] = field(default_factory=set)
+    Which tier a block is in, the worker never says. Where it has a disk tier (`memory` set) the index infers it:
+    the worker spills the blocks written or read least recently, so the newest `memory` blocks, by when each was
+    last stored or loaded (`touch`), are taken for those in memory and the older ones for those on disk."""
+
+    #: what it holds, least recently stored or loaded first (a dict as an ordered set)
+    order: dict[int, None] = field(default_factory=dict)
+    #: how many of our blocks its memory holds before it spills (Store.memory_blocks); None: no disk tier behind it,
+    #: or the blocks' size not known yet: all it holds is taken for in memory
+    memory: int | None = None
+    _resident: set[int] | None = field(default=None, repr=False)  # the newest `memory` of `order`, kept until it changes
 
     FIRST: ClassVar[int] = 1
     RESTARTED: ClassVar[str] = "the worker started anew"
     JOINED_LATE: ClassVar[str] = ": the proxy joined after the worker had stored"
 
+    @property
+    def held(self):
+        """The numbers of the blocks it holds (a set-like view)."""
+        return self.order.keys()
+
     def apply(self, seq: int, events: Iterable[Event], now: float | None = None) -> None:
         self._number(seq, now)
         for event in events:
             if isinstance(event, Stored):
-                self.held.update(event.hashes)
+                for h in event.hashes:  # a write lands in memory, an overwrite too
+                    self.order.pop(h, None)
+                    self.order[h] = None
             elif isinstance(event, Removed):
-                self.held.difference_update(event.hashes)
+                for h in event.hashes:
+                    self.order.pop(h, None)
             else:
-                self.held.clear()
+                self.order.clear()
+        self._resident = None
+
+    def touch(self, hashes: Iterable[int]) -> None:
+        """A connector loaded these blocks: a block read back from disk is in memory again, and a block read is
+        spilled after those read less recently."""
+        for h in hashes:
+            if h in self.order:
+                self.order.pop(h)
+                self.order[h] = None
+                self._resident = None
+
+    def on_disk(self, h: int) -> bool:
+        """Whether the block numbered `h` is held, but on disk only (by recency, above)."""
+        if self.memory is None or h not in self.order:
+            return False
+        if self._resident is None:
+            self._resident = set(itertools.islice(reversed(self.order), self.memory))
+        return h not in self._resident
 
     def _new_run(self) -> None:
-        self.held.clear()
+        self.order.clear()
+        self._resident = None
 
 
 class Store:
     """The data system's holdings of the connector's blocks: every followed worker's together (a connector loads a
     block from whichever worker holds it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory_bytes: int | None = None) -> None:
         self.workers: dict[str, StoreBlocks] = {}  # host -> its worker's index
+        #: each worker's shared memory, where a disk tier is behind it (None: no disk tier, all it holds is in memory)
+        self.memory_bytes = memory_bytes
+        #: what one block of ours takes in a worker, all its keys together, as the prefill connectors say (None
+        #: until one has)
+        self.block_bytes: int | None = None
 
     def worker(self, host: str) -> StoreBlocks:
-        return self.workers.setdefault(host, StoreBlocks())
+        if host not in self.workers:
+            self.workers[host] = StoreBlocks(memory=self.memory_blocks)
+        return self.workers[host]
+
+    @property
+    def memory_blocks(self) -> int | None:
+        """How many of our blocks a worker's memory holds before it spills the older ones to its disk tier; None
+        where it has none or the blocks' size is not known yet."""
+        if self.memory_bytes is None or not self.block_bytes:
+            return None
+        return max(0, int(self.memory_bytes * MEMORY_REACH) // self.block_bytes)
+
+    def learn_block_bytes(self, nbytes: int) -> None:
+        """A prefill connector said what one block of ours takes (the largest said counts: an instance with more TP
+        ranks writes more keys per block)."""
+        if nbytes > 0 and nbytes > (self.block_bytes or 0):
+            self.block_bytes = nbytes
+            for w in self.workers.values():
+                w.memory, w._resident = self.memory_blocks, None
+
+    def touch(self, hashes: Sequence[int]) -> None:
+        """A connector loaded these blocks: read back, wherever they were (StoreBlocks.touch)."""
+        for w in self.workers.values():
+            w.touch(hashes)
+
+    def on_disk(self, h: int) -> bool:
+        """Whether every followed worker that holds the block numbered `h` has it on disk only: a load of it reads
+        the disk (a connector reads whichever worker holds it)."""
+        holders = [w for w in self.workers.values() if h in w.order]
+        return bool(holders) and all(w.on_disk(h) for w in holders)
 
     def sees(self, hosts: Iterable[str]) -> bool:
         """Whether what the data system holds is known exactly where `hosts` (those of the prefill instances, whose
@@ -318,5 +397,7 @@ class Store:
         """What /yrpd/status and /metrics say of it."""
         return {"sight": self.sight.value, "blocks": len(set().union(*(w.held for w in self.workers.values()))),
                 "workers": {host: {"sight": w.sight.value, "blocks": len(w.held), "gaps": w.gaps,
-                                   "restarts": w.restarts, **({"why": w.why} if w.why else {})}
+                                   "restarts": w.restarts, **({"why": w.why} if w.why else {}),
+                                   **({"memory_blocks": w.memory, "on_disk": max(0, len(w.order) - w.memory)}
+                                      if w.memory is not None else {})}
                             for host, w in sorted(self.workers.items())}}

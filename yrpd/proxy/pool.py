@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 from .kvindex import InstanceBlocks, Sight, Store, host_of
-from .routing import (LEARN_CHUNKS, LEARN_RATE, LOAD_WEIGHT, LOADABLE_PRIOR, RECENT_LEGS, WORK_WEIGHT, PrefixMemory,
-                      Prompt, Routing)
+from .routing import (DISK_LOAD_RATIO, LEARN_CHUNKS, LEARN_RATE, LOAD_WEIGHT, LOADABLE_PRIOR, RECENT_LEGS, WORK_WEIGHT,
+                      PrefixMemory, Prompt, Routing)
 
 ROLES = ("prefill", "decode")
 #: why the proxy cannot see the cache of an instance out of rotation (its probe failed, or a request to it)
@@ -97,6 +97,7 @@ class Lease:
     pending: list[bytes] | None = None  # the chain it added to the instance's pending ones (prefix routing)
     store_told: bool = False  # its loadable chunks came from the data system's events, not the estimate
     store_new: int = 0  # full blocks of the prompt the data system lacked, where its events told: the leg saves them
+    on_disk: float = 0  # of its loadable chunks, those the data system's index infers only its disk tier holds
     ahead: float = 0.0  # chunks queued on the instance when this leg was routed there
     chunk_s: float | None = None  # the seconds per chunk its cost was reckoned with (prefix routing's prefill legs)
     started: float = field(default_factory=time.monotonic)
@@ -126,9 +127,9 @@ class Pool:
         self.stored = PrefixMemory()
         #: how often a prefill leg that could load such chunks found them in the data system lately (0..1)
         self.loadable_found = LOADABLE_PRIOR
-        #: seconds a prefill leg took per chunk it loaded from the data system, beyond its computing: measured (the
-        #: moving averages of those seconds and of the chunks loaded, the one over the other), None until a leg
-        #: that loaded taught it
+        #: seconds a prefill leg took per chunk it loaded from the data system's memory, beyond its computing:
+        #: measured (the moving averages of those seconds and of the chunks loaded, the one over the other, a chunk
+        #: its index took for on disk counted DISK_LOAD_RATIO times), None until a leg that loaded taught it
         self.load_chunk_s: float | None = None
         self._loads: tuple[float, float] | None = None  # (seconds, chunks), the averages above
         #: the data system's holdings as its workers' own events tell (yrpd.proxy.kvfeed.Feeds.store); None: not
@@ -161,17 +162,26 @@ class Pool:
         return sum(known) / len(known) if known else inst.chunk_s
 
     def observe(self, lease: Lease, loaded_blocks: int | None, now: float | None = None,
-                cached_tokens: int | None = None) -> None:
+                cached_tokens: int | None = None, block_bytes: int | None = None) -> None:
         """A prefill leg finished (`loaded_blocks`: what its connector loaded from the data system; None when it
-        did not say; `cached_tokens`: the prompt tokens the instance's own prefix cache had, where it said): its
-        prompt's KV is in the data system now, a leg that expected to load there tells how often that works, and
-        its time what a chunk costs there."""
+        did not say; `cached_tokens`: the prompt tokens the instance's own prefix cache had, where it said;
+        `block_bytes`: what one of its blocks takes in the data system, where it said): its prompt's KV is in the
+        data system now, a leg that expected to load there tells how often that works, and its time what a chunk
+        costs there."""
         if self.routing is not Routing.prefix or lease.prompt is None or lease.instance.role != "prefill":
             return
         if loaded_blocks is None:
             # a connector that does not say what it loads (another store, an older yrpd) would never correct the
             # estimate, so its prompts are not taken for loadable either
             return
+        if self.store is not None:
+            if block_bytes:
+                self.store.learn_block_bytes(block_bytes)
+            size = self.block_size()
+            if loaded_blocks > 0 and size and lease.prompt.tokens:
+                # the blocks it read, past those its own cache had: in the data system's memory now
+                first = (cached_tokens or 0) // size
+                self.store.touch(lease.prompt.store_hashes(size)[first:first + loaded_blocks])
         self.stored.remember(lease.prompt.chain)
         # a leg routed on what the data system said it holds teaches nothing of how often the estimate's "stored
         # lately" is still there: it only loaded where the blocks were said to be
@@ -214,17 +224,19 @@ class Pool:
             matched = min(cached_tokens, len(prompt.tokens)) * prompt.chunks / len(prompt.tokens)
         computed = prompt.work(matched + loaded)
         if loaded:
+            # in loads from memory: one from the disk tier counts DISK_LOAD_RATIO of them
+            from_memory = loaded + (DISK_LOAD_RATIO - 1) * min(lease.on_disk, loaded)
             if inst.chunk_s is not None and loaded >= LEARN_CHUNKS:
                 # the busy seconds the leg brought beyond computing its own chunks at the instance's rate, per chunk
                 # loaded (not its time from routing: the same whole-queue fault). A sample may be below 0 where legs
                 # overlapped, so the averages are clamped, not each sample.
                 extra = spent - inst.chunk_s * computed
-                seconds, chunks = self._loads or (extra, loaded)
-                self._loads = (_average(seconds, extra), _average(chunks, loaded))
+                seconds, chunks = self._loads or (extra, from_memory)
+                self._loads = (_average(seconds, extra), _average(chunks, from_memory))
                 self.load_chunk_s = max(0.0, self._loads[0] / self._loads[1])
             ratio = (self.load_chunk_s / inst.chunk_s if self.load_chunk_s is not None and inst.chunk_s
                      else LOAD_WEIGHT / WORK_WEIGHT)
-            computed += loaded * ratio
+            computed += from_memory * ratio
         seconds, chunks = inst.timed or (spent, computed)
         inst.timed = (_average(seconds, spent), _average(chunks, computed))
         inst.chunk_s, inst.untimed_legs = inst.timed[0] / inst.timed[1], 0
@@ -356,8 +368,10 @@ class Pool:
         found = self.loadable_found
         block_size = self.block_size()
         told = prompt.in_store(self.store, block_size, {host_of(i.url) for i in self.up("prefill")})
+        disk: tuple[bool, ...] = ()
         if told is not None:  # what the data system holds, as it says: loads found there for sure
-            stored, found = told, 1.0
+            disk = prompt.store_on_disk(self.store, block_size, told)
+            stored, found = prompt.block_chunks(told, block_size), 1.0
         # what an instance holds now, as far as it is likely still held when the legs queued there have run: a
         # long queue computes new blocks that evict old ones (what the index says at routing is not what the cache
         # holds when a queued leg runs)
@@ -366,13 +380,20 @@ class Pool:
         def loadable(i: Instance) -> float:
             return max(0, stored - kept[i])
 
+        def on_disk(i: Instance) -> float:
+            # of the blocks past what the instance holds, those only the data system's disk tier has
+            if not any(disk):
+                return 0.0
+            per_block = prompt.block_chunks(1, block_size)
+            return min(sum(disk[int(kept[i] // per_block):]) * per_block, loadable(i))
+
         def cost(i: Instance) -> float:
             # Expected seconds: this leg's wait and work, its work counted WORK_WEIGHT times (it also delays every
             # later leg there). Until a leg is measured, chunks: what a load costs then comes from LOAD_WEIGHT.
             chunk = self.chunk_s(i)
             chunk = 1.0 if chunk is None else chunk
             load = self.load_chunk_s if self.load_chunk_s is not None else chunk * LOAD_WEIGHT / WORK_WEIGHT
-            fetch = loadable(i) * (found * load + (1 - found) * chunk)
+            fetch = loadable(i) * (found * load + (1 - found) * chunk) + on_disk(i) * load * (DISK_LOAD_RATIO - 1)
             return chunk * (i.queued + WORK_WEIGHT * prompt.work(max(kept[i], stored))) + WORK_WEIGHT * fetch
 
         chosen = min(within, key=lambda i: (cost(i), i.in_flight, i.recent))
@@ -381,7 +402,7 @@ class Pool:
         held, new = prompt.blocks_at(chosen.blocks)
         store_new = prompt.store_lacks(self.store, block_size) if told is not None else 0
         return Lease(chosen, work, matched[chosen], loadable(chosen), prompt, new_blocks=new, held_blocks=held,
-                     store_told=told is not None, store_new=store_new)
+                     store_told=told is not None, store_new=store_new, on_disk=on_disk(chosen))
 
     def block_size(self) -> int:
         """Tokens per KV block, as the prefill instances' events say (0 until one has stored a block)."""

@@ -59,6 +59,13 @@ WORK_WEIGHT = 2.0
 #: Measured on the CPU lab (SmolLM2, float32): a 768-token prefix loaded from the data system in 150-300 ms
 #: against 1.2-1.5 s to compute it, about a sixth; a quarter of WORK_WEIGHT leaves room for slower networks.
 LOAD_WEIGHT = 0.5
+#: what a load from the data system's disk tier costs against one from its memory: a spilled block read from the
+#: device took 7.3 times as long per block as one in memory, 3.7 times where the kernel still had the file cached
+#: (benchmarks/connector/bench_tiers.py, SmolLM2's 2.9 MB blocks: docs/bench/connector-tiers-cold.json and
+#: -pagecache.json). The device's figure, since the page cache keeps a spilled file only while nothing needs the
+#: memory. What a memory load costs is measured on the prefill legs (Pool.load_chunk_s); a disk load counts this
+#: many of those.
+DISK_LOAD_RATIO = 7.3
 #: prefill legs that expected to load at least this many chunks teach how often the data system had them
 LEARN_CHUNKS = 8
 #: how much one such leg moves that estimate (an exponential moving average), and where it starts: trusting the
@@ -147,15 +154,23 @@ class Prompt:
             self._hashes[key] = [event_hash(d) for d in prefix_digests(self.tokens or (), block_size, extra=extra)]
         return self._hashes[key]
 
-    def in_store(self, store: Store | None, block_size: int, hosts: Iterable[str]) -> float | None:
-        """Leading chunks of the prompt a leg could load from the data system as its workers' events tell, where
+    def in_store(self, store: Store | None, block_size: int, hosts: Iterable[str]) -> int | None:
+        """Leading blocks of the prompt a leg could load from the data system as its workers' events tell, where
         they tell it exactly for every host in `hosts` (Store.sees); None where not (no events, a worker blind or
         silent so far, no token ids or block size, a foreign model): routing estimates then. A connector loads at
         most every block but the one holding the last prompt token (keys.loadable_blocks)."""
         if (store is None or self.foreign or not self.tokens or block_size < 1 or not store.sees(hosts)):
             return None
-        n = min(store.matched(self.store_hashes(block_size)), loadable_blocks(len(self.tokens), block_size))
-        return n * block_size * self.chunks / len(self.tokens)
+        return min(store.matched(self.store_hashes(block_size)), loadable_blocks(len(self.tokens), block_size))
+
+    def block_chunks(self, blocks: float, block_size: int) -> float:
+        """The prompt chunks `blocks` blocks of `block_size` tokens cover (its token ids known)."""
+        return blocks * block_size * self.chunks / len(self.tokens) if self.tokens else 0.0
+
+    def store_on_disk(self, store: Store, block_size: int, blocks: int) -> tuple[bool, ...]:
+        """For each of the prompt's first `blocks` blocks (those `in_store` counted): whether the data system holds it
+        on its disk tier only, as far as its index infers (StoreBlocks.on_disk)."""
+        return tuple(store.on_disk(h) for h in self.store_hashes(block_size)[:blocks])
 
     def store_lacks(self, store: Store, block_size: int) -> int:
         """Full blocks of the prompt the data system does not hold, as its workers' events tell: what a prefill leg's
