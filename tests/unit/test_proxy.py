@@ -1468,6 +1468,10 @@ def test_blocks_the_data_system_has_only_on_disk_cost_more_to_load_than_waiting_
     # its connector loaded the 14 blocks past the 10 its cache had: read back, they are in memory now
     pool.observe(lease, 14, cached_tokens=160)
     assert [pool.store.on_disk(h) for h in p.store_hashes(16)[:24]] == [True] * 10 + [False] * 14
+    from yrpd.proxy.metrics import Metrics
+    text = Metrics().render(pool, store=pool.store.state())
+    assert 'yrpd_proxy_store_index_on_disk_blocks{host="a"} 57' in text  # 25 + 70 held, 38 in memory
+    assert "store_index_on_disk" not in Metrics().render(pool, store=Store().state())  # the control: no disk tier
     # what a block takes, as a connector says it (an instance with two TP ranks: twice the bytes), sizes the memory
     pool.observe(lease, 0, block_bytes=2000)
     assert pool.store.block_bytes == 2000 and pool.store.memory_blocks == pool.store.worker("a").memory == 19

@@ -135,6 +135,12 @@ class Metrics:
             family("yrpd_proxy_store_index_blocks", "gauge",
                    "Blocks the host's data-system worker holds of the connector's, as its own KV events say.",
                    [("", {"host": host}, w.get("blocks", 0)) for host, w in workers])
+            tiered = [(host, w) for host, w in workers if "on_disk" in w]
+            if tiered:
+                family("yrpd_proxy_store_index_on_disk_blocks", "gauge",
+                       "Of those, the blocks the proxy takes for spilled to the worker's disk tier (the least recently "
+                       "stored or loaded beyond what its memory holds): their loads are costed as disk reads.",
+                       [("", {"host": host}, w["on_disk"]) for host, w in tiered])
             family("yrpd_proxy_store_index_gaps_total", "counter",
                    "Times the proxy went blind to the host's data-system worker.",
                    [("", {"host": host}, w.get("gaps", 0)) for host, w in workers])
