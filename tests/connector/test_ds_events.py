@@ -77,9 +77,11 @@ def test_the_blocks_the_proxy_takes_for_spilled_are_those_the_worker_reads_from_
         got = run_script(stack.venv, "ds_tiers.py", ds.address, str(run_dir), str(ds.home), "64", "150",
                          str(1 << 20))
         print(f"measured: {got}")
+        assert got["sight"] == ["seeing", ""], got  # every batch of the worker's followed
         assert got["held"] == 150 and got["memory_blocks"] == got["in_memory"] == int(64 * MEMORY_REACH), got
         # the worker keeps between its 80 % and 90 % marks in memory (a 1 MiB value takes about 1.25 MiB there):
-        # the few blocks at the edge may have gone to disk already
+        # after a spill that ran down to 80 % the few blocks at the edge have gone to disk already (kvindex's
+        # MEMORY_REACH)
         edge = got["memory_load"]["hits_disk"]
         assert edge <= 3 and got["memory_load"] == {"hits_memory": got["in_memory"] - edge, "hits_disk": edge,
                                                     "misses": 0}, got

@@ -586,7 +586,7 @@ def test_consumer_forces_the_load_failure_policy_to_recompute(make):
 
 def test_prefill_tells_what_one_block_takes_in_the_data_system_every_ranks_key_together(make):
     """Cache-aware routing sizes a worker's memory in blocks from it (yrpd.proxy.kvindex.Store.memory_blocks): a page
-    of every layer, on each TP rank."""
+    of every layer, on each TP x PP rank."""
     def said(sch) -> dict:
         req = fakes.request("r", tokens(22, 9), {"do_remote_decode": True})
         sch.get_num_new_matched_tokens(req, 0)
@@ -594,10 +594,10 @@ def test_prefill_tells_what_one_block_takes_in_the_data_system_every_ranks_key_t
 
     page = SimpleNamespace(page_size_bytes=4096)
     groups = [SimpleNamespace(layer_names=["l0", "l1", "l2"], kv_cache_spec=page)]
-    for tp in (2, 1):
-        ctx = common.ConnectorContext(fakes.vllm_config("kv_both", {"retry_backoff_s": 0.05}, block_size=BS, tp=tp),
-                                      SimpleNamespace(kv_cache_groups=groups, num_blocks=None))
-        assert ctx.block_bytes == 3 * 4096 * tp
+    for tp, pp in ((2, 1), (2, 2), (1, 1)):
+        ctx = common.ConnectorContext(fakes.vllm_config("kv_both", {"retry_backoff_s": 0.05}, block_size=BS, tp=tp,
+                                                        pp=pp), SimpleNamespace(kv_cache_groups=groups, num_blocks=None))
+        assert ctx.block_bytes == 3 * 4096 * tp * pp
     sch = S.ConnectorScheduler(ctx, can_wait=True, can_recompute=True)
     try:
         assert said(sch)["block_bytes"] == 3 * 4096

@@ -216,10 +216,14 @@ def test_where_a_worker_has_a_disk_tier_its_least_recently_written_or_read_block
     assert [store.on_disk(h) for h in range(1, 7)] == [True, True, False, False, False, False]  # 6: not held at all
     store.touch([1])  # a connector loaded block 1: read back into memory, the newest read
     assert [store.on_disk(h) for h in range(1, 6)] == [False, True, True, False, False]
-    a.apply(2, [Stored((2,)), Removed((5,))])  # an overwrite lands in memory; a removal makes room
-    assert [store.on_disk(h) for h in range(1, 6)] == [False, False, True, False, False]
+    a.apply(2, [Stored((2,))])  # an overwrite lands in memory and pushes the oldest there (4) out
+    assert [store.on_disk(h) for h in range(1, 6)] == [False, False, True, True, False]
+    a.apply(3, [Removed((5,))])  # a removal makes room in memory, but reads nothing back from disk
+    assert [store.on_disk(h) for h in range(1, 6)] == [False, False, True, True, False]
     assert store.state()["workers"]["a"] == {"sight": "seeing", "blocks": 4, "gaps": 0, "restarts": 0,
-                                             "memory_blocks": 3, "on_disk": 1}
+                                             "memory_blocks": 3, "on_disk": 2}
+    a.apply(4, [Stored((6,))])  # the room is taken by a new block, not by one read back
+    assert store.on_disk(3) and store.on_disk(4) and not store.on_disk(6)
     # a block another worker has in memory is loaded from there: not on disk
     store.worker("b").apply(1, [Stored((3,))])
     assert store.worker("b").memory == 3 and not store.on_disk(3)

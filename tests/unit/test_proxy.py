@@ -1466,8 +1466,12 @@ def test_blocks_the_data_system_has_only_on_disk_cost_more_to_load_than_waiting_
     assert lease.on_disk == pytest.approx(lease.loadable) == pytest.approx(14 * 16 * p.chunks / 400)
     assert DISK_LOAD_RATIO > 1
     # its connector loaded the 14 blocks past the 10 its cache had: read back, they are in memory now
-    pool.observe(lease, 14, cached_tokens=160)
-    assert [pool.store.on_disk(h) for h in p.store_hashes(16)[:24]] == [True] * 10 + [False] * 14
+    hashes = p.store_hashes(16)[:24]
+    for control in ({"block_size": 16}, {"cached_tokens": 160}):  # the connector did not say where its loads began
+        pool.observe(lease, 14, **control)
+        assert all(pool.store.on_disk(h) for h in hashes)
+    pool.observe(lease, 14, cached_tokens=160, block_size=16)
+    assert [pool.store.on_disk(h) for h in hashes] == [True] * 10 + [False] * 14
     from yrpd.proxy.metrics import Metrics
     text = Metrics().render(pool, store=pool.store.state())
     assert 'yrpd_proxy_store_index_on_disk_blocks{host="a"} 57' in text  # 25 + 70 held, 38 in memory
@@ -1494,3 +1498,27 @@ def test_a_leg_that_loaded_from_disk_teaches_the_memory_loads_time_counting_each
 
     assert taught(False) == pytest.approx(0.2)  # the control: from memory, 0.2 s a chunk
     assert taught(True) == pytest.approx(0.2 / DISK_LOAD_RATIO)  # the same seconds, from disk: memory is faster
+
+
+def test_the_blocks_an_instance_holds_itself_are_not_charged_as_disk_loads_whatever_the_prompts_length():
+    """Its cache holds the first k blocks, whose copies in the data system were spilled long ago; the rest are in
+    the workers' memory: nothing it would load is on disk (chunks back to blocks must not fall a block short)."""
+    from yrpd.proxy.kvindex import InstanceBlocks, Store, Stored
+
+    for n_tokens in (400, 413, 437):
+        p = prompt("Background: " + "the quick brown fox jumps over the lazy dog. " * 40).with_tokens(
+            list(range(1000, 1000 + n_tokens)), None)
+        for k in range(1, 24):
+            pool = Pool(["http://a"], [], Routing.prefix)
+            a = pool.of("prefill")[0]
+            a.up, a.blocks = True, InstanceBlocks()
+            a.blocks.apply(0, [Stored(tuple(p.hashes(16)[:k]), 16)])
+            store = Store(memory_bytes=56_000)  # 38 blocks of 1,000 bytes
+            store.learn_block_bytes(1000)
+            mine = p.store_hashes(16)
+            store.worker("a").apply(1, [Stored(tuple(mine[:k])), Stored(tuple(range(1, 39))), Stored(tuple(mine[k:]))])
+            pool.store = store
+            assert store.on_disk(mine[0]) and not store.on_disk(mine[k])
+            lease = pool.acquire("prefill", prompt=p)
+            assert lease.store_told and lease.loadable > 0 and lease.on_disk == 0, (n_tokens, k)
+            pool.release(lease)

@@ -120,12 +120,13 @@ class ConnectorContext:
 
     def _compute_block_bytes(self, groups) -> int | None:
         """What one block of a request takes in the data system, every rank's key together: a page (vLLM's
-        page_size_bytes) of every layer the scheduler's config names, on each TP rank (each writes a key); None where
+        page_size_bytes) of every layer the scheduler's config names, on each of the TP x PP ranks (each writes a
+        key; with PP the scheduler's config is the first stage's, taken for each stage's); None where
         vLLM gave no KV cache config (an older vLLM) or more than one group. Cache-aware routing infers from it how
         many blocks a worker's memory holds before it spills (yrpd.proxy.kvindex.Store.memory_blocks)."""
         try:
             (group,) = groups
-            return int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names) * self.tp_size
+            return int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names) * self.tp_size * self.pp_size
         except (TypeError, ValueError, AttributeError):
             return None
 

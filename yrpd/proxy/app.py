@@ -618,9 +618,10 @@ class Proxy:
         if lease is not None:
             info = _connector_says(kv)
             cached = _said_count(info, "cached")
+            size = _said_count(info, "block_size")
             self.pool.observe(lease, _said_count(info, "loaded"), cached_tokens=cached,
-                              block_bytes=_said_count(info, "block_bytes"))
-            if check := self.pool.checked(lease, cached, _said_count(info, "block_size")):
+                              block_bytes=_said_count(info, "block_bytes"), block_size=size)
+            if check := self.pool.checked(lease, cached, size):
                 request[_CALL].note["index"] = "%d/%d" % check  # the log line's: blocks claimed / found
             if lease.chunk_s is not None:
                 # the log line's: why it went there (the chunks queued ahead of it, the time per chunk it was

@@ -5,7 +5,6 @@ vLLM's side and what this index does with it (issue 46)."""
 from __future__ import annotations
 
 import hashlib
-import itertools
 import pickle
 import time
 import urllib.parse
@@ -245,7 +244,9 @@ class InstanceBlocks(Numbered):
 #: full down to 80 %, and a value takes more room there than its bytes (1 MiB took about 1.25 MiB), so what stays
 #: in memory swings with where the last spill ended: the newest 44-46 of 1 MiB blocks in 64 MiB
 #: (tests/connector/test_ds_events.py), 66-68 of 2.8 MiB blocks in 256 MiB (benchmarks/connector/bench_tiers.py:
-#: docs/bench/connector-tiers-*.json). A little under the least seen, so that a block at the edge counts as on disk.
+#: docs/bench/connector-tiers-*.json). A little under the least seen, so that a block at the edge counts as on disk;
+#: a spill that ran right down to the 80 % mark leaves fewer (about 41 of those 1 MiB blocks), and then the oldest
+#: few taken for in memory are on disk already.
 MEMORY_REACH = 0.68
 
 
@@ -262,59 +263,75 @@ class StoreBlocks(Numbered):
     with the next batch in order.
 
     Which tier a block is in, the worker never says. Where it has a disk tier (`memory` set) the index infers it:
-    the worker spills the blocks written or read least recently, so the newest `memory` blocks, by when each was
-    last stored or loaded (`touch`), are taken for those in memory and the older ones for those on disk."""
+    the worker spills the blocks written or read longest ago (its eviction is CLOCK, second chance, close to least
+    recently used), so the index keeps the newest `memory` blocks, by when each was last stored or loaded (`touch`),
+    as those in memory, and moves the oldest of them to `disk` as newer ones come. A block removed from memory makes
+    room without reading one back from disk, as in the worker."""
 
-    #: what it holds, least recently stored or loaded first (a dict as an ordered set)
-    order: dict[int, None] = field(default_factory=dict)
+    #: what it holds in memory as far as inferred, least recently stored or loaded first (a dict as an ordered set)
+    in_memory: dict[int, None] = field(default_factory=dict)
+    #: what it holds on its disk tier as far as inferred, spilled longest ago first
+    on_disk_blocks: dict[int, None] = field(default_factory=dict)
     #: how many of our blocks its memory holds before it spills (Store.memory_blocks); None: no disk tier behind it,
     #: or the blocks' size not known yet: all it holds is taken for in memory
     memory: int | None = None
-    _resident: set[int] | None = field(default=None, repr=False)  # the newest `memory` of `order`, kept until it changes
 
     FIRST: ClassVar[int] = 1
     RESTARTED: ClassVar[str] = "the worker started anew"
     JOINED_LATE: ClassVar[str] = ": the proxy joined after the worker had stored"
 
     @property
-    def held(self):
-        """The numbers of the blocks it holds (a set-like view)."""
-        return self.order.keys()
+    def held(self) -> set[int]:
+        """The numbers of the blocks it holds, both tiers (a copy: `holds` asks for one)."""
+        return set(self.in_memory) | set(self.on_disk_blocks)
+
+    def holds(self, h: int) -> bool:
+        return h in self.in_memory or h in self.on_disk_blocks
 
     def apply(self, seq: int, events: Iterable[Event], now: float | None = None) -> None:
         self._number(seq, now)
         for event in events:
             if isinstance(event, Stored):
-                for h in event.hashes:  # a write lands in memory, an overwrite too
-                    self.order.pop(h, None)
-                    self.order[h] = None
+                self._to_memory(event.hashes)  # a write lands in memory, an overwrite too
             elif isinstance(event, Removed):
                 for h in event.hashes:
-                    self.order.pop(h, None)
+                    self.in_memory.pop(h, None)
+                    self.on_disk_blocks.pop(h, None)
             else:
-                self.order.clear()
-        self._resident = None
+                self._new_run()
 
     def touch(self, hashes: Iterable[int]) -> None:
-        """A connector loaded these blocks: a block read back from disk is in memory again, and a block read is
-        spilled after those read less recently."""
-        for h in hashes:
-            if h in self.order:
-                self.order.pop(h)
-                self.order[h] = None
-                self._resident = None
+        """A connector loaded these blocks: one read back from disk is in memory again, and one read is spilled
+        after those read longer ago."""
+        self._to_memory(h for h in hashes if self.holds(h))
+
+    def set_memory(self, blocks: int | None) -> None:
+        """What its memory holds, in blocks, once known: the oldest beyond it are taken for spilled."""
+        self.memory = blocks
+        self._spill()
 
     def on_disk(self, h: int) -> bool:
-        """Whether the block numbered `h` is held, but on disk only (by recency, above)."""
-        if self.memory is None or h not in self.order:
-            return False
-        if self._resident is None:
-            self._resident = set(itertools.islice(reversed(self.order), self.memory))
-        return h not in self._resident
+        """Whether the block numbered `h` is held, but on disk only (as inferred above)."""
+        return h in self.on_disk_blocks
+
+    def _to_memory(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            self.on_disk_blocks.pop(h, None)
+            self.in_memory.pop(h, None)
+            self.in_memory[h] = None
+        self._spill()
+
+    def _spill(self) -> None:
+        if self.memory is None:
+            return
+        while len(self.in_memory) > self.memory:
+            oldest = next(iter(self.in_memory))
+            del self.in_memory[oldest]
+            self.on_disk_blocks[oldest] = None
 
     def _new_run(self) -> None:
-        self.order.clear()
-        self._resident = None
+        self.in_memory.clear()
+        self.on_disk_blocks.clear()
 
 
 class Store:
@@ -334,6 +351,7 @@ class Store:
             self.workers[host] = StoreBlocks(memory=self.memory_blocks)
         return self.workers[host]
 
+
     @property
     def memory_blocks(self) -> int | None:
         """How many of our blocks a worker's memory holds before it spills the older ones to its disk tier; None
@@ -345,10 +363,10 @@ class Store:
     def learn_block_bytes(self, nbytes: int) -> None:
         """A prefill connector said what one block of ours takes (the largest said counts: an instance with more TP
         ranks writes more keys per block)."""
-        if nbytes > 0 and nbytes > (self.block_bytes or 0):
+        if nbytes > (self.block_bytes or 0):
             self.block_bytes = nbytes
             for w in self.workers.values():
-                w.memory, w._resident = self.memory_blocks, None
+                w.set_memory(self.memory_blocks)
 
     def touch(self, hashes: Sequence[int]) -> None:
         """A connector loaded these blocks: read back, wherever they were (StoreBlocks.touch)."""
@@ -358,8 +376,11 @@ class Store:
     def on_disk(self, h: int) -> bool:
         """Whether every followed worker that holds the block numbered `h` has it on disk only: a load of it reads
         the disk (a connector reads whichever worker holds it)."""
-        holders = [w for w in self.workers.values() if h in w.order]
-        return bool(holders) and all(w.on_disk(h) for w in holders)
+        if self.memory_blocks is None:
+            return False
+        if any(h in w.in_memory for w in self.workers.values()):
+            return False
+        return any(h in w.on_disk_blocks for w in self.workers.values())
 
     def sees(self, hosts: Iterable[str]) -> bool:
         """Whether what the data system holds is known exactly where `hosts` (those of the prefill instances, whose
@@ -381,7 +402,7 @@ class Store:
 
     def holds(self, h: int) -> bool:
         """Whether some followed worker holds the block numbered `h`."""
-        return any(h in w.held for w in self.workers.values())
+        return any(w.holds(h) for w in self.workers.values())
 
     def matched(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of a prompt (its store hashes) the data system holds, as far as the index knows:
@@ -396,8 +417,9 @@ class Store:
     def state(self) -> dict:
         """What /yrpd/status and /metrics say of it."""
         return {"sight": self.sight.value, "blocks": len(set().union(*(w.held for w in self.workers.values()))),
-                "workers": {host: {"sight": w.sight.value, "blocks": len(w.held), "gaps": w.gaps,
+                "workers": {host: {"sight": w.sight.value, "blocks": len(w.in_memory) + len(w.on_disk_blocks),
+                                   "gaps": w.gaps,
                                    "restarts": w.restarts, **({"why": w.why} if w.why else {}),
-                                   **({"memory_blocks": w.memory, "on_disk": max(0, len(w.order) - w.memory)}
+                                   **({"memory_blocks": w.memory, "on_disk": len(w.on_disk_blocks)}
                                       if w.memory is not None else {})}
                             for host, w in sorted(self.workers.items())}}

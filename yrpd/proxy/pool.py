@@ -162,12 +162,13 @@ class Pool:
         return sum(known) / len(known) if known else inst.chunk_s
 
     def observe(self, lease: Lease, loaded_blocks: int | None, now: float | None = None,
-                cached_tokens: int | None = None, block_bytes: int | None = None) -> None:
+                cached_tokens: int | None = None, block_bytes: int | None = None,
+                block_size: int | None = None) -> None:
         """A prefill leg finished (`loaded_blocks`: what its connector loaded from the data system; None when it
         did not say; `cached_tokens`: the prompt tokens the instance's own prefix cache had, where it said;
-        `block_bytes`: what one of its blocks takes in the data system, where it said): its prompt's KV is in the
-        data system now, a leg that expected to load there tells how often that works, and its time what a chunk
-        costs there."""
+        `block_bytes`, `block_size`: what one of its blocks takes in the data system and its tokens, where it said):
+        its prompt's KV is in the data system now, a leg that expected to load there tells how often that works, and
+        its time what a chunk costs there."""
         if self.routing is not Routing.prefix or lease.prompt is None or lease.instance.role != "prefill":
             return
         if loaded_blocks is None:
@@ -177,11 +178,12 @@ class Pool:
         if self.store is not None:
             if block_bytes:
                 self.store.learn_block_bytes(block_bytes)
-            size = self.block_size()
-            if loaded_blocks > 0 and size and lease.prompt.tokens:
-                # the blocks it read, past those its own cache had: in the data system's memory now
-                first = (cached_tokens or 0) // size
-                self.store.touch(lease.prompt.store_hashes(size)[first:first + loaded_blocks])
+            prompt = lease.prompt
+            if loaded_blocks > 0 and cached_tokens is not None and block_size and prompt.tokens and not prompt.foreign:
+                # the blocks it read, those past what its own cache had (where the connector starts its loads): in
+                # the data system's memory now
+                first = cached_tokens // block_size
+                self.store.touch(prompt.store_hashes(block_size)[first:first + loaded_blocks])
         self.stored.remember(lease.prompt.chain)
         # a leg routed on what the data system said it holds teaches nothing of how often the estimate's "stored
         # lately" is still there: it only loaded where the blocks were said to be
@@ -370,7 +372,8 @@ class Pool:
         told = prompt.in_store(self.store, block_size, {host_of(i.url) for i in self.up("prefill")})
         disk: tuple[bool, ...] = ()
         if told is not None:  # what the data system holds, as it says: loads found there for sure
-            disk = prompt.store_on_disk(self.store, block_size, told)
+            if self.store.memory_blocks is not None:  # a disk tier behind the workers' memory
+                disk = prompt.store_on_disk(self.store, block_size, told)
             stored, found = prompt.block_chunks(told, block_size), 1.0
         # what an instance holds now, as far as it is likely still held when the legs queued there have run: a
         # long queue computes new blocks that evict old ones (what the index says at routing is not what the cache
@@ -385,7 +388,8 @@ class Pool:
             if not any(disk):
                 return 0.0
             per_block = prompt.block_chunks(1, block_size)
-            return min(sum(disk[int(kept[i] // per_block):]) * per_block, loadable(i))
+            held = int(kept[i] / per_block + 1e-9)  # (chunks back to blocks: a float a hair under a whole block)
+            return min(sum(disk[held:]) * per_block, loadable(i))
 
         def cost(i: Instance) -> float:
             # Expected seconds: this leg's wait and work, its work counted WORK_WEIGHT times (it also delays every
@@ -393,7 +397,9 @@ class Pool:
             chunk = self.chunk_s(i)
             chunk = 1.0 if chunk is None else chunk
             load = self.load_chunk_s if self.load_chunk_s is not None else chunk * LOAD_WEIGHT / WORK_WEIGHT
-            fetch = loadable(i) * (found * load + (1 - found) * chunk) + on_disk(i) * load * (DISK_LOAD_RATIO - 1)
+            # a disk load, DISK_LOAD_RATIO memory loads; until loads are measured, no dearer than computing the chunk
+            disk_load = load * DISK_LOAD_RATIO if self.load_chunk_s is not None else min(load * DISK_LOAD_RATIO, chunk)
+            fetch = loadable(i) * (found * load + (1 - found) * chunk) + on_disk(i) * (disk_load - load)
             return chunk * (i.queued + WORK_WEIGHT * prompt.work(max(kept[i], stored))) + WORK_WEIGHT * fetch
 
         chosen = min(within, key=lambda i: (cost(i), i.in_flight, i.recent))

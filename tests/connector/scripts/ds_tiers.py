@@ -40,8 +40,11 @@ def counters(log: Path, after: float) -> dict:
         time.sleep(0.25)
         if log.exists() and log.stat().st_mtime > after + 0.05:
             lines = log.read_text().splitlines()
-            if lines:
-                return ds_resource(lines[-1])
+            try:
+                if lines:
+                    return ds_resource(lines[-1])
+            except ValueError:  # a line half written: read it again
+                continue
     raise SystemExit(f"no new line in {log} within 15 s")
 
 
@@ -70,7 +73,9 @@ async def main() -> int:
         await asyncio.sleep(0.1)
     store.learn_block_bytes(nbytes)
     on_disk = [store.on_disk(h) for h in hashes]
-    log = next(home.rglob("resource.log"))
+    log = next(home.rglob("resource.log"), None)
+    if log is None:
+        raise SystemExit(f"the worker wrote no resource.log under {home}: is log_monitor on?")
     part = torch.zeros((1, nbytes), dtype=torch.uint8)
     layout = BlockLayout.from_sizes([nbytes])
 
@@ -90,7 +95,7 @@ async def main() -> int:
     after_touch = [store.on_disk(hashes[i]) for i in oldest]
     again = load(oldest)
     print(json.dumps({"held": len(worker.held), "memory_blocks": store.memory_blocks, "in_memory": len(in_memory),
-                      "on_disk": sum(on_disk), "first_on_disk_from_newest": on_disk[::-1].index(True),
+                      "on_disk": sum(on_disk), "sight": [worker.sight.value, worker.why],
                       "memory_load": memory_load, "disk_load": disk_load, "after_touch_on_disk": after_touch,
                       "again": again, "resource": resource}))
     await feeds.close()
