@@ -29,6 +29,25 @@ from yrpd.proxy.kvfeed import Feeds
 from yrpd.proxy.routing import Prompt
 
 
+async def following(run_dir: str, **feeds_options) -> Feeds:
+    """The proxy's own feeds, following the host's worker beside an instance on this host that publishes beside it
+    (the instance's socket need not exist for this)."""
+    feeds = Feeds(lag_s=1.0, **feeds_options)
+    instance = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": f"ipc://{run_dir}/{KV_EVENTS_SOCKET.format(name='prefill-0')}"}}
+    await feeds.attach("http://127.0.0.1:8100", instance, "127.0.0.1", local=True)
+    await asyncio.sleep(1.0)  # a SUB socket misses what is published before its connection is up
+    return feeds
+
+
+def connector_transport(address: str, name: str):
+    """(connection, transport, config) as a producer's connector has them, to the worker at `address`."""
+    cfg = parse_config("kv_producer", {"ds_address": address}, env={})
+    conn = DsConnection(kvclient_factory(cfg.ds_host, cfg.ds_port, 5000, 30000, False), name)
+    assert conn.connect(), conn.last_error
+    return conn, HostTransport(conn, cfg.max_batch_keys, write_mode=write_mode(cfg)), cfg
+
+
 async def main() -> int:
     address, run_dir = sys.argv[1], sys.argv[2]
     req = json.load(sys.stdin)
@@ -36,16 +55,8 @@ async def main() -> int:
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
-    # the proxy's side: an instance on this host publishing beside the worker (its socket need not exist for this)
-    feeds = Feeds(lag_s=1.0)
-    instance = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
-                      "endpoint": f"ipc://{run_dir}/{KV_EVENTS_SOCKET.format(name='prefill-0')}"}}
-    await feeds.attach("http://127.0.0.1:8100", instance, "127.0.0.1", local=True)
-    await asyncio.sleep(1.0)  # a SUB socket misses what is published before its connection is up
-    cfg = parse_config("kv_producer", {"ds_address": address}, env={})
-    conn = DsConnection(kvclient_factory(cfg.ds_host, cfg.ds_port, 5000, 5000, False), "events")
-    assert conn.connect(), conn.last_error
-    transport = HostTransport(conn, cfg.max_batch_keys, write_mode=write_mode(cfg))
+    feeds = await following(run_dir)  # (its 1 s wait covers this socket's connection too)
+    conn, transport, cfg = connector_transport(address, "events")
     keys = K.block_keys(req["ns"], req["tokens"], req["block_size"])
     values = [torch.full((4096,), i % 251, dtype=torch.uint8) for i in range(len(keys))]
     transport.save(keys, values, cfg.ttl_seconds)

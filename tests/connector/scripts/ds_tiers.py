@@ -21,11 +21,9 @@ from pathlib import Path
 
 import torch
 
+from ds_events import connector_transport, following  # (this folder: the script's own)
 from yrpd.connector import keys as K
-from yrpd.connector.config import parse_config
-from yrpd.connector.transport import BlockLayout, DsConnection, HostTransport, kvclient_factory, write_mode
-from yrpd.layout import KV_EVENTS_SOCKET
-from yrpd.proxy.kvfeed import Feeds
+from yrpd.connector.transport import BlockLayout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "deploy_scripts"))
 from hostlib import ds_resource  # noqa: E402
@@ -51,15 +49,8 @@ def counters(log: Path, after: float) -> dict:
 async def main() -> int:
     address, run_dir, home = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     memory_mb, blocks, nbytes = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-    feeds = Feeds(lag_s=1.0, store_memory_mb=memory_mb)
-    instance = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
-                      "endpoint": f"ipc://{run_dir}/{KV_EVENTS_SOCKET.format(name='prefill-0')}"}}
-    await feeds.attach("http://127.0.0.1:8100", instance, "127.0.0.1", local=True)
-    await asyncio.sleep(1.0)  # a SUB socket misses what is published before its connection is up
-    cfg = parse_config("kv_producer", {"ds_address": address}, env={})
-    conn = DsConnection(kvclient_factory(cfg.ds_host, cfg.ds_port, 5000, 30000, False), "tiers")
-    assert conn.connect(), conn.last_error
-    transport = HostTransport(conn, cfg.max_batch_keys, write_mode=write_mode(cfg))
+    feeds = await following(run_dir, store_memory_mb=memory_mb)
+    conn, transport, cfg = connector_transport(address, "tiers")
     tokens = list(range(1000, 1000 + blocks * BS))
     keys = K.block_keys("0123456789abcdef", tokens, BS)
     hashes = [K.event_hash(k.rsplit("@", 1)[1]) for k in keys]
