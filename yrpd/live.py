@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from yrpd import credentials, planner, rollout
+from yrpd import credentials, placement, planner
 from yrpd.reconcile import (DOWN, BringUp, Desired, Join, Lifecycle, Observed, Restart, Retire, Start, Step, TearDown,
                             reconcile)
 from yrpd.deployment import (Deployment, drained_hosts, host_group, resolve_inventory, runtime_group, save_deployment,
@@ -40,7 +40,8 @@ from yrpd.status import dead_instances
 from yrpd.steps.brought import every_set, prepare
 from yrpd.tags import InstanceState
 from yrpd.wheels import WheelSet
-from yrpd.spec import DeploySpec, HostSpec, Runtime, stored_spec
+from yrpd.spec import (COUNT_FIELDS, Change, ChangeKind, DeploySpec, HostSpec, Runtime, joined_hosts,
+                       refuse_unrollable, spec_diff, stored_spec)
 from yrpd.steps import NotNeeded, RunOptions, StepContext, host_python, processes, proxy
 from yrpd.steps.vllm_env import paths as vllm_paths
 from yrpd.serving import instance_launches, instance_url, proxy_url
@@ -186,10 +187,10 @@ class Hands:
         `joining` (hosts new to the deployment, or a join stopped half-way) the playbook also runs where none
         starts, so those hosts join the cluster; `again`: instances of the plan that are down, started where they
         are (the playbook's checks skip what runs)."""
-        plan = rollout.replan(spec, self.now.inventory, self.now.plan.instances, self.desired.cordoned, **add)
+        plan = placement.replan(spec, self.now.inventory, self.now.plan.instances, self.desired.cordoned, **add)
         names = [i.name for i in plan.instances if i.name not in {j.name for j in self.now.plan.instances}]
         self.life.move(again, InstanceState.starting)
-        after = Deployment(self.session, rollout.with_counts(spec, plan), self.now.inventory, plan)
+        after = Deployment(self.session, placement.with_counts(spec, plan), self.now.inventory, plan)
         if joining:
             # before the spec that names them is stored: a join stopped anywhere from here on is found by the next
             # change, which finishes it
@@ -226,8 +227,8 @@ class Hands:
     def _retire(self, names: list[str], spec: DeploySpec) -> None:
         old = self.now
         rest = [i for i in old.plan.instances if i.name not in names]
-        plan = rollout.replan(spec, old.inventory, rest, self.desired.cordoned)
-        after_spec = rollout.with_counts(spec, plan)
+        plan = placement.replan(spec, old.inventory, rest, self.desired.cordoned)
+        after_spec = placement.with_counts(spec, plan)
         after = Deployment(self.session, after_spec, old.inventory, plan)
         master = self._master(plan)
         # a failed start's instance never served: it goes straight to stopping; one a retire cut short is where it
@@ -288,7 +289,7 @@ class Deployed:
     resumed: bool
     seconds: float
     outcomes: list[StepOutcome] = field(default_factory=list)
-    #: a changed spec rolled onto the running session: what changed (yrpd.rollout.describe)
+    #: a changed spec rolled onto the running session: what changed (describe_change)
     changes: list[str] = field(default_factory=list)
 
 
@@ -339,7 +340,7 @@ class PlanView:
 
 
 def pending_change(spec: DeploySpec, inventory: dict[str, HostInventory] | None = None) -> list[str]:
-    """What `yrpd deploy` of `spec` would change in the latest session while it serves (rollout.describe), read
+    """What `yrpd deploy` of `spec` would change in the latest session while it serves (describe_change), read
     from the session store (and `inventory` for hosts it adds); [] where it would deploy or resume instead."""
     store = SessionStore(resolve_root(spec.session_root))
     latest = store.latest()
@@ -351,13 +352,13 @@ def pending_change(spec: DeploySpec, inventory: dict[str, HostInventory] | None 
         return []
     if same_deployment(running, spec):
         return []
-    changes = rollout.diff(running.spec, spec)
+    changes = spec_diff(running.spec, spec)
     cordoned = drained_hosts(latest)
-    unavailable = rollout.default_max_unavailable(spec, {**(inventory or {}), **running.inventory}, running.plan,
+    unavailable = placement.default_max_unavailable(spec, {**(inventory or {}), **running.inventory}, running.plan,
                                                   cordoned)
     lines = [f"session {latest.id} runs: `yrpd deploy` changes it while it serves"]
-    lines += rollout.describe(changes, running.plan, spec, unavailable)
-    blocked = [c.field for c in changes if c.kind is rollout.ChangeKind.recreate]
+    lines += describe_change(changes, running.plan, spec, unavailable)
+    blocked = [c.field for c in changes if c.kind is ChangeKind.recreate]
     if blocked:
         lines.append(f"{', '.join(blocked)} cannot change under it: deploy refuses unless given --recreate")
     return lines
@@ -381,7 +382,7 @@ def _as_run(ctx: StepContext, steps: list[PlannedStep]) -> list[PlannedStep]:
 
 def same_deployment(running: Deployment, spec: DeploySpec) -> bool:
     """The running deployment is `spec`'s, every instance started with its settings: a deploy resumes it."""
-    return running.spec.fingerprint() == spec.fingerprint() and not rollout.stale(running.plan, spec)
+    return running.spec.fingerprint() == spec.fingerprint() and not placement.stale(running.plan, spec)
 
 
 def latest_up(store: SessionStore, spec: DeploySpec) -> tuple[Session | None, Deployment | None]:
@@ -429,7 +430,7 @@ class Wanted:
     playbook_file: str | Path | None = None
     new_session: bool = False  # deploy beside the latest session even where that one is still up
     actions: ContainerActions = field(default_factory=ContainerActions)
-    max_unavailable: int | None = None  # a rolling change's (None: rollout.default_max_unavailable)
+    max_unavailable: int | None = None  # a rolling change's (None: placement.default_max_unavailable)
     drain_timeout_s: float = DRAIN_TIMEOUT_S
 
 
@@ -533,17 +534,17 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
     """Bring a running deployment to `spec` without failing a request: instance settings roll (INSTANCE_FIELDS:
     new instance up and serving, then the old one drained and stopped; with `max_unavailable` >= 1 the other way
     round, in batches that leave every role an instance serving), instance counts scale. Anything else is refused
-    before a host is touched (rollout.refuse_unrollable). A model change starts a new prefill and decode instance
+    before a host is touched (refuse_unrollable). A model change starts a new prefill and decode instance
     together: the proxy pairs instances of one model group only, so it never mixes models in one answer."""
     progress = progress or Quiet()
     started = time.monotonic()
     _check_live(deployment, what)
     session = deployment.session
-    changes = rollout.diff(deployment.spec, spec)
-    rollout.refuse_unrollable(changes, session.id)
+    changes = spec_diff(deployment.spec, spec)
+    refuse_unrollable(changes, session.id)
     if not spec.disaggregated:
         raise SpecError(what, "disaggregated cannot change under a running deployment", "pass --recreate")
-    joining = rollout.joined_hosts(deployment.spec, spec)
+    joining = joined_hosts(deployment.spec, spec)
     if joining:  # their devices (`inventory`: detected by the caller), before anything is planned on them; the
         # running hosts keep what is stored
         found = inventory if inventory is not None else joined_inventory(spec, joining)
@@ -552,11 +553,11 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
     # a join stopped half-way: the reconciler finishes it (the session remembers the hosts)
     unfinished = [h.name for h in spec.hosts if h.name in (session.state.get("joining") or [])]
     cordoned = drained_hosts(session) if cordoned is None else cordoned  # hosts no new instance goes to
-    replaced = rollout.stale(deployment.plan, spec)
+    replaced = placement.stale(deployment.plan, spec)
     roles = sorted({i.role for i in replaced})
-    counts = rollout.counts(deployment.plan)
+    counts = placement.counts(deployment.plan)
     if max_unavailable is None:
-        max_unavailable = rollout.default_max_unavailable(spec, deployment.inventory, deployment.plan, cordoned)
+        max_unavailable = placement.default_max_unavailable(spec, deployment.inventory, deployment.plan, cordoned)
     if replaced and max_unavailable > 0:
         if any(i.group != spec.model_group for i in replaced):
             raise SpecError("--max-unavailable", f"{changes[0].field} changes the model, and a model change needs "
@@ -568,7 +569,7 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
                             f"has {counts[short[0]]} and no device is spare for one more beside them)",
                             f"scale {short[0]} up first (`yrpd scale --{short[0]} {counts[short[0]] + 1}`), free a "
                             "device, or pass --recreate")
-    lines = rollout.describe(changes, deployment.plan, spec, max_unavailable)
+    lines = describe_change(changes, deployment.plan, spec, max_unavailable)
     if unfinished:
         lines.append(f"join {', '.join(unfinished)}: stopped half-way, it goes on")
     kept = session.state.get("instances") or {}
@@ -585,7 +586,7 @@ def change(deployment: Deployment, spec: DeploySpec, *, max_unavailable: int | N
     try:
         # a roll at the counts that run, then the spec's: one instance beyond what runs at most, and no role short
         desired = Desired(spec, tuple(cordoned), max_unavailable=max_unavailable,
-                          roll_counts=tuple(rollout.counts(deployment.plan).items()))
+                          roll_counts=tuple(placement.counts(deployment.plan).items()))
         hands = _reconciled(deployment, desired, progress, drain_timeout_s)
     except BaseException:
         session.set_state(change="stopped half-way (the same command goes on with it): " + "; ".join(lines))
@@ -649,10 +650,10 @@ def drain_host(deployment: Deployment, host: str, *, drain_timeout_s: float = DR
     for inst in moving:
         rest = [i for i in running if i.name != inst.name]
         try:
-            grown = rollout.replan(spec, inventory, running, cordoned, **{inst.role: 1})
+            grown = placement.replan(spec, inventory, running, cordoned, **{inst.role: 1})
             running, replaced[inst.name] = [i for i in grown.instances if i.name != inst.name], True
         except SpecError:
-            if not rollout.counts_of(rest)[inst.role]:
+            if not placement.counts_of(rest)[inst.role]:
                 raise SpecError("drain", f"{inst.name} is the last {inst.role} instance and no other host has "
                                 f"{inst.tp * inst.dp} free devices for it", "add a host, or stop the deployment for "
                                 "the maintenance (`yrpd down`)") from None
@@ -662,8 +663,8 @@ def drain_host(deployment: Deployment, host: str, *, drain_timeout_s: float = DR
     session.set_state(drained=cordoned, drained_counts={**session.state.get("drained_counts", {}), host: before})
     session.journal(event="drain host", host=host)
     # what is wanted: every instance off the cordoned hosts, one fewer of a role for each that has no room elsewhere
-    fewer = rollout.counts_of([i for i in moving if not replaced[i.name]])
-    left = {role: n - fewer[role] for role, n in rollout.counts(deployment.plan).items()}
+    fewer = placement.counts_of([i for i in moving if not replaced[i.name]])
+    left = {role: n - fewer[role] for role, n in placement.counts(deployment.plan).items()}
     wanted = spec.model_copy(update=left)
     warnings = [f"{inst.name} stopped without a replacement (no free devices elsewhere): {inst.role} runs "
                 f"{left[inst.role]} instances until `yrpd undrain {host}`" for inst in moving if not replaced[inst.name]]
@@ -779,15 +780,15 @@ def run_planner(deployment: Deployment, *, seconds: float | None = None, progres
             cordoned = drained_hosts(session)
 
             def fits(counts: dict[str, int]) -> bool:
-                now = rollout.counts(deployment.plan)
+                now = placement.counts(deployment.plan)
                 try:
-                    rollout.replan(deployment.spec, deployment.inventory, deployment.plan.instances, cordoned,
+                    placement.replan(deployment.spec, deployment.inventory, deployment.plan.instances, cordoned,
                                    **{role: counts[role] - now[role] for role in counts})
                 except SpecError:
                     return False
                 return True
 
-            decision = planner.decide(settings, seen, rollout.counts(deployment.plan), fits, clock() - last_change)
+            decision = planner.decide(settings, seen, placement.counts(deployment.plan), fits, clock() - last_change)
         session.set_state(planner={**decision.to_dict(), "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
         # a hold is journaled when its reason changes, not when only its figures do
         kind = re.sub(r"\d+(\.\d+)?", "#", decision.reason)
@@ -797,7 +798,7 @@ def run_planner(deployment: Deployment, *, seconds: float | None = None, progres
         decisions.append(decision)
         if decision.action is not planner.Action.hold:
             progress.message(f"planner: {decision.action.value} {decision.role}: {decision.reason}")
-            target = decision.counts(rollout.counts(deployment.plan))
+            target = decision.counts(placement.counts(deployment.plan))
             spec = DeploySpec.model_validate({**deployment.spec.model_dump(mode="json"), **target}).check()
             deployment = change(deployment, spec, progress=progress, what="planner").deployment
             last_change = clock()
@@ -809,3 +810,24 @@ def run_planner(deployment: Deployment, *, seconds: float | None = None, progres
                 session.journal(event="heal failed", why=str(exc).splitlines()[0])
         sleep(settings.interval_s)
     return decisions
+
+
+def describe_change(changes: list[Change], plan: Plan, spec: DeploySpec, max_unavailable: int) -> list[str]:
+    """What a deploy of `spec` does to the running `plan`, line by line (shown before it acts, and by `yrpd plan`)."""
+    lines = [c.line() for c in changes]
+    for c in changes:
+        if c.kind is ChangeKind.join:
+            added = c.new[len(c.old):]
+            lines.append(f"join {', '.join(added)}: {'its' if len(added) == 1 else 'their'} data system worker joins "
+                         "the cluster, nothing that runs restarts")
+    replaced = placement.stale(plan, spec)
+    if replaced:
+        how = ("start each new instance, then drain and stop the old one" if max_unavailable == 0 else
+               f"drain and stop up to {max_unavailable} old instance(s) at a time, then start their replacements")
+        lines.append(f"replace {', '.join(i.name for i in replaced)} one by one ({how})")
+    now = placement.counts(plan)
+    for role in COUNT_FIELDS:
+        target = getattr(spec, role)
+        if target != now[role]:
+            lines.append(f"{role}: {now[role]} -> {target} instances")
+    return lines

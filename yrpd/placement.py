@@ -1,4 +1,5 @@
-"""Placement planner: which host and devices each prefill/decode instance gets, and its ports.
+"""Placement planner: which host and devices each prefill/decode instance gets, its ports, and the dtype all of them
+compute in.
 
 Pure and deterministic: the same spec and inventory always give the same plan.
 
@@ -26,8 +27,7 @@ from typing import Iterable
 from yrpd.models import CPU_DTYPE
 from yrpd.errors import SpecError
 from yrpd.ports import INSTANCE_PORT_BLOCK, RAY_PORT_BLOCK
-from yrpd.precision import DtypeChoice, choose
-from yrpd.spec import (ClusterLauncher, DeploySpec, DeviceKind, KvConnector, MultiNodeBackend,
+from yrpd.spec import (COUNT_FIELDS, ClusterLauncher, DeploySpec, DeviceKind, Dtype, KvConnector, MultiNodeBackend,
                        format_device_list)
 
 
@@ -125,6 +125,58 @@ class HostPlan:
     def reach_ip(self) -> str:
         """The address other hosts, and the processes yrpd starts, use to reach this host."""
         return self.ip or self.UNRESOLVED
+
+
+# -- the dtype -------------------------------------------------------------------------------------
+# Which dtype the instances compute (and keep KV) in: pure, from the spec and the hosts' inventory.
+#
+# One dtype per deployment: every prefill instance hands KV to every decode instance, and KV of another dtype is
+# useless to the receiver. On CPU hosts `auto` picks what their CPUs compute fastest. Measured with vLLM's CPU build
+# (SmolLM2-135M, one core, 2.5k-token prompt, prefix caching off; docs/dev/notes.md, issue 12):
+# - AMD EPYC without AVX512-BF16 (Zen 3): uncached prefill 72 s in bfloat16 vs 15 s in float32 (4.8x), decode
+#   1.2x faster in bfloat16 (memory-bound): float32 serves long prompts far better.
+# - AMD EPYC with AVX512-BF16 (Zen 4): prefill 6.3 s in bfloat16 vs 8.6 s in float32, decode 41 vs 64 ms per
+#   token: bfloat16 wins both.
+# - Intel Xeon with AMX: vLLM routes bfloat16 attention to its AMX kernels. On one such machine SmolLM2's greedy answers
+#   changed (session 11); on another the decode instance's worker died of an illegal instruction in
+#   `cpu_attention_with_kv_cache` on its first request over loaded KV (session 13, faulthandler). float32 there.
+# NPU and GPU hosts keep the model's own dtype (vLLM's `auto`).
+
+BF16_FLAGS = "AVX512-BF16 (without AMX)"
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str | None  # what `vllm serve --dtype` gets; None = vLLM's own choice (the model's dtype)
+    reason: str
+
+    @property
+    def shown(self) -> str:
+        return self.dtype or "the model's"
+
+
+def choose_dtype(requested: Dtype, kind: DeviceKind, cpu_bf16: dict[str, bool | None],
+                 pinned: tuple[str, str] | None = None) -> DtypeChoice:
+    """`cpu_bf16`: for each host that runs an instance, whether its CPU has bf16 instructions (None: unknown);
+    `pinned`: (dtype, why) of a model that must be served in that dtype on CPUs (yrpd.models.CPU_DTYPE)."""
+    if requested is not Dtype.auto:
+        return DtypeChoice(requested.value, "set with --dtype")
+    if kind is not DeviceKind.cpu:
+        return DtypeChoice(None, "auto: the model's own dtype (vLLM's auto)")
+    if pinned is not None:
+        return DtypeChoice(pinned[0], f"auto: the model is served in {pinned[0]} on every CPU: {pinned[1]}")
+    lacking = sorted(h for h, has in cpu_bf16.items() if has is False)
+    unknown = sorted(h for h, has in cpu_bf16.items() if has is None)
+    if lacking:
+        return DtypeChoice("float32", f"auto: the CPU of {', '.join(lacking)} has no AVX512-BF16, so bfloat16 is "
+                                      "emulated there (prefill measured 4.8x slower than float32), or it has AMX, "
+                                      "where vLLM's CPU build runs bfloat16 attention in AMX kernels that failed on "
+                                      "every AMX machine measured (wrong answers; an illegal instruction)")
+    if unknown:
+        return DtypeChoice("float32", f"auto: the CPU features of {', '.join(unknown)} were not detected; float32 is "
+                                      "right on every CPU")
+    return DtypeChoice("bfloat16", f"auto: every CPU has {BF16_FLAGS}, where bfloat16 measured faster than "
+                                   "float32 in prefill and decode")
 
 
 @dataclass(frozen=True)
@@ -409,7 +461,7 @@ def make_plan(spec: DeploySpec, inventory: dict[str, HostInventory],
             )
         )
     serving = {r.host for i in instances for r in i.ranks}
-    dtype = choose(spec.dtype, kind, {n: inventory[n].cpu_bf16 for n in host_names if n in serving},
+    dtype = choose_dtype(spec.dtype, kind, {n: inventory[n].cpu_bf16 for n in host_names if n in serving},
                    CPU_DTYPE.get(spec.builtin_model or ""))
     return Plan(hosts=tuple(hosts), instances=tuple(instances), proxy_host=master, proxy_port=ports.proxy, dtype=dtype)
 
@@ -487,3 +539,58 @@ def ports_on_host(plan: Plan, host: str, spec: DeploySpec | None = None) -> list
 
 def describe_devices(devices: tuple[int, ...] | list[int]) -> str:
     return format_device_list(list(devices))
+
+
+# -- a running plan against a changed spec ------------------------------------------------------------
+
+def stale(plan: Plan, spec: DeploySpec, evacuate=()) -> list[InstancePlan]:
+    """The instances of `plan` started with other settings than `spec` gives them, or on a host of `evacuate` (a
+    drain's), prefill first."""
+    leaving = set(evacuate)
+    return sorted((i for i in plan.instances if i.config != spec.instance_config(i.role) or leaving & set(i.hosts)),
+                  key=lambda i: (i.role != "prefill", i.index))
+
+
+def counts(plan: Plan) -> dict[str, int]:
+    return counts_of(plan.instances)
+
+
+def counts_of(instances) -> dict[str, int]:
+    return {role: sum(1 for i in instances if i.role == role) for role in COUNT_FIELDS}
+
+
+def with_counts(spec: DeploySpec, plan: Plan, **change: int) -> DeploySpec:
+    """`spec` asking for the instances `plan` runs, `change` added per role."""
+    now = counts(plan)
+    return spec.model_copy(update={role: now[role] + change.get(role, 0) for role in COUNT_FIELDS})
+
+
+def replan(spec: DeploySpec, inventory: dict[str, HostInventory], instances, cordoned=(), **change: int) -> Plan:
+    """The plan of `instances` as they run, with `change` more (or fewer) per role placed on free devices of hosts
+    not `cordoned`: what a change's next step runs (SpecError where it does not fit)."""
+    now = counts_of(instances)
+    wanted = spec.model_copy(update={role: now[role] + change.get(role, 0) for role in COUNT_FIELDS})
+    return make_plan(wanted, inventory, keep=instances, cordoned=cordoned)
+
+
+def surge(plan: Plan, spec: DeploySpec) -> dict[str, int]:
+    """What a rolling change starts before it retires: one instance of the first replaced role, or, where the model
+    changes (an old instance's group differs), one of each replaced role at once, so a complete pair of the new model
+    serves before the old pair drains (the proxy never pairs two models)."""
+    old = stale(plan, spec)
+    if not old:
+        return {}
+    if any(i.group != spec.model_group for i in old):
+        return {i.role: 1 for i in old}
+    return {old[0].role: 1}
+
+
+def default_max_unavailable(spec: DeploySpec, inventory: dict[str, HostInventory], plan: Plan,
+                            cordoned: list[str] = ()) -> int:
+    """0 where the surge (above) fits beside everything `plan` runs (each new instance then starts before its old
+    one drains), else 1."""
+    try:
+        make_plan(with_counts(spec, plan, **surge(plan, spec)), inventory, keep=plan.instances, cordoned=cordoned)
+    except SpecError:
+        return 1
+    return 0

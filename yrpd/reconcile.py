@@ -32,12 +32,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from yrpd import rollout
+from yrpd import placement
 from yrpd.placement import Plan
-from yrpd.spec import DeploySpec
+from yrpd.spec import COUNT_FIELDS, DeploySpec
 from yrpd.tags import InstanceState as S
 
-ROLES = rollout.COUNT_FIELDS
+ROLES = COUNT_FIELDS
 
 #: every allowed move of an instance's life
 TRANSITIONS: dict[S, frozenset[S]] = {
@@ -200,9 +200,9 @@ def next_step(desired: Desired, observed: Observed) -> Step | None:
     down = tuple(i.name for i in plan.instances if i.name in observed.down)
     if down:
         return Restart(down)
-    counts = rollout.counts(plan)
+    counts = placement.counts(plan)
     want = {role: getattr(spec, role) for role in ROLES}
-    old = rollout.stale(plan, spec, desired.evacuate)
+    old = placement.stale(plan, spec, desired.evacuate)
     if old:
         # the roll's own counts: the spec's may differ (a change that also scales), which step 4 then takes
         base = {**want, **dict(desired.roll_counts or ())}

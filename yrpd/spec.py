@@ -12,6 +12,8 @@ import ipaddress
 import json
 import os
 import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -687,13 +689,55 @@ class DataSystemSection(BaseModel):
                             "their own", f"put the data system's wheels into the hosts' {other} instead, or drop it")
 
 
-#: the fields an instance runs with: a change of them replaces instances one by one (yrpd.rollout); the others
-#: take effect without a restart (ROLLOUT_FREE_FIELDS), change counts (prefill, decode: `yrpd scale`), or cannot
-#: roll (the cluster, the hosts, ports, the runtime: `--recreate`)
+# -- what a change of each field does to a running deployment ------------------------------------------
+# Fields fall in four kinds (ChangeKind): an instance's own settings (INSTANCE_FIELDS) roll, instance by instance
+# (yrpd.reconcile: the new one starts and joins before the old one drains and stops, or the other way round where no
+# device is spare); the instance counts (COUNT_FIELDS) scale; a few settings (FREE_FIELDS) take effect without
+# restarting anything; everything else (the cluster, the data system, ports, the runtime, a host taken away) cannot
+# change under a running deployment and needs `--recreate` (down, then deploy). Hosts added at the end of the list
+# join: their data system workers join the cluster, and instances go there where a count change or a later scale
+# places them. `yrpd plan` shows the same diff and steps `yrpd deploy` then takes.
+
+#: the fields an instance runs with: a change of them replaces instances one by one
 INSTANCE_FIELDS = ("model", "served_model_name", "dtype", "prefix_reuse", "engine_args", "connector",
                    "prefill_engine_args", "decode_engine_args")
 #: the instance fields that reach the instances of one role alone: a change of one rolls that role's instances
 ROLE_ENGINE_ARGS = {"prefill": "prefill_engine_args", "decode": "decode_engine_args"}
+
+
+class ChangeKind(str, Enum):
+    roll = "roll"  # instances are replaced one by one
+    scale = "scale"  # instances are added or removed
+    free = "free"  # read by yrpd itself: nothing restarts
+    join = "join"  # hosts added after the others: they join the cluster, nothing that runs restarts
+    recreate = "recreate"  # cannot change under a running deployment
+
+
+COUNT_FIELDS = ("prefill", "decode")
+#: read where yrpd runs (how to reach the hosts, how long to wait), never by a running process
+FREE_FIELDS = ("ssh", "startup_timeout_s", "min_free_disk_gb", "planner")
+
+
+@dataclass(frozen=True)
+class Change:
+    field: str
+    old: object
+    new: object
+    kind: ChangeKind
+
+    def line(self) -> str:
+        return f"{self.field}: {self.old!r} -> {self.new!r} ({self.kind.value})"
+
+
+def kind_of(name: str) -> ChangeKind:
+    if name in INSTANCE_FIELDS:
+        return ChangeKind.roll
+    if name in COUNT_FIELDS:
+        return ChangeKind.scale
+    if name in FREE_FIELDS:
+        return ChangeKind.free
+    return ChangeKind.recreate
+
 
 
 def _digest(value: Any) -> str:
@@ -778,7 +822,7 @@ class ServingSection(BaseModel):
 
     def instance_config(self, role: str) -> str:
         """Digest of what an instance of `role` runs with (INSTANCE_FIELDS, of the role fields its own alone): an
-        instance started with another one is replaced by a rolling change (yrpd.rollout). Without role arguments it
+        instance started with another one is replaced by a rolling change (yrpd.reconcile). Without role arguments it
         is the digest sessions recorded before those existed, so they do not roll for nothing."""
         fields = {k: getattr(self, k) for k in INSTANCE_FIELDS if k not in ROLE_ENGINE_ARGS.values()}
         own = ROLE_ENGINE_ARGS.get(role)
@@ -916,6 +960,52 @@ class DeploySpec(TopologySection, RuntimeSection, DataSystemSection, ServingSect
 
 
 
+# -- a changed spec against a running one ------------------------------------------------------------
+
+def spec_diff(old: DeploySpec, new: DeploySpec) -> list[Change]:
+    """Every top-level spec field whose value differs, in the spec's field order (hosts by name)."""
+    a, b = old.model_dump(mode="json"), new.model_dump(mode="json")
+    changes = []
+    for k in b:
+        if a.get(k) == b.get(k):
+            continue
+        if k == "hosts":
+            names = [h.name for h in old.hosts], [h.name for h in new.hosts]
+            if joined_hosts(old, new):
+                changes.append(Change(k, *names, ChangeKind.join))
+            elif names[0] != names[1]:
+                changes.append(Change(k, *names, ChangeKind.recreate))
+            else:  # the same hosts with other settings: show those
+                was, now = _set(a[k]), _set(b[k])
+                changes.append(Change(k, [h for h in was if h not in now], [h for h in now if h not in was],
+                                      ChangeKind.recreate))
+        else:
+            changes.append(Change(k, a.get(k), b.get(k), kind_of(k)))
+    return changes
+
+
+def _set(hosts: list[dict]) -> list[dict]:
+    """Host entries with only the settings given (None left out), for a readable diff line."""
+    return [{k: v for k, v in h.items() if v is not None} for h in hosts]
+
+
+def joined_hosts(old: DeploySpec, new: DeploySpec) -> list[str]:
+    """The hosts `new` adds after all of `old`'s, each of those unchanged and in its place (so the master stays);
+    [] where the lists differ any other way."""
+    before, after = old.model_dump(mode="json")["hosts"], new.model_dump(mode="json")["hosts"]
+    if len(after) <= len(before) or after[:len(before)] != before:
+        return []
+    return [h.name for h in new.hosts[len(before):]]
+
+
+def refuse_unrollable(changes: list[Change], session_id: str) -> None:
+    blocked = [c.field for c in changes if c.kind is ChangeKind.recreate]
+    if blocked:
+        raise SpecError("deploy", f"session {session_id} is running and {', '.join(blocked)} cannot change under it "
+                        "(only instance settings roll, instance counts scale and hosts added after the others join)",
+                        "pass --recreate to tear it down and deploy anew (requests fail meanwhile), or undo that change")
+
+
 # -- loading -----------------------------------------------------------------------------------
 
 def stored_spec(data: dict[str, Any]) -> DeploySpec:
@@ -996,6 +1086,39 @@ def build_spec(config: dict[str, Any], overrides: dict[str, Any]) -> DeploySpec:
     except ValidationError as exc:
         raise _one_line(exc) from None
     return spec.check()
+
+
+#: the flags for the SSH settings (every command that reaches hosts has them): flag -> SshOptions field
+SSH_FLAGS = {"ssh_config": "config_file", "identity": "identity", "known_hosts": "known_hosts",
+             "accept_new_host_keys": "accept_new_host_keys"}
+
+
+def ssh_from_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
+    """The SSH settings the flags give (None: not given)."""
+    return {field: flags.get(flag) for flag, field in SSH_FLAGS.items()}
+
+
+def spec_from_flags(flags: Mapping[str, Any]) -> DeploySpec:
+    """`yrpd deploy`'s and `yrpd plan`'s flags over the config file (`--config`, else ./yrpd.yaml if present) -> a
+    checked DeploySpec; SpecError (exit 2) on any problem, before any host is touched. A flag is named as the field
+    it sets (a parallelism field by its short name too); the others are `--config`, `--env`, `--proxy-port` and the
+    SSH flags."""
+    overrides = {name: flags[name] for name in DeploySpec.model_fields if name in flags}
+    overrides |= {field: flags[short] for field, short in PARALLEL_ALIASES.items() if short in flags}
+    overrides["env"] = _env_pairs(flags.get("env_pairs") or ())
+    overrides["ports"] = {"proxy": flags.get("proxy_port")}
+    overrides["ssh"] = ssh_from_flags(flags)
+    return build_spec(load_config_file(flags.get("config_file")), overrides)
+
+
+def _env_pairs(pairs: Iterable[str]) -> dict[str, str] | None:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SpecError("--env", f"{pair!r} is not KEY=VALUE", "write --env NAME=value")
+        env[key] = value
+    return env or None
 
 
 def _one_line(exc: ValidationError) -> SpecError:

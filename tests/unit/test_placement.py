@@ -2,9 +2,13 @@ import json
 
 import pytest
 
+from yrpd.layout import HostPaths, HostSessionLayout
 from yrpd.errors import SpecError
-from yrpd.placement import HostInventory, make_plan, ports_on_host
-from yrpd.spec import DeviceKind, build_spec, format_device_list, parse_device_list
+from yrpd.live import describe_change
+from yrpd.placement import (HostInventory, choose_dtype, default_max_unavailable, make_plan, ports_on_host, stale,
+                            with_counts)
+from yrpd.serving import instance_launches
+from yrpd.spec import DeviceKind, Dtype, build_spec, format_device_list, parse_device_list, spec_diff
 
 
 def spec(**over):
@@ -229,3 +233,138 @@ def test_a_stored_plan_read_back_keeps_a_placement_a_plan_from_nothing_would_not
     again = make_plan(spec(ptp=4, dtp=4, prefill=2), inventory(8, hosts=hosts), keep=instances_from_dicts(stored))
     assert rows(again) == rows(scaled)
     assert rows(make_plan(spec(ptp=4, dtp=4, prefill=2), inventory(8, hosts=hosts))) != rows(scaled)  # the control
+
+
+# -- a running plan against a changed spec (what a rolling change, a scale and a drain place) -----------------
+
+def three_hosts(**over):
+    base = {"hosts": "h1,h2,h3", "model": "/models/m", "device_kind": "npu", "ptp": 4, "dtp": 4}
+    return build_spec({}, {**base, **over})
+
+
+def eight_each(n=8, hosts=("h1", "h2", "h3")):
+    return {h: HostInventory(DeviceKind.npu, tuple(range(n)), ip=f"10.0.0.{i + 1}") for i, h in enumerate(hosts)}
+
+
+def test_an_instance_is_stale_once_its_settings_differ_and_a_model_change_changes_its_group():
+    plan = make_plan(three_hosts(), eight_each())
+    assert stale(plan, three_hosts()) == []
+    flag = three_hosts(engine_args=["--max-num-seqs", "8"])
+    assert [i.name for i in stale(plan, flag)] == ["prefill-0", "decode-0"]  # prefill first
+    assert flag.model_group == three_hosts().model_group  # the same model: old and new instances may pair
+    other = three_hosts(model="/models/other")
+    assert other.model_group != three_hosts().model_group and other.model_group.startswith("other#")
+
+
+def test_a_new_instance_takes_the_lowest_free_index_and_kept_ones_keep_their_settings():
+    running = make_plan(three_hosts(decode=2), eight_each())
+    flag = three_hosts(decode=2, engine_args=["--max-num-seqs", "8"])
+    # decode-0 replaced: a third decode instance started beside the two, then decode-0 retired
+    grown = make_plan(with_counts(flag, running, decode=1), eight_each(), keep=running.instances)
+    assert [i.name for i in grown.instances] == ["prefill-0", "decode-0", "decode-1", "decode-2"]
+    assert [i.config == flag.instance_config(i.role) for i in grown.instances] == [False, False, False, True]
+    rest = [i for i in grown.instances if i.name != "decode-0"]
+    after = make_plan(flag, eight_each(), keep=rest)
+    assert [i.name for i in after.instances] == ["prefill-0", "decode-1", "decode-2"]
+    assert [(i.host, i.devices, i.port) for i in after.instances] == \
+        [(i.host, i.devices, i.port) for i in rest]  # nothing moved
+    # scaling out again fills the gap
+    again = make_plan(with_counts(flag, after, decode=1), eight_each(), keep=after.instances)
+    assert [i.name for i in again.instances] == ["prefill-0", "decode-0", "decode-1", "decode-2"]
+
+
+def test_a_drained_host_keeps_what_runs_there_but_takes_nothing_new():
+    inv = {h: HostInventory(DeviceKind.npu, tuple(range(n))) for h, n in (("h1", 4), ("h2", 8), ("h3", 4))}
+    running = make_plan(three_hosts(), inv)
+    assert [(i.name, i.host) for i in running.instances] == [("prefill-0", "h2"), ("decode-0", "h1")]
+    kept = make_plan(three_hosts(), inv, keep=running.instances, cordoned=["h2"])
+    assert kept.instances == running.instances  # the plan still names what runs there
+    grow = with_counts(three_hosts(), running, decode=1)
+    assert make_plan(grow, inv, keep=running.instances).instance("decode-1").host == "h2"  # the control
+    assert make_plan(grow, inv, keep=running.instances, cordoned=["h2"]).instance("decode-1").host == "h3"
+    with pytest.raises(SpecError, match=r"\(h2, h3 drained: `yrpd undrain` brings it back\)"):
+        make_plan(grow, inv, keep=running.instances, cordoned=["h2", "h3"])
+
+
+def test_max_unavailable_defaults_to_zero_only_where_one_more_instance_of_each_replaced_role_fits():
+    flag = three_hosts(engine_args=["--max-num-seqs", "8"])
+    roomy = make_plan(three_hosts(), eight_each())  # 3 hosts of 8 NPUs, 8 used: a spare prefill and decode fit
+    assert default_max_unavailable(flag, eight_each(), roomy) == 0
+    tight = make_plan(three_hosts(hosts="h1,h2"), eight_each(4, hosts=("h1", "h2")))  # 2 hosts of 4 NPUs, all used
+    assert default_max_unavailable(three_hosts(hosts="h1,h2", engine_args=["--x"]),
+                                   eight_each(4, hosts=("h1", "h2")), tight) == 1
+    lines = describe_change(spec_diff(three_hosts(), flag), roomy, flag, 0)
+    assert lines == ["engine_args: [] -> ['--max-num-seqs', '8'] (roll)",
+                     "replace prefill-0, decode-0 one by one (start each new instance, then drain and stop the old one)"]
+
+
+# -- the dtype: chosen once for all instances (KV crosses between them), on CPU hosts from what their CPUs
+# compute fastest, shown by `yrpd plan` with the reason, overridden by --dtype ---------------------------------
+
+PATHS = HostPaths(env_root="/opt/yrpd/venvs", session=HostSessionLayout("/tmp/yrpd_sessions", "S"), bundle_dir="/b")
+
+
+def plan_for(bf16: dict, kind=DeviceKind.cpu, **over):
+    spec = build_spec({}, {"hosts": ",".join(bf16), "model": "/models/m", "device_kind": kind.value, **over})
+    inventory = {h: HostInventory(kind, (0, 1), f"10.0.0.{i + 1}", has) for i, (h, has) in enumerate(bf16.items())}
+    return spec, make_plan(spec, inventory)
+
+
+def dtype_flags(spec, plan):
+    found = set()
+    for inst in plan.instances:
+        argv = instance_launches(spec, plan, inst, PATHS)[0].argv
+        found.add(argv[argv.index("--dtype") + 1] if "--dtype" in argv else None)
+    return found
+
+
+def test_cpu_without_bf16_instructions_computes_in_float32_everywhere():
+    spec, plan = plan_for({"h1": True, "h2": False})
+    assert plan.dtype.dtype == "float32" and "h2" in plan.dtype.reason and "4.8x" in plan.dtype.reason
+    assert dtype_flags(spec, plan) == {"float32"}  # prefill and decode agree on the KV dtype
+
+
+def test_cpus_with_bf16_instructions_compute_in_bfloat16():
+    spec, plan = plan_for({"h1": True, "h2": True})
+    assert plan.dtype.dtype == "bfloat16" and dtype_flags(spec, plan) == {"bfloat16"}
+
+
+def test_undetected_cpu_features_fall_back_to_float32():
+    choice = choose_dtype(Dtype.auto, DeviceKind.cpu, {"h1": None})
+    assert choice.dtype == "float32" and "not detected" in choice.reason
+
+
+def test_dtype_flag_wins_and_accelerators_keep_the_models_dtype():
+    spec, plan = plan_for({"h1": False}, dtype="bfloat16")
+    assert plan.dtype.dtype == "bfloat16" and dtype_flags(spec, plan) == {"bfloat16"}
+    spec, plan = plan_for({"h1": None, "h2": None}, kind=DeviceKind.npu)
+    assert plan.dtype.dtype is None and dtype_flags(spec, plan) == {None}  # vLLM's auto: the model's own
+    assert json.loads(json.dumps(plan.to_dict()))["dtype"] == {"dtype": None, "reason": plan.dtype.reason}
+
+
+def test_dtype_cannot_be_set_behind_the_plans_back():
+    with pytest.raises(SpecError, match="engine_args: --dtype is set by yrpd"):
+        build_spec({"engine_args": ["--dtype", "float16"]}, {"hosts": "localhost"})
+
+
+def test_plan_shows_the_chosen_dtype_and_why(yrpd, yrpd_home, tmp_path):
+    """`yrpd plan --hosts localhost` reads this machine's CPU flags (the only probe it makes) and says."""
+    flags = open("/proc/cpuinfo").read()
+    has_bf16 = "avx512_bf16" in flags and "amx_bf16" not in flags  # AMX: vLLM's bf16 kernels failed there
+    shown = yrpd("plan", "--hosts", "localhost", "--model", "builtin:tiny-qwen2", check=0).stdout.splitlines()[1]
+    assert shown.startswith(f"dtype: {'bfloat16' if has_bf16 else 'float32'} - auto: "), shown
+    assert shown.endswith("--dtype overrides")
+    embedded = yrpd("plan", "--hosts", "localhost", check=0).stdout.splitlines()[1]
+    assert embedded.startswith("dtype: float32 - auto: the model is served in float32 on every CPU"), embedded
+    forced = yrpd("plan", "--hosts", "localhost", "--dtype", "bfloat16", check=0).stdout.splitlines()[1]
+    assert forced == "dtype: bfloat16 - set with --dtype"
+
+
+def test_the_embedded_model_is_served_in_float32_on_every_cpu_unless_told():
+    """SmolLM2 in bfloat16 on an Intel CPU with AMX answered "What is the capital of France?" wrong (measured)."""
+    spec, plan = plan_for({"h1": True, "h2": True}, model="builtin:smollm2")
+    assert plan.dtype.dtype == "float32" and "4-bit GGUF" in plan.dtype.reason and dtype_flags(spec, plan) == {"float32"}
+    spec, plan = plan_for({"h1": True, "h2": True}, model="builtin:smollm2", dtype="bfloat16")
+    assert plan.dtype.dtype == "bfloat16"
+    spec, plan = plan_for({"h1": True, "h2": True}, model="builtin:tiny-qwen2")
+    assert plan.dtype.dtype == "bfloat16"  # random weights: nothing to answer right, the CPU's fastest

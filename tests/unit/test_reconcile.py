@@ -1,6 +1,6 @@
 """The reconciler (yrpd.reconcile): every move of an instance's life, and the steps it takes from what runs to what
 is wanted, on a cluster scripted here (its plan changes only by the steps it is given). tests/unit/test_scale.py and
-test_rollout.py drive the same reconciler through yrpd.live on scripted hosts; the lab tests on fake hosts."""
+test_live.py drive the same reconciler through yrpd.live on scripted hosts; the lab tests on fake hosts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from yrpd import rollout
+from yrpd import placement
 from yrpd.placement import HostInventory, Plan, make_plan
 from yrpd.reconcile import (TRANSITIONS, BringUp, Desired, IllegalTransition, Join, Lifecycle, Observed, Restart,
                             Retire, Start, TearDown, next_step, reconcile)
@@ -68,7 +68,7 @@ def test_a_life_walks_from_planned_to_gone_and_is_saved_at_each_move():
 
 class Cluster:
     """What runs, changed only by the steps it is given, as hosts would carry them out (placement as yrpd.live
-    places: rollout.replan)."""
+    places: placement.replan)."""
 
     def __init__(self, plan: Plan | None, inv, desired: Desired, up: bool = True):
         self.plan, self.inv, self.desired, self.up = plan, inv, desired, up
@@ -92,14 +92,14 @@ class Cluster:
             self.plan = make_plan(d.spec, self.inv, keep=self.plan.instances if self.plan else (), cordoned=d.cordoned)
             self.up, self.checked, self.down, self.joining = True, True, set(), ()
         elif isinstance(step, Join):
-            with_hosts = d.spec.model_copy(update=rollout.counts(self.plan))
+            with_hosts = d.spec.model_copy(update=placement.counts(self.plan))
             self.plan = make_plan(with_hosts, self.inv, keep=self.plan.instances, cordoned=d.cordoned)
             self.joining = ()
         elif isinstance(step, Start):
-            self.plan = rollout.replan(d.spec, self.inv, self.plan.instances, d.cordoned, **step.counts)
+            self.plan = placement.replan(d.spec, self.inv, self.plan.instances, d.cordoned, **step.counts)
         elif isinstance(step, Retire):
             rest = [i for i in self.plan.instances if i.name not in step.names]
-            self.plan = rollout.replan(d.spec, self.inv, rest, d.cordoned)
+            self.plan = placement.replan(d.spec, self.inv, rest, d.cordoned)
         elif isinstance(step, Restart):
             self.down -= set(step.names)
         self.taken.append(step.line())
@@ -119,7 +119,7 @@ def test_scale_out_and_in_adds_what_is_missing_and_retires_the_highest_indexed_f
     cluster = Cluster(make_plan(s, inventory()), inventory(), Desired(s))
     assert cluster.run(Desired(s)) == []  # the control: nothing wanted that does not run
     assert cluster.run(Desired(spec(decode=3, prefill=2))) == ["start 1 prefill, 2 decode"]
-    assert rollout.counts(cluster.plan) == {"prefill": 2, "decode": 3}
+    assert placement.counts(cluster.plan) == {"prefill": 2, "decode": 3}
     assert cluster.run(Desired(spec(decode=1, prefill=2))) == ["drain and stop decode-1, decode-2"]
     assert [i.name for i in cluster.plan.instances if i.role == "decode"] == ["decode-0"]
 
@@ -131,7 +131,7 @@ def test_a_roll_starts_each_new_instance_before_its_old_one_drains_prefill_first
     assert cluster.run(Desired(flag)) == [
         "start 1 prefill", "drain and stop prefill-0",
         "start 1 decode", "drain and stop decode-0", "start 1 decode", "drain and stop decode-1"]
-    assert rollout.stale(cluster.plan, flag) == [] and rollout.counts(cluster.plan) == {"prefill": 1, "decode": 2}
+    assert placement.stale(cluster.plan, flag) == [] and placement.counts(cluster.plan) == {"prefill": 1, "decode": 2}
 
 
 def test_a_roll_without_a_spare_device_drains_first_in_batches_of_max_unavailable():
@@ -142,7 +142,7 @@ def test_a_roll_without_a_spare_device_drains_first_in_batches_of_max_unavailabl
     assert cluster.run(Desired(flag, max_unavailable=2)) == [
         "drain and stop prefill-0", "start 1 prefill",
         "drain and stop decode-0, decode-1", "start 2 decode", "drain and stop decode-2", "start 1 decode"]
-    assert rollout.stale(cluster.plan, flag) == []
+    assert placement.stale(cluster.plan, flag) == []
 
 
 def test_a_model_change_starts_a_new_pair_before_the_old_pair_drains():
@@ -161,7 +161,7 @@ def test_a_drain_moves_what_runs_on_the_host_and_keeps_new_instances_off_it():
     moving = sorted(i.name for i in cluster.plan.instances if i.host == host)
     steps = cluster.run(Desired(s, cordoned=(host,), evacuate=(host,)))
     assert len(steps) == 2 * len(moving) and all(f"drain and stop {n}" in steps for n in moving)
-    assert all(i.host != host for i in cluster.plan.instances) and rollout.counts(cluster.plan) == \
+    assert all(i.host != host for i in cluster.plan.instances) and placement.counts(cluster.plan) == \
         {"prefill": 1, "decode": 2}
     assert cluster.run(Desired(s, cordoned=(host,), evacuate=(host,))) == []  # done: a second run takes no step
 
@@ -186,9 +186,9 @@ def test_a_roll_that_also_scales_rolls_at_the_running_counts_first():
     lowest = []
     flagged = spec(hosts="h1,h2", prefill=1, decode=2, engine_args=["--x"])
     act = cluster.act
-    cluster.act = lambda step: (act(step), lowest.append(rollout.counts(cluster.plan)["prefill"]))
+    cluster.act = lambda step: (act(step), lowest.append(placement.counts(cluster.plan)["prefill"]))
     cluster.run(Desired(flagged, max_unavailable=1, roll_counts=(("prefill", 2), ("decode", 2))))
-    assert min(lowest) == 1 and rollout.counts(cluster.plan) == {"prefill": 1, "decode": 2}
+    assert min(lowest) == 1 and placement.counts(cluster.plan) == {"prefill": 1, "decode": 2}
     # 1P1D -> 3P1D with a flag change on 16 NPUs: one instance beyond what runs at a time, then the scale
     s = spec(hosts="h1,h2")
     inv = inventory(hosts=("h1", "h2"))
@@ -296,7 +296,7 @@ def test_live_changes_take_the_reconcilers_steps_on_the_hosts_and_keep_each_inst
         done = live.change(now(), flag)
         assert steps(mark) == [("start", ["prefill-1"]), ("drain", ["prefill-0"]), ("start", ["decode-2"]),
                                ("drain", ["decode-0"]), ("start", ["decode-0"]), ("drain", ["decode-1"])]
-        assert rollout.stale(now().plan, flag) == []
+        assert placement.stale(now().plan, flag) == []
         host = now().plan.instance("decode-2").host  # (a name a retired instance left is taken again)
         mark = len(session.journal_entries())
         moving = [i.name for i in now().plan.instances if i.host == host]
@@ -327,9 +327,9 @@ def test_a_start_left_failed_is_started_again_before_anything_drains(tmp_path):
                         "dtype": "float32", "session_root": str(tmp_path / "sessions")})
     inv = inventory_from_json({h: {"kind": "cpu", "devices": [0, 1, 2, 3], "ip": ip} for h, ip in ips.items()})
     flag = s.model_copy(update={"engine_args": ["--max-num-seqs", "8"]})
-    stopped = rollout.replan(flag, inv, make_plan(s, inv).instances, prefill=1)  # as the failed start stored it
+    stopped = placement.replan(flag, inv, make_plan(s, inv).instances, prefill=1)  # as the failed start stored it
     session = SessionStore(tmp_path / "sessions").create()
-    save_deployment(session, rollout.with_counts(flag, stopped), inv, stopped)
+    save_deployment(session, placement.with_counts(flag, stopped), inv, stopped)
     session.set_state(SessionPhase.deployed, instances={"prefill-1": "failed"})
     hosts = ScriptedHosts(default_exit=0)
     hosts.on(r"deploy_scripts/proxy_drain\.py", stdout=json.dumps({"drained": True, "in_flight": {}, "seconds": 0.1}))
@@ -339,6 +339,6 @@ def test_a_start_left_failed_is_started_again_before_anything_drains(tmp_path):
     events = [(e["event"], e.get("again") or e["instances"]) for e in session.journal_entries()
               if e.get("event") in ("start", "drain")]
     assert events[0] == ("start", ["prefill-1"]) and events[1][0] == "start"  # again first, before any drain
-    assert rollout.stale(done.deployment.plan, flag) == [] and rollout.counts(done.deployment.plan) == \
+    assert placement.stale(done.deployment.plan, flag) == [] and placement.counts(done.deployment.plan) == \
         {"prefill": 1, "decode": 1}
     assert set(Session(session.path).state["instances"].values()) == {"serving"}

@@ -28,9 +28,9 @@ from yrpd.cli.options import spec_options, version
 def deploy(**params) -> int:
     """Deploy PD serving onto the hosts. Re-running it resumes: finished steps are skipped."""
     from yrpd import api
-    from yrpd.cli.options import spec_from_options
+    from yrpd.spec import spec_from_flags
 
-    spec = spec_from_options(params)
+    spec = spec_from_flags(params)
     actions = api.check_container_actions(spec, api.ContainerActions(recreate=bool(params.get("recreate")),
                                                                      pull=params.get("pull") or "never"))
     if params["dry_run"]:

@@ -17,11 +17,11 @@ from yrpd.cli.options import session_option, ssh_options, version
 def down(**params) -> int:
     """Tear a deployment down (latest session by default) and verify nothing is left."""
     from yrpd import api
-    from yrpd.cli.options import ssh_overrides
+    from yrpd.spec import ssh_from_flags
     from yrpd.cli.progress import ConsoleProgress
     from yrpd.session import SessionPhase
 
-    deployment = api.open_deployment(params["session_id"], ssh_overrides(params))
+    deployment = api.open_deployment(params["session_id"], ssh_from_flags(params))
     progress = ConsoleProgress(numbered=False)
     if deployment.session.phase is SessionPhase.down:
         progress.message(f"session {deployment.session.id} was already torn down; checking again")

@@ -18,10 +18,10 @@ drain_timeout = click.option(
 
 def _open(params):
     from yrpd import api
-    from yrpd.cli.options import ssh_overrides
+    from yrpd.spec import ssh_from_flags
     from yrpd.cli.progress import ConsoleProgress
 
-    return api, api.open_deployment(params["session_id"], ssh_overrides(params)), ConsoleProgress(numbered=False)
+    return api, api.open_deployment(params["session_id"], ssh_from_flags(params)), ConsoleProgress(numbered=False)
 
 
 def _moved(done) -> str:

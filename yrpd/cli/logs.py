@@ -27,13 +27,13 @@ def logs(**params) -> int:
     import sys
 
     from yrpd import api
-    from yrpd.cli.options import ssh_overrides
+    from yrpd.spec import ssh_from_flags
     from yrpd.errors import SpecError
 
     name = params.get("name")
     if name is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", name):
         raise SpecError("NAME", f"{name!r} is not a log name", "use a process or instance name like prefill-0")
-    deployment = api.open_deployment(params["session_id"], ssh_overrides(params))
+    deployment = api.open_deployment(params["session_id"], ssh_from_flags(params))
     if params.get("request_id"):
         return _request(api, deployment, params["request_id"])
 

@@ -1,8 +1,6 @@
-"""Options shared by subcommands, and turning them into a DeploySpec."""
+"""Options shared by subcommands (yrpd.spec turns them into a DeploySpec: `spec_from_flags`, `ssh_from_flags`)."""
 
 from __future__ import annotations
-
-# the spec model is imported inside the functions: `yrpd <cmd> --help` loads none of it (pydantic, yaml)
 
 from functools import wraps
 from typing import Any, Callable
@@ -30,7 +28,7 @@ def ssh_options(func: Callable) -> Callable:
 
 
 def spec_options(func: Callable) -> Callable:
-    """Every flag maps onto one spec field; flags win over the config file."""
+    """Every flag maps onto one spec field (yrpd.spec.spec_from_flags); flags win over the config file."""
     options = [
         click.option("--config", "config_file", metavar="FILE", help="YAML config [./yrpd.yaml if present]"),
         click.option("--hosts", metavar="LIST", help="h1,h2 or user@host:port or ssh_config aliases"),
@@ -80,60 +78,6 @@ def spec_options(func: Callable) -> Callable:
     for option in reversed(options):
         func = option(func)
     return func
-
-
-def spec_from_options(params: dict[str, Any]):
-    """Build and check the spec; SpecError (exit 2) on any problem, before any host is touched."""
-    from yrpd.errors import SpecError
-    from yrpd.spec import build_spec, load_config_file
-
-    env = None
-    if params.get("env_pairs"):
-        env = {}
-        for pair in params["env_pairs"]:
-            key, sep, value = pair.partition("=")
-            if not sep or not key:
-                raise SpecError("--env", f"{pair!r} is not KEY=VALUE", "write --env NAME=value")
-            env[key] = value
-    config = load_config_file(params.get("config_file"))
-    overrides = {
-        "hosts": params.get("hosts"),
-        "master": params.get("master"),
-        "devices": params.get("devices"),
-        "device_kind": params.get("device_kind"),
-        "runtime": params.get("runtime"),
-        "image": params.get("image"),
-        "container_profile": params.get("container_profile"),
-        "prefill": params.get("prefill"),
-        "decode": params.get("decode"),
-        "prefill_tensor_parallel_size": params.get("ptp"),
-        "decode_tensor_parallel_size": params.get("dtp"),
-        "prefill_data_parallel_size": params.get("pdp"),
-        "decode_data_parallel_size": params.get("ddp"),
-        "prefill_pipeline_parallel_size": params.get("ppp"),
-        "decode_pipeline_parallel_size": params.get("dpp"),
-        "multi_node_backend": params.get("multi_node_backend"),
-        "model": params.get("model"),
-        "served_model_name": params.get("served_model_name"),
-        "dtype": params.get("dtype"),
-        "routing": params.get("routing"),
-        "kv_connector": params.get("kv_connector"),
-        "cluster_launcher": params.get("cluster_launcher"),
-        "env_path": params.get("env_path"),
-        "env": env,
-        "ports": {"proxy": params.get("proxy_port")},
-        "ssh": ssh_overrides(params),
-    }
-    return build_spec(config, overrides)
-
-
-def ssh_overrides(params: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "config_file": params.get("ssh_config"),
-        "identity": params.get("identity"),
-        "known_hosts": params.get("known_hosts"),
-        "accept_new_host_keys": params.get("accept_new_host_keys"),
-    }
 
 
 def session_option(func: Callable) -> Callable:

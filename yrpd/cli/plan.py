@@ -20,9 +20,9 @@ def plan(**params) -> int:
     """Show where every instance goes and the commands a deploy would run. Touches no host unless
     devices must be detected (no --devices and none in the config)."""
     from yrpd import api
-    from yrpd.cli.options import spec_from_options
+    from yrpd.spec import spec_from_flags
 
-    view = api.plan(spec_from_options(params), params.get("playbook"))
+    view = api.plan(spec_from_flags(params), params.get("playbook"))
     if params["as_json"]:
         click.echo(json.dumps(view.to_dict(), indent=2))
         return 0

@@ -22,9 +22,9 @@ from yrpd.cli.options import session_option, ssh_options, version
 def status(**params) -> int:
     """Show hosts, processes and instances of a deployment. Exit status 1 when anything is unhealthy."""
     from yrpd import api
-    from yrpd.cli.options import ssh_overrides
+    from yrpd.spec import ssh_from_flags
 
-    deployment = api.open_deployment(params["session_id"], ssh_overrides(params))
+    deployment = api.open_deployment(params["session_id"], ssh_from_flags(params))
     if params["watch"]:
         if params["as_json"]:
             from yrpd.errors import SpecError

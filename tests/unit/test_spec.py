@@ -1,0 +1,121 @@
+"""The user's spec (yrpd.spec): the flags of `yrpd deploy` and `yrpd plan` over the config file, and what a change of
+each field does to a running deployment (the refusals of bad input are tests/unit/test_bad_input.py's)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+import pytest
+
+from yrpd.cli.deploy import deploy
+from yrpd.cli.options import spec_options
+from yrpd.cli.plan import plan as plan_command
+from yrpd.errors import SpecError
+from yrpd.live import describe_change
+from yrpd.placement import HostInventory, make_plan, stale
+from yrpd.spec import (PARALLEL_ALIASES, SSH_FLAGS, ChangeKind, DeploySpec, DeviceKind, build_spec, joined_hosts,
+                       spec_diff, spec_from_flags)
+
+
+def spec(**over):
+    base = {"hosts": "h1,h2,h3", "model": "/models/m", "device_kind": "npu", "ptp": 4, "dtp": 4}
+    return build_spec({}, {**base, **over})
+
+
+def inventory(n=8, hosts=("h1", "h2", "h3")):
+    return {h: HostInventory(DeviceKind.npu, tuple(range(n)), ip=f"10.0.0.{i + 1}") for i, h in enumerate(hosts)}
+
+
+def test_each_changed_field_is_sorted_into_what_rolls_scales_takes_effect_or_needs_recreate():
+    old = spec()
+    new = spec(engine_args=["--max-num-seqs", "8"], decode=2, startup_timeout_s=1200, datasystem_memory_mb=4096)
+    kinds = {c.field: c.kind for c in spec_diff(old, new)}
+    assert kinds == {"engine_args": ChangeKind.roll, "decode": ChangeKind.scale,
+                     "startup_timeout_s": ChangeKind.free,
+                     "datasystem_memory_mb": ChangeKind.recreate}
+    assert spec_diff(old, spec()) == []  # the control: the same spec changes nothing
+
+
+def test_hosts_added_after_the_others_join_and_any_other_change_of_the_hosts_needs_recreate():
+    old = spec(hosts="h1,h2")
+    [joined] = spec_diff(old, spec(hosts="h1,h2,h3"))
+    assert (joined.kind, joined.line()) == (ChangeKind.join, "hosts: ['h1', 'h2'] -> ['h1', 'h2', 'h3'] (join)")
+    assert joined_hosts(old, spec(hosts="h1,h2,h3,h4")) == ["h3", "h4"]
+    # the master (the first host) would change, a host would go, or a running host's settings would change
+    for other in ("h3,h1,h2", "h1", "h1,h3", "h2,h1,h3"):
+        assert [c.kind for c in spec_diff(old, spec(hosts=other))] == [ChangeKind.recreate], other
+    moved = build_spec({"hosts": [{"address": "h1"}, {"address": "h2", "ip": "10.9.9.9"}, {"address": "h3"}]},
+                       {"model": "/models/m", "device_kind": "npu", "ptp": 4, "dtp": 4})
+    assert joined_hosts(old, moved) == [] and spec_diff(old, moved)[0].kind is ChangeKind.recreate
+    same_names = build_spec({"hosts": [{"address": "h1"}, {"address": "h2", "ip": "10.9.9.9"}]},
+                            {"model": "/models/m", "device_kind": "npu", "ptp": 4, "dtp": 4})
+    assert spec_diff(old, same_names)[0].line() == \
+        "hosts: [{'address': 'h2'}] -> [{'address': 'h2', 'ip': '10.9.9.9'}] (recreate)"  # what differs, named
+    lines = describe_change(spec_diff(old, spec(hosts="h1,h2,h3")), make_plan(old, inventory(hosts=("h1", "h2"))),
+                             spec(hosts="h1,h2,h3"), 0)
+    assert lines[1] == "join h3: its data system worker joins the cluster, nothing that runs restarts"
+
+
+def test_a_roles_own_engine_args_roll_that_roles_instances_alone():
+    plan = make_plan(spec(), inventory())
+    assert [i.name for i in stale(plan, spec(decode_engine_args=["--max-num-seqs", "64"]))] == ["decode-0"]
+    assert [i.name for i in stale(plan, spec(prefill_engine_args=["--max-num-seqs", "4"]))] == ["prefill-0"]
+    # a session recorded before the role fields existed does not roll for them while they stay empty: the digest is
+    # the one of the six fields it was made of then
+    from yrpd.spec import _digest
+    before = _digest({k: getattr(spec(), k) for k in ("model", "served_model_name", "dtype", "prefix_reuse",
+                                                       "engine_args", "connector")})
+    assert spec().instance_config("decode") == spec().instance_config("prefill") == before
+    assert [c.kind.value for c in spec_diff(spec(), spec(decode_engine_args=["--max-num-seqs", "64"]))] == ["roll"]
+
+
+# -- flags over the config file ---------------------------------------------------------------------------------
+
+CONFIG = {"hosts": ["h1", "h2"], "model": "/models/m", "device_kind": "npu", "decode": 1, "ddp": 1,
+          "env": {"A": "0", "B": "2"}, "ports": {"proxy": 8000}, "ssh": {"identity": "config.key"}}
+
+
+@pytest.mark.parametrize("argv, read, given, configured", [
+    (["--decode", "2"], lambda s: s.decode, 2, 1),
+    (["--ddp", "2"], lambda s: s.decode_data_parallel_size, 2, 1),
+    (["--decode-data-parallel-size", "2"], lambda s: s.decode_data_parallel_size, 2, 1),
+    (["--env", "A=1"], lambda s: s.env, {"A": "1", "B": "2"}, {"A": "0", "B": "2"}),
+    (["--proxy-port", "9001"], lambda s: s.ports.proxy, 9001, 8000),
+    (["-i", "flag.key"], lambda s: s.ssh.identity, "flag.key", "config.key"),
+    (["--hosts", "h3,h4"], lambda s: [h.name for h in s.hosts], ["h3", "h4"], ["h1", "h2"]),
+    (["--served-model-name", "x"], lambda s: s.served_model_name, "x", None),
+])
+def test_a_flag_of_deploy_and_plan_sets_the_field_it_names_over_the_config_file(tmp_path, monkeypatch, argv, read,
+                                                                                given, configured):
+    monkeypatch.chdir(tmp_path)  # the identity files the spec checks exist
+    (tmp_path / "config.key").write_text("")
+    (tmp_path / "flag.key").write_text("")
+    config = tmp_path / "yrpd.yaml"
+    config.write_text(json.dumps(CONFIG))  # YAML reads JSON
+    for command in (deploy, plan_command):
+        flags = command.make_context(command.name, ["--config", str(config), *argv]).params
+        assert read(spec_from_flags(flags)) == given, (command.name, argv)
+        # the control: without the flag, the config file's value
+        alone = command.make_context(command.name, ["--config", str(config)]).params
+        assert read(spec_from_flags(alone)) == configured, command.name
+
+
+def test_every_spec_flag_is_read_into_the_spec_and_no_other_option_shares_a_fields_name():
+    spec_flags = {p.name for p in click.command()(spec_options(lambda **_: 0)).params}
+    fields = set(DeploySpec.model_fields)
+    # how each flag reaches the spec: its field's name, a parallelism field's short one, or a mapping of its own
+    own = {"config_file", "env_pairs", "proxy_port"}
+    unread = spec_flags - fields - set(PARALLEL_ALIASES.values()) - set(SSH_FLAGS) - own
+    assert unread == set()
+    assert {"decode", "ptp", "ssh_config"} <= spec_flags  # the control: the sets above are the flags' names
+    for command in (deploy, plan_command):
+        others = {p.name for p in command.params} - spec_flags
+        assert others and not others & fields, command.name  # a command's own option never lands in the spec
+
+
+def test_an_env_flag_that_is_not_key_value_is_refused_naming_the_flag():
+    with pytest.raises(SpecError, match=r"^--env: 'A' is not KEY=VALUE; write --env NAME=value$"):
+        spec_from_flags(deploy.make_context("deploy", ["--hosts", "h1", "--env", "A"]).params)
+    assert spec_from_flags(deploy.make_context("deploy", ["--hosts", "h1", "--env", "A=", "--model", "/m"]).params
+                           ).env == {"A": ""}  # the control: an empty value is a value
