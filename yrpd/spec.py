@@ -739,7 +739,6 @@ def kind_of(name: str) -> ChangeKind:
     return ChangeKind.recreate
 
 
-
 def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -1,3 +1,6 @@
+"""Placement (yrpd.placement): which host and devices each instance gets, its ports, the dtype all of them compute in,
+and what a running plan lacks against a changed spec."""
+
 import json
 
 import pytest

@@ -14,7 +14,7 @@ from yrpd.cli.plan import plan as plan_command
 from yrpd.errors import SpecError
 from yrpd.live import describe_change
 from yrpd.placement import HostInventory, make_plan, stale
-from yrpd.spec import (PARALLEL_ALIASES, SSH_FLAGS, ChangeKind, DeploySpec, DeviceKind, build_spec, joined_hosts,
+from yrpd.spec import (ChangeKind, DeploySpec, DeviceKind, build_spec, joined_hosts,
                        spec_diff, spec_from_flags)
 
 
@@ -101,14 +101,59 @@ def test_a_flag_of_deploy_and_plan_sets_the_field_it_names_over_the_config_file(
         assert read(spec_from_flags(alone)) == configured, command.name
 
 
-def test_every_spec_flag_is_read_into_the_spec_and_no_other_option_shares_a_fields_name():
+BASE = ("--hosts", "h1,h2", "--model", "/models/m", "--device-kind", "npu")
+#: every flag of `spec_options` but --config (above): what it is given, and where the spec keeps it
+EACH_FLAG = {
+    "hosts": (["--hosts", "h3,h4"], lambda s: [h.name for h in s.hosts]),
+    "master": (["--master", "h2"], lambda s: s.master),
+    "devices": (["--devices", "0-3"], lambda s: s.devices),
+    "device_kind": (["--device-kind", "gpu"], lambda s: s.device_kind),
+    "runtime": (["--runtime", "host"], lambda s: s.runtime),
+    "image": (["--image", "registry.example/vllm-ascend:v9", "--container-profile", "vllm-ascend-v0.23.0"],
+              lambda s: s.image),
+    "container_profile": (["--container-profile", "vllm-ascend-v0.23.0"], lambda s: s.container_profile),
+    "prefill": (["--prefill", "2"], lambda s: s.prefill),
+    "decode": (["--decode", "2"], lambda s: s.decode),
+    "ptp": (["--ptp", "2", "--dtp", "2"], lambda s: s.prefill_tensor_parallel_size),
+    "dtp": (["--ptp", "2", "--dtp", "2"], lambda s: s.decode_tensor_parallel_size),
+    "pdp": (["--pdp", "2"], lambda s: s.prefill_data_parallel_size),
+    "ddp": (["--ddp", "2"], lambda s: s.decode_data_parallel_size),
+    "ppp": (["--ppp", "2", "--dpp", "2"], lambda s: s.prefill_pipeline_parallel_size),
+    "dpp": (["--ppp", "2", "--dpp", "2"], lambda s: s.decode_pipeline_parallel_size),
+    "multi_node_backend": (["--multi-node-backend", "mp"], lambda s: s.multi_node_backend),
+    "model": (["--model", "/models/other"], lambda s: s.model),
+    "served_model_name": (["--served-model-name", "x"], lambda s: s.served_model_name),
+    "dtype": (["--dtype", "float16"], lambda s: s.dtype),
+    "proxy_port": (["--proxy-port", "9001"], lambda s: s.ports.proxy),
+    "routing": (["--routing", "load"], lambda s: s.routing),
+    "kv_connector": (["--kv-connector", "nixl"], lambda s: s.kv_connector),
+    "cluster_launcher": (["--cluster-launcher", "yr", "--runtime", "host"], lambda s: s.cluster_launcher),
+    "env_pairs": (["--env", "A=1"], lambda s: s.env),
+    "env_path": (["--env-path", "/opt/prepared"], lambda s: s.env_path),
+    "ssh_config": (["--ssh-config", "ssh.conf"], lambda s: s.ssh.config_file),
+    "identity": (["-i", "flag.key"], lambda s: s.ssh.identity),
+    "known_hosts": (["--known-hosts", "known"], lambda s: s.ssh.known_hosts),
+    "accept_new_host_keys": (["--accept-new-host-keys"], lambda s: s.ssh.accept_new_host_keys),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EACH_FLAG))
+def test_each_spec_flag_changes_the_field_it_sets(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)  # no ./yrpd.yaml, and the files the spec checks exist
+    (tmp_path / "flag.key").write_text("")
+    (tmp_path / "ssh.conf").write_text("")
+    argv, read = EACH_FLAG[name]
+    for command in (deploy, plan_command):
+        given = spec_from_flags(command.make_context(command.name, [*BASE, *argv]).params)
+        # the control: the same command without the flag
+        alone = spec_from_flags(command.make_context(command.name, list(BASE)).params)
+        assert read(given) != read(alone), (command.name, argv)
+
+
+def test_every_spec_flag_has_its_check_and_no_other_option_shares_a_fields_name():
     spec_flags = {p.name for p in click.command()(spec_options(lambda **_: 0)).params}
+    assert spec_flags - {"config_file"} == set(EACH_FLAG)  # a new flag gets a row above
     fields = set(DeploySpec.model_fields)
-    # how each flag reaches the spec: its field's name, a parallelism field's short one, or a mapping of its own
-    own = {"config_file", "env_pairs", "proxy_port"}
-    unread = spec_flags - fields - set(PARALLEL_ALIASES.values()) - set(SSH_FLAGS) - own
-    assert unread == set()
-    assert {"decode", "ptp", "ssh_config"} <= spec_flags  # the control: the sets above are the flags' names
     for command in (deploy, plan_command):
         others = {p.name for p in command.params} - spec_flags
         assert others and not others & fields, command.name  # a command's own option never lands in the spec
