@@ -240,3 +240,27 @@ def ds_resource(line):
                 "misses": int(hits[4])}
     except (IndexError, ValueError, StopIteration):
         raise ValueError(f"unexpected resource line: ...{line[-300:]}") from None
+
+
+def ds_resource_now(path, timeout_s=20.0):
+    """The worker's counters as they are now (a reading between two loads of a bench or test): the second whole line
+    of its resource.log written from now on, because the first may have been sampled before now and written after
+    (on a busy host it was: a load counted in the next reading). RuntimeError if no such line comes in time."""
+    import time
+
+    def whole_lines():
+        try:
+            with open(path) as f:
+                text = f.read()
+        except FileNotFoundError:
+            text = ""
+        return text.splitlines()[:text.count("\n")]
+
+    start = len(whole_lines())
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        lines = whole_lines()
+        if len(lines) >= start + 2:
+            return ds_resource(lines[start + 1])
+    raise RuntimeError(f"fewer than two new lines in {path} within {timeout_s:.0f} s: is log_monitor on?")

@@ -11,7 +11,7 @@ of `--requests` requests' bytes in a temporary directory, and resource.log writt
 end. Each round saves `--requests` requests' KV blocks (one value per block of every layer, evictable, as the
 connector saves them) into it, several times what its memory holds, so the oldest are spilled. Then, one request at
 a time from the newest to the oldest, it loads each into a CPU paged cache, as the connector's consumer does, and
-reads the worker's counters after each load (hits from memory and from disk: `deploy_scripts/hostlib.ds_resource`).
+reads the worker's counters after each load (hits from memory and from disk: `deploy_scripts/hostlib.ds_resource_now`).
 A load is filed under the tier all of its blocks came from (a load served by both tiers is counted apart). With
 `--cold` (root only) the page cache is dropped after the saves, so that a spilled block is read from the device, not
 from the kernel's copy of the file it was just written to.
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "deploy_scripts"))
-from hostlib import ds_resource  # noqa: E402
+from hostlib import ds_resource_now  # noqa: E402
 
 from benchmarks.connector.bench_transfer import SHAPES, gbps, start_worker, stop_worker  # noqa: E402
 from yrpd.connector.config import parse_config  # noqa: E402
@@ -48,16 +48,8 @@ from yrpd.provenance import record  # noqa: E402
 MONITOR_S = 1.0
 
 
-def counters(log: Path, after: float) -> dict:
-    """The worker's first resource line written after `after` (time.time()): waits for it."""
-    deadline = time.time() + 10 * MONITOR_S + 5
-    while time.time() < deadline:
-        time.sleep(MONITOR_S / 4)
-        if log.exists() and log.stat().st_mtime > after + 0.05:
-            lines = log.read_text().splitlines()
-            if lines:
-                return ds_resource(lines[-1])
-    raise SystemExit(f"no new line in {log} within {deadline - after:.0f} s: is log_monitor on?")
+def counters(log: Path) -> dict:
+    return ds_resource_now(log, 10 * MONITOR_S + 5)
 
 
 def drop_page_cache() -> bool:
@@ -107,12 +99,12 @@ def run(args, home: Path) -> dict:
             t.save(ks, staging, cfg.ttl_seconds)
         if args.cold:
             cold.append(drop_page_cache())
-        before = counters(log, time.time())
+        before = counters(log)
         for age, ks in enumerate(reversed(keys)):
             t0 = time.perf_counter()
             ok = t.load(ks, dst, layout, list(range(nblk)))
             seconds = time.perf_counter() - t0
-            after = counters(log, time.time())
+            after = counters(log)
             if not all(ok):
                 raise SystemExit(f"round {rnd}, request of age {age}: {ok.count(False)} of {nblk} blocks missing")
             loads.append({"round": rnd, "age": age, "tier": tier_of(before, after, nblk), "ms": seconds * 1000})

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from yrpd.assets import deploy_script
+from yrpd.assets import asset_dir, deploy_script
 
 RESOURCE = ("2026-11-26T06:32:01.323244 | I | res_metric_collector.cpp:116 |   | 3337:3883 | e7ee040e-f57d-4835-af30-"
             "13f75b7f9582 |  | 509689856/509689856/1073741824/0.475/0/564051968 | 0/0/0/0 | 4 | 81 | 477836368 | "
@@ -77,3 +77,35 @@ def test_a_scrape_gives_the_workers_figures_and_each_connectors_counters(exporte
     (root / "run" / "kv-decode-0-worker-rank0.json").write_text("{half a docu")  # being replaced
     assert not any(k.startswith("yrpd_connector_") for k in scrape(url))
     assert urllib.request.urlopen(url + "/health", timeout=5).read() == b"ok\n"
+
+
+def test_the_workers_counters_now_are_the_second_line_it_writes_after_the_call(tmp_path):
+    """A bench or test reads the worker's hits between two loads (hostlib.ds_resource_now): the first line written
+    after the call may have been sampled before it, so the second is taken."""
+    import importlib.util
+    import threading
+
+    spec = importlib.util.spec_from_file_location("hostlib", asset_dir("deploy_scripts") / "hostlib.py")
+    hostlib = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hostlib)
+    line = lambda hits: RESOURCE.replace("226/0/0/0/0", f"{hits}/0/0/0/0")  # noqa: E731
+    log = tmp_path / "resource.log"
+    log.write_text(line(1) + "\n" + line(2)[:40])  # a line half written when the reading begins
+
+    def worker(lines):
+        with open(log, "a") as f:
+            for text in lines:
+                time.sleep(0.3)
+                f.write(text)
+                f.flush()
+
+    writer = threading.Thread(target=worker, args=([line(2)[40:] + "\n", line(3) + "\n"],))
+    writer.start()
+    assert hostlib.ds_resource_now(log, 5)["hits_memory"] == 3
+    writer.join()
+    # the control: one whole line after the call is not enough
+    writer = threading.Thread(target=worker, args=([line(4) + "\n"],))
+    writer.start()
+    with pytest.raises(RuntimeError, match="fewer than two new lines"):
+        hostlib.ds_resource_now(log, 1.5)
+    writer.join()

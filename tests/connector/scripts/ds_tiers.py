@@ -8,7 +8,7 @@ on ipc://RUN_DIR/kv-events-datasystem.sock. The connector's transport saves BLOC
 BLOCK_BYTES each, the connector's keys), a few at a time, while the proxy's own feeds follow the worker. Then, with
 the proxy told the blocks' size: the blocks it takes for in memory are loaded (newest first; the oldest EDGE of them
 apart), then the oldest ten it takes for on disk, which the proxy is then told were loaded (`Store.touch`, as a leg's answer tells it), and those
-ten once more. After each of the four loads the worker's counters are read (deploy_scripts/hostlib.ds_resource).
+ten once more. After each of the four loads the worker's counters are read (deploy_scripts/hostlib.ds_resource_now).
 Prints one JSON line: what the proxy inferred (blocks in memory, on disk), the worker's hits from memory and from
 disk for each load, and what the proxy inferred of the ten once told they were loaded.
 """
@@ -26,28 +26,11 @@ from yrpd.connector import keys as K
 from yrpd.connector.transport import BlockLayout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "deploy_scripts"))
-from hostlib import ds_resource  # noqa: E402
+from hostlib import ds_resource_now as counters  # noqa: E402
 
 BS = 16
 #: how many of the blocks taken for in memory, the least recently stored, may have been spilled already
 EDGE = 10
-
-
-def counters(log: Path) -> dict:
-    """The worker's counters as they are now: the second whole line it writes from now on. The first may have been
-    sampled before now and written after (on a busy host it was: a load counted in the next read)."""
-    def whole_lines() -> list[str]:
-        text = log.read_text() if log.exists() else ""
-        return text.splitlines()[:text.count("\n")]
-
-    start = len(whole_lines())
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        time.sleep(0.25)
-        lines = whole_lines()
-        if len(lines) >= start + 2:
-            return ds_resource(lines[start + 1])
-    raise SystemExit(f"fewer than two new lines in {log} within 20 s")
 
 
 async def main() -> int:
