@@ -27,23 +27,35 @@ deadline = started + float(args["timeout"])
 
 
 def ended(name):
-    """How the target's command ended, if its supervisor says it did (deploy_scripts/supervise.py), else None."""
+    """How the target's command ended, if its supervisor says it did (deploy_scripts/supervise.py), else None. The
+    state of an earlier supervisor (one that gave up before this start) is not this one's: the new one writes its
+    own only once it has started the command, a while after on a busy host."""
     try:
         with open(args["state"].format(name=name)) as fh:
             state = json.load(fh)
     except (OSError, ValueError, KeyError):
+        return None
+    if state.get("supervisor") != supervisor(name):
         return None
     if state.get("state") in (BACKOFF, FAILED, EXITED):
         return state.get("reason") or state.get("state")
     return None
 
 
-def alive(name):
+def supervisor(name):
+    """The pid the start step wrote: the target's supervisor."""
     try:
-        pid = int(open(pidfile.format(name=name)).read().strip())
+        return int(open(pidfile.format(name=name)).read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def alive(name):
+    pid = supervisor(name)
+    try:
         os.kill(pid, 0)
         return True
-    except (OSError, ValueError):
+    except (OSError, TypeError):
         return False
 
 

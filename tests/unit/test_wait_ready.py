@@ -103,3 +103,36 @@ def test_the_proxy_is_ready_only_once_its_status_lists_every_member_up(tmp_path)
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_an_earlier_supervisors_ending_is_not_the_new_starts(tmp_path):
+    """A process restarted by `yrpd deploy` after its supervisor gave up (restart off): the state file still says how
+    the old run ended until the new supervisor has started the command (on a busy host, after the wait began: the CI
+    of d342379 failed its deploy so). Only a state written by the supervisor the pidfile names counts."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    state = tmp_path / "decode-0.state"
+    state.write_text(json.dumps({"state": "failed", "reason": "killed by signal 9", "supervisor": gone.pid}))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Health)  # bound now, answering only in 2 s: a start under way
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.server_close()
+    httpd_box: list = []
+    late = threading.Timer(2, lambda: threading.Thread(target=serve_at, args=(url, httpd_box), daemon=True).start())
+    late.start()
+    try:
+        assert "decode-0" in json.loads(wait(tmp_path, url, timeout=10, ds_link=False).stdout)
+    finally:
+        late.cancel()
+        for h in httpd_box:
+            h.shutdown()
+            h.server_close()
+    # the control: the same ending written by the supervisor the pidfile names fails at once
+    state.write_text(json.dumps({"state": "failed", "reason": "killed by signal 9", "supervisor": os.getpid()}))
+    ended = wait(tmp_path, "http://127.0.0.1:1", timeout=30, ds_link=False)  # nothing answers there
+    assert ended.returncode == 1 and "decode-0 ended (killed by signal 9) before answering" in ended.stderr
+
+
+def serve_at(url: str, box: list) -> None:
+    httpd = ThreadingHTTPServer(("127.0.0.1", int(url.rsplit(":", 1)[1])), Health)
+    box.append(httpd)
+    httpd.serve_forever()
