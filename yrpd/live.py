@@ -355,7 +355,7 @@ def pending_change(spec: DeploySpec, inventory: dict[str, HostInventory] | None 
     changes = spec_diff(running.spec, spec)
     cordoned = drained_hosts(latest)
     unavailable = placement.default_max_unavailable(spec, {**(inventory or {}), **running.inventory}, running.plan,
-                                                  cordoned)
+                                                    cordoned)
     lines = [f"session {latest.id} runs: `yrpd deploy` changes it while it serves"]
     lines += describe_change(changes, running.plan, spec, unavailable)
     blocked = [c.field for c in changes if c.kind is ChangeKind.recreate]
@@ -783,7 +783,7 @@ def run_planner(deployment: Deployment, *, seconds: float | None = None, progres
                 now = placement.counts(deployment.plan)
                 try:
                     placement.replan(deployment.spec, deployment.inventory, deployment.plan.instances, cordoned,
-                                   **{role: counts[role] - now[role] for role in counts})
+                                     **{role: counts[role] - now[role] for role in counts})
                 except SpecError:
                     return False
                 return True

@@ -561,16 +561,18 @@ def counts_of(instances) -> dict[str, int]:
 
 def with_counts(spec: DeploySpec, plan: Plan, **change: int) -> DeploySpec:
     """`spec` asking for the instances `plan` runs, `change` added per role."""
-    now = counts(plan)
+    return _asking(spec, plan.instances, change)
+
+
+def _asking(spec: DeploySpec, instances, change: dict[str, int]) -> DeploySpec:
+    now = counts_of(instances)
     return spec.model_copy(update={role: now[role] + change.get(role, 0) for role in COUNT_FIELDS})
 
 
 def replan(spec: DeploySpec, inventory: dict[str, HostInventory], instances, cordoned=(), **change: int) -> Plan:
     """The plan of `instances` as they run, with `change` more (or fewer) per role placed on free devices of hosts
     not `cordoned`: what a change's next step runs (SpecError where it does not fit)."""
-    now = counts_of(instances)
-    wanted = spec.model_copy(update={role: now[role] + change.get(role, 0) for role in COUNT_FIELDS})
-    return make_plan(wanted, inventory, keep=instances, cordoned=cordoned)
+    return make_plan(_asking(spec, instances, change), inventory, keep=instances, cordoned=cordoned)
 
 
 def surge(plan: Plan, spec: DeploySpec) -> dict[str, int]:

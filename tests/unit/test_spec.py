@@ -13,38 +13,30 @@ from yrpd.cli.options import spec_options
 from yrpd.cli.plan import plan as plan_command
 from yrpd.errors import SpecError
 from yrpd.live import describe_change
-from yrpd.placement import HostInventory, make_plan, stale
-from yrpd.spec import (ChangeKind, DeploySpec, DeviceKind, build_spec, joined_hosts,
-                       spec_diff, spec_from_flags)
+from yrpd.placement import make_plan, stale
+from yrpd.spec import ChangeKind, DeploySpec, build_spec, joined_hosts, spec_diff, spec_from_flags
 
-
-def spec(**over):
-    base = {"hosts": "h1,h2,h3", "model": "/models/m", "device_kind": "npu", "ptp": 4, "dtp": 4}
-    return build_spec({}, {**base, **over})
-
-
-def inventory(n=8, hosts=("h1", "h2", "h3")):
-    return {h: HostInventory(DeviceKind.npu, tuple(range(n)), ip=f"10.0.0.{i + 1}") for i, h in enumerate(hosts)}
+from tests.unit.test_placement import eight_each, three_hosts  # three hosts of 8 NPUs: the specs a change compares
 
 
 def test_each_changed_field_is_sorted_into_what_rolls_scales_takes_effect_or_needs_recreate():
-    old = spec()
-    new = spec(engine_args=["--max-num-seqs", "8"], decode=2, startup_timeout_s=1200, datasystem_memory_mb=4096)
+    old = three_hosts()
+    new = three_hosts(engine_args=["--max-num-seqs", "8"], decode=2, startup_timeout_s=1200, datasystem_memory_mb=4096)
     kinds = {c.field: c.kind for c in spec_diff(old, new)}
     assert kinds == {"engine_args": ChangeKind.roll, "decode": ChangeKind.scale,
                      "startup_timeout_s": ChangeKind.free,
                      "datasystem_memory_mb": ChangeKind.recreate}
-    assert spec_diff(old, spec()) == []  # the control: the same spec changes nothing
+    assert spec_diff(old, three_hosts()) == []  # the control: the same spec changes nothing
 
 
 def test_hosts_added_after_the_others_join_and_any_other_change_of_the_hosts_needs_recreate():
-    old = spec(hosts="h1,h2")
-    [joined] = spec_diff(old, spec(hosts="h1,h2,h3"))
+    old = three_hosts(hosts="h1,h2")
+    [joined] = spec_diff(old, three_hosts(hosts="h1,h2,h3"))
     assert (joined.kind, joined.line()) == (ChangeKind.join, "hosts: ['h1', 'h2'] -> ['h1', 'h2', 'h3'] (join)")
-    assert joined_hosts(old, spec(hosts="h1,h2,h3,h4")) == ["h3", "h4"]
+    assert joined_hosts(old, three_hosts(hosts="h1,h2,h3,h4")) == ["h3", "h4"]
     # the master (the first host) would change, a host would go, or a running host's settings would change
     for other in ("h3,h1,h2", "h1", "h1,h3", "h2,h1,h3"):
-        assert [c.kind for c in spec_diff(old, spec(hosts=other))] == [ChangeKind.recreate], other
+        assert [c.kind for c in spec_diff(old, three_hosts(hosts=other))] == [ChangeKind.recreate], other
     moved = build_spec({"hosts": [{"address": "h1"}, {"address": "h2", "ip": "10.9.9.9"}, {"address": "h3"}]},
                        {"model": "/models/m", "device_kind": "npu", "ptp": 4, "dtp": 4})
     assert joined_hosts(old, moved) == [] and spec_diff(old, moved)[0].kind is ChangeKind.recreate
@@ -52,22 +44,22 @@ def test_hosts_added_after_the_others_join_and_any_other_change_of_the_hosts_nee
                             {"model": "/models/m", "device_kind": "npu", "ptp": 4, "dtp": 4})
     assert spec_diff(old, same_names)[0].line() == \
         "hosts: [{'address': 'h2'}] -> [{'address': 'h2', 'ip': '10.9.9.9'}] (recreate)"  # what differs, named
-    lines = describe_change(spec_diff(old, spec(hosts="h1,h2,h3")), make_plan(old, inventory(hosts=("h1", "h2"))),
-                             spec(hosts="h1,h2,h3"), 0)
+    lines = describe_change(spec_diff(old, three_hosts(hosts="h1,h2,h3")), make_plan(old, eight_each(hosts=("h1", "h2"))),
+                             three_hosts(hosts="h1,h2,h3"), 0)
     assert lines[1] == "join h3: its data system worker joins the cluster, nothing that runs restarts"
 
 
 def test_a_roles_own_engine_args_roll_that_roles_instances_alone():
-    plan = make_plan(spec(), inventory())
-    assert [i.name for i in stale(plan, spec(decode_engine_args=["--max-num-seqs", "64"]))] == ["decode-0"]
-    assert [i.name for i in stale(plan, spec(prefill_engine_args=["--max-num-seqs", "4"]))] == ["prefill-0"]
+    plan = make_plan(three_hosts(), eight_each())
+    assert [i.name for i in stale(plan, three_hosts(decode_engine_args=["--max-num-seqs", "64"]))] == ["decode-0"]
+    assert [i.name for i in stale(plan, three_hosts(prefill_engine_args=["--max-num-seqs", "4"]))] == ["prefill-0"]
     # a session recorded before the role fields existed does not roll for them while they stay empty: the digest is
     # the one of the six fields it was made of then
     from yrpd.spec import _digest
-    before = _digest({k: getattr(spec(), k) for k in ("model", "served_model_name", "dtype", "prefix_reuse",
+    before = _digest({k: getattr(three_hosts(), k) for k in ("model", "served_model_name", "dtype", "prefix_reuse",
                                                        "engine_args", "connector")})
-    assert spec().instance_config("decode") == spec().instance_config("prefill") == before
-    assert [c.kind.value for c in spec_diff(spec(), spec(decode_engine_args=["--max-num-seqs", "64"]))] == ["roll"]
+    assert three_hosts().instance_config("decode") == three_hosts().instance_config("prefill") == before
+    assert [c.kind.value for c in spec_diff(three_hosts(), three_hosts(decode_engine_args=["--max-num-seqs", "64"]))] == ["roll"]
 
 
 # -- flags over the config file ---------------------------------------------------------------------------------

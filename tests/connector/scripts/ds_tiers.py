@@ -7,8 +7,8 @@ The worker has MEMORY_MB of shared memory, a disk tier, resource.log every secon
 on ipc://RUN_DIR/kv-events-datasystem.sock. The connector's transport saves BLOCKS blocks of one prompt (one value of
 BLOCK_BYTES each, the connector's keys), a few at a time, while the proxy's own feeds follow the worker. Then, with
 the proxy told the blocks' size: the blocks it takes for in memory are loaded (newest first; the oldest EDGE of them
-apart), then the oldest ten it takes for on disk, which the proxy is then told were loaded (`Store.touch`, as a leg's answer tells it), and those
-ten once more. After each of the four loads the worker's counters are read (deploy_scripts/hostlib.ds_resource_now).
+apart), then the oldest ten it takes for on disk, which the proxy is then told were loaded (`Store.touch`, as a
+leg's answer tells it), and those ten once more. After each of the four loads the worker's counters are read (deploy_scripts/hostlib.ds_resource_now).
 Prints one JSON line: what the proxy inferred (blocks in memory, on disk), the worker's hits from memory and from
 disk for each load, and what the proxy inferred of the ten once told they were loaded.
 """
@@ -77,8 +77,8 @@ async def main() -> int:
     again = load(oldest)
     print(json.dumps({"held": len(worker.held), "memory_blocks": store.memory_blocks, "in_memory": len(in_memory),
                       "on_disk": sum(on_disk), "sight": [worker.sight.value, worker.why],
-                      "memory_load": memory_load, "edge_load": edge_load, "disk_load": disk_load, "after_touch_on_disk": after_touch,
-                      "again": again, "resource": resource}))
+                      "memory_load": memory_load, "edge": EDGE, "edge_load": edge_load, "disk_load": disk_load,
+                      "after_touch_on_disk": after_touch, "again": again, "resource": resource}))
     await feeds.close()
     conn.close()
     return 0
