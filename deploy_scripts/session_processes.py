@@ -14,8 +14,8 @@ import signal
 import sys
 import time
 
-from hostlib import DEAD, EXITED, FAILED, PROCESS_KEYS, RUNNING, UNSUPERVISED, host_load, listening_sockets, \
-    proc_alive, proc_cmdline, proc_environ, proc_rss_mb, proc_stat, proc_table, shaped, unlink_unheld
+from hostlib import DEAD, EXITED, FAILED, PROCESS_KEYS, RUNNING, STARTING, UNSUPERVISED, host_load, \
+    listening_sockets, proc_alive, proc_cmdline, proc_environ, proc_rss_mb, proc_stat, proc_table, shaped, unlink_unheld
 
 args = json.loads(sys.argv[1])
 session_dir, session_id = args["dir"], args["id"]
@@ -115,6 +115,10 @@ def status():
         # process keeps its pid files, and the new pid namespace hands the same numbers to the session's others
         watched = supervisor is not None and supervisor in live and carries(supervisor, name)
         sup = supervised(name)
+        if watched and sup.get("supervisor") not in (None, supervisor):
+            # an earlier supervisor's ending (one that gave up before this start): the new one writes its own only
+            # once it has started the command, a while after on a busy host
+            sup = {"pid": None, "state": STARTING, "restarts": 0}
         if watched and not sup:  # started before yrpd supervised its processes: the pid file names the process
             sup = {"pid": supervisor, "state": RUNNING, "restarts": 0}
         pid = sup.get("pid") if watched else None

@@ -193,6 +193,31 @@ def test_status_quotes_the_end_of_a_given_up_process_log_without_the_supervisor_
     assert not any(line.startswith("[yrpd supervisor") for line in proc["last_log"])
 
 
+@pytest.mark.parametrize("written_by_new", [False, True], ids=["earlier-supervisor", "control-same-supervisor"])
+def test_status_right_after_a_restart_does_not_show_the_earlier_supervisors_ending(tmp_path, monkeypatch,
+                                                                                   written_by_new):
+    """`yrpd deploy` after a give-up starts a new supervisor, which writes its state only once its command runs; until
+    then the state file is the one that gave up. Status must say restarting, not quote that ending as this run's."""
+    monkeypatch.setenv("YRPD_SESSION", "unit")
+    monkeypatch.setenv("YRPD_PROCESS", "p")
+    # the new supervisor, before its first write: a process yrpd started as `p` that the pid file names
+    new = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        earlier = 2 ** 22 + 17  # above any pid this kernel hands out by default: nobody
+        (tmp_path / "p.state.json").write_text(json.dumps(
+            {"state": "failed", "pid": None, "restarts": 3, "reason": "killed by signal 9",
+             "supervisor": new.pid if written_by_new else earlier}))
+        proc = host_status(tmp_path, new.pid)
+    finally:
+        new.kill()
+        new.wait(5)
+    shown = (proc["state"], proc["reason"], proc["supervisor"])
+    if written_by_new:
+        assert shown == ("failed", "killed by signal 9", new.pid)
+    else:
+        assert shown == ("starting", None, new.pid) and not proc["alive"]
+
+
 SERVER = """import http.server, sys
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
