@@ -201,17 +201,21 @@ def status_tables(report: StatusReport) -> list[Table | Text]:
         caches = [row for row in cluster.components if row.cache]
         if caches:
             cache = Table(title="KV cache (data system workers; memory, then disk)", title_justify="left")
-            for column in ("host", "memory MB", "disk MB", "objects", "hits memory/disk/remote", "misses"):
+            # the proxy's own picture of each worker beside the worker's counters: a gap says routing's view is off
+            followed = any(row.indexed for row in caches)
+            for column in ("host", "memory MB", "disk MB", "objects", "hits memory/disk/remote", "misses",
+                           *(["proxy's index: blocks (on disk)"] if followed else [])):
                 cache.add_column(column)
             for row in caches:
                 c = row.cache
+                index = [_indexed(row.indexed)] if followed else []
                 if "error" in c:
-                    cache.add_row(row.host, f"[red]{escape(c['error'])}[/red]", "", "", "", "")
+                    cache.add_row(row.host, f"[red]{escape(c['error'])}[/red]", "", "", "", "", *index)
                     continue
                 mb = (lambda used, limit: f"{used / 2**20:,.0f} / {limit / 2**20:,.0f}" if limit else "-")
                 cache.add_row(row.host, mb(c["memory_used"], c["memory_limit"]), mb(c["disk_used"], c["disk_limit"]),
                               str(c["objects"]), f"{c['hits_memory']}/{c['hits_disk']}/{c['hits_remote']}",
-                              str(c["misses"]))
+                              str(c["misses"]), *index)
             tables.append(cache)
     if report.instances:
         inst = Table(title="Instances", title_justify="left")
@@ -301,6 +305,17 @@ def status_verdict(report: StatusReport) -> str:
         notes.append(escape(f"planner ({p.get('at')}): {p.get('action')}{' ' + p['role'] if p.get('role') else ''}: "
                             f"{p.get('reason')}"))
     return "\n".join([verdict, *notes, *(f"[yellow]warning[/yellow]: {w}" for w in report.warnings)])
+
+
+def _indexed(worker: dict | None) -> str:
+    """The proxy's count of a worker's blocks, those it infers spilled in brackets where a disk tier is behind it."""
+    if not worker:
+        return "-"
+    shown = f"{worker.get('blocks', 0):,}" + (f" ({worker['on_disk']:,})" if "on_disk" in worker else "")
+    sight = worker.get("sight")
+    if sight == "never":  # nothing heard from it yet: the count says nothing
+        return "[dim]no events yet[/dim]"
+    return shown if sight != "blind" else f"[yellow]blind[/yellow], {shown}"
 
 
 def _num(value) -> str:

@@ -91,6 +91,9 @@ class ComponentStatus:
     healthy: bool
     alive: bool = False
     cache: dict[str, Any] | None = None  # ds_worker only: its resource.log line (hostlib.ds_resource), or {"error": ...}
+    #: ds_worker only: what the proxy's index of the data system says the worker holds (yrpd.proxy.kvindex
+    #: Store.state's entry for its host: blocks, on_disk where a disk tier is behind it, sight), None where not followed
+    indexed: dict[str, Any] | None = None
 
 
 @dataclass
@@ -344,7 +347,12 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
             if index.get("sight") == "blind":  # routed on the estimate meanwhile: not an illness, but said
                 warnings.append(f"{row.name}: the proxy cannot see its prefix cache exactly ({index.get('why')}); "
                                 f"routed on the estimate until its KV-cache events are back")
-    for host, worker in sorted(((proxy.store_index if proxy else None) or {}).get("workers", {}).items()):
+    indexed = ((proxy.store_index if proxy else None) or {}).get("workers", {})
+    by_ip = {h.ip: h.name for h in deployment.plan.hosts}
+    for c in components:  # keyed by the host its instances' URLs name: an address, or the name itself
+        if c.component == "ds_worker":
+            c.indexed = next((w for host, w in indexed.items() if by_ip.get(host, host) == c.host), None)
+    for host, worker in sorted(indexed.items()):
         if worker.get("sight") == "blind":  # loads routed on the estimate meanwhile: said, as an instance's is
             warnings.append(f"the proxy cannot see what the data system on {host} holds exactly ({worker.get('why')}); "
                             "loads from it are routed on the estimate")

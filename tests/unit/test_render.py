@@ -159,6 +159,31 @@ def test_the_kv_cache_table_shows_each_workers_memory_disk_and_hits(tmp_path):
     assert row(text, "h2", "10 / 256")[2] == "0 / 1,024"
 
 
+def test_the_kv_cache_table_shows_the_proxys_index_of_each_worker_beside_its_own_counters(tmp_path):
+    """Where the proxy follows the data system's events, each worker's row says how many blocks the proxy takes it to
+    hold (those it infers spilled in brackets), keyed by the address its instances' URLs name; a blind one is said."""
+    def followed(answer):
+        answer["serving"]["proxy"]["status"]["kv_store_index"] = {"sight": "blind", "blocks": 1300, "workers": {
+            "10.0.0.1": {"sight": "seeing", "blocks": 1200, "gaps": 0, "restarts": 0, "memory_blocks": 900,
+                         "on_disk": 300},
+            "10.0.0.2": {"sight": "blind", "blocks": 100, "gaps": 1, "restarts": 0, "why": "sequence gap",
+                         "memory_blocks": 900, "on_disk": 0}}}
+
+    text = shown(*status_tables(report(tmp_path, edit={"h1": followed})))
+    assert row(text, "h1", "200 / 256")[6] == "1,200 (300)"
+    assert row(text, "h2", "10 / 256")[6] == "blind, 100 (0)"
+
+    def unheard(answer):  # h2's worker has published nothing yet: its zero is not a count
+        followed(answer)
+        answer["serving"]["proxy"]["status"]["kv_store_index"]["workers"]["10.0.0.2"] = {
+            "sight": "never", "blocks": 0, "gaps": 0, "restarts": 0}
+
+    assert row(shown(*status_tables(report(tmp_path, edit={"h1": unheard}))), "h2", "10 / 256")[6] == "no events yet"
+    # the control: a proxy that does not follow the data system adds no column
+    plain = shown(*status_tables(report(tmp_path)))
+    assert "proxy's index" not in plain and len(row(plain, "h1", "200 / 256")) == 6
+
+
 def test_a_process_whose_supervisor_was_killed_is_running_but_flagged(tmp_path):
     def orphan(answer):
         proc = next(p for p in answer["processes"]["processes"] if p["name"] == "decode-0")
