@@ -311,11 +311,10 @@ def _indexed(worker: dict | None) -> str:
     """The proxy's count of a worker's blocks, those it infers spilled in brackets where a disk tier is behind it."""
     if not worker:
         return "-"
-    shown = f"{worker.get('blocks', 0):,}" + (f" ({worker['on_disk']:,})" if "on_disk" in worker else "")
-    sight = worker.get("sight")
-    if sight == "never":  # nothing heard from it yet: the count says nothing
+    if worker.get("sight") == "never":  # nothing heard from it yet: the count says nothing
         return "[dim]no events yet[/dim]"
-    return shown if sight != "blind" else f"[yellow]blind[/yellow], {shown}"
+    shown = f"{worker.get('blocks', 0):,}" + (f" ({worker['on_disk']:,})" if "on_disk" in worker else "")
+    return f"[yellow]blind[/yellow], {shown}" if worker.get("sight") == "blind" else shown
 
 
 def _num(value) -> str:

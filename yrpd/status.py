@@ -349,9 +349,11 @@ def judge(deployment: Deployment, results: dict[str, HostResult], with_cluster: 
                                 f"routed on the estimate until its KV-cache events are back")
     indexed = ((proxy.store_index if proxy else None) or {}).get("workers", {})
     by_ip = {h.ip: h.name for h in deployment.plan.hosts}
-    for c in components:  # keyed by the host its instances' URLs name: an address, or the name itself
+    # keyed by the host its instances' URLs name: an address, or the name itself
+    indexed_on = {by_ip.get(host, host): worker for host, worker in indexed.items()}
+    for c in components:
         if c.component == "ds_worker":
-            c.indexed = next((w for host, w in indexed.items() if by_ip.get(host, host) == c.host), None)
+            c.indexed = indexed_on.get(c.host)
     for host, worker in sorted(indexed.items()):
         if worker.get("sight") == "blind":  # loads routed on the estimate meanwhile: said, as an instance's is
             warnings.append(f"the proxy cannot see what the data system on {host} holds exactly ({worker.get('why')}); "
