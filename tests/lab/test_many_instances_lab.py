@@ -4,6 +4,7 @@ instance computed is loaded from the data system by the other (issue 17)."""
 
 import json
 import os
+import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +14,11 @@ import pytest
 from lab.hosts import leftovers, session_processes
 from tests.conftest import run_yrpd
 from tests.lab import real_model as rm
+from yrpd import credentials
+from yrpd.connector import keys as K
 from yrpd.credentials import instance_token
+from yrpd.layout import HostSessionLayout
+from yrpd.spec import RuntimeSection
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
 
@@ -44,6 +49,26 @@ def lab_cli(lab, tmp_path, n: int, extra: str = ""):
 
     rm.ensure_model()
     return cli, config
+
+
+def visible_from(host, session_id: str, instance_url: str, token: str, prompt: str, within_s: float = 60) -> dict:
+    """Wait until `host`'s data-system worker answers that every full block of `prompt` exists, keyed as the
+    lookup of an instance of this session keys them (its namespaces from its connector's stats file, the prompt's
+    ids from an instance's /tokenize); the helper's answer (tests/lab/scripts/ds_visible.py)."""
+    layout = HostSessionLayout(RuntimeSection.model_fields["remote_session_root"].default, session_id)
+    stats = json.loads(host.exec(f"cat {layout.kv_stats('prefill-1').format(side='scheduler', rank=0)}").stdout)
+    status, body = rm.http("POST", f"{instance_url}/tokenize", {"model": rm.MODEL, "prompt": prompt}, key=token)
+    assert status == 200, body[:300]
+    ids = json.loads(body)["tokens"]
+    digests = K.prefix_digests(ids, stats["block_size"], K.loadable_blocks(len(ids), stats["block_size"]),
+                               K.request_extra())
+    keys = [K.key_for(ns, d) for ns in stats["namespace"].split(",") for d in digests]
+    script = (Path(__file__).parent / "scripts" / "ds_visible.py").read_text()
+    env_file = layout.env_file(credentials.DATASYSTEM)
+    out = host.exec(f"mkdir -p {layout.client_logs} && env -u LD_LIBRARY_PATH DATASYSTEM_CLIENT_LOG_DIR={layout.client_logs} "
+                    f"{rm.ENV_ROOT}/ds/bin/python - {stats['ds_address']} {env_file} {within_s} "
+                    f"{shlex.quote(json.dumps(keys))} <<'EOF'\n{script}\nEOF\n", timeout=within_s + 60)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def down_leaves_nothing(cli, lab) -> None:
@@ -78,7 +103,8 @@ def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache
         urls = {i["name"]: i["url"] for i in report["instances"]}
 
         # a prefix prefill-0 computed is loaded from the data system by prefill-1, on another host
-        token = instance_token(next((home / "sessions").glob("2*")))
+        token_dir = next((home / "sessions").glob("2*"))
+        token = instance_token(token_dir)
         shared = " ".join(_WORDS[4100:4480])  # 782 tokens: 6 full KV blocks
         complete(urls["prefill-0"], shared + " first", token)
         answered = time.monotonic()
@@ -92,6 +118,10 @@ def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache
             time.sleep(1)
         assert p0["connector"]["saved_blocks"] >= 6, p0["connector"]
         print(f"measured: prefill-0's prefix counted saved {time.monotonic() - answered:.1f}s after its answer")
+        # ... and h2's worker may see it a few seconds after h1's counted it (the lookup below asks h2's)
+        seen = visible_from(lab.hosts[1], token_dir.name, urls["prefill-0"], token, shared + " second")
+        print(f"measured: h2's worker saw the prefix {seen['after_s']}s after prefill-0 counted it saved")
+        assert seen["all"], f"h2's data-system worker sees {sum(seen['exist'])} of the prefix's 6 blocks: {seen}"
         before = next(i for i in report["instances"] if i["name"] == "prefill-1")["prompt_tokens_loaded"] or 0
         complete(urls["prefill-1"], shared + " second", token)
         time.sleep(6)  # connector stats files are rewritten every 5 s
