@@ -51,11 +51,26 @@ def lab_cli(lab, tmp_path, n: int, extra: str = ""):
     return cli, config
 
 
+def host_layout(session_id: str) -> HostSessionLayout:
+    return HostSessionLayout(RuntimeSection.model_fields["remote_session_root"].default, session_id)
+
+
+def ring_state(host, session_id: str) -> str:
+    """The last hash-ring state the host's data-system worker logged ("RUNNING at 13:29:27.96"), or that it logged
+    none: openYuanrong 0.8.1's worker logs each change of its own state as "Convert hash ring local state from A to
+    B" (its log directory: yrpd.cluster.dsconfig.worker_args)."""
+    log = f"{host_layout(session_id).dir}/yr/logs/data_system/worker/datasystem_worker.INFO.log"
+    line = host.exec(f"grep -ah 'hash ring local state from' {log} | tail -n 1", check=False).stdout.strip()
+    if " to " not in line:
+        return f"no state logged ({line[:200]!r})"
+    return f"{line.rsplit(' to ', 1)[1].rstrip('. ')} at {line.split(' | ', 1)[0][11:]}"
+
+
 def visible_from(host, session_id: str, instance_url: str, token: str, prompt: str, within_s: float = 60) -> dict:
     """Wait until `host`'s data-system worker answers that every full block of `prompt` exists, keyed as the
     lookup of an instance of this session keys them (its namespaces from its connector's stats file, the prompt's
     ids from an instance's /tokenize); the helper's answer (tests/lab/scripts/ds_visible.py)."""
-    layout = HostSessionLayout(RuntimeSection.model_fields["remote_session_root"].default, session_id)
+    layout = host_layout(session_id)
     stats = json.loads(host.exec(f"cat {layout.kv_stats('prefill-1').format(side='scheduler', rank=0)}").stdout)
     status, body = rm.http("POST", f"{instance_url}/tokenize", {"model": rm.MODEL, "prompt": prompt}, key=token)
     assert status == 200, body[:300]
@@ -100,11 +115,16 @@ def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache
         placed = {i["name"]: i["host"] for i in report["instances"]}
         assert placed == {"prefill-0": "h1", "prefill-1": "h2", "decode-0": "h3", "decode-1": "h4"}, placed
         assert report["healthy"], report["problems"]
+        # every data-system worker is in the hash ring when the deploy says ready: one still waiting to join moves
+        # the keys' owners under the first requests (a block saved on h1 unseen from h2 for seconds)
+        session_dir = next((home / "sessions").glob("2*"))
+        states = {h.name: ring_state(h, session_dir.name) for h in lab.hosts}
+        print(f"measured: the workers' hash-ring states when the deploy said ready {states}")
+        assert all(s.startswith("RUNNING") for s in states.values()), states
         urls = {i["name"]: i["url"] for i in report["instances"]}
 
         # a prefix prefill-0 computed is loaded from the data system by prefill-1, on another host
-        token_dir = next((home / "sessions").glob("2*"))
-        token = instance_token(token_dir)
+        token = instance_token(session_dir)
         shared = " ".join(_WORDS[4100:4480])  # 782 tokens: 6 full KV blocks
         complete(urls["prefill-0"], shared + " first", token)
         answered = time.monotonic()
@@ -119,7 +139,7 @@ def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache
         assert p0["connector"]["saved_blocks"] >= 6, p0["connector"]
         print(f"measured: prefill-0's prefix counted saved {time.monotonic() - answered:.1f}s after its answer")
         # ... and h2's worker may see it a few seconds after h1's counted it (the lookup below asks h2's)
-        seen = visible_from(lab.hosts[1], token_dir.name, urls["prefill-0"], token, shared + " second")
+        seen = visible_from(lab.hosts[1], session_dir.name, urls["prefill-0"], token, shared + " second")
         print(f"measured: h2's worker saw the prefix {seen['after_s']}s after prefill-0 counted it saved")
         assert seen["all"], f"h2's data-system worker sees {sum(seen['exist'])} of the prefix's 6 blocks: {seen}"
         before = next(i for i in report["instances"] if i["name"] == "prefill-1")["prompt_tokens_loaded"] or 0

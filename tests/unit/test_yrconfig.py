@@ -278,6 +278,7 @@ def test_real_yr_resolves_it(yr_dumps, mode, role):
     assert worker["master_address"] == f"{MASTER_IP}:12123"
     assert worker["etcd_address"] == f"{MASTER_IP}:32379"
     assert worker["memory_reclamation_time_second"] == 5
+    assert worker["add_node_wait_time_s"] == 0  # a late worker joins the ring at once (yrconfig.worker_tuning)
     assert worker["shared_memory_size_mb"] == 1024
     assert worker["log_dir"] == f"{n.deploy_path}/logs/data_system/worker"
     if mode == "ds_only":

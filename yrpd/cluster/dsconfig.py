@@ -82,6 +82,8 @@ DIFFERS_FROM_DSCLI = {
     "memory_reclamation_time_second": "datasystem_memory_reclamation_s (5 s): freed memory is reused soon",
     "log_monitor": "on, 5 s: its resource.log is how `yrpd status` reads the worker's use and hits",
     "log_monitor_interval_ms": "5000, as log_monitor",
+    "add_node_wait_time_s": "0: a worker registering after the ring formed joins it at once, not a minute later "
+                            "(under the first requests)",
     "enable_curve_zmq": "on with the deployment's CURVE keys (curve_key_dir)",
     "curve_key_dir": "the session's CURVE keys",
     "enable_etcd_auth": "on where etcd serves TLS (etcd_ca, etcd_cert, etcd_key)",

@@ -278,8 +278,13 @@ def render_config(node: YrNode) -> str:
 def worker_tuning(node: YrNode) -> dict[str, object]:
     """The data system worker's flags yrpd sets under either launcher (yr's config, dscli's command line)."""
     # log_monitor: yr turns it off; its resource.log line is how `yrpd status` sees the cache's use and hits
+    # add_node_wait_time_s: the ring forms from the workers registered within the first one's 5 s, and one that
+    # registers later waits this long (the binary's 60 s) before it joins: on a 4-host lab deploy the 3 workers after
+    # the master's joined 14 s after the deploy had reported ready, moving the keys' owners under the first requests
+    # (a block saved on one host went unseen from another for seconds). yrpd starts every worker at once, so a late
+    # one joins at once; the ring then settles while the instances start
     args: dict[str, object] = {"memory_reclamation_time_second": node.memory_reclamation_s, "log_monitor": True,
-                               "log_monitor_interval_ms": 5000}
+                               "log_monitor_interval_ms": 5000, "add_node_wait_time_s": 0}
     if node.mode == "ds_only":
         # nothing in this mode uses the data system's stream cache, whose 32 socket threads poll all the time:
         # without them an idle worker took 2.0 % of a core instead of 7.4 % (docs/dev/notes.md)
