@@ -80,7 +80,8 @@ def visible_from(host, session_id: str, instance_url: str, token: str, prompt: s
     keys = [K.key_for(ns, d) for ns in stats["namespace"].split(",") for d in digests]
     script = (Path(__file__).parent / "scripts" / "ds_visible.py").read_text()
     env_file = layout.env_file(credentials.DATASYSTEM)
-    out = host.exec(f"mkdir -p {layout.client_logs} && env -u LD_LIBRARY_PATH DATASYSTEM_CLIENT_LOG_DIR={layout.client_logs} "
+    logs = layout.client_logs
+    out = host.exec(f"mkdir -p {logs} && env -u LD_LIBRARY_PATH DATASYSTEM_CLIENT_LOG_DIR={logs} "
                     f"{rm.ENV_ROOT}/ds/bin/python - {stats['ds_address']} {env_file} {within_s} "
                     f"{shlex.quote(json.dumps(keys))} <<'EOF'\n{script}\nEOF\n", timeout=within_s + 60)
     return json.loads(out.stdout.strip().splitlines()[-1])
