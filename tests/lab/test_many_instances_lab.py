@@ -66,12 +66,13 @@ def ring_state(host, session_id: str) -> str:
     return f"{line.rsplit(' to ', 1)[1].rstrip('. ')} at {line.split(' | ', 1)[0][11:]}"
 
 
-def visible_from(host, session_id: str, instance_url: str, token: str, prompt: str, within_s: float = 60) -> dict:
-    """Wait until `host`'s data-system worker answers that every full block of `prompt` exists, keyed as the
-    lookup of an instance of this session keys them (its namespaces from its connector's stats file, the prompt's
-    ids from an instance's /tokenize); the helper's answer (tests/lab/scripts/ds_visible.py)."""
+def visible_from(host, session_id: str, reader: str, instance_url: str, token: str, prompt: str,
+                 within_s: float = 60) -> dict:
+    """Wait until the data-system worker that instance `reader` (on `host`) asks answers that every full block of
+    `prompt` exists, keyed as `reader`'s lookup keys them (its namespaces and worker from its connector's stats file,
+    the prompt's ids from an instance's /tokenize); the helper's answer (tests/lab/scripts/ds_visible.py)."""
     layout = host_layout(session_id)
-    stats = json.loads(host.exec(f"cat {layout.kv_stats('prefill-1').format(side='scheduler', rank=0)}").stdout)
+    stats = json.loads(host.exec(f"cat {layout.kv_stats(reader).format(side='scheduler', rank=0)}").stdout)
     status, body = rm.http("POST", f"{instance_url}/tokenize", {"model": rm.MODEL, "prompt": prompt}, key=token)
     assert status == 200, body[:300]
     ids = json.loads(body)["tokens"]
@@ -140,7 +141,7 @@ def test_two_prefill_and_two_decode_instances_on_four_hosts_share_load_and_cache
         assert p0["connector"]["saved_blocks"] >= 6, p0["connector"]
         print(f"measured: prefill-0's prefix counted saved {time.monotonic() - answered:.1f}s after its answer")
         # ... and h2's worker may see it a few seconds after h1's counted it (the lookup below asks h2's)
-        seen = visible_from(lab.hosts[1], session_dir.name, urls["prefill-0"], token, shared + " second")
+        seen = visible_from(lab.hosts[1], session_dir.name, "prefill-1", urls["prefill-0"], token, shared + " second")
         print(f"measured: h2's worker saw the prefix {seen['after_s']}s after prefill-0 counted it saved")
         assert seen["all"], f"h2's data-system worker sees {sum(seen['exist'])} of the prefix's 6 blocks: {seen}"
         before = next(i for i in report["instances"] if i["name"] == "prefill-1")["prompt_tokens_loaded"] or 0
