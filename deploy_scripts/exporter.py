@@ -77,7 +77,8 @@ def render():
         except (OSError, ValueError):
             continue  # being replaced: the next scrape reads it
         instance = os.path.basename(path)[len("kv-"):].rsplit(f"-{doc.get('side')}-", 1)[0]
-        labels = {**host, "yrpd_instance": instance, "side": doc.get("side", "?"), "rank": doc.get("rank", 0)}
+        labels = {**host, "yrpd_instance": instance, "side": doc.get("side", "?"), "dp": doc.get("dp", 0),
+                  "rank": doc.get("rank", 0)}
         for key, value in (doc.get("counters") or {}).items():
             counters.setdefault(key, []).append((labels, value))
         for key, lat in (doc.get("latency_ms") or {}).items():

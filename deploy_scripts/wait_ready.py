@@ -83,8 +83,9 @@ def ds_link(name):
     down = [d for d in docs if d.get("ds_healthy") is False]
     if down:
         d = down[0]
-        return False, (f"its KV connector ({d.get('side')} rank {d.get('rank')}) cannot reach the data system at "
-                       f"{d.get('ds_address')}: {d.get('ds_last_error') or 'down'}")
+        engine = f" of DP engine {d['dp']}" if d.get("dp") else ""
+        return False, (f"its KV connector ({d.get('side')} rank {d.get('rank')}{engine}) cannot reach the data system "
+                       f"at {d.get('ds_address')}: {d.get('ds_last_error') or 'down'}")
     return True, ""
 
 

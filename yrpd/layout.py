@@ -75,7 +75,7 @@ class HostSessionLayout:
     @property
     def kv_stats_glob(self) -> str:
         """Every connector stats file of the session on the host (kv_stats of each instance, side and rank)."""
-        return f"{self.run_dir}/kv-*-rank*.json"
+        return self.kv_stats_of("*")
 
     @property
     def proxy_members(self) -> str:
@@ -94,8 +94,15 @@ class HostSessionLayout:
         return f"{self.run_dir}/{launch}.yr-config.json"
 
     def kv_stats(self, instance: str) -> str:
-        """The connector's stats file per side and rank; `{side}` and `{rank}` are filled in by the connector."""
-        return f"{self.run_dir}/kv-{instance}-{{side}}-rank{{rank}}.json"
+        """The connector's stats file per side, DP engine and rank; the connector fills in `{side}`, `{dp}` and
+        `{rank}` (an instance's DP engines on one host each have TP ranks from 0: without `{dp}` they would take
+        turns writing one file)."""
+        return f"{self.run_dir}/kv-{instance}-{{side}}-dp{{dp}}-rank{{rank}}.json"
+
+    def kv_stats_of(self, instance: str) -> str:
+        """A glob of every stats file kv_stats names for `instance` (all sides, DP engines and ranks), and the
+        names without `dp` that connectors of sessions deployed before it write until they are restarted."""
+        return f"{self.run_dir}/kv-{instance}-*-rank*.json"
 
     @property
     def secrets_dir(self) -> str:
@@ -130,7 +137,7 @@ class HostSessionLayout:
         """The templates the host scripts format with a process or instance `name`."""
         return {"dir": self.dir, "log": self.log("{name}"), "pidfile": self.pidfile("{name}"),
                 "state": self.state("{name}"),
-                "kv_stats": self.kv_stats("{name}").replace("{side}", "*").replace("{rank}", "*")}
+                "kv_stats": self.kv_stats_of("{name}")}
 
 
 @dataclass(frozen=True)

@@ -262,12 +262,17 @@ class Stack:
         return env
 
     def start_vllm(self, name: str, model_dir: Path, core: int, kv_role: str | None = None,
-                   extra_config: dict | None = None, dev_mode: bool = False) -> Vllm:
+                   extra_config: dict | None = None, dev_mode: bool = False, dp: int = 1) -> Vllm:
+        """`dp` > 1: that many data-parallel engines, on cores `core`, `core` + 1, ... (modulo the machine's)."""
         port = self.ports.take()
         d = self.workdir / name
         (d / "tmp").mkdir(parents=True, exist_ok=True)
         cmd = [str(self.venv / "bin/vllm"), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
                *ENGINE_FLAGS]
+        if dp > 1:
+            cmd += ["--data-parallel-size", str(dp)]
+        # one core per engine, as vLLM's CPU backend reads the binding: ranks' cores apart by "|"
+        cores = "|".join(str((core + i) % (os.cpu_count() or 1)) for i in range(dp))
         stats_file = None
         if kv_role is not None:
             stats_file = d / "connector-{side}-rank{rank}.json"
@@ -278,7 +283,7 @@ class Stack:
         env = self._base_env()
         env.update({
             "VLLM_CACHE_ROOT": str(d / "cache"), "TMPDIR": str(d / "tmp"), "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), "OMP_NUM_THREADS": "1",
+            "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores, "OMP_NUM_THREADS": "1",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONPATH": str(REPO),
             "VLLM_HOST_IP": "127.0.0.1", "TOKENIZERS_PARALLELISM": "false",
         })

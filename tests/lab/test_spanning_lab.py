@@ -55,7 +55,7 @@ def answers(url: str) -> bool:
 
 def loaded_blocks(host, name: str) -> int:
     """What one rank's connector loaded, from the statistics file it writes on its own host."""
-    found = host.exec(f"ls /tmp/yrpd_sessions/latest/run/kv-{name}-worker-rank*.json").stdout.split()
+    found = host.exec(f"ls /tmp/yrpd_sessions/latest/run/kv-{name}-worker-*rank*.json").stdout.split()
     assert len(found) == 1, (host.name, found)  # one rank of the group on each host
     return int(json.loads(host.exec(f"cat {found[0]}").stdout)["counters"].get("loaded_blocks", 0))
 

@@ -116,7 +116,7 @@ def test_the_relay_finds_each_instances_sockets_by_name_and_the_proxy_names_them
     for name in ("prefill-1", "prefill-10", "decode-0"):
         for what in ("events", "replay"):
             Path(layout.kv_events(name, what)).touch()
-    (run / "kv-prefill-1-scheduler-rank0.json").touch()  # the connector's stats beside them: not an instance
+    (run / "kv-prefill-1-scheduler-dp0-rank0.json").touch()  # the connector's stats beside them: not an instance
     found = instances_in(run)
     assert set(found) == {"prefill-1", "prefill-10", "decode-0"}
     assert found["prefill-10"] == tuple(f"ipc://{layout.kv_events('prefill-10', what)}" for what in ("events", "replay"))

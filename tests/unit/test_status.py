@@ -344,3 +344,29 @@ def test_the_host_probe_sums_each_instances_connector_counters_and_its_time_by_k
     assert by_name["p0"]["counters"] == {"saved_blocks": 40, "save_skipped_recent_blocks": 7, "lookup_ms": 4.25,
                                          "stage_ms": 12.5}
     assert by_name["p0"]["files"] == 2 and by_name["p1"] == {"counters": {}, "ds_healthy": None, "files": 0}
+
+
+def test_the_host_probe_counts_every_dp_engine_and_the_stats_files_named_before_dp(tmp_path):
+    """An instance of two DP engines on the host writes a stats file per engine (yrpd.layout's names): status sums
+    both; a session deployed before the engine was in the name keeps its connectors' files, which still count."""
+    from pathlib import Path
+
+    import yrpd
+    from yrpd.layout import HostSessionLayout
+
+    layout = HostSessionLayout(str(tmp_path), "s")
+    run = Path(layout.run_dir)
+    run.mkdir(parents=True)
+    for dp, saved in ((0, 3), (1, 4)):
+        Path(layout.kv_stats("d0").format(side="worker", dp=dp, rank=0)).write_text(json.dumps(
+            {"side": "worker", "dp": dp, "counters": {"saved_blocks": saved}}))
+    (run / "kv-d1-worker-rank0.json").write_text(json.dumps({"side": "worker", "counters": {"saved_blocks": 5}}))
+    script = Path(yrpd.__file__).resolve().parent.parent / "deploy_scripts" / "serving_status.py"
+    args = {"dir": layout.dir, "proxy": None, "kv_stats": layout.for_scripts()["kv_stats"],
+            "instances": [{"name": n, "url": "http://127.0.0.1:9"} for n in ("d0", "d1", "d2")]}
+    out = json.loads(subprocess.run(["python3", str(script), json.dumps(args)], capture_output=True, text=True,
+                                    check=True, timeout=60).stdout)
+    by_name = {i["name"]: i["connector"] for i in out["instances"]}
+    assert (by_name["d0"]["counters"], by_name["d0"]["files"]) == ({"saved_blocks": 7}, 2)
+    assert (by_name["d1"]["counters"], by_name["d1"]["files"]) == ({"saved_blocks": 5}, 1)
+    assert by_name["d2"]["files"] == 0  # the control: an instance with no file of its own counts none of theirs

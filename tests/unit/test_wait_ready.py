@@ -70,6 +70,31 @@ def test_stats_of_an_earlier_run_do_not_count_and_plain_targets_need_no_link(tmp
     assert wait(tmp_path, server, timeout=1, ds_link=False).returncode == 0
 
 
+def test_every_dp_engine_of_an_instance_must_reach_the_data_system(tmp_path, server):
+    """An instance of two DP engines on the host, as yrpd lays out their stats files: the one that cannot reach the
+    data system is named, though the other can (with one file for both, whichever wrote last decided)."""
+    from yrpd.layout import HostSessionLayout
+
+    layout = HostSessionLayout(str(tmp_path), "s")
+    Path(layout.run_dir).mkdir(parents=True)
+    (tmp_path / "decode-0.pid").write_text(str(os.getpid()))
+
+    def engines(down: int | None) -> subprocess.CompletedProcess:
+        for dp in (0, 1):
+            Path(layout.kv_stats("decode-0").format(side="worker", dp=dp, rank=0)).write_text(json.dumps(
+                {"pid": os.getpid(), "side": "worker", "rank": 0, "dp": dp, "ds_address": "10.0.0.2:31501",
+                 "ds_healthy": dp != down, "ds_last_error": "connect refused"}))
+        args = {"pidfile": f"{tmp_path}/{{name}}.pid", "log": f"{tmp_path}/{{name}}.log",
+                "state": f"{tmp_path}/{{name}}.state", "kv_stats": layout.for_scripts()["kv_stats"], "timeout": 1,
+                "targets": [{"name": "decode-0", "url": server + "/health", "ds_link": True}]}
+        return subprocess.run([sys.executable, str(SCRIPT), json.dumps(args)], capture_output=True, text=True,
+                              timeout=60)
+
+    down = engines(down=1)
+    assert down.returncode == 1 and "(worker rank 0 of DP engine 1) cannot reach" in down.stderr, down.stderr
+    assert engines(down=None).returncode == 0  # the control: both engines reach it
+
+
 def test_the_proxy_is_ready_only_once_its_status_lists_every_member_up(tmp_path):
     listed: dict = {"instances": []}
 

@@ -81,6 +81,10 @@ class ConnectorContext:
         self.block_size = int(vllm_config.cache_config.block_size)
         pc = vllm_config.parallel_config
         self.tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        # the engine's rank among the instance's DP engines (0 without DP): vLLM 0.32 keeps it in
+        # data_parallel_index and leaves data_parallel_rank 0 on the engines of a dense model; 0.10 has only the latter
+        dp = getattr(pc, "data_parallel_index", None)
+        self.dp_rank = int((getattr(pc, "data_parallel_rank", 0) if dp is None else dp) or 0)
         self.pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
         self.model_identity = self._compute_model_identity()
         self.kv_dtype = self._compute_kv_dtype()
@@ -189,8 +193,9 @@ class ConnectorHalf:
 
     def _start_reporter(self, rank: int, namespace: str) -> None:
         self.stats.rank = rank
+        self.stats.dp = self.ctx.dp_rank
         self.stats.namespace = namespace
-        path = self.cfg.stats_path(self.side, rank, self.ctx.engine_id)
+        path = self.cfg.stats_path(self.side, rank, self.ctx.engine_id, self.ctx.dp_rank)
         self._reporter = StatsReporter(self.stats, self.cfg.stats_interval_s, path, logger,
                                        extra=self._stats_extra).start()
 

@@ -20,7 +20,8 @@ Keys (all optional except the data system address):
   exclusive_connection  KVClient exclusive connection (default true; faster IPC)
   stats_interval_s      INFO counter log and stats-file period (default 10)
   stats_file            path of a JSON file rewritten with the counters each period; may contain
-                        {side} (scheduler|worker), {rank}, {pid}, {role}, {engine}
+                        {side} (scheduler|worker), {rank}, {dp} (the engine's data-parallel rank: the
+                        engines of one DP instance on a host share their TP ranks), {pid}, {role}, {engine}
   max_batch_keys        keys per data-system batch call (default 512; the API caps at < 2000)
   staging_mb            producer: host staging memory for saves in flight (default 1024); when the
                         background writer falls this far behind, further saves are dropped (counted)
@@ -135,10 +136,10 @@ class ConnectorConfig:
     def is_consumer(self) -> bool:
         return self.role in ("kv_consumer", "kv_both")
 
-    def stats_path(self, side: str, rank: int = 0, engine: str = "") -> str | None:
+    def stats_path(self, side: str, rank: int = 0, engine: str = "", dp: int = 0) -> str | None:
         if not self.stats_file:
             return None
-        return self.stats_file.format(side=side, rank=rank, pid=os.getpid(), role=self.role, engine=engine)
+        return self.stats_file.format(side=side, rank=rank, dp=dp, pid=os.getpid(), role=self.role, engine=engine)
 
 
 _KNOWN = {

@@ -4,7 +4,7 @@ The file is rewritten atomically (write to a temp file, rename) so a reader neve
 document. Schema (version 1):
 
     {"schema": "yrpd.connector.stats/1", "time": <unix s>, "started": <unix s>, "pid": ..,
-     "side": "scheduler"|"worker", "role": "kv_producer"|.., "rank": 0, "namespace": "<16 hex>",
+     "side": "scheduler"|"worker", "role": "kv_producer"|.., "rank": 0, "dp": 0, "namespace": "<16 hex>",
      "ds_address": "host:port", "ds_healthy": true,
      "counters": {"saved_blocks": .., "saved_bytes": .., ...},
      "latency_ms": {"save": {"count": .., "total": .., "max": .., "last": ..}, "load": {...}}}
@@ -71,6 +71,7 @@ class ConnectorStats:
         self.side = side
         self.role = role
         self.rank = rank
+        self.dp = 0
         self.namespace = namespace
         self.ds_address = ds_address
         self.ds_healthy = True
@@ -101,7 +102,7 @@ class ConnectorStats:
         return {
             "schema": SCHEMA, "time": round(time.time(), 3), "started": round(self.started, 3),
             "pid": os.getpid(), "side": self.side, "role": self.role, "rank": self.rank,
-            "namespace": self.namespace, "ds_address": self.ds_address, "ds_healthy": self.ds_healthy,
+            "dp": self.dp, "namespace": self.namespace, "ds_address": self.ds_address, "ds_healthy": self.ds_healthy,
             "counters": counters, "latency_ms": lat,
         }
 
@@ -117,7 +118,8 @@ class ConnectorStats:
         for name, lat in snap["latency_ms"].items():
             if lat["count"]:
                 parts.append(f"{name}_ms_avg={lat['avg']} {name}_ms_max={lat['max']}")
-        return (f"yrpd connector [{self.side} {self.role} rank{self.rank} ns={self.namespace}"
+        dp = f" dp{self.dp}" if self.dp else ""
+        return (f"yrpd connector [{self.side} {self.role}{dp} rank{self.rank} ns={self.namespace}"
                 f"{'' if self.ds_healthy else ' DS DOWN'}]: " + " ".join(parts))
 
 
