@@ -2,7 +2,7 @@
 
 `<remote_session_root>/<session id>/` holds `logs/<process>.log`, `run/<process>.pid` (its supervisor's pid),
 `run/<process>.state.json` (what its supervisor knows), `run/supervise.py`, the connector's stats files
-`run/kv-<instance>-<side>-rank<N>.json`, `tmp/`, `secrets/` (0700: the environment files with the deployment's secrets), and `kv-files/` (KV as files, `kv_connector: example`); `<remote_session_root>/latest` links the newest session.
+`run/kv-<instance>-<side>-dp<D>-rank<N>.json` (per DP engine and worker rank), `tmp/`, `secrets/` (0700: the environment files with the deployment's secrets), and `kv-files/` (KV as files, `kv_connector: example`); `<remote_session_root>/latest` links the newest session.
 `HostPaths` adds where the installed parts live (the venvs, the models, the image's Python) for one session.
 Steps, status and the CLI build their paths here. The host scripts (deploy_scripts/) get the paths they need in
 their JSON arguments, as `{name}` templates from `for_scripts()`, so they spell none of it themselves.
@@ -74,7 +74,8 @@ class HostSessionLayout:
 
     @property
     def kv_stats_glob(self) -> str:
-        """Every connector stats file of the session on the host (kv_stats of each instance, side and rank)."""
+        """Every connector stats file of the session on the host (kv_stats of each instance, side, DP engine and
+        rank)."""
         return self.kv_stats_of("*")
 
     @property

@@ -117,14 +117,15 @@ class FakeKVClient:
 
 def vllm_config(role: str, extra: dict | None = None, *, block_size: int = 4, tp: int = 1, pp: int = 1,
                 dtype: str = "bfloat16", model: str = "tiny-model", engine_id: str = "engine-0",
-                failure_policy: str | None = None) -> SimpleNamespace:
-    """A VllmConfig as ConnectorContext reads it; `extra` is the kv_connector_extra_config."""
+                failure_policy: str | None = None, parallel: dict | None = None) -> SimpleNamespace:
+    """A VllmConfig as ConnectorContext reads it; `extra` is the kv_connector_extra_config, `parallel` more of the
+    parallel config (a DP engine's `data_parallel_index` or `data_parallel_rank`)."""
     ktc = SimpleNamespace(kv_role=role, engine_id=engine_id, kv_load_failure_policy=failure_policy,
                           kv_connector_extra_config={"ds_address": "127.0.0.1:1", **(extra or {})})
     return SimpleNamespace(
         kv_transfer_config=ktc,
         cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, **(parallel or {})),
         model_config=SimpleNamespace(model=f"/models/{model}", dtype=dtype, hf_config=None),
     )
 

@@ -180,7 +180,7 @@ class Vllm:
     def connector_stats(self, side: str) -> dict | None:
         if self.stats_file is None:
             return None
-        path = Path(str(self.stats_file).replace("{side}", side).replace("{rank}", "0"))
+        path = Path(str(self.stats_file).replace("{side}", side).replace("{dp}", "0").replace("{rank}", "0"))
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
@@ -275,7 +275,7 @@ class Stack:
         cores = "|".join(str((core + i) % (os.cpu_count() or 1)) for i in range(dp))
         stats_file = None
         if kv_role is not None:
-            stats_file = d / "connector-{side}-rank{rank}.json"
+            stats_file = d / "connector-{side}-dp{dp}-rank{rank}.json"
             extra = {"stats_file": str(stats_file), "stats_interval_s": 0.5, **(extra_config or {})}
             kv = {**CONNECTOR, "kv_role": kv_role, "kv_load_failure_policy": "recompute",
                   "kv_connector_extra_config": extra}

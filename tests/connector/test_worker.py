@@ -7,9 +7,11 @@ the planned blocks, and whatever cannot be loaded is reported so vLLM recomputes
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -91,16 +93,17 @@ def _imported():
 
 @pytest.fixture
 def make(ds, monkeypatch):
-    """make(role, extra, caches=, tp_rank=, **vllm_config kwargs) -> a ConnectorWorker, its caches registered."""
+    """make(role, extra, caches=, tp_rank=, pp_rank=, **vllm_config kwargs) -> a ConnectorWorker, its caches
+    registered."""
     before = set(threading.enumerate())
     made = []
 
-    def build(role, extra=None, *, caches=None, tp_rank=None, **cfg):
+    def build(role, extra=None, *, caches=None, tp_rank=None, pp_rank=0, **cfg):
         if tp_rank is not None:
             import vllm.distributed.parallel_state as ps
 
             monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: tp_rank)
-            monkeypatch.setattr(ps, "get_pp_group", lambda: SimpleNamespace(rank_in_group=0))
+            monkeypatch.setattr(ps, "get_pp_group", lambda: SimpleNamespace(rank_in_group=pp_rank))
         extra = {"saver": "thread", "retry_backoff_s": 0.05, **(extra or {})}
         w = ConnectorWorker(common.ConnectorContext(fakes.vllm_config(role, extra, block_size=BS, **cfg)))
         made.append(w)
@@ -328,6 +331,32 @@ def test_worker_of_tp_rank_1_moves_rank_1_keys(make, ds):
     reader.start_load_kv(meta(loads=[BlockOp("r", d, [5])]))
     assert reader.get_block_ids_with_load_errors() == set()
     assert torch.equal(dst[LAYERS[1]][5].view(torch.int16), caches[LAYERS[1]][3].view(torch.int16))
+
+
+def test_each_pipeline_stage_and_dp_engine_of_an_instance_writes_its_own_stats_file(make, tmp_path):
+    """The workers of one instance on a host under yrpd's stats file name (yrpd.layout): the stages of a pipeline
+    each have TP rank 0, the engines of a DP instance too; each must write a file of its own, or status shows
+    whichever wrote last. vLLM's own ranks are given here: its CPU backend (0.32) cannot run a pipeline (the second
+    stage fails its first step) and runs DP only as whole engines (tests/connector/test_dp_engines.py)."""
+    from yrpd.layout import HostSessionLayout
+
+    layout = HostSessionLayout(str(tmp_path), "s")
+    Path(layout.run_dir).mkdir(parents=True)
+    extra = {"stats_file": layout.kv_stats("x"), "stats_interval_s": 0.1}
+    for pp_rank in (0, 1):
+        make("kv_producer", extra, caches=kv_caches(), pp=2, tp_rank=0, pp_rank=pp_rank)
+    # the DP rank as vLLM 0.32 tells a dense model's engine (index), and as 0.10 did (rank)
+    make("kv_producer", extra, caches=kv_caches(), tp_rank=0, parallel={"data_parallel_index": 1,
+                                                                         "data_parallel_rank": 0})
+    make("kv_producer", extra, caches=kv_caches(), tp_rank=0, parallel={"data_parallel_rank": 2})
+    expected = {"kv-x-worker-dp0-rank0.json", "kv-x-worker-dp0-rank1.json", "kv-x-worker-dp1-rank0.json",
+                "kv-x-worker-dp2-rank0.json"}
+    deadline = time.monotonic() + 10
+    while {p.name for p in Path(layout.run_dir).iterdir()} != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert {p.name for p in Path(layout.run_dir).iterdir()} == expected
+    docs = {p.name: json.loads(p.read_text()) for p in Path(layout.run_dir).iterdir()}
+    assert (docs["kv-x-worker-dp0-rank1.json"]["rank"], docs["kv-x-worker-dp1-rank0.json"]["dp"]) == (1, 1)
 
 
 def test_worker_under_tp_refuses_to_start_without_its_rank(make):

@@ -72,7 +72,7 @@ def visible_from(host, session_id: str, reader: str, instance_url: str, token: s
     `prompt` exists, keyed as `reader`'s lookup keys them (its namespaces and worker from its connector's stats file,
     the prompt's ids from an instance's /tokenize); the helper's answer (tests/lab/scripts/ds_visible.py)."""
     layout = host_layout(session_id)
-    stats = json.loads(host.exec(f"cat {layout.kv_stats(reader).format(side='scheduler', rank=0)}").stdout)
+    stats = json.loads(host.exec(f"cat {layout.kv_stats(reader).format(side='scheduler', dp=0, rank=0)}").stdout)
     status, body = rm.http("POST", f"{instance_url}/tokenize", {"model": rm.MODEL, "prompt": prompt}, key=token)
     assert status == 200, body[:300]
     ids = json.loads(body)["tokens"]

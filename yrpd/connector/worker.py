@@ -131,8 +131,9 @@ class ConnectorWorker(ConnectorHalf):
             if c.is_producer or c.delete_after_load:  # a consumer that deletes nothing writes nothing: no writer
                 self._saver = self._make_saver(c.staging_mb << 20)
                 self._saver.start()
-        self.stats.rank = self.tp_rank
-        self._start_reporter(self.tp_rank, self._ns_digest)
+        # the worker's rank in its engine (TP x PP): an instance's pipeline stages on one host each have TP ranks
+        # from 0, and each writes a stats file of its own
+        self._start_reporter(self.pp_rank * self.ctx.tp_size + self.tp_rank, self._ns_digest)
         logger.info("yrpd connector (worker rank %d, %s): %d cache parts over %d layers, %d blocks, %d bytes per "
                     "block value, transport=%s, ns=%s", self.tp_rank, self.cfg.role, len(parts), len(names),
                     num_blocks, self._layout.block_nbytes, "npu" if use_npu else "host", self._ns_digest)
