@@ -7,13 +7,12 @@ holding it (how yrpd starts it: the cluster's teardown keeps its data while a pr
 on its command line, and the resource.log path would). Serves GET /metrics in the
 Prometheus text format (computed on each scrape from the files: nothing runs between scrapes) and GET /health.
 """
-import glob
 import json
 import os
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from hostlib import ds_resource
+from hostlib import ds_resource, live_stats
 
 _arg = sys.argv[1]
 if _arg.lstrip().startswith("{"):
@@ -70,12 +69,7 @@ def render():
         family(out, "yrpd_ds_misses_total", "counter", "Object reads the worker found nothing for.",
                [(host, use["misses"])])
     counters, latencies = {}, {}
-    for path in sorted(glob.glob(args["stats"])):
-        try:
-            with open(path) as fh:
-                doc = json.load(fh)
-        except (OSError, ValueError):
-            continue  # being replaced: the next scrape reads it
+    for path, doc in live_stats(args["stats"]):
         instance = os.path.basename(path)[len("kv-"):].rsplit(f"-{doc.get('side')}-", 1)[0]
         labels = {**host, "yrpd_instance": instance, "side": doc.get("side", "?"), "dp": doc.get("dp", 0),
                   "rank": doc.get("rank", 0)}

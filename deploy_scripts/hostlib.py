@@ -226,6 +226,31 @@ def unlink_unheld(segments):
     return removed
 
 
+def live_stats(pattern):
+    """[(path, document)] of the KV connector's stats files matching `pattern` whose writer still runs (a document
+    that names no pid counts). A file outlives its process: a restart rewrites it from zero, but the file of a DP
+    engine or stage that is no more (a smaller dp after a change), or one named by an older yrpd, stays, and would
+    add a dead process's counters and links to the living's. A file being replaced is skipped (the next read has
+    it)."""
+    import glob
+    import json
+
+    found = []
+    for path in sorted(glob.glob(pattern)):
+        try:
+            with open(path) as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict):
+            continue
+        pid = doc.get("pid")
+        if pid is not None and not (isinstance(pid, int) and proc_alive(pid)):
+            continue
+        found.append((path, doc))
+    return found
+
+
 def ds_resource(line):
     """One line of the data system worker's resource.log (written every log_monitor_interval_ms): memory and disk-tier
     use in bytes, objects, hits by tier, misses. Fields are ' | '-separated in the order of the worker's

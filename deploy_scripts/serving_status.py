@@ -2,12 +2,14 @@
 
 Args: one JSON object {"dir": host session dir, "instances": [{"name", "url"}], "proxy": {"url"} or null}.
 Prints one JSON line: per instance its /health answer, requests running/waiting and external-cache hits
-from /metrics, and the KV connector's counters from its stats files; for the proxy /health and /yrpd/status.
+from /metrics, and the KV connector's counters from the stats files its running processes write; for the proxy
+/health and /yrpd/status.
 """
-import glob
 import json
 import sys
 import threading
+
+from hostlib import live_stats
 
 args = json.loads(sys.argv[1])
 kv_stats = args["kv_stats"]  # yrpd.layout's template: {name} is the instance
@@ -60,13 +62,9 @@ METRICS = {
 
 
 def connector_counters(name):
-    totals, files = {}, sorted(glob.glob(kv_stats.format(name=name)))
+    totals, files = {}, live_stats(kv_stats.format(name=name))
     healthy = None
-    for path in files:
-        try:
-            doc = json.load(open(path))
-        except (OSError, ValueError):
-            continue
+    for _, doc in files:
         for key, value in doc.get("counters", {}).items():
             if isinstance(value, (int, float)):
                 totals[key] = totals.get(key, 0) + value

@@ -10,7 +10,6 @@ once, with how it ended: a start that crashes is reported now, not after every r
 A target whose process has exited fails at once with the last lines of its log; one still silent at the
 timeout fails with its log tail. Prints one JSON line {name: seconds to ready}.
 """
-import glob
 import json
 import os
 import sys
@@ -18,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 
-from hostlib import BACKOFF, EXITED, FAILED
+from hostlib import BACKOFF, EXITED, FAILED, live_stats
 
 args = json.loads(sys.argv[1])
 pidfile, logfile = args["pidfile"], args["log"]
@@ -69,15 +68,7 @@ def answers(url):
 
 def ds_link(name):
     """(linked, why not): every live connector process of the target reaches its data system worker."""
-    docs = []
-    for path in glob.glob(args["kv_stats"].format(name=name)):
-        try:
-            with open(path) as fh:
-                doc = json.load(fh)
-            os.kill(int(doc["pid"]), 0)  # files of an earlier run of the target don't count
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        docs.append(doc)
+    docs = [doc for _, doc in live_stats(args["kv_stats"].format(name=name))]  # not an earlier run's files
     if not docs:
         return False, "its KV connector has written no stats yet"
     down = [d for d in docs if d.get("ds_healthy") is False]

@@ -72,9 +72,9 @@ def deploy_script(name: str) -> str:
 
 @lru_cache(maxsize=64)  # every host command carries one or more: tokenize and parse each text once
 def _as_shipped(text: str, name: str) -> str:
-    """The script as it travels: its module docstring cut to its first line and its comment-only lines left out.
-    Every host command must fit one exec argument (128 KiB) and the supervisor travels in most of them; the full
-    text stays in the source."""
+    """The script as it travels: its docstrings (the module's, each function's and class's) cut to their first line
+    and its comment-only lines left out. Every host command must fit one exec argument (128 KiB), and a step can
+    carry several scripts, each with hostlib; the full text stays in the source."""
     import ast
     import io
     import tokenize
@@ -82,10 +82,23 @@ def _as_shipped(text: str, name: str) -> str:
     drop = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(text).readline)
             if tok.type == tokenize.COMMENT and not tok.line[:tok.start[1]].strip() and not tok.string.startswith("#!")}
     lines = text.splitlines(keepends=True)
-    first = parse_python(text).body[0] if text.strip() else None
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-        summary = first.value.value.strip().splitlines()[0] + f" (in full: yrpd's deploy_scripts/{name})"
-        lines[first.lineno - 1:first.end_lineno] = [repr(summary) + "\n"] + [""] * (first.end_lineno - first.lineno)
+    if not text.strip():
+        return text
+    tree = parse_python(text)
+    scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    owners = [tree, *(n for n in ast.walk(tree) if isinstance(n, scopes))]
+    for owner in owners:
+        doc = owner.body[0]
+        if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+            continue
+        start, end = doc.lineno, doc.end_lineno
+        # only a docstring on lines of its own: `def f(): """..."""` or `"""..."""; x = 1` stay as written
+        if lines[start - 1][:doc.col_offset].strip() or lines[end - 1][doc.end_col_offset:].strip():
+            continue
+        summary = (doc.value.value.strip().splitlines() or [""])[0]
+        if owner is tree:
+            summary += f" (in full: yrpd's deploy_scripts/{name})"
+        lines[start - 1:end] = [" " * doc.col_offset + repr(summary) + "\n"] + [""] * (end - start)
     return "".join(line for number, line in enumerate(lines, 1) if number not in drop)
 
 

@@ -4,6 +4,7 @@ resource.log and the connector's stats files (a resource line as the worker wrot
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -92,11 +93,15 @@ def test_a_scrape_gives_the_workers_figures_and_each_connectors_counters(exporte
 
 def test_each_dp_engine_of_an_instance_keeps_its_own_series(exporter):
     """The DP engines of one instance on a host each have TP rank 0: their stats files and series differ by `dp`
-    (one file shared by both held whichever engine wrote last, and two series of one label set break a scrape)."""
+    (one file shared by both held whichever engine wrote last, and two series of one label set break a scrape). The
+    file of an engine whose process is gone (dp 2, written by a process that exited) gives no series."""
     root, url = exporter
-    for dp, loaded in ((0, 5), (1, 7)):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for dp, loaded, pid in ((0, 5, os.getpid()), (1, 7, os.getpid()), (2, 9, gone.pid)):
         stats_file(root, "decode-0", "worker", dp=dp).write_text(json.dumps(
-            {"side": "worker", "rank": 0, "dp": dp, "ds_healthy": True, "counters": {"loaded_blocks": loaded}}))
+            {"pid": pid, "side": "worker", "rank": 0, "dp": dp, "ds_healthy": True,
+             "counters": {"loaded_blocks": loaded}}))
     got = scrape(url)
     series = {k: v for k, v in got.items() if k.startswith("yrpd_connector_loaded_blocks_total")}
     assert series == {f'yrpd_connector_loaded_blocks_total{{host="h1",yrpd_instance="decode-0",side="worker",'

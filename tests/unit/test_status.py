@@ -348,19 +348,25 @@ def test_the_host_probe_sums_each_instances_connector_counters_and_its_time_by_k
 
 def test_the_host_probe_counts_every_dp_engine_and_the_stats_files_named_before_dp(tmp_path):
     """An instance of two DP engines on the host writes a stats file per engine (yrpd.layout's names): status sums
-    both; a session deployed before the engine was in the name keeps its connectors' files, which still count."""
+    both; a session deployed before the engine was in the name keeps its connectors' files, which still count while
+    their writer runs. A file whose writer is gone (an engine dropped by a smaller dp, an old name beside the new)
+    counts for nothing."""
+    import os
     from pathlib import Path
 
     import yrpd
     from yrpd.layout import HostSessionLayout
 
+    gone = subprocess.Popen(["true"])
+    gone.wait()
     layout = HostSessionLayout(str(tmp_path), "s")
     run = Path(layout.run_dir)
     run.mkdir(parents=True)
-    for dp, saved in ((0, 3), (1, 4)):
+    for dp, saved, pid in ((0, 3, os.getpid()), (1, 4, os.getpid()), (2, 100, gone.pid)):
         Path(layout.kv_stats("d0").format(side="worker", dp=dp, rank=0)).write_text(json.dumps(
-            {"side": "worker", "dp": dp, "counters": {"saved_blocks": saved}}))
-    (run / "kv-d1-worker-rank0.json").write_text(json.dumps({"side": "worker", "counters": {"saved_blocks": 5}}))
+            {"pid": pid, "side": "worker", "dp": dp, "counters": {"saved_blocks": saved}}))
+    (run / "kv-d1-worker-rank0.json").write_text(json.dumps(
+        {"pid": os.getpid(), "side": "worker", "counters": {"saved_blocks": 5}}))
     script = Path(yrpd.__file__).resolve().parent.parent / "deploy_scripts" / "serving_status.py"
     args = {"dir": layout.dir, "proxy": None, "kv_stats": layout.for_scripts()["kv_stats"],
             "instances": [{"name": n, "url": "http://127.0.0.1:9"} for n in ("d0", "d1", "d2")]}
