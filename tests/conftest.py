@@ -70,8 +70,11 @@ _SHARED_FIXTURES = {"two_hosts", "three_hosts", "reference_answers"}
 #: the tiny model and the crash-loop test on the kill matrix's deployment, session 23; the spanning lab test took the
 #: place of the shared lane's DP-span test, session 25: the CI of 84ada85 ended the shared lane at 47:05 with deploy's
 #: refusals in it and the own lane at 45:27, so those went back; the CI of d342379 ended the shared lane at 40:31 and
-#: the own lane at 44:31, so the patch series' checks on the real sources, 2:37 of it, moved, session 44)
-_SHARED_FOR_BALANCE = {"test_model_change_lab", "test_embedded_default", "test_spanning_lab", "test_patch_sources"}
+#: the own lane at 44:31, so the patch series' checks on the real sources, 2:37 of it, moved, session 44; the CI of
+#: e016d27 ended the shared lane at 40:43 and the own lane at 43:12 with the DP engines' test, 1:48, in the own lane,
+#: so it moved, session 47)
+_SHARED_FOR_BALANCE = {"test_model_change_lab", "test_embedded_default", "test_spanning_lab", "test_patch_sources",
+                       "test_dp_engines"}
 
 
 def lane(item) -> str:
