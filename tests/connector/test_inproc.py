@@ -15,10 +15,11 @@ from tests.connector.harness import REPO, SCRIPTS
 pytestmark = pytest.mark.e2e
 
 
-def test_connector_in_process_checks(vllm_venv, tiny_model, vllm_010_src):
+def test_connector_in_process_checks(vllm_venv, tiny_model, vllm_010_src, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    # TMPDIR: vLLM binds its engine's IPC sockets there and leaves them when its process ends (4 in /tmp a run)
     env.update({"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "YRPD_VLLM_010_SRC": str(vllm_010_src)})
+                "YRPD_VLLM_010_SRC": str(vllm_010_src), "TMPDIR": str(tmp_path)})
     proc = subprocess.run([str(vllm_venv / "bin/python"), str(SCRIPTS / "inproc_checks.py"),
                            str(tiny_model)], capture_output=True, text=True, timeout=900, env=env, cwd=str(REPO),
                           stdin=subprocess.DEVNULL)
