@@ -79,11 +79,11 @@ def _as_shipped(text: str, name: str) -> str:
     import io
     import tokenize
 
+    if not text.strip():
+        return text
     drop = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(text).readline)
             if tok.type == tokenize.COMMENT and not tok.line[:tok.start[1]].strip() and not tok.string.startswith("#!")}
     lines = text.splitlines(keepends=True)
-    if not text.strip():
-        return text
     tree = parse_python(text)
     scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     owners = [tree, *(n for n in ast.walk(tree) if isinstance(n, scopes))]

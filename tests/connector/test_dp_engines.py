@@ -23,6 +23,7 @@ from yrpd.layout import HostSessionLayout
 
 pytestmark = pytest.mark.e2e
 
+ENGINES = 2
 PROMPTS = 6
 BLOCKS = 2  # full blocks of each prompt: what a kv_both instance saves of it
 
@@ -34,9 +35,6 @@ def probe(layout: HostSessionLayout, name: str) -> dict:
     out = subprocess.run([sys.executable, str(asset_dir("deploy_scripts") / "serving_status.py"), json.dumps(args)],
                          capture_output=True, text=True, check=True, timeout=60).stdout
     return json.loads(out)["instances"][0]["connector"]
-
-
-ENGINES = 2
 
 
 def test_each_dp_engine_keeps_its_own_stats_and_status_sums_them(vllm_venv, tiny_model, session_stack, e2e_root):

@@ -320,15 +320,22 @@ def test_dead_in_names_instances_whose_process_neither_runs_nor_is_restarted_and
         == frozenset()
 
 
+def connector_of(kv_stats: str, names: tuple[str, ...], session_dir: str) -> dict:
+    """Each instance's connector part of deploy_scripts/serving_status.py's answer, run as yrpd runs it on a host
+    (`kv_stats`: the stats files' template, `{name}` the instance)."""
+    from yrpd.assets import asset_dir
+
+    args = {"dir": session_dir, "proxy": None, "kv_stats": kv_stats,
+            "instances": [{"name": n, "url": "http://127.0.0.1:9"} for n in names]}
+    out = json.loads(subprocess.run(["python3", str(asset_dir("deploy_scripts") / "serving_status.py"),
+                                     json.dumps(args)], capture_output=True, text=True, check=True, timeout=60).stdout)
+    return {i["name"]: i["connector"] for i in out["instances"]}
+
+
 def test_the_host_probe_sums_each_instances_connector_counters_and_its_time_by_kind_over_its_stats_files(tmp_path):
     """deploy_scripts/serving_status.py as yrpd runs it on a host: the scheduler's and the worker's stats files of
     one instance add up, counters and the milliseconds each kind of work took (what `yrpd bench` reports of a
     store's own cost); an instance with no stats file has none."""
-    from pathlib import Path
-
-    import yrpd
-
-    script = Path(yrpd.__file__).resolve().parent.parent / "deploy_scripts" / "serving_status.py"
     for side, saved, stage in (("scheduler", 0, None), ("worker", 40, 12.5)):
         doc = {"schema": "yrpd.connector.stats/1", "side": side, "ds_healthy": True,
                "counters": {"saved_blocks": saved, "save_skipped_recent_blocks": 7 if side == "scheduler" else 0},
@@ -336,11 +343,7 @@ def test_the_host_probe_sums_each_instances_connector_counters_and_its_time_by_k
         if stage is not None:
             doc["latency_ms"]["stage"] = {"count": 9, "total": stage}
         (tmp_path / f"p0-{side}.json").write_text(json.dumps(doc))
-    args = {"dir": str(tmp_path), "proxy": None, "kv_stats": str(tmp_path / "{name}-*.json"),
-            "instances": [{"name": "p0", "url": "http://127.0.0.1:9"}, {"name": "p1", "url": "http://127.0.0.1:9"}]}
-    out = json.loads(subprocess.run(["python3", str(script), json.dumps(args)], capture_output=True, text=True,
-                                    check=True, timeout=60).stdout)
-    by_name = {i["name"]: i["connector"] for i in out["instances"]}
+    by_name = connector_of(str(tmp_path / "{name}-*.json"), ("p0", "p1"), str(tmp_path))
     assert by_name["p0"]["counters"] == {"saved_blocks": 40, "save_skipped_recent_blocks": 7, "lookup_ms": 4.25,
                                          "stage_ms": 12.5}
     assert by_name["p0"]["files"] == 2 and by_name["p1"] == {"counters": {}, "ds_healthy": None, "files": 0}
@@ -354,7 +357,6 @@ def test_the_host_probe_counts_every_dp_engine_and_the_stats_files_named_before_
     import os
     from pathlib import Path
 
-    import yrpd
     from yrpd.layout import HostSessionLayout
 
     gone = subprocess.Popen(["true"])
@@ -367,12 +369,7 @@ def test_the_host_probe_counts_every_dp_engine_and_the_stats_files_named_before_
             {"pid": pid, "side": "worker", "dp": dp, "counters": {"saved_blocks": saved}}))
     (run / "kv-d1-worker-rank0.json").write_text(json.dumps(
         {"pid": os.getpid(), "side": "worker", "counters": {"saved_blocks": 5}}))
-    script = Path(yrpd.__file__).resolve().parent.parent / "deploy_scripts" / "serving_status.py"
-    args = {"dir": layout.dir, "proxy": None, "kv_stats": layout.for_scripts()["kv_stats"],
-            "instances": [{"name": n, "url": "http://127.0.0.1:9"} for n in ("d0", "d1", "d2")]}
-    out = json.loads(subprocess.run(["python3", str(script), json.dumps(args)], capture_output=True, text=True,
-                                    check=True, timeout=60).stdout)
-    by_name = {i["name"]: i["connector"] for i in out["instances"]}
+    by_name = connector_of(layout.for_scripts()["kv_stats"], ("d0", "d1", "d2"), layout.dir)
     assert (by_name["d0"]["counters"], by_name["d0"]["files"]) == ({"saved_blocks": 7}, 2)
     assert (by_name["d1"]["counters"], by_name["d1"]["files"]) == ({"saved_blocks": 5}, 1)
     assert by_name["d2"]["files"] == 0  # the control: an instance with no file of its own counts none of theirs
